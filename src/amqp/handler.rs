@@ -1,0 +1,298 @@
+//! Handlers: closures (or [`Handler`] impls) that get the open transaction and a typed message.
+//!
+//! # Why `Tx` is a handle and not `&mut Transaction`
+//! A closure whose returned future borrows its argument (`|tx: &mut Transaction, msg| async
+//! move { ... }`) cannot be written on stable Rust so that the future is also
+//! `Send`, which the runtime needs to run handlers on tokio's worker threads.
+//! Async closures (`async |tx, msg| ...`) borrow fine but give no way to require
+//! a `Send` future either. So the handler gets an owned, `'static` [`Tx`] handle
+//! to the transaction and locks it where it issues statements:
+//!
+//! ```
+//! # use idempo::amqp::{HandlerError, Json, Tx};
+//! # #[derive(serde::Deserialize)] struct Payment { account: String }
+//! let handler = |tx: Tx, Json(p): Json<Payment>| async move {
+//!     let mut tx = tx.lock().await?;          // a guard that derefs to PgConnection
+//!     sqlx::query("INSERT INTO seen (account) VALUES ($1)")
+//!         .bind(&p.account)
+//!         .execute(&mut *tx)                   // `&mut *tx` is an Executor
+//!         .await?;
+//!     Ok::<_, HandlerError>(())
+//! };
+//! ```
+//!
+//! The runtime takes the transaction back when the handler's future completes
+//! and commits or rolls it back; a `Tx` clone kept beyond that point only
+//! yields [`Error::TransactionFinished`](crate::Error::TransactionFinished).
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use sqlx::{PgConnection, Postgres, Transaction};
+use tokio::sync::{Mutex, MutexGuard};
+
+use super::message::{FromMessage, Message};
+
+type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// A handle to the delivery's open PostgreSQL transaction, in which the
+/// message's id was claimed. Everything written through it commits or rolls
+/// back together with that claim.
+///
+/// Clone it freely within the handler; see the [module docs](self) for why it
+/// is a handle.
+#[derive(Clone)]
+pub struct Tx {
+    inner: Arc<Mutex<Option<Transaction<'static, Postgres>>>>,
+}
+
+impl fmt::Debug for Tx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tx").finish_non_exhaustive()
+    }
+}
+
+impl Tx {
+    pub(crate) fn new(tx: Transaction<'static, Postgres>) -> Self {
+        Tx {
+            inner: Arc::new(Mutex::new(Some(tx))),
+        }
+    }
+
+    /// Locks the transaction for issuing statements; `&mut *guard` is a
+    /// `&mut PgConnection`, which sqlx accepts as an executor.
+    ///
+    /// # Errors
+    /// [`Error::TransactionFinished`](crate::Error::TransactionFinished) when
+    /// called after the handler returned.
+    pub async fn lock(&self) -> crate::Result<TxGuard<'_>> {
+        let guard = self.inner.lock().await;
+        if guard.is_none() {
+            return Err(crate::Error::TransactionFinished);
+        }
+        Ok(TxGuard { guard })
+    }
+
+    /// Takes the transaction back for commit or rollback.
+    pub(crate) async fn take(&self) -> Option<Transaction<'static, Postgres>> {
+        self.inner.lock().await.take()
+    }
+}
+
+/// The locked transaction; dereferences to [`PgConnection`].
+pub struct TxGuard<'a> {
+    guard: MutexGuard<'a, Option<Transaction<'static, Postgres>>>,
+}
+
+impl fmt::Debug for TxGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TxGuard").finish_non_exhaustive()
+    }
+}
+
+impl TxGuard<'_> {
+    /// The transaction itself, e.g. to pass to [`inbox::claim`](crate::inbox::claim)
+    /// or to open a savepoint with `begin()`.
+    pub fn transaction(&mut self) -> &mut Transaction<'static, Postgres> {
+        self.guard.as_mut().expect("checked in Tx::lock")
+    }
+}
+
+impl Deref for TxGuard<'_> {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        self.guard.as_ref().expect("checked in Tx::lock")
+    }
+}
+
+impl DerefMut for TxGuard<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.guard.as_mut().expect("checked in Tx::lock")
+    }
+}
+
+/// Whether a failed delivery should be tried again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Might succeed later (a timeout, a lock, a service down): retried.
+    Transient,
+    /// Will never succeed (invalid data, a business rule): dead-lettered.
+    Permanent,
+}
+
+/// A handler's failure. Either way the transaction rolls back: neither the
+/// handler's writes nor the claim survive.
+///
+/// `?` converts any `std::error::Error` into a **transient** error, so a lost
+/// database connection is retried. Mark errors that retrying cannot fix with
+/// [`HandlerError::permanent`] or [`ResultExt::permanent`].
+pub struct HandlerError {
+    kind: ErrorKind,
+    source: BoxError,
+}
+
+impl HandlerError {
+    /// A failure worth retrying.
+    pub fn transient(error: impl Into<BoxError>) -> Self {
+        HandlerError {
+            kind: ErrorKind::Transient,
+            source: error.into(),
+        }
+    }
+
+    /// A failure that retrying cannot fix: the delivery is dead-lettered.
+    pub fn permanent(error: impl Into<BoxError>) -> Self {
+        HandlerError {
+            kind: ErrorKind::Permanent,
+            source: error.into(),
+        }
+    }
+
+    /// Transient or permanent.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// `true` for [`ErrorKind::Permanent`].
+    pub fn is_permanent(&self) -> bool {
+        self.kind == ErrorKind::Permanent
+    }
+
+    /// The underlying error.
+    pub fn source(&self) -> &(dyn StdError + Send + Sync + 'static) {
+        &*self.source
+    }
+
+    /// The underlying error, by value.
+    pub fn into_source(self) -> BoxError {
+        self.source
+    }
+}
+
+impl fmt::Debug for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HandlerError")
+            .field("kind", &self.kind)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.source, f)
+    }
+}
+
+// Deliberately no `impl std::error::Error for HandlerError`: it would conflict
+// with this blanket conversion, which is what makes `?` work in handlers.
+impl<E: StdError + Send + Sync + 'static> From<E> for HandlerError {
+    fn from(error: E) -> Self {
+        HandlerError::transient(error)
+    }
+}
+
+/// Marks the error of a `Result` as transient or permanent, for `?`.
+///
+/// ```
+/// use idempo::amqp::{HandlerError, Message, ResultExt};
+/// # #[derive(serde::Deserialize)] struct Order {}
+/// fn decode(msg: &Message) -> Result<Order, HandlerError> {
+///     msg.json::<Order>().permanent()   // a bad body will never decode: dead-letter it
+/// }
+/// ```
+pub trait ResultExt<T> {
+    /// Maps the error to [`HandlerError::permanent`].
+    fn permanent(self) -> Result<T, HandlerError>;
+    /// Maps the error to [`HandlerError::transient`].
+    fn transient(self) -> Result<T, HandlerError>;
+}
+
+impl<T, E: Into<BoxError>> ResultExt<T> for Result<T, E> {
+    fn permanent(self) -> Result<T, HandlerError> {
+        self.map_err(HandlerError::permanent)
+    }
+    fn transient(self) -> Result<T, HandlerError> {
+        self.map_err(HandlerError::transient)
+    }
+}
+
+/// Processes one message inside the transaction that claimed its id.
+///
+/// Implemented for every `Fn(Tx, M) -> impl Future<Output = Result<(), HandlerError>>`
+/// closure or async fn whose message type `M` implements [`FromMessage`]
+/// ([`Message`], [`Json<T>`](super::Json), ...). Implement it by hand for a
+/// handler that carries state and wants a name.
+///
+/// The handler must not commit or roll back: the runtime commits after it
+/// returns `Ok`, then acknowledges the delivery.
+pub trait Handler<M>: Clone + Send + Sync + 'static {
+    /// The future the handler returns.
+    type Future: Future<Output = Result<(), HandlerError>> + Send + 'static;
+
+    /// Handles one message.
+    fn call(&self, tx: Tx, message: M) -> Self::Future;
+}
+
+impl<F, Fut, M> Handler<M> for F
+where
+    F: Fn(Tx, M) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    type Future = Fut;
+
+    fn call(&self, tx: Tx, message: M) -> Fut {
+        self(tx, message)
+    }
+}
+
+/// Why a delivery's handler did not succeed, as the runtime sees it.
+pub(crate) enum Failure {
+    /// The body could not be decoded into the handler's message type.
+    Decode(super::DecodeError),
+    /// The handler returned an error.
+    Handler(HandlerError),
+}
+
+/// A handler with its message type erased, as the runtime stores it.
+pub(crate) type BoxedHandler =
+    Arc<dyn Fn(Tx, Message) -> BoxFuture<'static, Result<(), Failure>> + Send + Sync>;
+
+pub(crate) fn boxed<M: FromMessage, H: Handler<M>>(handler: H) -> BoxedHandler {
+    Arc::new(move |tx, message| {
+        let handler = handler.clone();
+        Box::pin(async move {
+            let message = M::from_message(message).map_err(Failure::Decode)?;
+            handler.call(tx, message).await.map_err(Failure::Handler)
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn question_mark_on_a_std_error_is_transient() {
+        fn f() -> Result<(), HandlerError> {
+            Err(std::io::Error::other("timeout"))?;
+            Ok(())
+        }
+        let e = f().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Transient);
+        assert_eq!(e.to_string(), "timeout");
+    }
+
+    #[test]
+    fn permanent_marks_the_error() {
+        let r: Result<(), &str> = Err("negative amount");
+        let e = r.permanent().unwrap_err();
+        assert!(e.is_permanent());
+        assert_eq!(e.to_string(), "negative amount");
+    }
+}

@@ -1,0 +1,176 @@
+//! What a handler receives: the raw [`Message`] and typed extractors such as [`Json`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+use serde::de::DeserializeOwned;
+
+/// One delivery as the handler sees it: body, properties, headers and routing
+/// data. Cheap to clone (the data is shared).
+///
+/// Its `Debug` output leaves the body out, so payloads never end up in logs.
+#[derive(Clone)]
+pub struct Message {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    body: Vec<u8>,
+    properties: BasicProperties,
+    exchange: String,
+    routing_key: String,
+    redelivered: bool,
+    delivery_tag: u64,
+}
+
+impl Message {
+    pub(crate) fn from_delivery(delivery: lapin::message::Delivery) -> Self {
+        Message {
+            inner: Arc::new(Inner {
+                body: delivery.data,
+                properties: delivery.properties,
+                exchange: delivery.exchange.to_string(),
+                routing_key: delivery.routing_key.to_string(),
+                redelivered: delivery.redelivered,
+                delivery_tag: delivery.delivery_tag,
+            }),
+        }
+    }
+
+    /// The raw body.
+    pub fn body(&self) -> &[u8] {
+        &self.inner.body
+    }
+
+    /// The AMQP properties (message id, content type, timestamp, ...).
+    pub fn properties(&self) -> &BasicProperties {
+        &self.inner.properties
+    }
+
+    /// The AMQP `message_id` property, if set.
+    pub fn message_id_property(&self) -> Option<&str> {
+        self.inner
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str())
+    }
+
+    /// The application headers, if any.
+    pub fn headers(&self) -> Option<&FieldTable> {
+        self.inner.properties.headers().as_ref()
+    }
+
+    /// One application header.
+    pub fn header(&self, name: &str) -> Option<&AMQPValue> {
+        self.headers()?.inner().get(name)
+    }
+
+    /// The exchange the message was published to (empty for the default exchange).
+    pub fn exchange(&self) -> &str {
+        &self.inner.exchange
+    }
+
+    /// The routing key it was published with.
+    pub fn routing_key(&self) -> &str {
+        &self.inner.routing_key
+    }
+
+    /// Whether the broker flagged this as a redelivery. Informational only:
+    /// idempo deduplicates on the message id, not on this flag.
+    pub fn redelivered(&self) -> bool {
+        self.inner.redelivered
+    }
+
+    /// The delivery tag on the consuming channel.
+    pub fn delivery_tag(&self) -> u64 {
+        self.inner.delivery_tag
+    }
+
+    /// Deserializes the body as JSON.
+    ///
+    /// # Errors
+    /// [`DecodeError`] when the body is not valid JSON for `T`. Inside a
+    /// handler, `msg.json::<T>().permanent()?` dead-letters such a message (see
+    /// [`ResultExt`](crate::amqp::ResultExt)); the [`Json`] extractor does that for you.
+    pub fn json<T: DeserializeOwned>(&self) -> Result<T, DecodeError> {
+        serde_json::from_slice(self.body()).map_err(|e| DecodeError(e.to_string()))
+    }
+}
+
+impl fmt::Debug for Message {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Message")
+            .field("message_id", &self.message_id_property())
+            .field("routing_key", &self.routing_key())
+            .field("redelivered", &self.redelivered())
+            .field("body_len", &self.body().len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A body that could not be turned into the handler's message type.
+///
+/// The runtime dead-letters such a delivery with reason `undecodable body`:
+/// redelivering it cannot help.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("undecodable body: {0}")]
+pub struct DecodeError(pub String);
+
+/// Types a handler can take as its message argument.
+///
+/// Implemented for [`Message`] (everything, raw) and [`Json<T>`]. Implement it
+/// for your own formats (protobuf, ...).
+pub trait FromMessage: Sized + Send + 'static {
+    /// Builds `Self` from the delivery.
+    ///
+    /// # Errors
+    /// A [`DecodeError`] dead-letters the delivery without running the handler.
+    fn from_message(message: Message) -> Result<Self, DecodeError>;
+}
+
+impl FromMessage for Message {
+    fn from_message(message: Message) -> Result<Self, DecodeError> {
+        Ok(message)
+    }
+}
+
+/// A JSON body, deserialized with serde. An undecodable body is dead-lettered.
+///
+/// A handler that needs the typed value *and* the headers takes [`Message`]
+/// and calls [`Message::json`].
+///
+/// # Example
+/// ```
+/// use idempo::amqp::{HandlerError, Json, Tx};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Payment { account: String, amount_cents: i64 }
+///
+/// async fn handle(tx: Tx, Json(p): Json<Payment>) -> Result<(), HandlerError> {
+///     let mut tx = tx.lock().await?;
+///     sqlx::query("INSERT INTO payments (account, amount_cents) VALUES ($1, $2)")
+///         .bind(&p.account)
+///         .bind(p.amount_cents)
+///         .execute(&mut *tx)
+///         .await?;
+///     Ok(())
+/// }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Json<T>(pub T);
+
+impl<T> Json<T> {
+    /// The decoded value.
+    pub fn into_inner(self) -> T {
+        self.0
+    }
+}
+
+impl<T: DeserializeOwned + Send + 'static> FromMessage for Json<T> {
+    fn from_message(message: Message) -> Result<Self, DecodeError> {
+        message.json().map(Json)
+    }
+}

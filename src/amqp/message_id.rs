@@ -1,0 +1,115 @@
+//! Where a delivery's message id comes from.
+
+use std::fmt;
+use std::sync::Arc;
+
+use lapin::types::AMQPValue;
+
+use super::Message;
+use crate::inbox::{InvalidMessageId, payload_sha256, validate_message_id};
+
+/// How the runtime finds the id it deduplicates on.
+///
+/// # Default
+/// [`MessageIdSource::Property`]: the AMQP `message_id` property, which
+/// publishers should set to the id of the *business* operation (a payment id),
+/// not a fresh id per publish attempt.
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub enum MessageIdSource {
+    /// The AMQP `message_id` property.
+    #[default]
+    Property,
+    /// An application header with this name (string or integer value).
+    Header(String),
+    /// A function of the delivery; `None` means "no id" (dead-lettered).
+    Custom(Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>),
+    /// The lowercase hex SHA-256 of the body: equal bodies are one message.
+    ///
+    /// Opt-in, because two *intended* identical messages (two equal payments)
+    /// become one.
+    ContentHash,
+}
+
+impl MessageIdSource {
+    /// A [`MessageIdSource::Custom`] from a closure.
+    pub fn custom(f: impl Fn(&Message) -> Option<String> + Send + Sync + 'static) -> Self {
+        MessageIdSource::Custom(Arc::new(f))
+    }
+
+    /// Extracts and validates the id of `message`.
+    ///
+    /// # Errors
+    /// [`InvalidMessageId`] when it is missing, empty or over 255 bytes.
+    pub fn extract(&self, message: &Message) -> Result<String, InvalidMessageId> {
+        let id = match self {
+            MessageIdSource::Property => message.message_id_property().map(str::to_owned),
+            MessageIdSource::Header(name) => message.header(name).and_then(header_to_string),
+            MessageIdSource::Custom(f) => f(message),
+            MessageIdSource::ContentHash => Some(to_hex(&payload_sha256(message.body()))),
+        };
+        let id = id.ok_or(InvalidMessageId::Missing)?;
+        validate_message_id(&id)?;
+        Ok(id)
+    }
+}
+
+impl fmt::Debug for MessageIdSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MessageIdSource::Property => f.write_str("Property"),
+            MessageIdSource::Header(h) => f.debug_tuple("Header").field(h).finish(),
+            MessageIdSource::Custom(_) => f.write_str("Custom(..)"),
+            MessageIdSource::ContentHash => f.write_str("ContentHash"),
+        }
+    }
+}
+
+fn header_to_string(value: &AMQPValue) -> Option<String> {
+    match value {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        AMQPValue::ByteArray(b) => String::from_utf8(b.as_slice().to_vec()).ok(),
+        AMQPValue::ShortShortInt(n) => Some(n.to_string()),
+        AMQPValue::ShortShortUInt(n) => Some(n.to_string()),
+        AMQPValue::ShortInt(n) => Some(n.to_string()),
+        AMQPValue::ShortUInt(n) => Some(n.to_string()),
+        AMQPValue::LongInt(n) => Some(n.to_string()),
+        AMQPValue::LongUInt(n) => Some(n.to_string()),
+        AMQPValue::LongLongInt(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+pub(crate) fn to_hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_is_lowercase_and_padded() {
+        assert_eq!(to_hex(&[0x0a, 0xff]), "0aff");
+    }
+
+    #[test]
+    fn integer_and_string_headers_become_ids() {
+        assert_eq!(
+            header_to_string(&AMQPValue::LongLongInt(42)).as_deref(),
+            Some("42")
+        );
+        assert_eq!(
+            header_to_string(&AMQPValue::LongString("pay-1".into())).as_deref(),
+            Some("pay-1")
+        );
+        assert_eq!(header_to_string(&AMQPValue::Boolean(true)), None);
+    }
+}

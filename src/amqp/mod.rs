@@ -1,0 +1,44 @@
+//! The RabbitMQ consumer runtime (feature `amqp`).
+//!
+//! A [`Consumer`] takes each delivery through one PostgreSQL transaction:
+//! claim the message id in the [inbox](crate::inbox), run the handler on the
+//! same transaction, commit, and only then acknowledge. RabbitMQ delivers at
+//! least once; the committed claim makes every further copy a no-op, so the
+//! handler's *database writes* happen exactly once. Effects outside the
+//! transaction (an HTTP call, an e-mail) stay at-least-once unless they carry
+//! a key derived from the message id.
+//!
+//! What happens on each failure:
+//!
+//! | failure | outcome |
+//! |---|---|
+//! | handler returns a transient error, or panics | rollback; requeued after [`requeue_delay`](ConsumerBuilder::requeue_delay) |
+//! | handler returns a permanent error | rollback; published to the DLQ with header `x-idempo-reason`, then acked |
+//! | undecodable body, missing/empty/over-255-byte id | published to the DLQ with its reason, then acked |
+//! | same id, different body | handler not run; DLQ with reason "message id reused with a different payload" |
+//! | commit fails or its outcome is unknown | not acked; the redelivery is deduplicated or re-run |
+//! | crash after commit, before ack | redelivered, claimed as duplicate, acked |
+//!
+//! See <https://www.rabbitmq.com/docs/confirms> for RabbitMQ's acknowledgement semantics.
+
+mod consumer;
+mod dead_letter;
+mod delivery;
+mod handler;
+mod message;
+mod message_id;
+mod stats;
+mod topology;
+
+pub use consumer::{Consumer, ConsumerBuilder, ShutdownHandle};
+pub use dead_letter::{
+    CONSUMER_HEADER, DeadLetterReason, ERROR_HEADER, QUEUE_HEADER, REASON_HEADER,
+    ROUTING_KEY_HEADER,
+};
+pub use handler::{ErrorKind, Handler, HandlerError, ResultExt, Tx, TxGuard};
+pub use message::{DecodeError, FromMessage, Json, Message};
+pub use message_id::MessageIdSource;
+pub use stats::{Stats, StatsSnapshot};
+pub use topology::QueueType;
+
+pub use lapin;

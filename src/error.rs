@@ -1,0 +1,51 @@
+//! The crate's error type.
+
+/// A specialized `Result` whose error defaults to [`enum@Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in idempo's own machinery.
+///
+/// Errors raised *by handlers* are a different thing: see
+/// [`HandlerError`](crate::amqp::HandlerError).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A statement against PostgreSQL failed (connection lost, constraint, ...).
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+
+    /// Applying idempo's migrations failed.
+    #[error("migration error: {0}")]
+    Migrate(#[from] Box<sqlx::migrate::MigrateError>),
+
+    /// The AMQP connection or channel failed.
+    #[cfg(feature = "amqp")]
+    #[error("amqp error: {0}")]
+    Amqp(#[from] lapin::Error),
+
+    /// A message id is missing, empty or too long.
+    #[error(transparent)]
+    InvalidMessageId(#[from] crate::inbox::InvalidMessageId),
+
+    /// The broker cancelled our consumer (for example: the queue was deleted).
+    #[error("the broker cancelled the consumer of queue {queue:?}")]
+    ConsumerCancelled {
+        /// The queue that was being consumed.
+        queue: String,
+    },
+
+    /// A builder was given an impossible configuration.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// A [`Tx`](crate::amqp::Tx) handle was used after its handler returned:
+    /// the transaction was already committed or rolled back.
+    #[error("the transaction was already finished: a Tx handle outlived its handler")]
+    TransactionFinished,
+}
+
+impl From<sqlx::migrate::MigrateError> for Error {
+    fn from(e: sqlx::migrate::MigrateError) -> Self {
+        Error::Migrate(Box::new(e))
+    }
+}

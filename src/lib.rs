@@ -1,0 +1,68 @@
+//! # idempo
+//!
+//! Exactly-once **effects** on at-least-once infrastructure. Brokers redeliver,
+//! clients retry, networks drop answers: idempo makes the second copy harmless.
+//!
+//! - [`inbox`]: claim a `(consumer, message_id)` in `processed_messages` inside
+//!   your own sqlx PostgreSQL transaction; the primary key is the lock. Works
+//!   from any worker loop.
+//! - [`amqp`] (feature `amqp`, on by default): a RabbitMQ consumer runtime on
+//!   lapin and tokio. The claim, your handler's writes and the commit share one
+//!   transaction; the delivery is acknowledged only after the commit.
+//!
+//! ## What is guaranteed
+//! Writes made **through the handler's transaction** happen exactly once per
+//! `(consumer, message id)`. Anything outside it (an HTTP call, an e-mail) is
+//! at-least-once unless it carries a key derived from the message id.
+//!
+//! ## Hello, consumer
+//! ```no_run
+//! use idempo::amqp::{Consumer, HandlerError, Json, Tx};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Payment { account: String, amount_cents: i64 }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/postgres").await?;
+//!     idempo::migrate(&pool).await?;
+//!     Consumer::builder("amqp://guest:guest@127.0.0.1:5672/%2f", pool)
+//!         .queue("payments")
+//!         .handler(|tx: Tx, Json(p): Json<Payment>| async move {
+//!             let mut tx = tx.lock().await?;
+//!             sqlx::query("INSERT INTO payments (account, amount_cents) VALUES ($1, $2)")
+//!                 .bind(&p.account)
+//!                 .bind(p.amount_cents)
+//!                 .execute(&mut *tx)
+//!                 .await?;
+//!             Ok::<_, HandlerError>(())
+//!         })
+//!         .run_until_signal()
+//!         .await?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ## Feature flags
+//! | Name | Description | Default? |
+//! |---|---|---|
+//! | `amqp` | The RabbitMQ consumer runtime ([`amqp`]) | yes |
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+#![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod error;
+pub mod inbox;
+mod migrate;
+
+#[cfg(feature = "amqp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+pub mod amqp;
+
+pub use error::{Error, Result};
+pub use migrate::{MIGRATIONS_TABLE, migrate, migrator};

@@ -1,0 +1,48 @@
+//! idempo's schema, embedded and applied with sqlx's migrator.
+
+use sqlx::PgPool;
+use sqlx::migrate::Migrator;
+
+use crate::Result;
+
+/// The table in which idempo records which of *its own* migrations ran.
+///
+/// It is deliberately not sqlx's default `_sqlx_migrations`: an application
+/// that runs its own sqlx migrations in the same database would otherwise see
+/// idempo's versions as unknown ("migration ... was previously applied but is
+/// missing") and the version numbers of the two could collide.
+pub const MIGRATIONS_TABLE: &str = "_idempo_migrations";
+
+/// idempo's migrations (the `processed_messages` inbox table and its index),
+/// recorded in [`MIGRATIONS_TABLE`].
+///
+/// Use [`migrate`] unless you need the [`Migrator`] itself, e.g. to list the
+/// SQL for review.
+pub fn migrator() -> Migrator {
+    let mut migrator = sqlx::migrate!("./migrations");
+    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+    migrator
+}
+
+/// Applies idempo's migrations to the database behind `pool`.
+///
+/// Idempotent and safe to call from every process at start-up: sqlx takes an
+/// advisory lock while it migrates. It coexists with the application's own
+/// sqlx migrations, in either order (see [`MIGRATIONS_TABLE`]). The tables are
+/// created in the first schema of the connection's `search_path`.
+///
+/// # Example
+/// ```no_run
+/// # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/postgres").await?;
+/// idempo::migrate(&pool).await?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`Error::Migrate`](crate::Error::Migrate) when the database is unreachable
+/// or a migration fails.
+pub async fn migrate(pool: &PgPool) -> Result<()> {
+    migrator().run(pool).await?;
+    Ok(())
+}
