@@ -27,7 +27,7 @@ use tracing::{Instrument, Span, field};
 use super::dead_letter::{self, DeadLetterReason};
 use super::handler::{BoxedHandler, Failure, Tx};
 use super::stats::{Counter, Stats};
-use super::{Message, MessageIdSource};
+use super::{DecodeError, Message, MessageIdSource};
 use crate::inbox::{self, Claim, InvalidMessageId};
 
 /// Everything a delivery task needs, shared by all tasks of one consumer.
@@ -76,7 +76,7 @@ impl Pipeline {
     pub(crate) async fn run(self: Arc<Self>, delivery: lapin::message::Delivery) {
         self.stats.incr(Counter::Deliveries);
         let acker = delivery.acker.clone();
-        let message = Message::from_delivery(delivery);
+        let mut message = Message::from_delivery(delivery);
         let span = tracing::info_span!(
             "delivery",
             consumer = %self.consumer,
@@ -86,7 +86,14 @@ impl Pipeline {
             outcome = field::Empty,
         );
         async {
-            let outcome = self.decide(&message).await;
+            let outcome = match self.message_id.extract(&message) {
+                Ok(id) => {
+                    Span::current().record("message_id", id.as_str());
+                    message.set_id(id);
+                    self.decide(&message).await
+                }
+                Err(e) => invalid_id(e),
+            };
             Span::current().record("outcome", outcome.name());
             self.settle(&acker, &message, outcome).await;
         }
@@ -96,26 +103,12 @@ impl Pipeline {
 
     /// Claims, runs the handler and commits; says how to settle the delivery.
     async fn decide(&self, message: &Message) -> Outcome {
-        let id = match self.message_id.extract(message) {
-            Ok(id) => id,
-            Err(e) => {
-                let reason = match e {
-                    InvalidMessageId::Missing => DeadLetterReason::MissingMessageId,
-                    _ => DeadLetterReason::InvalidMessageId,
-                };
-                return Outcome::DeadLetter {
-                    reason,
-                    error: e.to_string(),
-                };
-            }
-        };
-        Span::current().record("message_id", id.as_str());
-
+        let id = message.id();
         let mut tx = match self.pool.begin().await {
             Ok(tx) => tx,
             Err(e) => return retry("cannot begin a transaction", e),
         };
-        match inbox::claim(&mut tx, &self.consumer, &id, message.body()).await {
+        match inbox::claim(&mut tx, &self.consumer, id, message.body()).await {
             Err(e) => return retry("claim failed", e),
             Ok(Claim::Duplicate) => {
                 rollback(tx).await;
@@ -162,7 +155,14 @@ impl Pipeline {
             }
             Ok(Err(Failure::Handler(e))) => {
                 rollback(tx).await;
-                if e.is_permanent() {
+                // `msg.json()?` inside a handler: a body that cannot decode
+                // never will, whatever kind the `?` conversion gave it.
+                if let Some(decode) = e.source().downcast_ref::<DecodeError>() {
+                    Outcome::DeadLetter {
+                        reason: DeadLetterReason::UndecodableBody,
+                        error: decode.to_string(),
+                    }
+                } else if e.is_permanent() {
                     Outcome::DeadLetter {
                         reason: DeadLetterReason::PermanentError,
                         error: e.to_string(),
@@ -250,6 +250,17 @@ async fn rollback(tx: Transaction<'static, Postgres>) {
     if let Err(e) = tx.rollback().await {
         // A broken connection rolls back by itself on the server.
         tracing::debug!(error = %e, "rollback failed");
+    }
+}
+
+fn invalid_id(e: InvalidMessageId) -> Outcome {
+    let reason = match e {
+        InvalidMessageId::Missing => DeadLetterReason::MissingMessageId,
+        _ => DeadLetterReason::InvalidMessageId,
+    };
+    Outcome::DeadLetter {
+        reason,
+        error: e.to_string(),
     }
 }
 

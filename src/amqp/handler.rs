@@ -200,11 +200,11 @@ impl<E: StdError + Send + Sync + 'static> From<E> for HandlerError {
 /// Marks the error of a `Result` as transient or permanent, for `?`.
 ///
 /// ```
-/// use idempo::amqp::{HandlerError, Message, ResultExt};
-/// # #[derive(serde::Deserialize)] struct Order {}
-/// fn decode(msg: &Message) -> Result<Order, HandlerError> {
-///     msg.json::<Order>().permanent()   // a bad body will never decode: dead-letter it
+/// use idempo::amqp::{HandlerError, ResultExt};
+/// fn parse_amount(raw: &str) -> Result<i64, HandlerError> {
+///     raw.parse::<i64>().permanent()   // retrying will not make it a number
 /// }
+/// assert!(parse_amount("ten").unwrap_err().is_permanent());
 /// ```
 pub trait ResultExt<T> {
     /// Maps the error to [`HandlerError::permanent`].

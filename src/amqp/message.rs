@@ -17,6 +17,7 @@ pub struct Message {
 }
 
 struct Inner {
+    id: String,
     body: Vec<u8>,
     properties: BasicProperties,
     exchange: String,
@@ -29,6 +30,7 @@ impl Message {
     pub(crate) fn from_delivery(delivery: lapin::message::Delivery) -> Self {
         Message {
             inner: Arc::new(Inner {
+                id: String::new(),
                 body: delivery.data,
                 properties: delivery.properties,
                 exchange: delivery.exchange.to_string(),
@@ -37,6 +39,22 @@ impl Message {
                 delivery_tag: delivery.delivery_tag,
             }),
         }
+    }
+
+    /// Records the id the runtime deduplicates on; called before the message
+    /// is shared with a handler.
+    pub(crate) fn set_id(&mut self, id: String) {
+        Arc::get_mut(&mut self.inner)
+            .expect("the id is set before the message is shared")
+            .id = id;
+    }
+
+    /// The id idempo deduplicated this message on (from the configured
+    /// [`MessageIdSource`](crate::amqp::MessageIdSource)): use it as the
+    /// identity of the business operation. Empty only before the runtime
+    /// extracted it, so never inside a handler.
+    pub fn id(&self) -> &str {
+        &self.inner.id
     }
 
     /// The raw body.
@@ -93,8 +111,9 @@ impl Message {
     ///
     /// # Errors
     /// [`DecodeError`] when the body is not valid JSON for `T`. Inside a
-    /// handler, `msg.json::<T>().permanent()?` dead-letters such a message (see
-    /// [`ResultExt`](crate::amqp::ResultExt)); the [`Json`] extractor does that for you.
+    /// handler, `msg.json::<T>()?` dead-letters such a message with reason
+    /// `undecodable body`: the runtime recognizes a [`DecodeError`] whatever
+    /// its [`ErrorKind`](crate::amqp::ErrorKind).
     pub fn json<T: DeserializeOwned>(&self) -> Result<T, DecodeError> {
         serde_json::from_slice(self.body()).map_err(|e| DecodeError(e.to_string()))
     }
@@ -103,7 +122,7 @@ impl Message {
 impl fmt::Debug for Message {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Message")
-            .field("message_id", &self.message_id_property())
+            .field("id", &self.id())
             .field("routing_key", &self.routing_key())
             .field("redelivered", &self.redelivered())
             .field("body_len", &self.body().len())

@@ -1,0 +1,86 @@
+//! The payments domain shared by the `payments` example and the test suite:
+//! its tables, its message and its handler.
+
+use idempo::amqp::{HandlerError, Message, Tx};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+
+/// A payment message: `{"account": "...", "amount_cents": 123}`. The AMQP
+/// `message_id` property carries the payment id.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Payment {
+    pub account: String,
+    pub amount_cents: i64,
+}
+
+/// Creates the example's tables if missing. `payments` has NO unique key on
+/// `message_id` on purpose: a double effect must stay visible.
+pub async fn create_tables(pool: &PgPool) -> sqlx::Result<()> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS payments (
+            message_id   text        NOT NULL,
+            account      text        NOT NULL,
+            amount_cents bigint      NOT NULL,
+            created_at   timestamptz NOT NULL DEFAULT now()
+        )",
+    )
+    .execute(pool)
+    .await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS account_balances (
+            account       text   PRIMARY KEY,
+            balance_cents bigint NOT NULL
+        )",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Applies one payment in the claim's transaction: insert the payment row,
+/// then add the amount to the account's balance (a non-idempotent delta).
+///
+/// `fail_rate` is the probability of a transient error *after* both writes,
+/// to exercise the rollback.
+pub async fn apply(
+    tx: Tx,
+    message_id: &str,
+    payment: &Payment,
+    fail_rate: f64,
+) -> Result<(), HandlerError> {
+    if payment.amount_cents < 0 {
+        return Err(HandlerError::permanent(format!(
+            "negative amount: {}",
+            payment.amount_cents
+        )));
+    }
+    let mut tx = tx.lock().await?;
+    sqlx::query("INSERT INTO payments (message_id, account, amount_cents) VALUES ($1, $2, $3)")
+        .bind(message_id)
+        .bind(&payment.account)
+        .bind(payment.amount_cents)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO account_balances (account, balance_cents) VALUES ($1, $2)
+         ON CONFLICT (account) DO UPDATE
+         SET balance_cents = account_balances.balance_cents + excluded.balance_cents",
+    )
+    .bind(&payment.account)
+    .bind(payment.amount_cents)
+    .execute(&mut *tx)
+    .await?;
+    if fail_rate > 0.0 && rand::random::<f64>() < fail_rate {
+        return Err(HandlerError::transient(
+            "injected failure (PAYMENTS_FAIL_RATE)",
+        ));
+    }
+    Ok(())
+}
+
+/// The handler as registered with the consumer: decode (an undecodable body
+/// is dead-lettered), then [`apply`] under the message's id.
+pub async fn handle(tx: Tx, message: Message, fail_rate: f64) -> Result<(), HandlerError> {
+    let payment: Payment = message.json()?;
+    apply(tx, message.id(), &payment, fail_rate).await
+}

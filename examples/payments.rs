@@ -1,0 +1,83 @@
+//! The reference scenario: apply payments from RabbitMQ exactly once.
+//!
+//! ```text
+//! cargo run --release --example payments
+//! ```
+//!
+//! Environment:
+//! - `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`)
+//! - `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`)
+//! - `PAYMENTS_QUEUE` (default `payments`; dead letters go to `$PAYMENTS_QUEUE.dlq`)
+//! - `PAYMENTS_FAIL_RATE` (default 0): probability of a transient error after
+//!   the handler wrote its rows, to watch the rollback and the retry
+//! - `PAYMENTS_CONCURRENCY` (default 16), `PAYMENTS_PREFETCH` (default 100)
+//!
+//! Runs until SIGTERM or SIGINT, then drains and exits 0.
+
+#[path = "common/payments.rs"]
+mod payments;
+
+use std::time::Duration;
+
+use anyhow::Context;
+use idempo::amqp::{Consumer, Message, Tx};
+use sqlx::postgres::PgPoolOptions;
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
+fn env_parse<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T>
+where
+    T::Err: std::fmt::Display,
+{
+    match std::env::var(name) {
+        Ok(v) => v
+            .parse()
+            .map_err(|e| anyhow::anyhow!("{name}={v:?} is invalid: {e}")),
+        Err(_) => Ok(default),
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+        )
+        .init();
+
+    let amqp_url = env_or("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
+    let database_url = env_or(
+        "DATABASE_URL",
+        "postgres://postgres@127.0.0.1:5432/postgres",
+    );
+    let queue = env_or("PAYMENTS_QUEUE", "payments");
+    let fail_rate: f64 = env_parse("PAYMENTS_FAIL_RATE", 0.0)?;
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&fail_rate),
+        "PAYMENTS_FAIL_RATE must be between 0 and 1, got {fail_rate}"
+    );
+    let concurrency: usize = env_parse("PAYMENTS_CONCURRENCY", 16)?;
+    let prefetch: u16 = env_parse("PAYMENTS_PREFETCH", 100)?;
+
+    let pool = PgPoolOptions::new()
+        .max_connections(concurrency as u32 + 2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&database_url)
+        .await
+        .with_context(|| format!("cannot connect to PostgreSQL at {database_url}"))?;
+    idempo::migrate(&pool).await?;
+    payments::create_tables(&pool).await?;
+
+    Consumer::builder(amqp_url, pool)
+        .queue(queue)
+        .prefetch(prefetch.max(concurrency as u16))
+        .concurrency(concurrency)
+        .handler(move |tx: Tx, message: Message| payments::handle(tx, message, fail_rate))
+        .run_until_signal()
+        .await?;
+    tracing::info!("drained; bye");
+    Ok(())
+}

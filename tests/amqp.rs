@@ -1,0 +1,627 @@
+//! The AMQP consumer runtime against the real RabbitMQ and PostgreSQL.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idempo::amqp::{
+    Consumer, ConsumerBuilder, HandlerError, Message, MessageIdSource, QueueType, ShutdownHandle,
+    Stats, StatsSnapshot, Tx,
+};
+use lapin::options::{BasicPublishOptions, ExchangeDeclareOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, ExchangeKind};
+use support::{Broker, Db, eventually, payments, unique};
+use tokio::task::JoinHandle;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A consumer running in the background.
+struct Running {
+    shutdown: ShutdownHandle,
+    stats: Stats,
+    task: JoinHandle<idempo::Result<()>>,
+}
+
+impl Running {
+    fn start(builder: ConsumerBuilder) -> Running {
+        let consumer = builder.build().expect("valid configuration");
+        let shutdown = consumer.shutdown_handle();
+        let stats = consumer.stats();
+        let task = tokio::spawn(consumer.run());
+        Running {
+            shutdown,
+            stats,
+            task,
+        }
+    }
+
+    fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    /// Waits until `n` deliveries reached an end (acked, dead-lettered).
+    async fn settled(&self, n: u64) {
+        eventually(&format!("{n} deliveries settled"), WAIT, || async {
+            let s = self.stats();
+            s.processed + s.duplicates + s.dead_lettered >= n
+        })
+        .await;
+    }
+
+    async fn stop(self) -> idempo::Result<()> {
+        self.shutdown.shutdown();
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .expect("the consumer stops within the timeout")
+            .expect("the consumer task does not panic")
+    }
+}
+
+/// The payments consumer of `queue`, retrying quickly.
+fn payments_consumer(db: &Db, queue: &str) -> ConsumerBuilder {
+    Consumer::builder(support::amqp_url(), db.pool.clone())
+        .queue(queue)
+        .requeue_delay(Duration::from_millis(50))
+        .handler(|tx: Tx, message: Message| payments::handle(tx, message, 0.0))
+}
+
+#[tokio::test]
+async fn a_message_published_twice_is_applied_once() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    broker.publish_payment(&queue, "pay-1", "alice", 500).await;
+    broker.publish_payment(&queue, "pay-1", "alice", 500).await;
+
+    let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1));
+    consumer.settled(2).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!(db.payments_for("pay-1").await, 1);
+    assert_eq!(db.balances().await["alice"], 500);
+    assert_eq!(db.claims().await, 1);
+    assert_eq!((stats.processed, stats.duplicates), (1, 1));
+    assert_eq!(broker.ready(&queue).await, 0, "both copies were acked");
+}
+
+#[tokio::test]
+async fn fan_out_to_two_consumers_applies_once_for_each() {
+    support::init_tracing();
+    let (db, broker) = (Db::new().await, Broker::connect().await);
+    let exchange = unique("fanout");
+    broker
+        .channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let (billing, ledger) = (unique("billing"), unique("ledger"));
+    // Each queue gets its own consumer name (its queue name by default).
+    let a = Running::start(payments_consumer(&db, &billing).bind(&exchange, ""));
+    let b = Running::start(payments_consumer(&db, &ledger).bind(&exchange, ""));
+    eventually("both queues are bound", WAIT, || async {
+        broker.channel.status().connected()
+            && queue_exists(&broker, &billing).await
+            && queue_exists(&broker, &ledger).await
+    })
+    .await;
+    // Bindings are declared right after the queues; give them a moment.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..2 {
+        broker
+            .channel
+            .basic_publish(
+                exchange.as_str().into(),
+                "".into(),
+                BasicPublishOptions::default(),
+                &support::payment_body("carol", 70),
+                BasicProperties::default().with_message_id("pay-fan".into()),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    a.settled(2).await;
+    b.settled(2).await;
+    let (sa, sb) = (a.stats(), b.stats());
+    a.stop().await.unwrap();
+    b.stop().await.unwrap();
+
+    assert_eq!((sa.processed, sa.duplicates), (1, 1));
+    assert_eq!((sb.processed, sb.duplicates), (1, 1));
+    assert_eq!(
+        db.payments_for("pay-fan").await,
+        2,
+        "one effect per consumer"
+    );
+    assert_eq!(db.balances().await["carol"], 140);
+    assert_eq!(db.claims().await, 2);
+}
+
+async fn queue_exists(broker: &Broker, queue: &str) -> bool {
+    // A passive declare of a missing queue closes the channel, so use a throwaway one.
+    let channel = broker.connection.create_channel().await.unwrap();
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let exists = channel
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+        .is_ok();
+    let _ = channel.close(200, "".into()).await;
+    exists
+}
+
+#[tokio::test]
+async fn a_handler_error_after_writing_rolls_back_and_the_retry_applies_once() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    broker
+        .publish_payment(&queue, "pay-flaky", "dave", 300)
+        .await;
+
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let seen = attempts.clone();
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(
+        move |tx: Tx, message: Message| {
+            let seen = seen.clone();
+            async move {
+                let payment: payments::Payment = message.json().unwrap();
+                payments::apply(tx, message.id(), &payment, 0.0).await?;
+                // Fail the first two attempts after both writes were made.
+                if seen.fetch_add(1, Ordering::SeqCst) < 2 {
+                    return Err(HandlerError::transient("flaky downstream"));
+                }
+                Ok(())
+            }
+        },
+    ));
+    consumer.settled(1).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!(attempts.load(Ordering::SeqCst), 3);
+    assert_eq!((stats.retried, stats.processed), (2, 1));
+    assert_eq!(
+        db.payments_for("pay-flaky").await,
+        1,
+        "failed attempts left no rows"
+    );
+    assert_eq!(db.balances().await["dave"], 300);
+    assert_eq!(broker.ready(&queue).await, 0);
+}
+
+#[tokio::test]
+async fn a_panicking_handler_is_rolled_back_and_retried_and_the_runtime_keeps_running() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    broker
+        .publish_payment(&queue, "pay-panic", "erin", 10)
+        .await;
+
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let seen = attempts.clone();
+    let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1).handler(
+        move |tx: Tx, message: Message| {
+            let seen = seen.clone();
+            async move {
+                let payment: payments::Payment = message.json().unwrap();
+                payments::apply(tx, message.id(), &payment, 0.0).await?;
+                if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                    panic!("bug in the handler");
+                }
+                Ok(())
+            }
+        },
+    ));
+    consumer.settled(1).await;
+    broker.publish_payment(&queue, "pay-after", "erin", 5).await;
+    consumer.settled(2).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!((stats.retried, stats.processed), (1, 2));
+    assert_eq!(db.payments_for("pay-panic").await, 1);
+    assert_eq!(db.balances().await["erin"], 15);
+}
+
+#[tokio::test]
+async fn a_crash_between_commit_and_ack_is_redelivered_and_acked_as_a_duplicate() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    broker
+        .publish_payment(&queue, "pay-crash", "frank", 900)
+        .await;
+
+    // The handler cuts its own AMQP connection before returning: the runtime
+    // then commits and its ack can no longer reach the broker.
+    let name = unique("crashing");
+    let cut = name.clone();
+    let first = Running::start(
+        payments_consumer(&db, &queue)
+            .connection_name(&name)
+            .handler(move |tx: Tx, message: Message| {
+                let cut = cut.clone();
+                async move {
+                    let payment: payments::Payment = message.json().unwrap();
+                    payments::apply(tx, message.id(), &payment, 0.0).await?;
+                    tokio::task::spawn_blocking(move || support::close_connection_named(&cut))
+                        .await
+                        .unwrap();
+                    Ok(())
+                }
+            }),
+    );
+    let result = tokio::time::timeout(WAIT, first.task)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(result.is_err(), "the first consumer lost its connection");
+    let committed = first.stats.snapshot();
+    assert_eq!(committed.processed, 1, "the transaction committed");
+    assert_eq!(db.payments_for("pay-crash").await, 1);
+
+    // The broker redelivers the unacked message to the next consumer.
+    let second = Running::start(payments_consumer(&db, &queue));
+    second.settled(1).await;
+    let stats = second.stats();
+    second.stop().await.unwrap();
+
+    assert_eq!((stats.duplicates, stats.processed), (1, 0));
+    assert_eq!(db.payments_for("pay-crash").await, 1, "one effect");
+    assert_eq!(db.balances().await["frank"], 900);
+    assert_eq!(broker.ready(&queue).await, 0);
+}
+
+#[tokio::test]
+async fn poison_messages_are_dead_lettered_with_their_reason_and_write_nothing() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    let dlq = format!("{queue}.dlq");
+    broker.publish(&queue, Some("bad-json"), b"{not json").await;
+    broker
+        .publish(&queue, None, &support::payment_body("gina", 1))
+        .await;
+    broker
+        .publish(&queue, Some(""), &support::payment_body("gina", 3))
+        .await;
+    broker.publish_payment(&queue, "negative", "gina", -4).await;
+    broker.publish_payment(&queue, "reused", "gina", 5).await;
+    broker.publish_payment(&queue, "reused", "gina", 6).await; // same id, other body
+
+    // One at a time, so "reused" with 5 is the one that gets applied.
+    let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1));
+    consumer.settled(6).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    let dead = broker.drain(&dlq).await;
+    let reasons: Vec<&str> = dead.iter().map(|d| d.reason()).collect();
+    assert_eq!(
+        reasons,
+        [
+            "undecodable body",
+            "missing message id",
+            "invalid message id",
+            "permanent handler error",
+            "message id reused with a different payload",
+        ]
+    );
+    assert_eq!(dead[0].body, b"{not json", "the original body is kept");
+    assert_eq!(
+        dead[2].headers[idempo::amqp::ERROR_HEADER],
+        "empty message id"
+    );
+    assert!(dead[3].headers[idempo::amqp::ERROR_HEADER].contains("negative amount"));
+    for d in &dead {
+        assert_eq!(d.headers[idempo::amqp::CONSUMER_HEADER], queue);
+        assert_eq!(d.headers[idempo::amqp::QUEUE_HEADER], queue);
+    }
+    assert_eq!(dead[4].message_id.as_deref(), Some("reused"));
+    assert_eq!(
+        (
+            stats.dead_lettered,
+            stats.payload_mismatches,
+            stats.processed
+        ),
+        (5, 1, 1)
+    );
+    assert_eq!(
+        db.payments().await,
+        1,
+        "only the first 'reused' was applied"
+    );
+    assert_eq!(db.balances().await["gina"], 5);
+    assert_eq!(db.claims().await, 1, "poison leaves no claim behind");
+    assert_eq!(broker.ready(&queue).await, 0);
+}
+
+#[tokio::test]
+async fn many_concurrent_copies_across_two_consumer_instances_apply_once() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    let mut messages = Vec::new();
+    for copy in 0..100 {
+        messages.push(("pay-hot".to_owned(), support::payment_body("hank", 1)));
+        if copy % 4 == 0 {
+            for id in 0..25 {
+                messages.push((format!("pay-{id}"), support::payment_body("ivy", 1)));
+            }
+        }
+    }
+    let total = messages.len() as u64;
+    broker.publish_many(&queue, &messages).await;
+
+    // Two instances of one consumer (same name): replicas on two hosts.
+    let a = Running::start(payments_consumer(&db, &queue).concurrency(8));
+    let b = Running::start(payments_consumer(&db, &queue).concurrency(8));
+    eventually("every copy settled", WAIT, || async {
+        let (x, y) = (a.stats(), b.stats());
+        x.processed + x.duplicates + y.processed + y.duplicates >= total
+    })
+    .await;
+    let (sa, sb) = (a.stats(), b.stats());
+    a.stop().await.unwrap();
+    b.stop().await.unwrap();
+
+    assert_eq!(sa.processed + sb.processed, 26);
+    assert_eq!(db.payments_for("pay-hot").await, 1);
+    assert_eq!(db.payments().await, 26);
+    assert_eq!(db.balances().await["hank"], 1);
+    assert_eq!(db.balances().await["ivy"], 25);
+    assert_eq!(broker.ready(&queue).await, 0);
+}
+
+#[tokio::test]
+async fn shutdown_lets_the_handler_in_flight_commit_and_returns_the_rest_to_the_queue() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    for i in 0..5 {
+        broker
+            .publish_payment(&queue, &format!("pay-{i}"), "jill", 1)
+            .await;
+    }
+    let started = Arc::new(tokio::sync::Notify::new());
+    let signal = started.clone();
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .concurrency(1)
+            .prefetch(10)
+            .handler(move |tx: Tx, message: Message| {
+                let signal = signal.clone();
+                async move {
+                    signal.notify_one();
+                    let payment: payments::Payment = message.json().unwrap();
+                    payments::apply(tx, message.id(), &payment, 0.0).await?;
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    Ok(())
+                }
+            }),
+    );
+    started.notified().await;
+    let stats = consumer.stats.clone();
+    consumer
+        .stop()
+        .await
+        .expect("a graceful shutdown returns Ok");
+
+    assert_eq!(
+        stats.snapshot().processed,
+        1,
+        "the handler in flight finished"
+    );
+    assert_eq!(db.payments().await, 1);
+    eventually(
+        "the 4 unstarted deliveries are back in the queue",
+        WAIT,
+        || async { broker.ready(&queue).await == 4 },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_header_can_carry_the_message_id() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    for id in ["h-1", "h-1", "h-2"] {
+        let mut headers = FieldTable::default();
+        headers.insert("x-payment-id".into(), AMQPValue::LongString(id.into()));
+        broker
+            .publish_props(
+                &queue,
+                BasicProperties::default().with_headers(headers),
+                &support::payment_body("kim", 2),
+            )
+            .await;
+    }
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .concurrency(1)
+            .message_id(MessageIdSource::Header("x-payment-id".into())),
+    );
+    consumer.settled(3).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!((stats.processed, stats.duplicates), (2, 1));
+    assert_eq!(db.payments_for("h-1").await, 1);
+    assert_eq!(db.payments_for("h-2").await, 1);
+}
+
+#[tokio::test]
+async fn an_oversized_message_id_is_dead_lettered() {
+    // The AMQP message_id property cannot exceed 255 bytes, but a header can.
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "x-payment-id".into(),
+        AMQPValue::LongString("x".repeat(256).into()),
+    );
+    broker
+        .publish_props(
+            &queue,
+            BasicProperties::default().with_headers(headers),
+            &support::payment_body("kim", 2),
+        )
+        .await;
+    let consumer = Running::start(
+        payments_consumer(&db, &queue).message_id(MessageIdSource::Header("x-payment-id".into())),
+    );
+    consumer.settled(1).await;
+    consumer.stop().await.unwrap();
+
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason(), "invalid message id");
+    assert_eq!(
+        dead[0].headers[idempo::amqp::ERROR_HEADER],
+        "message id is 256 bytes long, the limit is 255"
+    );
+    assert_eq!(db.payments().await, 0);
+}
+
+#[tokio::test]
+async fn content_hash_mode_treats_equal_bodies_as_one_message() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    broker
+        .publish(&queue, None, &support::payment_body("lee", 3))
+        .await;
+    broker
+        .publish(&queue, None, &support::payment_body("lee", 3))
+        .await;
+    broker
+        .publish(&queue, None, &support::payment_body("lee", 4))
+        .await;
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .concurrency(1)
+            .message_id(MessageIdSource::ContentHash),
+    );
+    consumer.settled(3).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!((stats.processed, stats.duplicates), (2, 1));
+    assert_eq!(db.balances().await["lee"], 7);
+    let ids: Vec<String> = sqlx::query_scalar("SELECT message_id FROM processed_messages")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert!(
+        ids.iter().all(|id| id.len() == 64),
+        "ids are SHA-256 hex: {ids:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_classic_queue_is_declared_on_request() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    let consumer = Running::start(payments_consumer(&db, &queue).queue_type(QueueType::Classic));
+    eventually("the consumer declared its queue", WAIT, || {
+        queue_exists(&broker, &queue)
+    })
+    .await;
+    broker.publish_payment(&queue, "pay-c", "max", 1).await;
+    consumer.settled(1).await;
+    consumer.stop().await.unwrap();
+
+    // Re-declaring with other arguments would fail: the queue is classic.
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("classic".into()),
+    );
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString("".into()),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(format!("{queue}.dlq").as_str().into()),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    broker
+        .channel
+        .queue_declare(queue.as_str().into(), durable, args)
+        .await
+        .expect("the queue is a classic queue with the DLQ arguments");
+    assert_eq!(db.payments_for("pay-c").await, 1);
+    broker.delete(&queue).await;
+}
+
+#[tokio::test]
+async fn deleting_the_queue_stops_the_consumer_with_consumer_cancelled() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    let consumer = Running::start(payments_consumer(&db, &queue));
+    broker.publish_payment(&queue, "pay-d", "ned", 1).await;
+    consumer.settled(1).await;
+    broker.delete(&queue).await;
+    let result = tokio::time::timeout(WAIT, consumer.task)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(result, Err(idempo::Error::ConsumerCancelled { ref queue }) if queue.starts_with("q_")),
+        "{result:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_impossible_configuration_is_refused_with_a_clear_error() {
+    let db = Db::empty().await;
+    let no_queue = Consumer::builder(support::amqp_url(), db.pool.clone())
+        .handler(|_tx: Tx, _m: Message| async { Ok(()) })
+        .build()
+        .unwrap_err();
+    assert!(
+        no_queue.to_string().contains("a queue is required"),
+        "{no_queue}"
+    );
+
+    let no_handler = Consumer::builder(support::amqp_url(), db.pool.clone())
+        .queue("q")
+        .build()
+        .unwrap_err();
+    assert!(
+        no_handler.to_string().contains("a handler is required"),
+        "{no_handler}"
+    );
+
+    let prefetch = payments_consumer(&db, "q")
+        .prefetch(4)
+        .concurrency(8)
+        .build()
+        .unwrap_err();
+    assert!(
+        prefetch
+            .to_string()
+            .contains("prefetch (4) must be at least concurrency (8)")
+    );
+}

@@ -1,0 +1,400 @@
+//! Shared test support: real PostgreSQL and RabbitMQ, one schema and fresh
+//! queue names per test, so tests run in parallel without seeing each other.
+//! A service that cannot be reached fails the test with the command that
+//! starts it.
+#![allow(dead_code)]
+
+#[path = "../../examples/common/payments.rs"]
+pub mod payments;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+const START_PG: &str = "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
+     (or `docker compose up -d postgres`), or point DATABASE_URL at a running server";
+const START_RABBIT: &str = "start it with `rabbitmq-server -detached` \
+     (or `docker compose up -d rabbitmq`), or point AMQP_URL at a running broker";
+
+/// A name no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!(
+        "{prefix}_{}_{}_{nanos:x}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// One test's private database schema.
+pub struct Db {
+    pub pool: PgPool,
+    pub schema: String,
+    /// A URL whose connections use this schema (for child processes).
+    pub url: String,
+}
+
+impl Db {
+    /// Creates a fresh schema, with idempo's migrations and the payments tables.
+    pub async fn new() -> Db {
+        let db = Db::empty().await;
+        idempo::migrate(&db.pool).await.expect("idempo::migrate");
+        payments::create_tables(&db.pool)
+            .await
+            .expect("create payments tables");
+        db
+    }
+
+    /// Creates a fresh, empty schema.
+    pub async fn empty() -> Db {
+        Db::with_pool_size(20).await
+    }
+
+    pub async fn with_pool_size(size: u32) -> Db {
+        let base = database_url();
+        let admin = PgPool::connect(&base)
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL is not reachable at {base}: {e}\n{START_PG}"));
+        let schema = unique("t");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&admin)
+            .await
+            .expect("create schema");
+        admin.close().await;
+        let options = PgConnectOptions::from_str(&base)
+            .unwrap()
+            .options([("search_path", schema.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(size)
+            .connect_with(options)
+            .await
+            .expect("connect with search_path");
+        let sep = if base.contains('?') { '&' } else { '?' };
+        let url = format!("{base}{sep}options[search_path]={schema}");
+        Db { pool, schema, url }
+    }
+
+    pub async fn count(&self, sql: &'static str) -> i64 {
+        sqlx::query_scalar(sql)
+            .fetch_one(&self.pool)
+            .await
+            .expect(sql)
+    }
+
+    pub async fn payments(&self) -> i64 {
+        self.count("SELECT count(*) FROM payments").await
+    }
+
+    pub async fn payments_for(&self, id: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM payments WHERE message_id = $1")
+            .bind(id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    pub async fn balances(&self) -> BTreeMap<String, i64> {
+        sqlx::query_as::<_, (String, i64)>("SELECT account, balance_cents FROM account_balances")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect()
+    }
+
+    pub async fn claims(&self) -> i64 {
+        self.count("SELECT count(*) FROM processed_messages").await
+    }
+}
+
+/// A broker connection with a confirm-mode channel for publishing and inspecting.
+pub struct Broker {
+    pub connection: Connection,
+    pub channel: Channel,
+}
+
+impl Broker {
+    pub async fn connect() -> Broker {
+        let url = amqp_url();
+        let connection = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|e| panic!("RabbitMQ is not reachable at {url}: {e}\n{START_RABBIT}"));
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        Broker {
+            connection,
+            channel,
+        }
+    }
+
+    /// Declares `queue` and `queue.dlq` exactly as the consumer does (quorum,
+    /// dead-lettering into the DLQ), so that messages can be published before
+    /// the consumer starts.
+    pub async fn declare(&self, queue: &str) {
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        let mut dlq_args = FieldTable::default();
+        dlq_args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        self.channel
+            .queue_declare(
+                format!("{queue}.dlq").as_str().into(),
+                durable,
+                dlq_args.clone(),
+            )
+            .await
+            .unwrap();
+        let mut args = dlq_args;
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString("".into()),
+        );
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(format!("{queue}.dlq").as_str().into()),
+        );
+        self.channel
+            .queue_declare(queue.into(), durable, args)
+            .await
+            .unwrap();
+    }
+
+    /// Publishes through the default exchange and waits for the confirm.
+    pub async fn publish_props(&self, queue: &str, properties: BasicProperties, body: &[u8]) {
+        let confirm = self
+            .channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body,
+                properties.with_delivery_mode(2),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(
+            matches!(confirm, lapin::Confirmation::Ack(None)),
+            "publish to {queue} not confirmed: {confirm:?}"
+        );
+    }
+
+    /// Publishes `body` with AMQP `message_id` = `id` (or none).
+    pub async fn publish(&self, queue: &str, id: Option<&str>, body: &[u8]) {
+        let mut properties = BasicProperties::default();
+        if let Some(id) = id {
+            properties = properties.with_message_id(id.into());
+        }
+        self.publish_props(queue, properties, body).await;
+    }
+
+    /// Publishes a payment message.
+    pub async fn publish_payment(&self, queue: &str, id: &str, account: &str, cents: i64) {
+        let body = payment_body(account, cents);
+        self.publish(queue, Some(id), &body).await;
+    }
+
+    /// Publishes without waiting for each confirm (bulk loads), then waits for all.
+    pub async fn publish_many(&self, queue: &str, messages: &[(String, Vec<u8>)]) {
+        for (id, body) in messages {
+            let _confirm = self
+                .channel
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    BasicPublishOptions::default(),
+                    body,
+                    BasicProperties::default()
+                        .with_message_id(id.as_str().into())
+                        .with_delivery_mode(2),
+                )
+                .await
+                .unwrap();
+        }
+        let returned = self.channel.wait_for_confirms().await.unwrap();
+        assert!(returned.is_empty(), "some publishes were returned");
+    }
+
+    /// Messages ready in `queue` (not counting unacked ones).
+    pub async fn ready(&self, queue: &str) -> u32 {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        self.channel
+            .queue_declare(queue.into(), passive, FieldTable::default())
+            .await
+            .unwrap_or_else(|e| panic!("queue {queue} should exist: {e}"))
+            .message_count()
+    }
+
+    /// Takes every message from `queue` (acking them) and returns them.
+    pub async fn drain(&self, queue: &str) -> Vec<DeadLetter> {
+        let mut out = Vec::new();
+        while let Some(m) = self
+            .channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            let headers = m
+                .delivery
+                .properties
+                .headers()
+                .clone()
+                .unwrap_or_default()
+                .inner()
+                .iter()
+                .filter_map(|(k, v)| match v {
+                    AMQPValue::LongString(s) => Some((
+                        k.to_string(),
+                        String::from_utf8_lossy(s.as_bytes()).into_owned(),
+                    )),
+                    _ => None,
+                })
+                .collect();
+            out.push(DeadLetter {
+                message_id: m
+                    .delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|s| s.to_string()),
+                headers,
+                body: m.delivery.data.clone(),
+            });
+        }
+        out
+    }
+
+    pub async fn delete(&self, queue: &str) {
+        let _ = self
+            .channel
+            .queue_delete(queue.into(), QueueDeleteOptions::default())
+            .await;
+    }
+}
+
+/// A message read back from a queue, typically the DLQ.
+#[derive(Debug)]
+pub struct DeadLetter {
+    pub message_id: Option<String>,
+    pub headers: BTreeMap<String, String>,
+    pub body: Vec<u8>,
+}
+
+impl DeadLetter {
+    pub fn reason(&self) -> &str {
+        self.headers
+            .get(idempo::amqp::REASON_HEADER)
+            .map(String::as_str)
+            .unwrap_or("<no reason header>")
+    }
+}
+
+pub fn payment_body(account: &str, cents: i64) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({"account": account, "amount_cents": cents})).unwrap()
+}
+
+/// Polls `condition` every 50 ms until it holds or `timeout` passes.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    loop {
+        if condition().await {
+            return;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Logs from the library while tests run (`RUST_LOG=idempo=debug` for more).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "idempo=warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// Closes, from the broker's side, the AMQP connection that carries
+/// `connection_name` (as a crash or a network cut would look to the client).
+pub fn close_connection_named(connection_name: &str) {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args([
+            "list_connections",
+            "pid",
+            "client_properties",
+            "-q",
+            "--no-table-headers",
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run rabbitmqctl (needed to cut a connection): {e}"));
+    assert!(
+        out.status.success(),
+        "rabbitmqctl list_connections failed: {out:?}"
+    );
+    let listing = String::from_utf8_lossy(&out.stdout);
+    let pids: Vec<&str> = listing
+        .lines()
+        .filter(|line| line.contains(connection_name))
+        .filter_map(|line| line.split('\t').next())
+        .collect();
+    assert_eq!(
+        pids.len(),
+        1,
+        "expected one connection named {connection_name}:\n{listing}"
+    );
+    let closed = std::process::Command::new("rabbitmqctl")
+        .args(["close_connection", pids[0], "test: simulated crash"])
+        .output()
+        .expect("rabbitmqctl close_connection");
+    assert!(
+        closed.status.success(),
+        "rabbitmqctl close_connection failed: {closed:?}"
+    );
+}
