@@ -398,3 +398,29 @@ pub fn close_connection_named(connection_name: &str) {
         "rabbitmqctl close_connection failed: {closed:?}"
     );
 }
+
+/// The compiled `payments` example, built on first use.
+pub fn payments_example_binary() -> std::path::PathBuf {
+    static BINARY: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BINARY
+        .get_or_init(|| {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let out = std::process::Command::new(cargo)
+                .args(["build", "--example", "payments", "--message-format=json"])
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .expect("run cargo build --example payments");
+            assert!(
+                out.status.success(),
+                "cargo build --example payments failed"
+            );
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+                .filter(|m| m["target"]["name"] == "payments")
+                .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
+                .expect("cargo reported the payments executable")
+        })
+        .clone()
+}

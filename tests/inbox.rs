@@ -1,0 +1,134 @@
+//! The transport-agnostic inbox: `claim` inside the caller's transaction.
+
+mod support;
+
+use std::time::Duration;
+
+use idempo::inbox::{self, Claim};
+use support::Db;
+
+#[tokio::test]
+async fn a_committed_claim_makes_the_next_one_a_duplicate() {
+    let db = Db::new().await;
+    let mut tx = db.pool.begin().await.unwrap();
+    assert_eq!(
+        inbox::claim(&mut tx, "c", "m-1", b"body").await.unwrap(),
+        Claim::Fresh
+    );
+    tx.commit().await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    assert_eq!(
+        inbox::claim(&mut tx, "c", "m-1", b"body").await.unwrap(),
+        Claim::Duplicate
+    );
+    tx.rollback().await.unwrap();
+    assert_eq!(db.claims().await, 1);
+}
+
+#[tokio::test]
+async fn the_same_id_with_another_body_is_a_mismatch() {
+    let db = Db::new().await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let _ = inbox::claim(&mut tx, "c", "m-1", b"first").await.unwrap();
+    tx.commit().await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    assert_eq!(
+        inbox::claim(&mut tx, "c", "m-1", b"second").await.unwrap(),
+        Claim::Mismatch
+    );
+}
+
+#[tokio::test]
+async fn a_rolled_back_claim_leaves_the_id_free() {
+    let db = Db::new().await;
+    let mut tx = db.pool.begin().await.unwrap();
+    assert_eq!(
+        inbox::claim(&mut tx, "c", "m-1", b"x").await.unwrap(),
+        Claim::Fresh
+    );
+    tx.rollback().await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    assert_eq!(
+        inbox::claim(&mut tx, "c", "m-1", b"x").await.unwrap(),
+        Claim::Fresh
+    );
+}
+
+#[tokio::test]
+async fn ids_are_scoped_by_consumer() {
+    let db = Db::new().await;
+    for consumer in ["billing", "ledger"] {
+        let mut tx = db.pool.begin().await.unwrap();
+        assert_eq!(
+            inbox::claim(&mut tx, consumer, "m-1", b"x").await.unwrap(),
+            Claim::Fresh
+        );
+        tx.commit().await.unwrap();
+    }
+    assert_eq!(db.claims().await, 2);
+}
+
+#[tokio::test]
+async fn a_concurrent_claim_waits_for_the_first_and_then_sees_a_duplicate() {
+    let db = Db::new().await;
+    let mut first = db.pool.begin().await.unwrap();
+    assert_eq!(
+        inbox::claim(&mut first, "c", "m-1", b"x").await.unwrap(),
+        Claim::Fresh
+    );
+
+    let pool = db.pool.clone();
+    let second = tokio::spawn(async move {
+        let mut tx = pool.begin().await.unwrap();
+        inbox::claim(&mut tx, "c", "m-1", b"x").await.unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "the second claim blocks on the uncommitted row"
+    );
+    first.commit().await.unwrap();
+    assert_eq!(second.await.unwrap(), Claim::Duplicate);
+}
+
+#[tokio::test]
+async fn a_concurrent_claim_proceeds_when_the_first_rolls_back() {
+    let db = Db::new().await;
+    let mut first = db.pool.begin().await.unwrap();
+    assert_eq!(
+        inbox::claim(&mut first, "c", "m-1", b"x").await.unwrap(),
+        Claim::Fresh
+    );
+
+    let pool = db.pool.clone();
+    let second = tokio::spawn(async move {
+        let mut tx = pool.begin().await.unwrap();
+        let claim = inbox::claim(&mut tx, "c", "m-1", b"x").await.unwrap();
+        tx.commit().await.unwrap();
+        claim
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished());
+    first.rollback().await.unwrap();
+    assert_eq!(second.await.unwrap(), Claim::Fresh);
+    assert_eq!(db.claims().await, 1);
+}
+
+#[tokio::test]
+async fn invalid_ids_are_refused_before_touching_the_table() {
+    let db = Db::new().await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let empty = inbox::claim(&mut tx, "c", "", b"x").await.unwrap_err();
+    assert_eq!(empty.to_string(), "empty message id");
+    let long = inbox::claim(&mut tx, "c", &"x".repeat(256), b"x")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        long.to_string(),
+        "message id is 256 bytes long, the limit is 255"
+    );
+    assert!(matches!(long, idempo::Error::InvalidMessageId(_)));
+}

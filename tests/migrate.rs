@@ -1,0 +1,54 @@
+//! idempo's migrations coexist with an application's own sqlx migrations.
+
+mod support;
+
+use support::Db;
+
+async fn app_migrate(db: &Db) -> Result<(), sqlx::migrate::MigrateError> {
+    sqlx::migrate!("tests/fixtures/app_migrations")
+        .run(&db.pool)
+        .await
+}
+
+async fn assert_both_applied(db: &Db) {
+    let idempo: i64 = db.count("SELECT count(*) FROM _idempo_migrations").await;
+    let app: i64 = db.count("SELECT count(*) FROM _sqlx_migrations").await;
+    assert_eq!(idempo, 1, "idempo records its own migration apart");
+    assert_eq!(
+        app, 2,
+        "the application's table holds only its own versions"
+    );
+    // Both schemas are really there.
+    db.count("SELECT count(*) FROM processed_messages").await;
+    db.count("SELECT count(*) FROM orders WHERE note IS NULL")
+        .await;
+}
+
+#[tokio::test]
+async fn app_migrations_then_idempo_then_both_again() {
+    let db = Db::empty().await;
+    app_migrate(&db).await.expect("app migrations");
+    idempo::migrate(&db.pool)
+        .await
+        .expect("idempo after the app");
+    // A restart runs both again: neither may complain about the other's versions.
+    app_migrate(&db).await.expect("app migrations rerun");
+    idempo::migrate(&db.pool).await.expect("idempo rerun");
+    assert_both_applied(&db).await;
+}
+
+#[tokio::test]
+async fn idempo_then_app_migrations_then_both_again() {
+    let db = Db::empty().await;
+    idempo::migrate(&db.pool).await.expect("idempo first");
+    app_migrate(&db).await.expect("app migrations after idempo");
+    idempo::migrate(&db.pool).await.expect("idempo rerun");
+    app_migrate(&db).await.expect("app migrations rerun");
+    assert_both_applied(&db).await;
+}
+
+#[tokio::test]
+async fn the_migrator_uses_its_own_table() {
+    assert_eq!(idempo::migrator().table_name, idempo::MIGRATIONS_TABLE);
+    assert_ne!(idempo::MIGRATIONS_TABLE, "_sqlx_migrations");
+}
