@@ -625,3 +625,142 @@ async fn an_impossible_configuration_is_refused_with_a_clear_error() {
             .contains("prefetch (4) must be at least concurrency (8)")
     );
 }
+
+#[tokio::test]
+async fn a_tx_handle_kept_past_its_handler_refuses_to_run_statements() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    broker.publish_payment(&queue, "pay-leak", "olga", 1).await;
+    let kept: Arc<std::sync::Mutex<Option<Tx>>> = Arc::default();
+    let slot = kept.clone();
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(
+        move |tx: Tx, message: Message| {
+            *slot.lock().unwrap() = Some(tx.clone());
+            payments::handle(tx, message, 0.0)
+        },
+    ));
+    consumer.settled(1).await;
+    consumer.stop().await.unwrap();
+
+    let tx = kept.lock().unwrap().take().expect("the handler ran");
+    let err = tx.lock().await.unwrap_err();
+    assert!(matches!(err, idempo::Error::TransactionFinished), "{err}");
+    assert_eq!(
+        db.payments_for("pay-leak").await,
+        1,
+        "the handler's writes committed"
+    );
+}
+
+#[tokio::test]
+async fn a_failed_commit_is_not_acked_and_the_redelivery_applies_once() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    // A deferred unique constraint is checked at COMMIT: the handler's
+    // statements succeed, the commit itself fails.
+    sqlx::query(
+        "CREATE TABLE commit_guard (n int, CONSTRAINT commit_guard_n UNIQUE (n) DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    broker.declare(&queue).await;
+    broker
+        .publish_payment(&queue, "pay-commit", "pia", 40)
+        .await;
+
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let seen = attempts.clone();
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(
+        move |tx: Tx, message: Message| {
+            let seen = seen.clone();
+            async move {
+                let payment: payments::Payment = message.json()?;
+                payments::apply(tx.clone(), message.id(), &payment, 0.0).await?;
+                let rows = if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                    2
+                } else {
+                    1
+                };
+                let mut tx = tx.lock().await?;
+                for _ in 0..rows {
+                    sqlx::query("INSERT INTO commit_guard VALUES (1)")
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                Ok(())
+            }
+        },
+    ));
+    consumer.settled(1).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!(
+        (stats.commit_failures, stats.retried, stats.processed),
+        (1, 1, 1)
+    );
+    assert_eq!(db.payments_for("pay-commit").await, 1);
+    assert_eq!(db.balances().await["pia"], 40);
+    assert_eq!(broker.ready(&queue).await, 0);
+}
+
+#[tokio::test]
+async fn an_unreachable_database_leaves_the_delivery_in_the_queue() {
+    support::init_tracing();
+    let (broker, queue) = (Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    broker.publish_payment(&queue, "pay-nodb", "quinn", 1).await;
+    // Nothing listens on port 1: every BEGIN fails.
+    let dead_pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/postgres")
+        .unwrap();
+    let consumer = Running::start(
+        Consumer::builder(support::amqp_url(), dead_pool)
+            .queue(&queue)
+            .requeue_delay(Duration::from_millis(50))
+            .handler(|tx: Tx, message: Message| payments::handle(tx, message, 0.0)),
+    );
+    eventually("the delivery was retried twice", WAIT, || async {
+        consumer.stats().retried >= 2
+    })
+    .await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!((stats.processed, stats.dead_lettered), (0, 0));
+    eventually("the message is back in the queue", WAIT, || async {
+        broker.ready(&queue).await == 1
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_dead_letter_the_broker_cannot_route_keeps_the_original_in_the_queue() {
+    support::init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    broker.publish(&queue, Some("poison"), b"not json").await;
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .declare(false)
+            .dead_letter_queue(unique("missing_dlq")),
+    );
+    eventually("the poison was handed back", WAIT, || async {
+        consumer.stats().retried >= 1
+    })
+    .await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!(
+        stats.dead_lettered, 0,
+        "an unconfirmed dead letter is not counted"
+    );
+    eventually("the poison is still in the work queue", WAIT, || async {
+        broker.ready(&queue).await == 1
+    })
+    .await;
+}

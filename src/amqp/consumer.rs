@@ -267,13 +267,12 @@ async fn consume(
     };
 
     // Stop new deliveries first, so that nothing arrives while we drain.
-    if channel.status().connected() {
-        if let Err(e) = channel
+    if channel.status().connected()
+        && let Err(e) = channel
             .basic_cancel(tag, BasicCancelOptions::default())
             .await
-        {
-            tracing::debug!(error = %e, "basic.cancel failed");
-        }
+    {
+        tracing::debug!(error = %e, "basic.cancel failed");
     }
     let drained = tokio::time::timeout(config.shutdown_timeout, async {
         while tasks.join_next().await.is_some() {}

@@ -1,29 +1,4 @@
 //! Handlers: closures (or [`Handler`] impls) that get the open transaction and a typed message.
-//!
-//! # Why `Tx` is a handle and not `&mut Transaction`
-//! A closure whose returned future borrows its argument (`|tx: &mut Transaction, msg| async
-//! move { ... }`) cannot be written on stable Rust so that the future is also
-//! `Send`, which the runtime needs to run handlers on tokio's worker threads.
-//! Async closures (`async |tx, msg| ...`) borrow fine but give no way to require
-//! a `Send` future either. So the handler gets an owned, `'static` [`Tx`] handle
-//! to the transaction and locks it where it issues statements:
-//!
-//! ```
-//! # use idempo::amqp::{HandlerError, Json, Tx};
-//! # #[derive(serde::Deserialize)] struct Payment { account: String }
-//! let handler = |tx: Tx, Json(p): Json<Payment>| async move {
-//!     let mut tx = tx.lock().await?;          // a guard that derefs to PgConnection
-//!     sqlx::query("INSERT INTO seen (account) VALUES ($1)")
-//!         .bind(&p.account)
-//!         .execute(&mut *tx)                   // `&mut *tx` is an Executor
-//!         .await?;
-//!     Ok::<_, HandlerError>(())
-//! };
-//! ```
-//!
-//! The runtime takes the transaction back when the handler's future completes
-//! and commits or rolls it back; a `Tx` clone kept beyond that point only
-//! yields [`Error::TransactionFinished`](crate::Error::TransactionFinished).
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -43,8 +18,32 @@ type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// message's id was claimed. Everything written through it commits or rolls
 /// back together with that claim.
 ///
-/// Clone it freely within the handler; see the [module docs](self) for why it
-/// is a handle.
+/// Clone it freely within the handler.
+///
+/// # Why a handle and not `&mut Transaction`
+/// A closure whose returned future borrows its argument (`|tx: &mut Transaction, msg| async
+/// move { ... }`) cannot be written on stable Rust so that the future is also
+/// `Send`, which the runtime needs to run handlers on tokio's worker threads.
+/// Async closures (`async |tx, msg| ...`) borrow fine but give no way to require
+/// a `Send` future either. So the handler gets an owned, `'static` [`Tx`] handle
+/// to the transaction and locks it where it issues statements:
+///
+/// ```
+/// # use idempo::amqp::{HandlerError, Json, Tx};
+/// # #[derive(serde::Deserialize)] struct Payment { account: String }
+/// let handler = |tx: Tx, Json(p): Json<Payment>| async move {
+///     let mut tx = tx.lock().await?;          // a guard that derefs to PgConnection
+///     sqlx::query("INSERT INTO seen (account) VALUES ($1)")
+///         .bind(&p.account)
+///         .execute(&mut *tx)                   // `&mut *tx` is an Executor
+///         .await?;
+///     Ok::<_, HandlerError>(())
+/// };
+/// ```
+///
+/// The runtime takes the transaction back when the handler's future completes
+/// and commits or rolls it back; a `Tx` clone kept beyond that point only
+/// yields [`Error::TransactionFinished`](crate::Error::TransactionFinished).
 #[derive(Clone)]
 pub struct Tx {
     inner: Arc<Mutex<Option<Transaction<'static, Postgres>>>>,

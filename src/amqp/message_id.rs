@@ -8,6 +8,9 @@ use lapin::types::AMQPValue;
 use super::Message;
 use crate::inbox::{InvalidMessageId, payload_sha256, validate_message_id};
 
+/// A user function that finds a delivery's id; `None` means "no id".
+pub type IdFn = Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>;
+
 /// How the runtime finds the id it deduplicates on.
 ///
 /// # Default
@@ -23,7 +26,7 @@ pub enum MessageIdSource {
     /// An application header with this name (string or integer value).
     Header(String),
     /// A function of the delivery; `None` means "no id" (dead-lettered).
-    Custom(Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>),
+    Custom(IdFn),
     /// The lowercase hex SHA-256 of the body: equal bodies are one message.
     ///
     /// Opt-in, because two *intended* identical messages (two equal payments)

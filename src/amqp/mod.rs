@@ -37,7 +37,7 @@ pub use dead_letter::{
 };
 pub use handler::{ErrorKind, Handler, HandlerError, ResultExt, Tx, TxGuard};
 pub use message::{DecodeError, FromMessage, Json, Message};
-pub use message_id::MessageIdSource;
+pub use message_id::{IdFn, MessageIdSource};
 pub use stats::{Stats, StatsSnapshot};
 pub use topology::QueueType;
 

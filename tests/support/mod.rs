@@ -361,10 +361,20 @@ pub fn init_tracing() {
         .try_init();
 }
 
+/// `rabbitmqctl`, or the command in `RABBITMQCTL` (e.g.
+/// `docker compose exec -T rabbitmq rabbitmqctl` when the broker runs in compose).
+fn rabbitmqctl() -> std::process::Command {
+    let line = std::env::var("RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
+    let mut words = line.split_whitespace();
+    let mut command = std::process::Command::new(words.next().expect("RABBITMQCTL is empty"));
+    command.args(words);
+    command
+}
+
 /// Closes, from the broker's side, the AMQP connection that carries
 /// `connection_name` (as a crash or a network cut would look to the client).
 pub fn close_connection_named(connection_name: &str) {
-    let out = std::process::Command::new("rabbitmqctl")
+    let out = rabbitmqctl()
         .args([
             "list_connections",
             "pid",
@@ -373,7 +383,7 @@ pub fn close_connection_named(connection_name: &str) {
             "--no-table-headers",
         ])
         .output()
-        .unwrap_or_else(|e| panic!("cannot run rabbitmqctl (needed to cut a connection): {e}"));
+        .unwrap_or_else(|e| panic!("cannot run rabbitmqctl (needed to cut a connection; set RABBITMQCTL to e.g. `docker compose exec -T rabbitmq rabbitmqctl`): {e}"));
     assert!(
         out.status.success(),
         "rabbitmqctl list_connections failed: {out:?}"
@@ -389,7 +399,7 @@ pub fn close_connection_named(connection_name: &str) {
         1,
         "expected one connection named {connection_name}:\n{listing}"
     );
-    let closed = std::process::Command::new("rabbitmqctl")
+    let closed = rabbitmqctl()
         .args(["close_connection", pids[0], "test: simulated crash"])
         .output()
         .expect("rabbitmqctl close_connection");
