@@ -588,7 +588,7 @@ async fn deleting_the_queue_stops_the_consumer_with_consumer_cancelled() {
         .unwrap()
         .unwrap();
     assert!(
-        matches!(result, Err(idempo::Error::ConsumerCancelled { ref queue }) if queue.starts_with("q_")),
+        matches!(result, Err(idempo::Error::ConsumerCancelled { ref queue }) if queue.starts_with(support::TEST_PREFIX)),
         "{result:?}"
     );
 }

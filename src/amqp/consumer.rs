@@ -237,7 +237,9 @@ async fn consume(
     let mut tasks = JoinSet::new();
 
     let result = loop {
-        while tasks.try_join_next().is_some() {}
+        while let Some(done) = tasks.try_join_next() {
+            log_task_failure(done);
+        }
         let next = tokio::select! {
             biased;
             () = shutdown.cancelled() => break Ok(()),
@@ -275,7 +277,9 @@ async fn consume(
         tracing::debug!(error = %e, "basic.cancel failed");
     }
     let drained = tokio::time::timeout(config.shutdown_timeout, async {
-        while tasks.join_next().await.is_some() {}
+        while let Some(done) = tasks.join_next().await {
+            log_task_failure(done);
+        }
     })
     .await;
     if drained.is_err() {
@@ -291,6 +295,16 @@ async fn consume(
     }
     tracing::info!(consumer = %config.consumer, "stopped consuming");
     result
+}
+
+/// Handler panics are caught inside the task; a failed task means a bug in
+/// idempo itself. Its delivery stays unacked and is redelivered.
+fn log_task_failure(done: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = done
+        && !e.is_cancelled()
+    {
+        tracing::error!(error = %e, "delivery task failed");
+    }
 }
 
 #[cfg(unix)]

@@ -36,18 +36,54 @@ const START_PG: &str = "start it with `pg_ctlcluster --skip-systemctl-redirect $
 const START_RABBIT: &str = "start it with `rabbitmq-server -detached` \
      (or `docker compose up -d rabbitmq`), or point AMQP_URL at a running broker";
 
-/// A name no other test (or earlier run) uses.
-pub fn unique(prefix: &str) -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
+/// The prefix of every queue, exchange and schema the tests create; leftovers
+/// of earlier runs are removed by it (see [`Db::with_pool_size`] and
+/// [`Broker::connect`]).
+pub const TEST_PREFIX: &str = "idempo_test_";
+
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
-        .subsec_nanos();
+        .as_secs()
+}
+
+/// A name no other test (or earlier run) uses: `idempo_test_<what>_<unix secs>_<pid>_<n>`.
+pub fn unique(what: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
     format!(
-        "{prefix}_{}_{}_{nanos:x}",
+        "{TEST_PREFIX}{what}_{}_{}_{}",
+        unix_secs(),
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+/// Drops test schemas created more than an hour ago (by runs that failed or
+/// were killed); the creation time is part of the name.
+async fn drop_stale_schemas(admin: &PgPool) {
+    let schemas: Vec<String> =
+        sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)")
+            .bind(format!("{TEST_PREFIX}db_"))
+            .fetch_all(admin)
+            .await
+            .expect("list test schemas");
+    let cutoff = unix_secs().saturating_sub(3600);
+    for schema in schemas {
+        let created = schema
+            .trim_start_matches(TEST_PREFIX)
+            .trim_start_matches("db_")
+            .split('_')
+            .next()
+            .and_then(|t| t.parse::<u64>().ok());
+        if created.is_some_and(|t| t < cutoff) {
+            let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DROP SCHEMA IF EXISTS {schema} CASCADE"
+            )))
+            .execute(admin)
+            .await;
+        }
+    }
 }
 
 /// One test's private database schema.
@@ -79,7 +115,8 @@ impl Db {
         let admin = PgPool::connect(&base)
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL is not reachable at {base}: {e}\n{START_PG}"));
-        let schema = unique("t");
+        drop_stale_schemas(&admin).await;
+        let schema = unique("db");
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
             .execute(&admin)
             .await
@@ -148,6 +185,7 @@ impl Broker {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .unwrap();
+        expire_idle_test_queues();
         Broker {
             connection,
             channel,
@@ -369,6 +407,29 @@ fn rabbitmqctl() -> std::process::Command {
     let mut command = std::process::Command::new(words.next().expect("RABBITMQCTL is empty"));
     command.args(words);
     command
+}
+
+/// Sets (once per process) a broker policy that deletes test queues after 10
+/// idle minutes, so that failed or killed runs do not pile up quorum queues.
+fn expire_idle_test_queues() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        let definition = r#"{"expires":600000}"#;
+        let result = rabbitmqctl()
+            .args([
+                "set_policy",
+                "idempo-test-expiry",
+                &format!("^{TEST_PREFIX}"),
+                definition,
+            ])
+            .args(["--apply-to", "queues"])
+            .output();
+        match result {
+            Ok(out) if out.status.success() => {}
+            // Not a skip: the tests still run; only old test queues stay until deleted by hand.
+            other => eprintln!("warning: cannot set the test-queue expiry policy: {other:?}"),
+        }
+    });
 }
 
 /// Closes, from the broker's side, the AMQP connection that carries
