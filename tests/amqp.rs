@@ -2,13 +2,14 @@
 
 mod support;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempo::amqp::{
-    Consumer, ConsumerBuilder, HandlerError, Message, MessageIdSource, QueueType, ShutdownHandle,
-    Stats, StatsSnapshot, Tx,
+    Consumer, ConsumerBuilder, Handler, HandlerError, Message, MessageIdSource, QueueType,
+    ShutdownHandle, Stats, StatsSnapshot, Tx,
 };
 use lapin::options::{BasicPublishOptions, ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -68,11 +69,29 @@ fn payments_consumer(db: &Db, queue: &str) -> ConsumerBuilder {
         .handler(|tx: Tx, message: Message| payments::handle(tx, message, 0.0))
 }
 
+/// The payments handler followed by `after(attempt, tx)` on the same
+/// transaction (attempt counts from 0); also returns the attempt counter.
+fn payments_then<F, Fut>(after: F) -> (Arc<AtomicUsize>, impl Handler<Message>)
+where
+    F: Fn(usize, Tx) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let counter = attempts.clone();
+    let handler = move |tx: Tx, message: Message| {
+        let (counter, after) = (counter.clone(), after.clone());
+        async move {
+            let payment: payments::Payment = message.json()?;
+            payments::apply(tx.clone(), message.id(), &payment, 0.0).await?;
+            after(counter.fetch_add(1, Ordering::SeqCst), tx).await
+        }
+    };
+    (attempts, handler)
+}
+
 #[tokio::test]
 async fn a_message_published_twice_is_applied_once() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     broker.publish_payment(&queue, "pay-1", "alice", 500).await;
     broker.publish_payment(&queue, "pay-1", "alice", 500).await;
 
@@ -164,29 +183,19 @@ async fn queue_exists(broker: &Broker, queue: &str) -> bool {
 
 #[tokio::test]
 async fn a_handler_error_after_writing_rolls_back_and_the_retry_applies_once() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     broker
         .publish_payment(&queue, "pay-flaky", "dave", 300)
         .await;
 
-    let attempts = Arc::new(AtomicUsize::new(0));
-    let seen = attempts.clone();
-    let consumer = Running::start(payments_consumer(&db, &queue).handler(
-        move |tx: Tx, message: Message| {
-            let seen = seen.clone();
-            async move {
-                let payment: payments::Payment = message.json().unwrap();
-                payments::apply(tx, message.id(), &payment, 0.0).await?;
-                // Fail the first two attempts after both writes were made.
-                if seen.fetch_add(1, Ordering::SeqCst) < 2 {
-                    return Err(HandlerError::transient("flaky downstream"));
-                }
-                Ok(())
-            }
-        },
-    ));
+    // Fail the first two attempts after both writes were made.
+    let (attempts, flaky) = payments_then(|attempt, _tx| async move {
+        if attempt < 2 {
+            return Err(HandlerError::transient("flaky downstream"));
+        }
+        Ok(())
+    });
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(flaky));
     consumer.settled(1).await;
     let stats = consumer.stats();
     consumer.stop().await.unwrap();
@@ -204,28 +213,22 @@ async fn a_handler_error_after_writing_rolls_back_and_the_retry_applies_once() {
 
 #[tokio::test]
 async fn a_panicking_handler_is_rolled_back_and_retried_and_the_runtime_keeps_running() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     broker
         .publish_payment(&queue, "pay-panic", "erin", 10)
         .await;
 
-    let attempts = Arc::new(AtomicUsize::new(0));
-    let seen = attempts.clone();
-    let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1).handler(
-        move |tx: Tx, message: Message| {
-            let seen = seen.clone();
-            async move {
-                let payment: payments::Payment = message.json().unwrap();
-                payments::apply(tx, message.id(), &payment, 0.0).await?;
-                if seen.fetch_add(1, Ordering::SeqCst) == 0 {
-                    panic!("bug in the handler");
-                }
-                Ok(())
-            }
-        },
-    ));
+    let (_, panicky) = payments_then(|attempt, _tx| async move {
+        if attempt == 0 {
+            panic!("bug in the handler");
+        }
+        Ok(())
+    });
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .concurrency(1)
+            .handler(panicky),
+    );
     consumer.settled(1).await;
     broker.publish_payment(&queue, "pay-after", "erin", 5).await;
     consumer.settled(2).await;
@@ -239,31 +242,28 @@ async fn a_panicking_handler_is_rolled_back_and_retried_and_the_runtime_keeps_ru
 
 #[tokio::test]
 async fn a_crash_between_commit_and_ack_is_redelivered_and_acked_as_a_duplicate() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     broker
         .publish_payment(&queue, "pay-crash", "frank", 900)
         .await;
 
     // The handler cuts its own AMQP connection before returning: the runtime
     // then commits and its ack can no longer reach the broker.
-    let name = unique("crashing");
-    let cut = name.clone();
+    let connection = unique("crashing");
+    let name = connection.clone();
+    let (_, cutting) = payments_then(move |_, _tx| {
+        let name = name.clone();
+        async move {
+            tokio::task::spawn_blocking(move || support::close_connection_named(&name))
+                .await
+                .unwrap();
+            Ok(())
+        }
+    });
     let first = Running::start(
         payments_consumer(&db, &queue)
-            .connection_name(&name)
-            .handler(move |tx: Tx, message: Message| {
-                let cut = cut.clone();
-                async move {
-                    let payment: payments::Payment = message.json().unwrap();
-                    payments::apply(tx, message.id(), &payment, 0.0).await?;
-                    tokio::task::spawn_blocking(move || support::close_connection_named(&cut))
-                        .await
-                        .unwrap();
-                    Ok(())
-                }
-            }),
+            .connection_name(&connection)
+            .handler(cutting),
     );
     let result = tokio::time::timeout(WAIT, first.task)
         .await
@@ -288,9 +288,7 @@ async fn a_crash_between_commit_and_ack_is_redelivered_and_acked_as_a_duplicate(
 
 #[tokio::test]
 async fn poison_messages_are_dead_lettered_with_their_reason_and_write_nothing() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     let dlq = format!("{queue}.dlq");
     broker.publish(&queue, Some("bad-json"), b"{not json").await;
     broker
@@ -352,9 +350,7 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_write_nothing()
 
 #[tokio::test]
 async fn many_concurrent_copies_across_two_consumer_instances_apply_once() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     let mut messages = Vec::new();
     for copy in 0..100 {
         messages.push(("pay-hot".to_owned(), support::payment_body("hank", 1)));
@@ -389,9 +385,7 @@ async fn many_concurrent_copies_across_two_consumer_instances_apply_once() {
 
 #[tokio::test]
 async fn shutdown_lets_the_handler_in_flight_commit_and_returns_the_rest_to_the_queue() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     for i in 0..5 {
         broker
             .publish_payment(&queue, &format!("pay-{i}"), "jill", 1)
@@ -399,20 +393,19 @@ async fn shutdown_lets_the_handler_in_flight_commit_and_returns_the_rest_to_the_
     }
     let started = Arc::new(tokio::sync::Notify::new());
     let signal = started.clone();
+    let (_, slow) = payments_then(move |_, _tx| {
+        let signal = signal.clone();
+        async move {
+            signal.notify_one();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            Ok(())
+        }
+    });
     let consumer = Running::start(
         payments_consumer(&db, &queue)
             .concurrency(1)
             .prefetch(10)
-            .handler(move |tx: Tx, message: Message| {
-                let signal = signal.clone();
-                async move {
-                    signal.notify_one();
-                    let payment: payments::Payment = message.json().unwrap();
-                    payments::apply(tx, message.id(), &payment, 0.0).await?;
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                    Ok(())
-                }
-            }),
+            .handler(slow),
     );
     started.notified().await;
     let stats = consumer.stats.clone();
@@ -437,9 +430,7 @@ async fn shutdown_lets_the_handler_in_flight_commit_and_returns_the_rest_to_the_
 
 #[tokio::test]
 async fn a_header_can_carry_the_message_id() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     for id in ["h-1", "h-1", "h-2"] {
         let mut headers = FieldTable::default();
         headers.insert("x-payment-id".into(), AMQPValue::LongString(id.into()));
@@ -468,9 +459,7 @@ async fn a_header_can_carry_the_message_id() {
 #[tokio::test]
 async fn an_oversized_message_id_is_dead_lettered() {
     // The AMQP message_id property cannot exceed 255 bytes, but a header can.
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     let mut headers = FieldTable::default();
     headers.insert(
         "x-payment-id".into(),
@@ -501,9 +490,7 @@ async fn an_oversized_message_id_is_dead_lettered() {
 
 #[tokio::test]
 async fn content_hash_mode_treats_equal_bodies_as_one_message() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     broker
         .publish(&queue, None, &support::payment_body("lee", 3))
         .await;
@@ -548,26 +535,8 @@ async fn a_classic_queue_is_declared_on_request() {
     consumer.stop().await.unwrap();
 
     // Re-declaring with other arguments would fail: the queue is classic.
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("classic".into()),
-    );
-    args.insert(
-        "x-dead-letter-exchange".into(),
-        AMQPValue::LongString("".into()),
-    );
-    args.insert(
-        "x-dead-letter-routing-key".into(),
-        AMQPValue::LongString(format!("{queue}.dlq").as_str().into()),
-    );
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
     broker
-        .channel
-        .queue_declare(queue.as_str().into(), durable, args)
+        .declare_as(&queue, "classic")
         .await
         .expect("the queue is a classic queue with the DLQ arguments");
     assert_eq!(db.payments_for("pay-c").await, 1);
@@ -576,9 +545,7 @@ async fn a_classic_queue_is_declared_on_request() {
 
 #[tokio::test]
 async fn deleting_the_queue_stops_the_consumer_with_consumer_cancelled() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     let consumer = Running::start(payments_consumer(&db, &queue));
     broker.publish_payment(&queue, "pay-d", "ned", 1).await;
     consumer.settled(1).await;
@@ -628,9 +595,7 @@ async fn an_impossible_configuration_is_refused_with_a_clear_error() {
 
 #[tokio::test]
 async fn a_tx_handle_kept_past_its_handler_refuses_to_run_statements() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     broker.publish_payment(&queue, "pay-leak", "olga", 1).await;
     let kept: Arc<std::sync::Mutex<Option<Tx>>> = Arc::default();
     let slot = kept.clone();
@@ -670,29 +635,18 @@ async fn a_failed_commit_is_not_acked_and_the_redelivery_applies_once() {
         .publish_payment(&queue, "pay-commit", "pia", 40)
         .await;
 
-    let attempts = Arc::new(AtomicUsize::new(0));
-    let seen = attempts.clone();
-    let consumer = Running::start(payments_consumer(&db, &queue).handler(
-        move |tx: Tx, message: Message| {
-            let seen = seen.clone();
-            async move {
-                let payment: payments::Payment = message.json()?;
-                payments::apply(tx.clone(), message.id(), &payment, 0.0).await?;
-                let rows = if seen.fetch_add(1, Ordering::SeqCst) == 0 {
-                    2
-                } else {
-                    1
-                };
-                let mut tx = tx.lock().await?;
-                for _ in 0..rows {
-                    sqlx::query("INSERT INTO commit_guard VALUES (1)")
-                        .execute(&mut *tx)
-                        .await?;
-                }
-                Ok(())
-            }
-        },
-    ));
+    let (_, guarded) = payments_then(|attempt, tx| async move {
+        // The first attempt breaks the deferred constraint; the next ones do not.
+        let rows = if attempt == 0 { 2 } else { 1 };
+        let mut tx = tx.lock().await?;
+        for _ in 0..rows {
+            sqlx::query("INSERT INTO commit_guard VALUES (1)")
+                .execute(&mut *tx)
+                .await?;
+        }
+        Ok(())
+    });
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(guarded));
     consumer.settled(1).await;
     let stats = consumer.stats();
     consumer.stop().await.unwrap();
@@ -739,9 +693,7 @@ async fn an_unreachable_database_leaves_the_delivery_in_the_queue() {
 
 #[tokio::test]
 async fn a_dead_letter_the_broker_cannot_route_keeps_the_original_in_the_queue() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
+    let (db, broker, queue) = support::setup().await;
     broker.publish(&queue, Some("poison"), b"not json").await;
     let consumer = Running::start(
         payments_consumer(&db, &queue)

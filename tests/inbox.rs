@@ -7,35 +7,41 @@ use std::time::Duration;
 use idempo::inbox::{self, Claim};
 use support::Db;
 
+/// Claims in a transaction of its own, then commits it or rolls it back.
+async fn claim_then(db: &Db, consumer: &str, id: &str, body: &[u8], commit: bool) -> Claim {
+    let mut tx = db.pool.begin().await.unwrap();
+    let claim = inbox::claim(&mut tx, consumer, id, body).await.unwrap();
+    if commit {
+        tx.commit().await.unwrap();
+    } else {
+        tx.rollback().await.unwrap();
+    }
+    claim
+}
+
 #[tokio::test]
 async fn a_committed_claim_makes_the_next_one_a_duplicate() {
     let db = Db::new().await;
-    let mut tx = db.pool.begin().await.unwrap();
     assert_eq!(
-        inbox::claim(&mut tx, "c", "m-1", b"body").await.unwrap(),
+        claim_then(&db, "c", "m-1", b"body", true).await,
         Claim::Fresh
     );
-    tx.commit().await.unwrap();
-
-    let mut tx = db.pool.begin().await.unwrap();
     assert_eq!(
-        inbox::claim(&mut tx, "c", "m-1", b"body").await.unwrap(),
+        claim_then(&db, "c", "m-1", b"body", false).await,
         Claim::Duplicate
     );
-    tx.rollback().await.unwrap();
     assert_eq!(db.claims().await, 1);
 }
 
 #[tokio::test]
 async fn the_same_id_with_another_body_is_a_mismatch() {
     let db = Db::new().await;
-    let mut tx = db.pool.begin().await.unwrap();
-    let _ = inbox::claim(&mut tx, "c", "m-1", b"first").await.unwrap();
-    tx.commit().await.unwrap();
-
-    let mut tx = db.pool.begin().await.unwrap();
     assert_eq!(
-        inbox::claim(&mut tx, "c", "m-1", b"second").await.unwrap(),
+        claim_then(&db, "c", "m-1", b"first", true).await,
+        Claim::Fresh
+    );
+    assert_eq!(
+        claim_then(&db, "c", "m-1", b"second", false).await,
         Claim::Mismatch
     );
 }
@@ -43,31 +49,22 @@ async fn the_same_id_with_another_body_is_a_mismatch() {
 #[tokio::test]
 async fn a_rolled_back_claim_leaves_the_id_free() {
     let db = Db::new().await;
-    let mut tx = db.pool.begin().await.unwrap();
-    assert_eq!(
-        inbox::claim(&mut tx, "c", "m-1", b"x").await.unwrap(),
-        Claim::Fresh
-    );
-    tx.rollback().await.unwrap();
-
-    let mut tx = db.pool.begin().await.unwrap();
-    assert_eq!(
-        inbox::claim(&mut tx, "c", "m-1", b"x").await.unwrap(),
-        Claim::Fresh
-    );
+    assert_eq!(claim_then(&db, "c", "m-1", b"x", false).await, Claim::Fresh);
+    assert_eq!(claim_then(&db, "c", "m-1", b"x", false).await, Claim::Fresh);
+    assert_eq!(db.claims().await, 0);
 }
 
 #[tokio::test]
 async fn ids_are_scoped_by_consumer() {
     let db = Db::new().await;
-    for consumer in ["billing", "ledger"] {
-        let mut tx = db.pool.begin().await.unwrap();
-        assert_eq!(
-            inbox::claim(&mut tx, consumer, "m-1", b"x").await.unwrap(),
-            Claim::Fresh
-        );
-        tx.commit().await.unwrap();
-    }
+    assert_eq!(
+        claim_then(&db, "billing", "m-1", b"x", true).await,
+        Claim::Fresh
+    );
+    assert_eq!(
+        claim_then(&db, "ledger", "m-1", b"x", true).await,
+        Claim::Fresh
+    );
     assert_eq!(db.claims().await, 2);
 }
 

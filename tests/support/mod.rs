@@ -196,36 +196,39 @@ impl Broker {
     /// dead-lettering into the DLQ), so that messages can be published before
     /// the consumer starts.
     pub async fn declare(&self, queue: &str) {
+        self.declare_as(queue, "quorum")
+            .await
+            .expect("declare the test queues");
+    }
+
+    /// Declares `queue` (of `queue_type`) and its DLQ with the consumer's
+    /// arguments; fails if either exists with other arguments.
+    pub async fn declare_as(&self, queue: &str, queue_type: &str) -> lapin::Result<()> {
         let durable = QueueDeclareOptions {
             durable: true,
             ..Default::default()
         };
-        let mut dlq_args = FieldTable::default();
-        dlq_args.insert(
+        let dlq = format!("{queue}.dlq");
+        let mut args = FieldTable::default();
+        args.insert(
             "x-queue-type".into(),
-            AMQPValue::LongString("quorum".into()),
+            AMQPValue::LongString(queue_type.into()),
         );
         self.channel
-            .queue_declare(
-                format!("{queue}.dlq").as_str().into(),
-                durable,
-                dlq_args.clone(),
-            )
-            .await
-            .unwrap();
-        let mut args = dlq_args;
+            .queue_declare(dlq.as_str().into(), durable, args.clone())
+            .await?;
         args.insert(
             "x-dead-letter-exchange".into(),
             AMQPValue::LongString("".into()),
         );
         args.insert(
             "x-dead-letter-routing-key".into(),
-            AMQPValue::LongString(format!("{queue}.dlq").as_str().into()),
+            AMQPValue::LongString(dlq.as_str().into()),
         );
         self.channel
             .queue_declare(queue.into(), durable, args)
-            .await
-            .unwrap();
+            .await?;
+        Ok(())
     }
 
     /// Publishes through the default exchange and waits for the confirm.
@@ -386,6 +389,15 @@ where
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The usual start of a consumer test: tracing, a fresh schema with the
+/// payments tables, a broker connection, and a declared fresh queue.
+pub async fn setup() -> (Db, Broker, String) {
+    init_tracing();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    (db, broker, queue)
 }
 
 /// Logs from the library while tests run (`RUST_LOG=idempo=debug` for more).
