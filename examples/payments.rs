@@ -20,7 +20,7 @@ mod payments;
 use std::time::Duration;
 
 use anyhow::Context;
-use idempo::amqp::{Consumer, Message, Tx};
+use idempo::amqp::Consumer;
 use sqlx::postgres::PgPoolOptions;
 
 fn env_or(name: &str, default: &str) -> String {
@@ -75,7 +75,7 @@ async fn main() -> anyhow::Result<()> {
         .queue(queue)
         .prefetch(prefetch.max(concurrency as u16))
         .concurrency(concurrency)
-        .handler(move |tx: Tx, message: Message| payments::handle(tx, message, fail_rate))
+        .handler(move |tx, message| payments::handle(tx, message, fail_rate))
         .run_until_signal()
         .await?;
     tracing::info!("drained; bye");

@@ -34,9 +34,19 @@ pub enum Error {
         queue: String,
     },
 
+    /// The channel that publishes dead letters closed: poison could no longer
+    /// be parked, so the consumer stops rather than requeue it forever.
+    #[error("the dead-letter channel was lost")]
+    DeadLetterChannelLost,
+
     /// A builder was given an impossible configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+
+    /// [`Tx::lock`](crate::amqp::Tx::lock) was called while a guard of the same
+    /// transaction was still held.
+    #[error("the transaction is already locked: hold one guard at a time")]
+    TransactionBusy,
 
     /// A [`Tx`](crate::amqp::Tx) handle was used after its handler returned:
     /// the transaction was already committed or rolled back.

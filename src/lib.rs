@@ -17,7 +17,7 @@
 //!
 //! ## Hello, consumer
 //! ```no_run
-//! use idempo::amqp::{Consumer, HandlerError, Json, Tx};
+//! use idempo::amqp::{Consumer, Json};
 //!
 //! #[derive(serde::Deserialize)]
 //! struct Payment { account: String, amount_cents: i64 }
@@ -28,14 +28,14 @@
 //!     idempo::migrate(&pool).await?;
 //!     Consumer::builder("amqp://guest:guest@127.0.0.1:5672/%2f", pool)
 //!         .queue("payments")
-//!         .handler(|tx: Tx, Json(p): Json<Payment>| async move {
-//!             let mut tx = tx.lock().await?;
+//!         .handler(|tx, Json(p): Json<Payment>| async move {
+//!             let mut tx = tx.lock()?;
 //!             sqlx::query("INSERT INTO payments (account, amount_cents) VALUES ($1, $2)")
 //!                 .bind(&p.account)
 //!                 .bind(p.amount_cents)
 //!                 .execute(&mut *tx)
 //!                 .await?;
-//!             Ok::<_, HandlerError>(())
+//!             Ok(())
 //!         })
 //!         .run_until_signal()
 //!         .await?;

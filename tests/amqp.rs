@@ -3,13 +3,15 @@
 mod support;
 
 use std::future::Future;
+
+use futures::future::BoxFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempo::amqp::{
-    Consumer, ConsumerBuilder, Handler, HandlerError, Message, MessageIdSource, QueueType,
-    ShutdownHandle, Stats, StatsSnapshot, Tx,
+    Consumer, ConsumerBuilder, HandlerError, Message, MessageIdSource, QueueType, ShutdownHandle,
+    Stats, StatsSnapshot, Tx,
 };
 use lapin::options::{BasicPublishOptions, ExchangeDeclareOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -71,7 +73,12 @@ fn payments_consumer(db: &Db, queue: &str) -> ConsumerBuilder {
 
 /// The payments handler followed by `after(attempt, tx)` on the same
 /// transaction (attempt counts from 0); also returns the attempt counter.
-fn payments_then<F, Fut>(after: F) -> (Arc<AtomicUsize>, impl Handler<Message>)
+fn payments_then<F, Fut>(
+    after: F,
+) -> (
+    Arc<AtomicUsize>,
+    impl Fn(Tx, Message) -> BoxFuture<'static, Result<(), HandlerError>> + Clone + Send + Sync + 'static,
+)
 where
     F: Fn(usize, Tx) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
@@ -80,11 +87,11 @@ where
     let counter = attempts.clone();
     let handler = move |tx: Tx, message: Message| {
         let (counter, after) = (counter.clone(), after.clone());
-        async move {
+        Box::pin(async move {
             let payment: payments::Payment = message.json()?;
             payments::apply(tx.clone(), message.id(), &payment, 0.0).await?;
             after(counter.fetch_add(1, Ordering::SeqCst), tx).await
-        }
+        }) as BoxFuture<'static, _>
     };
     (attempts, handler)
 }
@@ -609,7 +616,7 @@ async fn a_tx_handle_kept_past_its_handler_refuses_to_run_statements() {
     consumer.stop().await.unwrap();
 
     let tx = kept.lock().unwrap().take().expect("the handler ran");
-    let err = tx.lock().await.unwrap_err();
+    let err = tx.lock().unwrap_err();
     assert!(matches!(err, idempo::Error::TransactionFinished), "{err}");
     assert_eq!(
         db.payments_for("pay-leak").await,
@@ -638,7 +645,7 @@ async fn a_failed_commit_is_not_acked_and_the_redelivery_applies_once() {
     let (_, guarded) = payments_then(|attempt, tx| async move {
         // The first attempt breaks the deferred constraint; the next ones do not.
         let rows = if attempt == 0 { 2 } else { 1 };
-        let mut tx = tx.lock().await?;
+        let mut tx = tx.lock()?;
         for _ in 0..rows {
             sqlx::query("INSERT INTO commit_guard VALUES (1)")
                 .execute(&mut *tx)

@@ -54,7 +54,7 @@ pub async fn apply(
             payment.amount_cents
         )));
     }
-    let mut tx = tx.lock().await?;
+    let mut tx = tx.lock()?;
     sqlx::query("INSERT INTO payments (message_id, account, amount_cents) VALUES ($1, $2, $3)")
         .bind(message_id)
         .bind(&payment.account)

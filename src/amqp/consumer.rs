@@ -1,6 +1,7 @@
 //! The consumer runtime: connect, declare, consume, dispatch, shut down.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,8 +17,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::MessageIdSource;
+use super::dead_letter::DeadLetterPublisher;
 use super::delivery::Pipeline;
-use super::handler::{self, BoxedHandler, Handler};
+use super::handler::{self, BoxedHandler, HandlerError, Tx};
 use super::message::FromMessage;
 use super::stats::Stats;
 use super::topology::{QueueType, Topology};
@@ -31,7 +33,7 @@ use crate::{Error, Result};
 ///
 /// # Example
 /// ```no_run
-/// use idempo::amqp::{Consumer, HandlerError, Json, Tx};
+/// use idempo::amqp::{Consumer, Json};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Payment { account: String, amount_cents: i64 }
@@ -43,14 +45,14 @@ use crate::{Error, Result};
 ///     .queue("payments")
 ///     .prefetch(100)
 ///     .concurrency(16)
-///     .handler(|tx: Tx, Json(p): Json<Payment>| async move {
-///         let mut tx = tx.lock().await?;
+///     .handler(|tx, Json(p): Json<Payment>| async move {
+///         let mut tx = tx.lock()?;
 ///         sqlx::query("UPDATE balances SET cents = cents + $2 WHERE account = $1")
 ///             .bind(&p.account)
 ///             .bind(p.amount_cents)
 ///             .execute(&mut *tx)
 ///             .await?;
-///         Ok::<_, HandlerError>(())
+///         Ok(())
 ///     })
 ///     .run_until_signal()
 ///     .await?;
@@ -63,12 +65,13 @@ use crate::{Error, Result};
 /// [`ConsumerBuilder::shutdown_timeout`]), commits and acks them, closes the
 /// channel and the connection, and returns `Ok`. Deliveries that had not
 /// started go back to the queue when the channel closes. Handlers still
-/// running at the timeout are dropped: their transactions roll back and their
+/// running at the timeout (or at [`ShutdownHandle::shutdown_now`], or at a
+/// second signal) are dropped: their transactions roll back and their
 /// deliveries are redelivered.
 pub struct Consumer {
     config: Config,
     handler: BoxedHandler,
-    shutdown: CancellationToken,
+    shutdown: ShutdownHandle,
     stats: Stats,
 }
 
@@ -91,23 +94,35 @@ struct Config {
     concurrency: usize,
     message_id: MessageIdSource,
     requeue_delay: Duration,
+    handler_timeout: Duration,
     shutdown_timeout: Duration,
     connection_name: Option<String>,
 }
 
-/// Fires a graceful shutdown of a running [`Consumer`]. Cheap to clone.
-#[derive(Debug, Clone)]
-pub struct ShutdownHandle(CancellationToken);
+/// Stops a running [`Consumer`] from another task. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct ShutdownHandle {
+    graceful: CancellationToken,
+    now: CancellationToken,
+}
 
 impl ShutdownHandle {
-    /// Asks the consumer to stop: see [Shutdown](Consumer#shutdown).
+    /// Asks the consumer to stop after the handlers in flight: see
+    /// [Shutdown](Consumer#shutdown).
     pub fn shutdown(&self) {
-        self.0.cancel();
+        self.graceful.cancel();
+    }
+
+    /// Stops without waiting for the handlers in flight: their transactions
+    /// roll back and their deliveries are redelivered. Nothing is lost.
+    pub fn shutdown_now(&self) {
+        self.graceful.cancel();
+        self.now.cancel();
     }
 
     /// Whether shutdown was requested.
     pub fn is_shutdown(&self) -> bool {
-        self.0.is_cancelled()
+        self.graceful.is_cancelled()
     }
 }
 
@@ -123,7 +138,7 @@ impl Consumer {
 
     /// A handle that stops this consumer gracefully from another task.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
-        ShutdownHandle(self.shutdown.clone())
+        self.shutdown.clone()
     }
 
     /// The consumer's live counters.
@@ -137,16 +152,21 @@ impl Consumer {
     }
 
     /// Runs until SIGTERM or SIGINT (or the [`ShutdownHandle`]), then shuts
-    /// down gracefully and returns `Ok`.
+    /// down gracefully and returns `Ok`. A second signal during the drain stops
+    /// at once, as [`ShutdownHandle::shutdown_now`].
     ///
     /// # Errors
     /// As [`Consumer::run`].
     pub async fn run_until_signal(self) -> Result<()> {
-        let token = self.shutdown.clone();
+        let handle = self.shutdown.clone();
         let signals = tokio::spawn(async move {
-            wait_for_signal().await;
-            tracing::info!("shutdown signal received");
-            token.cancel();
+            let mut signals = Signals::new();
+            signals.recv().await;
+            tracing::info!("shutdown signal received; draining (a second signal stops at once)");
+            handle.shutdown();
+            signals.recv().await;
+            tracing::warn!("second signal: stopping without waiting for handlers in flight");
+            handle.shutdown_now();
         });
         let result = self.run().await;
         signals.abort();
@@ -160,7 +180,9 @@ impl Consumer {
     /// - [`Error::Amqp`] when the broker is unreachable, a declaration is
     ///   refused, or the connection is lost while consuming;
     /// - [`Error::ConsumerCancelled`] when the broker cancels the subscription
-    ///   (the queue was deleted).
+    ///   (the queue was deleted);
+    /// - [`Error::DeadLetterChannelLost`] when dead letters can no longer be
+    ///   published.
     ///
     /// In both cases the handlers in flight are first drained as in a shutdown;
     /// nothing that was not committed is acknowledged.
@@ -190,7 +212,7 @@ impl Consumer {
 async fn consume(
     config: &Config,
     handler: BoxedHandler,
-    shutdown: &CancellationToken,
+    shutdown: &ShutdownHandle,
     stats: Stats,
     connection: &Connection,
 ) -> Result<()> {
@@ -222,15 +244,21 @@ async fn consume(
         "consuming"
     );
 
+    let broken = CancellationToken::new();
     let pipeline = Arc::new(Pipeline {
         consumer: config.consumer.clone(),
-        queue: config.topology.queue.clone(),
-        dead_letter_queue: config.topology.dead_letter_queue.clone(),
         pool: config.pool.clone(),
         handler,
         message_id: config.message_id.clone(),
         requeue_delay: config.requeue_delay,
-        dead_letters,
+        handler_timeout: config.handler_timeout,
+        dead_letters: DeadLetterPublisher::new(
+            dead_letters,
+            config.topology.dead_letter_queue.clone(),
+            config.consumer.clone(),
+            config.topology.queue.clone(),
+        ),
+        broken: broken.clone(),
         stats,
     });
     let permits = Arc::new(Semaphore::new(config.concurrency));
@@ -242,7 +270,8 @@ async fn consume(
         }
         let next = tokio::select! {
             biased;
-            () = shutdown.cancelled() => break Ok(()),
+            () = shutdown.graceful.cancelled() => break Ok(()),
+            () = broken.cancelled() => break Err(Error::DeadLetterChannelLost),
             next = deliveries.next() => next,
         };
         let delivery = match next {
@@ -258,7 +287,8 @@ async fn consume(
         // left unacked and returns to the queue when the channel closes.
         let permit = tokio::select! {
             biased;
-            () = shutdown.cancelled() => break Ok(()),
+            () = shutdown.graceful.cancelled() => break Ok(()),
+            () = broken.cancelled() => break Err(Error::DeadLetterChannelLost),
             permit = permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
         };
         let pipeline = pipeline.clone();
@@ -276,16 +306,19 @@ async fn consume(
     {
         tracing::debug!(error = %e, "basic.cancel failed");
     }
-    let drained = tokio::time::timeout(config.shutdown_timeout, async {
+    let drain = async {
         while let Some(done) = tasks.join_next().await {
             log_task_failure(done);
         }
-    })
-    .await;
-    if drained.is_err() {
+    };
+    let drained = tokio::select! {
+        drained = tokio::time::timeout(config.shutdown_timeout, drain) => drained.is_ok(),
+        () = shutdown.now.cancelled() => false,
+    };
+    if !drained {
         tracing::warn!(
             remaining = tasks.len(),
-            "shutdown timeout: dropping handlers in flight; their deliveries will be redelivered"
+            "dropping handlers in flight; their transactions roll back and their deliveries will be redelivered"
         );
         tasks.shutdown().await;
     }
@@ -307,19 +340,37 @@ fn log_task_failure(done: Result<(), tokio::task::JoinError>) {
     }
 }
 
-#[cfg(unix)]
-async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("cannot install a SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+/// SIGTERM and SIGINT, installed once so that a second signal is seen too.
+struct Signals {
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
 }
 
-#[cfg(not(unix))]
-async fn wait_for_signal() {
-    let _ = tokio::signal::ctrl_c().await;
+impl Signals {
+    fn new() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Signals {
+                term: signal(SignalKind::terminate()).expect("cannot install a SIGTERM handler"),
+                int: signal(SignalKind::interrupt()).expect("cannot install a SIGINT handler"),
+            }
+        }
+        #[cfg(not(unix))]
+        Signals {}
+    }
+
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 /// Configures a [`Consumer`]. Created by [`Consumer::builder`].
@@ -329,7 +380,7 @@ async fn wait_for_signal() {
 /// - consumer name (the scope of message ids): the queue name;
 /// - `prefetch`: 100, `concurrency`: 16;
 /// - message id: the AMQP `message_id` property ([`MessageIdSource::Property`]);
-/// - `requeue_delay`: 1 s; `shutdown_timeout`: 30 s.
+/// - `requeue_delay`: 1 s; `handler_timeout`: 5 min; `shutdown_timeout`: 30 s.
 #[must_use]
 pub struct ConsumerBuilder {
     amqp_url: String,
@@ -344,6 +395,7 @@ pub struct ConsumerBuilder {
     concurrency: usize,
     message_id: MessageIdSource,
     requeue_delay: Duration,
+    handler_timeout: Duration,
     shutdown_timeout: Duration,
     connection_name: Option<String>,
     handler: Option<BoxedHandler>,
@@ -375,6 +427,7 @@ impl ConsumerBuilder {
             concurrency: 16,
             message_id: MessageIdSource::default(),
             requeue_delay: Duration::from_secs(1),
+            handler_timeout: Duration::from_secs(300),
             shutdown_timeout: Duration::from_secs(30),
             connection_name: None,
             handler: None,
@@ -448,6 +501,16 @@ impl ConsumerBuilder {
         self
     }
 
+    /// How long one handler may run (default: 5 min). A handler that takes
+    /// longer is dropped, its transaction rolls back, and the delivery is
+    /// retried: a hung call must not hold a connection and the claim's row
+    /// lock forever. Keep it below the broker's `consumer_timeout` (30 min by
+    /// default), after which RabbitMQ closes the channel.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = timeout;
+        self
+    }
+
     /// How long a shutdown waits for handlers in flight (default: 30 s).
     pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
         self.shutdown_timeout = timeout;
@@ -460,10 +523,18 @@ impl ConsumerBuilder {
         self
     }
 
-    /// The handler (required): a closure or async fn `(Tx, M) -> Result<(), HandlerError>`
-    /// where `M` is [`Json<T>`](super::Json), [`Message`](super::Message) or
-    /// another [`FromMessage`] type. See [`Handler`].
-    pub fn handler<M: FromMessage, H: Handler<M>>(mut self, handler: H) -> Self {
+    /// The handler (required): a closure or async fn
+    /// `(Tx, M) -> impl Future<Output = Result<(), HandlerError>>` where `M` is
+    /// [`Json<T>`](super::Json), [`Message`](super::Message) or another
+    /// [`FromMessage`] type. It runs in the transaction that claimed the
+    /// message id; it must not commit or roll back (the runtime commits after
+    /// `Ok`, then acks). State goes into the closure (an `Arc`, a pool, ...).
+    pub fn handler<M, F, Fut>(mut self, handler: F) -> Self
+    where
+        M: FromMessage,
+        F: Fn(Tx, M) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
         self.handler = Some(handler::boxed(handler));
         self
     }
@@ -512,11 +583,12 @@ impl ConsumerBuilder {
                 concurrency: self.concurrency,
                 message_id: self.message_id,
                 requeue_delay: self.requeue_delay,
+                handler_timeout: self.handler_timeout,
                 shutdown_timeout: self.shutdown_timeout,
                 connection_name: self.connection_name,
             },
             handler,
-            shutdown: CancellationToken::new(),
+            shutdown: ShutdownHandle::default(),
             stats: Stats::default(),
         })
     }

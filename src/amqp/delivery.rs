@@ -1,11 +1,12 @@
 //! The per-delivery state machine; the only code that acks, nacks or dead-letters.
 //!
 //! ```text
-//! received ─► id extracted ─► BEGIN ─► claim ─┬─ Fresh ─► handler ─┬─ Ok ─► COMMIT ─┬─ ok ─► ack
-//!    │                                        │                    │                └─ failed/unknown ─► requeue
-//!    │                                        ├─ Duplicate ─► ROLLBACK ─► ack       ├─ transient error / panic ─► ROLLBACK ─► requeue
-//!    │                                        └─ Mismatch ──► ROLLBACK ─► dead-letter ─► ack
-//!    └─ no/invalid id ─► dead-letter ─► ack          └─ permanent error / undecodable ─► ROLLBACK ─► dead-letter ─► ack
+//! received ─► id ─► decode ─► BEGIN ─► claim ─┬─ Fresh ─► handler ─┬─ Ok ─► claim still ours? ─► COMMIT ─┬─ ok ─► ack
+//!              │       │                      │                    │                                     └─ failed/unknown ─► requeue
+//!              │       │                      ├─ Duplicate ─► ROLLBACK ─► ack
+//!              │       │                      └─ Mismatch ──► ROLLBACK ─► dead-letter ─► ack
+//!              │       └─ undecodable ─► dead-letter ─► ack  ├─ transient error / panic / timeout ─► ROLLBACK ─► requeue
+//!              └─ missing/invalid ─► dead-letter ─► ack      └─ permanent error ─► ROLLBACK ─► dead-letter ─► ack
 //! ```
 //!
 //! Dropping the future (shutdown timeout) at any `.await` is safe: before the
@@ -22,29 +23,34 @@ use futures::FutureExt;
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use sqlx::{PgPool, Postgres, Transaction};
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, field};
 
-use super::dead_letter::{self, DeadLetterReason};
-use super::handler::{BoxedHandler, Failure, Tx};
+use super::dead_letter::{DeadLetterPublisher, DeadLetterReason};
+use super::handler::{BoxedHandler, HandlerError, PreparedCall, Tx};
 use super::stats::{Counter, Stats};
 use super::{DecodeError, Message, MessageIdSource};
 use crate::inbox::{self, Claim, InvalidMessageId};
 
+/// The claim relies on READ COMMITTED (a duplicate's follow-up read must see
+/// the row another transaction just committed), whatever the database default.
+const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
 /// Everything a delivery task needs, shared by all tasks of one consumer.
 pub(crate) struct Pipeline {
     pub(crate) consumer: String,
-    pub(crate) queue: String,
-    pub(crate) dead_letter_queue: String,
     pub(crate) pool: PgPool,
     pub(crate) handler: BoxedHandler,
     pub(crate) message_id: MessageIdSource,
     pub(crate) requeue_delay: Duration,
-    /// A channel in confirm mode, for dead letters.
-    pub(crate) dead_letters: lapin::Channel,
+    pub(crate) handler_timeout: Duration,
+    pub(crate) dead_letters: DeadLetterPublisher,
+    /// Fired when the dead-letter channel is gone: the consumer must stop.
+    pub(crate) broken: CancellationToken,
     pub(crate) stats: Stats,
 }
 
-/// Where a delivery ends.
+/// What the claim, the handler and the commit decided.
 #[derive(Debug)]
 enum Outcome {
     /// The handler ran and its transaction committed: ack.
@@ -58,17 +64,6 @@ enum Outcome {
     },
     /// Might succeed later: hand back to the broker after a delay.
     Retry { error: String },
-}
-
-impl Outcome {
-    fn name(&self) -> &'static str {
-        match self {
-            Outcome::Processed => "processed",
-            Outcome::Duplicate => "duplicate",
-            Outcome::DeadLetter { .. } => "dead_lettered",
-            Outcome::Retry { .. } => "retried",
-        }
-    }
 }
 
 impl Pipeline {
@@ -90,21 +85,25 @@ impl Pipeline {
                 Ok(id) => {
                     Span::current().record("message_id", id.as_str());
                     message.set_id(id);
-                    self.decide(&message).await
+                    // Decode before touching the database: a bad body is final.
+                    match (self.handler)(message.clone()) {
+                        Ok(call) => self.decide(&message, call).await,
+                        Err(e) => undecodable(&e),
+                    }
                 }
                 Err(e) => invalid_id(e),
             };
-            Span::current().record("outcome", outcome.name());
-            self.settle(&acker, &message, outcome).await;
+            let settled = self.settle(&acker, &message, outcome).await;
+            Span::current().record("outcome", settled);
         }
         .instrument(span)
         .await
     }
 
     /// Claims, runs the handler and commits; says how to settle the delivery.
-    async fn decide(&self, message: &Message) -> Outcome {
+    async fn decide(&self, message: &Message, call: PreparedCall) -> Outcome {
         let id = message.id();
-        let mut tx = match self.pool.begin().await {
+        let mut tx = match self.pool.begin_with(BEGIN).await {
             Ok(tx) => tx,
             Err(e) => return retry("cannot begin a transaction", e),
         };
@@ -130,95 +129,114 @@ impl Pipeline {
         }
 
         let tx = Tx::new(tx);
-        let result = AssertUnwindSafe((self.handler)(tx.clone(), message.clone()))
-            .catch_unwind()
-            .await;
-        let Some(tx) = tx.take().await else {
-            unreachable!("only the runtime takes the transaction");
+        let result = tokio::time::timeout(
+            self.handler_timeout,
+            AssertUnwindSafe(call(tx.clone())).catch_unwind(),
+        )
+        .await;
+        let Some(tx) = tx.take() else {
+            // The guard lives on in a task the handler spawned; the
+            // transaction rolls back when that guard is dropped.
+            return retry(
+                "handler finished while a task it spawned still holds the transaction",
+                "rolled back",
+            );
         };
         match result {
-            Ok(Ok(())) => match tx.commit().await {
-                Ok(()) => Outcome::Processed,
-                Err(e) => {
-                    // Maybe committed, maybe not: never ack. The redelivery is
-                    // either claimed as a duplicate or processed afresh.
-                    self.stats.incr(Counter::CommitFailures);
-                    retry("commit failed or its outcome is unknown", e)
-                }
-            },
-            Ok(Err(Failure::Decode(e))) => {
+            Ok(Ok(Ok(()))) => self.commit(tx, id).await,
+            Ok(Ok(Err(e))) => {
                 rollback(tx).await;
-                Outcome::DeadLetter {
-                    reason: DeadLetterReason::UndecodableBody,
-                    error: e.to_string(),
-                }
+                handler_failed(e)
             }
-            Ok(Err(Failure::Handler(e))) => {
+            Ok(Err(panic)) => {
                 rollback(tx).await;
-                // `msg.json()?` inside a handler: a body that cannot decode
-                // never will, whatever kind the `?` conversion gave it.
-                if let Some(decode) = e.source().downcast_ref::<DecodeError>() {
-                    Outcome::DeadLetter {
-                        reason: DeadLetterReason::UndecodableBody,
-                        error: decode.to_string(),
-                    }
-                } else if e.is_permanent() {
-                    Outcome::DeadLetter {
-                        reason: DeadLetterReason::PermanentError,
-                        error: e.to_string(),
-                    }
-                } else {
-                    retry("handler failed", e)
-                }
+                retry("handler panicked", panic_message(&*panic))
             }
-            Err(panic) => {
+            Err(_) => {
                 rollback(tx).await;
-                Outcome::Retry {
-                    error: format!("handler panicked: {}", panic_message(&*panic)),
-                }
+                retry(
+                    "handler timed out after",
+                    format!("{:?}", self.handler_timeout),
+                )
             }
         }
     }
 
-    /// Acks, dead-letters or requeues. Nothing is acked before its effects
-    /// (or its dead letter) are durable.
-    async fn settle(&self, acker: &Acker, message: &Message, outcome: Outcome) {
+    async fn commit(&self, mut tx: Transaction<'static, Postgres>, id: &str) -> Outcome {
+        // COMMIT of an aborted transaction (a handler that ignored a failed
+        // statement) reports success while it rolls back; a handler that ran
+        // ROLLBACK itself leaves nothing to commit. Check the claim is still ours.
+        let ours =
+            sqlx::query("SELECT 1 FROM processed_messages WHERE consumer = $1 AND message_id = $2")
+                .bind(&self.consumer)
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await;
+        match ours {
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                rollback(tx).await;
+                return retry(
+                    "the handler ended the transaction itself",
+                    "its writes and the claim are gone",
+                );
+            }
+            Err(e) => {
+                rollback(tx).await;
+                return retry(
+                    "the handler left the transaction aborted (did it ignore a failed statement?)",
+                    e,
+                );
+            }
+        }
+        match tx.commit().await {
+            Ok(()) => Outcome::Processed,
+            Err(e) => {
+                // Maybe committed, maybe not: never ack. The redelivery is
+                // either claimed as a duplicate or processed afresh.
+                self.stats.incr(Counter::CommitFailures);
+                retry("commit failed or its outcome is unknown", e)
+            }
+        }
+    }
+
+    /// Acks, dead-letters or requeues, and says which it did. Nothing is acked
+    /// before its effects (or its dead letter) are durable.
+    async fn settle(&self, acker: &Acker, message: &Message, outcome: Outcome) -> &'static str {
         match outcome {
             Outcome::Processed => {
                 self.stats.incr(Counter::Processed);
                 ack(acker).await;
+                "processed"
             }
             Outcome::Duplicate => {
                 self.stats.incr(Counter::Duplicates);
                 tracing::debug!("duplicate acknowledged without running the handler");
                 ack(acker).await;
+                "duplicate"
             }
             Outcome::DeadLetter { reason, error } => {
-                let published = dead_letter::publish(
-                    &self.dead_letters,
-                    &self.dead_letter_queue,
-                    &self.consumer,
-                    &self.queue,
-                    message,
-                    reason,
-                    &error,
-                )
-                .await;
-                match published {
+                match self.dead_letters.publish(message, reason, &error).await {
                     Ok(()) => {
                         self.stats.incr(Counter::DeadLettered);
                         tracing::warn!(%reason, %error, "dead-lettered");
                         ack(acker).await;
+                        "dead_lettered"
                     }
                     Err(e) => {
                         tracing::error!(%reason, error = %e, "cannot dead-letter; requeueing");
+                        if !self.dead_letters.is_open().await {
+                            self.broken.cancel();
+                        }
                         self.requeue(acker).await;
+                        "retried"
                     }
                 }
             }
             Outcome::Retry { error } => {
                 tracing::warn!(%error, "transient failure; the delivery will be retried");
                 self.requeue(acker).await;
+                "retried"
             }
         }
     }
@@ -232,17 +250,27 @@ impl Pipeline {
             requeue: true,
             ..BasicNackOptions::default()
         };
-        if let Err(e) = acker.nack(nack).await {
+        match acker.nack(nack).await {
+            Ok(true) => {}
             // The channel is gone: the broker requeues every unacked delivery.
-            tracing::warn!(error = %e, "nack failed; the broker will redeliver");
+            Ok(false) => {
+                tracing::warn!("nack not sent (channel closed); the broker will redeliver")
+            }
+            Err(e) => tracing::warn!(error = %e, "nack failed; the broker will redeliver"),
         }
     }
 }
 
 async fn ack(acker: &Acker) {
-    if let Err(e) = acker.ack(BasicAckOptions::default()).await {
-        // The work is committed; the redelivery will be claimed as a duplicate.
-        tracing::warn!(error = %e, "ack failed after commit; the redelivery will be deduplicated");
+    // Either way the work is durable; the redelivery will be claimed as a duplicate.
+    match acker.ack(BasicAckOptions::default()).await {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::warn!("ack not sent (channel closed); the redelivery will be deduplicated")
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "ack failed; the redelivery will be deduplicated")
+        }
     }
 }
 
@@ -250,6 +278,28 @@ async fn rollback(tx: Transaction<'static, Postgres>) {
     if let Err(e) = tx.rollback().await {
         // A broken connection rolls back by itself on the server.
         tracing::debug!(error = %e, "rollback failed");
+    }
+}
+
+fn handler_failed(e: HandlerError) -> Outcome {
+    // `msg.json()?` inside a handler: a body that cannot decode never will,
+    // whatever kind the `?` conversion gave the error.
+    if let Some(decode) = e.source().downcast_ref::<DecodeError>() {
+        undecodable(decode)
+    } else if e.is_permanent() {
+        Outcome::DeadLetter {
+            reason: DeadLetterReason::PermanentError,
+            error: e.to_string(),
+        }
+    } else {
+        retry("handler failed", e)
+    }
+}
+
+fn undecodable(e: &DecodeError) -> Outcome {
+    Outcome::DeadLetter {
+        reason: DeadLetterReason::UndecodableBody,
+        error: e.to_string(),
     }
 }
 

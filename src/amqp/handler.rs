@@ -1,4 +1,4 @@
-//! Handlers: closures (or [`Handler`] impls) that get the open transaction and a typed message.
+//! Handlers: closures that get the open transaction ([`Tx`]) and a typed message.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -10,7 +10,7 @@ use futures::future::BoxFuture;
 use sqlx::{PgConnection, Postgres, Transaction};
 use tokio::sync::{Mutex, MutexGuard};
 
-use super::message::{FromMessage, Message};
+use super::message::{DecodeError, FromMessage, Message};
 
 type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 
@@ -32,7 +32,7 @@ type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// # use idempo::amqp::{HandlerError, Json, Tx};
 /// # #[derive(serde::Deserialize)] struct Payment { account: String }
 /// let handler = |tx: Tx, Json(p): Json<Payment>| async move {
-///     let mut tx = tx.lock().await?;          // a guard that derefs to PgConnection
+///     let mut tx = tx.lock()?;                // a guard that derefs to PgConnection
 ///     sqlx::query("INSERT INTO seen (account) VALUES ($1)")
 ///         .bind(&p.account)
 ///         .execute(&mut *tx)                   // `&mut *tx` is an Executor
@@ -65,20 +65,30 @@ impl Tx {
     /// Locks the transaction for issuing statements; `&mut *guard` is a
     /// `&mut PgConnection`, which sqlx accepts as an executor.
     ///
+    /// Hold one guard at a time (a transaction is one connection): reuse the
+    /// guard for several statements rather than locking again.
+    ///
     /// # Errors
-    /// [`Error::TransactionFinished`](crate::Error::TransactionFinished) when
-    /// called after the handler returned.
-    pub async fn lock(&self) -> crate::Result<TxGuard<'_>> {
-        let guard = self.inner.lock().await;
+    /// - [`Error::TransactionBusy`](crate::Error::TransactionBusy) when a guard
+    ///   is already held (locking twice would otherwise deadlock);
+    /// - [`Error::TransactionFinished`](crate::Error::TransactionFinished) when
+    ///   called after the handler returned.
+    pub fn lock(&self) -> crate::Result<TxGuard<'_>> {
+        let guard = self
+            .inner
+            .try_lock()
+            .map_err(|_| crate::Error::TransactionBusy)?;
         if guard.is_none() {
             return Err(crate::Error::TransactionFinished);
         }
         Ok(TxGuard { guard })
     }
 
-    /// Takes the transaction back for commit or rollback.
-    pub(crate) async fn take(&self) -> Option<Transaction<'static, Postgres>> {
-        self.inner.lock().await.take()
+    /// Takes the transaction back for commit or rollback once the handler
+    /// finished. `None` if a guard outlived the handler (held by a task it
+    /// spawned): that transaction rolls back when the guard drops.
+    pub(crate) fn take(&self) -> Option<Transaction<'static, Postgres>> {
+        self.inner.try_lock().ok()?.take()
     }
 }
 
@@ -221,54 +231,26 @@ impl<T, E: Into<BoxError>> ResultExt<T> for Result<T, E> {
     }
 }
 
-/// Processes one message inside the transaction that claimed its id.
-///
-/// Implemented for every `Fn(Tx, M) -> impl Future<Output = Result<(), HandlerError>>`
-/// closure or async fn whose message type `M` implements [`FromMessage`]
-/// ([`Message`], [`Json<T>`](super::Json), ...). Implement it by hand for a
-/// handler that carries state and wants a name.
-///
-/// The handler must not commit or roll back: the runtime commits after it
-/// returns `Ok`, then acknowledges the delivery.
-pub trait Handler<M>: Clone + Send + Sync + 'static {
-    /// The future the handler returns.
-    type Future: Future<Output = Result<(), HandlerError>> + Send + 'static;
+/// A handler with its message type erased, as the runtime stores it: decoding
+/// is a separate step, so an undecodable body is refused before any database
+/// work (and even while the database is down).
+pub(crate) type BoxedHandler =
+    Arc<dyn Fn(Message) -> Result<PreparedCall, DecodeError> + Send + Sync>;
 
-    /// Handles one message.
-    fn call(&self, tx: Tx, message: M) -> Self::Future;
-}
+/// A decoded message bound to its handler, waiting for the transaction.
+pub(crate) type PreparedCall =
+    Box<dyn FnOnce(Tx) -> BoxFuture<'static, Result<(), HandlerError>> + Send>;
 
-impl<F, Fut, M> Handler<M> for F
+pub(crate) fn boxed<M, F, Fut>(handler: F) -> BoxedHandler
 where
+    M: FromMessage,
     F: Fn(Tx, M) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
 {
-    type Future = Fut;
-
-    fn call(&self, tx: Tx, message: M) -> Fut {
-        self(tx, message)
-    }
-}
-
-/// Why a delivery's handler did not succeed, as the runtime sees it.
-pub(crate) enum Failure {
-    /// The body could not be decoded into the handler's message type.
-    Decode(super::DecodeError),
-    /// The handler returned an error.
-    Handler(HandlerError),
-}
-
-/// A handler with its message type erased, as the runtime stores it.
-pub(crate) type BoxedHandler =
-    Arc<dyn Fn(Tx, Message) -> BoxFuture<'static, Result<(), Failure>> + Send + Sync>;
-
-pub(crate) fn boxed<M: FromMessage, H: Handler<M>>(handler: H) -> BoxedHandler {
-    Arc::new(move |tx, message| {
+    Arc::new(move |message| {
+        let message = M::from_message(message)?;
         let handler = handler.clone();
-        Box::pin(async move {
-            let message = M::from_message(message).map_err(Failure::Decode)?;
-            handler.call(tx, message).await.map_err(Failure::Handler)
-        })
+        Ok(Box::new(move |tx| Box::pin(handler(tx, message))))
     })
 }
 

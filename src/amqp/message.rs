@@ -169,7 +169,7 @@ impl FromMessage for Message {
 /// struct Payment { account: String, amount_cents: i64 }
 ///
 /// async fn handle(tx: Tx, Json(p): Json<Payment>) -> Result<(), HandlerError> {
-///     let mut tx = tx.lock().await?;
+///     let mut tx = tx.lock()?;
 ///     sqlx::query("INSERT INTO payments (account, amount_cents) VALUES ($1, $2)")
 ///         .bind(&p.account)
 ///         .bind(p.amount_cents)

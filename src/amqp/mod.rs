@@ -32,10 +32,10 @@ mod topology;
 
 pub use consumer::{Consumer, ConsumerBuilder, ShutdownHandle};
 pub use dead_letter::{
-    CONSUMER_HEADER, DeadLetterReason, ERROR_HEADER, QUEUE_HEADER, REASON_HEADER,
-    ROUTING_KEY_HEADER,
+    CONSUMER_HEADER, DeadLetterReason, ERROR_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER,
+    REASON_HEADER, ROUTING_KEY_HEADER,
 };
-pub use handler::{ErrorKind, Handler, HandlerError, ResultExt, Tx, TxGuard};
+pub use handler::{ErrorKind, HandlerError, ResultExt, Tx, TxGuard};
 pub use message::{DecodeError, FromMessage, Json, Message};
 pub use message_id::{IdFn, MessageIdSource};
 pub use stats::{Stats, StatsSnapshot};
