@@ -68,8 +68,10 @@ fn payments_consumer(db: &Db, queue: &str) -> ConsumerBuilder {
     Consumer::builder(support::amqp_url(), db.pool.clone())
         .queue(queue)
         .requeue_delay(Duration::from_millis(50))
-        .handler(|tx: Tx, message: Message| payments::handle(tx, message, 0.0))
+        .handler(|tx, message| payments::handle(tx, message, 0.0))
 }
+
+type HandlerFuture = BoxFuture<'static, Result<(), HandlerError>>;
 
 /// The payments handler followed by `after(attempt, tx)` on the same
 /// transaction (attempt counts from 0); also returns the attempt counter.
@@ -77,7 +79,7 @@ fn payments_then<F, Fut>(
     after: F,
 ) -> (
     Arc<AtomicUsize>,
-    impl Fn(Tx, Message) -> BoxFuture<'static, Result<(), HandlerError>> + Clone + Send + Sync + 'static,
+    impl Fn(Tx, Message) -> HandlerFuture + Clone + Send + Sync + 'static,
 )
 where
     F: Fn(usize, Tx) -> Fut + Clone + Send + Sync + 'static,
@@ -91,7 +93,7 @@ where
             let payment: payments::Payment = message.json()?;
             payments::apply(tx.clone(), message.id(), &payment, 0.0).await?;
             after(counter.fetch_add(1, Ordering::SeqCst), tx).await
-        }) as BoxFuture<'static, _>
+        }) as HandlerFuture
     };
     (attempts, handler)
 }
@@ -124,30 +126,36 @@ async fn fan_out_to_two_consumers_applies_once_for_each() {
         .exchange_declare(
             exchange.as_str().into(),
             ExchangeKind::Fanout,
-            ExchangeDeclareOptions::default(),
+            // Gone with its last binding, when the test's queues are deleted.
+            ExchangeDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            },
             FieldTable::default(),
         )
         .await
         .unwrap();
     let (billing, ledger) = (unique("billing"), unique("ledger"));
+    broker.track(&billing);
+    broker.track(&ledger);
     // Each queue gets its own consumer name (its queue name by default).
     let a = Running::start(payments_consumer(&db, &billing).bind(&exchange, ""));
     let b = Running::start(payments_consumer(&db, &ledger).bind(&exchange, ""));
-    eventually("both queues are bound", WAIT, || async {
-        broker.channel.status().connected()
-            && queue_exists(&broker, &billing).await
-            && queue_exists(&broker, &ledger).await
+    // The runtime binds before it subscribes: a consumer means a binding.
+    eventually("both queues are bound and consumed", WAIT, || async {
+        consuming(&broker, &billing).await && consuming(&broker, &ledger).await
     })
     .await;
-    // Bindings are declared right after the queues; give them a moment.
-    tokio::time::sleep(Duration::from_millis(300)).await;
     for _ in 0..2 {
-        broker
+        let confirm = broker
             .channel
             .basic_publish(
                 exchange.as_str().into(),
                 "".into(),
-                BasicPublishOptions::default(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
                 &support::payment_body("carol", 70),
                 BasicProperties::default().with_message_id("pay-fan".into()),
             )
@@ -155,6 +163,10 @@ async fn fan_out_to_two_consumers_applies_once_for_each() {
             .unwrap()
             .await
             .unwrap();
+        assert!(
+            matches!(confirm, lapin::Confirmation::Ack(None)),
+            "{confirm:?}"
+        );
     }
     a.settled(2).await;
     b.settled(2).await;
@@ -173,19 +185,18 @@ async fn fan_out_to_two_consumers_applies_once_for_each() {
     assert_eq!(db.claims().await, 2);
 }
 
-async fn queue_exists(broker: &Broker, queue: &str) -> bool {
-    // A passive declare of a missing queue closes the channel, so use a throwaway one.
+async fn consuming(broker: &Broker, queue: &str) -> bool {
+    // A passive declare of a missing queue closes its channel: use a throwaway one.
     let channel = broker.connection.create_channel().await.unwrap();
     let passive = QueueDeclareOptions {
         passive: true,
         ..Default::default()
     };
-    let exists = channel
+    let declared = channel
         .queue_declare(queue.into(), passive, FieldTable::default())
-        .await
-        .is_ok();
+        .await;
     let _ = channel.close(200, "".into()).await;
-    exists
+    declared.is_ok_and(|q| q.consumer_count() > 0)
 }
 
 #[tokio::test]
@@ -382,6 +393,10 @@ async fn many_concurrent_copies_across_two_consumer_instances_apply_once() {
     a.stop().await.unwrap();
     b.stop().await.unwrap();
 
+    assert!(
+        sa.deliveries > 0 && sb.deliveries > 0,
+        "both instances took part: {sa:?} {sb:?}"
+    );
     assert_eq!(sa.processed + sb.processed, 26);
     assert_eq!(db.payments_for("pay-hot").await, 1);
     assert_eq!(db.payments().await, 26);
@@ -532,9 +547,10 @@ async fn content_hash_mode_treats_equal_bodies_as_one_message() {
 async fn a_classic_queue_is_declared_on_request() {
     support::init_tracing();
     let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
+    broker.track(&queue);
     let consumer = Running::start(payments_consumer(&db, &queue).queue_type(QueueType::Classic));
     eventually("the consumer declared its queue", WAIT, || {
-        queue_exists(&broker, &queue)
+        consuming(&broker, &queue)
     })
     .await;
     broker.publish_payment(&queue, "pay-c", "max", 1).await;
@@ -606,12 +622,10 @@ async fn a_tx_handle_kept_past_its_handler_refuses_to_run_statements() {
     broker.publish_payment(&queue, "pay-leak", "olga", 1).await;
     let kept: Arc<std::sync::Mutex<Option<Tx>>> = Arc::default();
     let slot = kept.clone();
-    let consumer = Running::start(payments_consumer(&db, &queue).handler(
-        move |tx: Tx, message: Message| {
-            *slot.lock().unwrap() = Some(tx.clone());
-            payments::handle(tx, message, 0.0)
-        },
-    ));
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(move |tx, message| {
+        *slot.lock().unwrap() = Some(tx.clone());
+        payments::handle(tx, message, 0.0)
+    }));
     consumer.settled(1).await;
     consumer.stop().await.unwrap();
 
@@ -673,6 +687,9 @@ async fn an_unreachable_database_leaves_the_delivery_in_the_queue() {
     let (broker, queue) = (Broker::connect().await, unique("q"));
     broker.declare(&queue).await;
     broker.publish_payment(&queue, "pay-nodb", "quinn", 1).await;
+    broker
+        .publish(&queue, Some("poison-nodb"), b"not json")
+        .await;
     // Nothing listens on port 1: every BEGIN fails.
     let dead_pool = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_millis(300))
@@ -682,7 +699,7 @@ async fn an_unreachable_database_leaves_the_delivery_in_the_queue() {
         Consumer::builder(support::amqp_url(), dead_pool)
             .queue(&queue)
             .requeue_delay(Duration::from_millis(50))
-            .handler(|tx: Tx, message: Message| payments::handle(tx, message, 0.0)),
+            .handler(|tx, message| payments::handle(tx, message, 0.0)),
     );
     eventually("the delivery was retried twice", WAIT, || async {
         consumer.stats().retried >= 2
@@ -691,8 +708,14 @@ async fn an_unreachable_database_leaves_the_delivery_in_the_queue() {
     let stats = consumer.stats();
     consumer.stop().await.unwrap();
 
-    assert_eq!((stats.processed, stats.dead_lettered), (0, 0));
-    eventually("the message is back in the queue", WAIT, || async {
+    assert_eq!(stats.processed, 0);
+    assert_eq!(
+        stats.dead_lettered, 1,
+        "poison needs no database to be dead-lettered"
+    );
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead[0].reason(), "undecodable body");
+    eventually("the payment is back in the queue", WAIT, || async {
         broker.ready(&queue).await == 1
     })
     .await;
@@ -722,4 +745,233 @@ async fn a_dead_letter_the_broker_cannot_route_keeps_the_original_in_the_queue()
         broker.ready(&queue).await == 1
     })
     .await;
+}
+
+#[tokio::test]
+async fn a_handler_that_ignores_a_failed_statement_is_not_acked() {
+    let (db, broker, queue) = support::setup().await;
+    broker
+        .publish_payment(&queue, "pay-swallow", "rita", 25)
+        .await;
+    // First attempt: a failed statement aborts the transaction, the handler
+    // ignores the error and returns Ok. COMMIT would then silently roll back.
+    let (_, swallowing) = payments_then(|attempt, tx| async move {
+        if attempt == 0 {
+            let mut tx = tx.lock()?;
+            let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+            assert!(failed.is_err());
+        }
+        Ok(())
+    });
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(swallowing));
+    consumer.settled(1).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!((stats.retried, stats.processed), (1, 1));
+    assert_eq!(
+        db.payments_for("pay-swallow").await,
+        1,
+        "applied once, not lost"
+    );
+    assert_eq!(db.balances().await["rita"], 25);
+}
+
+#[tokio::test]
+async fn a_handler_that_rolls_back_by_itself_is_not_acked() {
+    let (db, broker, queue) = support::setup().await;
+    broker
+        .publish_payment(&queue, "pay-self-rollback", "sam", 8)
+        .await;
+    let (_, rolling_back) = payments_then(|attempt, tx| async move {
+        if attempt == 0 {
+            let mut tx = tx.lock()?;
+            sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+        }
+        Ok(())
+    });
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(rolling_back));
+    consumer.settled(1).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!((stats.retried, stats.processed), (1, 1));
+    assert_eq!(db.payments_for("pay-self-rollback").await, 1);
+}
+
+#[tokio::test]
+async fn a_hung_handler_times_out_rolls_back_and_is_retried() {
+    let (db, broker, queue) = support::setup().await;
+    broker.publish_payment(&queue, "pay-hung", "tom", 3).await;
+    let (attempts, hanging) = payments_then(|attempt, _tx| async move {
+        if attempt == 0 {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        Ok(())
+    });
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .handler_timeout(Duration::from_millis(300))
+            .handler(hanging),
+    );
+    consumer.settled(1).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!(attempts.load(Ordering::SeqCst), 2);
+    assert_eq!((stats.retried, stats.processed), (1, 1));
+    assert_eq!(db.payments_for("pay-hung").await, 1);
+}
+
+#[tokio::test]
+async fn locking_the_transaction_twice_is_an_error_not_a_deadlock() {
+    let (db, broker, queue) = support::setup().await;
+    broker.publish_payment(&queue, "pay-twice", "uma", 1).await;
+    let second_lock: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+    let slot = second_lock.clone();
+    let (_, double) = payments_then(move |_, tx| {
+        let slot = slot.clone();
+        async move {
+            let _first = tx.lock()?;
+            let second = tx.lock().map(|_| ()).map_err(|e| e.to_string());
+            *slot.lock().unwrap() = second.err();
+            Ok(())
+        }
+    });
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(double));
+    consumer.settled(1).await;
+    consumer.stop().await.unwrap();
+
+    assert_eq!(
+        second_lock.lock().unwrap().as_deref(),
+        Some("the transaction is already locked: hold one guard at a time")
+    );
+    assert_eq!(db.payments_for("pay-twice").await, 1);
+}
+
+#[tokio::test]
+async fn the_shutdown_timeout_drops_a_slow_handler_and_its_delivery_returns() {
+    let (db, broker, queue) = support::setup().await;
+    broker.publish_payment(&queue, "pay-slow", "vic", 2).await;
+    let started = Arc::new(tokio::sync::Notify::new());
+    let signal = started.clone();
+    let (_, slow) = payments_then(move |_, _tx| {
+        let signal = signal.clone();
+        async move {
+            signal.notify_one();
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(())
+        }
+    });
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .shutdown_timeout(Duration::from_millis(200))
+            .handler(slow),
+    );
+    started.notified().await;
+    consumer
+        .stop()
+        .await
+        .expect("a timed-out drain still returns Ok");
+
+    assert_eq!(
+        db.payments().await,
+        0,
+        "the dropped handler's writes rolled back"
+    );
+    eventually("the delivery is back in the queue", WAIT, || async {
+        broker.ready(&queue).await == 1
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn shutdown_now_does_not_wait_for_handlers_in_flight() {
+    let (db, broker, queue) = support::setup().await;
+    broker.publish_payment(&queue, "pay-now", "wes", 2).await;
+    let started = Arc::new(tokio::sync::Notify::new());
+    let signal = started.clone();
+    let (_, slow) = payments_then(move |_, _tx| {
+        let signal = signal.clone();
+        async move {
+            signal.notify_one();
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(())
+        }
+    });
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(slow));
+    started.notified().await;
+    consumer.shutdown.shutdown_now();
+    let result = tokio::time::timeout(Duration::from_secs(10), consumer.task)
+        .await
+        .expect("shutdown_now returns well before the 30 s shutdown timeout");
+    result.unwrap().unwrap();
+
+    assert_eq!(db.payments().await, 0);
+    eventually("the delivery is back in the queue", WAIT, || async {
+        broker.ready(&queue).await == 1
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_custom_function_can_derive_the_message_id() {
+    let (db, broker, queue) = support::setup().await;
+    for (order, line) in [("o-1", "1"), ("o-1", "1"), ("o-1", "2")] {
+        let mut headers = FieldTable::default();
+        headers.insert("order".into(), AMQPValue::LongString(order.into()));
+        headers.insert("line".into(), AMQPValue::LongString(line.into()));
+        broker
+            .publish_props(
+                &queue,
+                BasicProperties::default().with_headers(headers),
+                &support::payment_body("xena", 1),
+            )
+            .await;
+    }
+    let header = |m: &Message, name: &str| match m.header(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        _ => None,
+    };
+    let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1).message_id(
+        MessageIdSource::custom(move |m| {
+            Some(format!("{}#{}", header(m, "order")?, header(m, "line")?))
+        }),
+    ));
+    consumer.settled(3).await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!((stats.processed, stats.duplicates), (2, 1));
+    assert_eq!(db.payments_for("o-1#1").await, 1);
+    assert_eq!(db.payments_for("o-1#2").await, 1);
+}
+
+#[tokio::test]
+async fn a_dead_letter_does_not_inherit_the_original_expiration() {
+    let (db, broker, queue) = support::setup().await;
+    broker
+        .publish_props(
+            &queue,
+            BasicProperties::default()
+                .with_message_id("ttl-poison".into())
+                .with_expiration("600000".into()),
+            b"not json",
+        )
+        .await;
+    let consumer = Running::start(payments_consumer(&db, &queue));
+    consumer.settled(1).await;
+    consumer.stop().await.unwrap();
+
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].expiration, None,
+        "a dead letter must not expire out of the DLQ"
+    );
+    assert_eq!(
+        dead[0].headers[idempo::amqp::ORIGINAL_EXPIRATION_HEADER],
+        "600000"
+    );
+    assert_eq!(dead[0].message_id.as_deref(), Some("ttl-poison"));
 }

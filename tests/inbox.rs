@@ -68,6 +68,42 @@ async fn ids_are_scoped_by_consumer() {
     assert_eq!(db.claims().await, 2);
 }
 
+/// Starts a second claim of `m-1` in its own transaction, waits until its
+/// backend is blocked on a lock (the first claim's uncommitted row), and
+/// returns the task, which commits and yields its claim.
+async fn blocked_second_claim(db: &Db) -> tokio::task::JoinHandle<Claim> {
+    let pool = db.pool.clone();
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
+    let second = tokio::spawn(async move {
+        let mut tx = pool.begin().await.unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        pid_tx.send(pid).unwrap();
+        let claim = inbox::claim(&mut tx, "c", "m-1", b"x").await.unwrap();
+        tx.commit().await.unwrap();
+        claim
+    });
+    let pid = pid_rx.await.unwrap();
+    support::eventually(
+        "the second claim waits on the first one's row lock",
+        Duration::from_secs(10),
+        || async {
+            let waiting: Option<String> =
+                sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
+                    .bind(pid)
+                    .fetch_one(&db.pool)
+                    .await
+                    .unwrap();
+            waiting.as_deref() == Some("Lock")
+        },
+    )
+    .await;
+    assert!(!second.is_finished());
+    second
+}
+
 #[tokio::test]
 async fn a_concurrent_claim_waits_for_the_first_and_then_sees_a_duplicate() {
     let db = Db::new().await;
@@ -76,19 +112,10 @@ async fn a_concurrent_claim_waits_for_the_first_and_then_sees_a_duplicate() {
         inbox::claim(&mut first, "c", "m-1", b"x").await.unwrap(),
         Claim::Fresh
     );
-
-    let pool = db.pool.clone();
-    let second = tokio::spawn(async move {
-        let mut tx = pool.begin().await.unwrap();
-        inbox::claim(&mut tx, "c", "m-1", b"x").await.unwrap()
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !second.is_finished(),
-        "the second claim blocks on the uncommitted row"
-    );
+    let second = blocked_second_claim(&db).await;
     first.commit().await.unwrap();
     assert_eq!(second.await.unwrap(), Claim::Duplicate);
+    assert_eq!(db.claims().await, 1);
 }
 
 #[tokio::test]
@@ -99,16 +126,7 @@ async fn a_concurrent_claim_proceeds_when_the_first_rolls_back() {
         inbox::claim(&mut first, "c", "m-1", b"x").await.unwrap(),
         Claim::Fresh
     );
-
-    let pool = db.pool.clone();
-    let second = tokio::spawn(async move {
-        let mut tx = pool.begin().await.unwrap();
-        let claim = inbox::claim(&mut tx, "c", "m-1", b"x").await.unwrap();
-        tx.commit().await.unwrap();
-        claim
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!second.is_finished());
+    let second = blocked_second_claim(&db).await;
     first.rollback().await.unwrap();
     assert_eq!(second.await.unwrap(), Claim::Fresh);
     assert_eq!(db.claims().await, 1);

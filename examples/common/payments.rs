@@ -1,7 +1,7 @@
 //! The payments domain shared by the `payments` example and the test suite:
 //! its tables, its message and its handler.
 
-use idempo::amqp::{HandlerError, Message, Tx};
+use idempo::amqp::{HandlerError, Json, Message, Tx};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -78,9 +78,13 @@ pub async fn apply(
     Ok(())
 }
 
-/// The handler as registered with the consumer: decode (an undecodable body
-/// is dead-lettered), then [`apply`] under the message's id.
-pub async fn handle(tx: Tx, message: Message, fail_rate: f64) -> Result<(), HandlerError> {
-    let payment: Payment = message.json()?;
+/// The handler as registered with the consumer: the body is decoded before
+/// the transaction begins (an undecodable one is dead-lettered), then
+/// [`apply`] runs under the message's id.
+pub async fn handle(
+    tx: Tx,
+    (Json(payment), message): (Json<Payment>, Message),
+    fail_rate: f64,
+) -> Result<(), HandlerError> {
     apply(tx, message.id(), &payment, fail_rate).await
 }

@@ -140,8 +140,11 @@ pub struct DecodeError(pub String);
 
 /// Types a handler can take as its message argument.
 ///
-/// Implemented for [`Message`] (everything, raw) and [`Json<T>`]. Implement it
-/// for your own formats (protobuf, ...).
+/// Implemented for [`Message`] (everything, raw), [`Json<T>`], and pairs of
+/// them: `(Json<Payment>, Message)` gives the typed body and the raw delivery
+/// (its [`id`](Message::id), headers). Implement it for your own formats
+/// (protobuf, ...). Decoding runs before any database work, so an undecodable
+/// body is dead-lettered even while the database is down.
 pub trait FromMessage: Sized + Send + 'static {
     /// Builds `Self` from the delivery.
     ///
@@ -191,5 +194,11 @@ impl<T> Json<T> {
 impl<T: DeserializeOwned + Send + 'static> FromMessage for Json<T> {
     fn from_message(message: Message) -> Result<Self, DecodeError> {
         message.json().map(Json)
+    }
+}
+
+impl<A: FromMessage, B: FromMessage> FromMessage for (A, B) {
+    fn from_message(message: Message) -> Result<Self, DecodeError> {
+        Ok((A::from_message(message.clone())?, B::from_message(message)?))
     }
 }

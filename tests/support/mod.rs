@@ -169,9 +169,45 @@ impl Db {
 }
 
 /// A broker connection with a confirm-mode channel for publishing and inspecting.
+/// Deletes, when dropped (also when the test panicked), every queue it
+/// declared or was told about, so runs do not pile up quorum queues.
 pub struct Broker {
     pub connection: Connection,
     pub channel: Channel,
+    created: std::sync::Mutex<Vec<String>>,
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let queues = std::mem::take(&mut *self.created.lock().unwrap());
+        if queues.is_empty() {
+            return;
+        }
+        // Drop cannot await: delete on a fresh connection in a thread of its own.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let Ok(connection) =
+                    Connection::connect(&amqp_url(), ConnectionProperties::default()).await
+                else {
+                    return;
+                };
+                for queue in queues {
+                    // A failed delete closes the channel: one channel per queue.
+                    if let Ok(channel) = connection.create_channel().await {
+                        let _ = channel
+                            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                            .await;
+                    }
+                }
+                let _ = connection.close(200, "test cleanup".into()).await;
+            });
+        })
+        .join();
+    }
 }
 
 impl Broker {
@@ -189,6 +225,7 @@ impl Broker {
         Broker {
             connection,
             channel,
+            created: Default::default(),
         }
     }
 
@@ -201,9 +238,18 @@ impl Broker {
             .expect("declare the test queues");
     }
 
+    /// Deletes `queue` and `queue.dlq` when this `Broker` is dropped (for
+    /// queues that a consumer declared).
+    pub fn track(&self, queue: &str) {
+        let mut created = self.created.lock().unwrap();
+        created.push(queue.to_owned());
+        created.push(format!("{queue}.dlq"));
+    }
+
     /// Declares `queue` (of `queue_type`) and its DLQ with the consumer's
     /// arguments; fails if either exists with other arguments.
     pub async fn declare_as(&self, queue: &str, queue_type: &str) -> lapin::Result<()> {
+        self.track(queue);
         let durable = QueueDeclareOptions {
             durable: true,
             ..Default::default()
@@ -293,6 +339,15 @@ impl Broker {
 
     /// Messages ready in `queue` (not counting unacked ones).
     pub async fn ready(&self, queue: &str) -> u32 {
+        self.inspect(queue).await.message_count()
+    }
+
+    /// Consumers subscribed to `queue`.
+    pub async fn consumers(&self, queue: &str) -> u32 {
+        self.inspect(queue).await.consumer_count()
+    }
+
+    async fn inspect(&self, queue: &str) -> lapin::Queue {
         let passive = QueueDeclareOptions {
             passive: true,
             ..Default::default()
@@ -301,7 +356,6 @@ impl Broker {
             .queue_declare(queue.into(), passive, FieldTable::default())
             .await
             .unwrap_or_else(|e| panic!("queue {queue} should exist: {e}"))
-            .message_count()
     }
 
     /// Takes every message from `queue` (acking them) and returns them.
@@ -329,13 +383,10 @@ impl Broker {
                     _ => None,
                 })
                 .collect();
+            let properties = &m.delivery.properties;
             out.push(DeadLetter {
-                message_id: m
-                    .delivery
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|s| s.to_string()),
+                message_id: properties.message_id().as_ref().map(|s| s.to_string()),
+                expiration: properties.expiration().as_ref().map(|s| s.to_string()),
                 headers,
                 body: m.delivery.data.clone(),
             });
@@ -344,6 +395,7 @@ impl Broker {
     }
 
     pub async fn delete(&self, queue: &str) {
+        self.created.lock().unwrap().retain(|q| q != queue);
         let _ = self
             .channel
             .queue_delete(queue.into(), QueueDeleteOptions::default())
@@ -355,6 +407,7 @@ impl Broker {
 #[derive(Debug)]
 pub struct DeadLetter {
     pub message_id: Option<String>,
+    pub expiration: Option<String>,
     pub headers: BTreeMap<String, String>,
     pub body: Vec<u8>,
 }
@@ -421,12 +474,12 @@ fn rabbitmqctl() -> std::process::Command {
     command
 }
 
-/// Sets (once per process) a broker policy that deletes test queues after 10
-/// idle minutes, so that failed or killed runs do not pile up quorum queues.
+/// Sets (once per process) a broker policy that deletes test queues after 5
+/// idle minutes: the backstop for runs killed before `Broker` was dropped.
 fn expire_idle_test_queues() {
     static DONE: std::sync::Once = std::sync::Once::new();
     DONE.call_once(|| {
-        let definition = r#"{"expires":600000}"#;
+        let definition = r#"{"expires":300000}"#;
         let result = rabbitmqctl()
             .args([
                 "set_policy",
