@@ -54,6 +54,15 @@ impl Running {
         .await;
     }
 
+    /// Waits until `n` deliveries settled, stops gracefully, and returns the
+    /// final counters.
+    async fn finish(self, n: u64) -> StatsSnapshot {
+        self.settled(n).await;
+        let stats = self.stats.clone();
+        self.stop().await.expect("a graceful stop returns Ok");
+        stats.snapshot()
+    }
+
     async fn stop(self) -> idempo::Result<()> {
         self.shutdown.shutdown();
         tokio::time::timeout(WAIT, self.task)
@@ -105,9 +114,7 @@ async fn a_message_published_twice_is_applied_once() {
     broker.publish_payment(&queue, "pay-1", "alice", 500).await;
 
     let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1));
-    consumer.settled(2).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(2).await;
 
     assert_eq!(db.payments_for("pay-1").await, 1);
     assert_eq!(db.balances().await["alice"], 500);
@@ -214,9 +221,7 @@ async fn a_handler_error_after_writing_rolls_back_and_the_retry_applies_once() {
         Ok(())
     });
     let consumer = Running::start(payments_consumer(&db, &queue).handler(flaky));
-    consumer.settled(1).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(1).await;
 
     assert_eq!(attempts.load(Ordering::SeqCst), 3);
     assert_eq!((stats.retried, stats.processed), (2, 1));
@@ -249,9 +254,7 @@ async fn a_panicking_handler_is_rolled_back_and_retried_and_the_runtime_keeps_ru
     );
     consumer.settled(1).await;
     broker.publish_payment(&queue, "pay-after", "erin", 5).await;
-    consumer.settled(2).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(2).await;
 
     assert_eq!((stats.retried, stats.processed), (1, 2));
     assert_eq!(db.payments_for("pay-panic").await, 1);
@@ -294,9 +297,7 @@ async fn a_crash_between_commit_and_ack_is_redelivered_and_acked_as_a_duplicate(
 
     // The broker redelivers the unacked message to the next consumer.
     let second = Running::start(payments_consumer(&db, &queue));
-    second.settled(1).await;
-    let stats = second.stats();
-    second.stop().await.unwrap();
+    let stats = second.finish(1).await;
 
     assert_eq!((stats.duplicates, stats.processed), (1, 0));
     assert_eq!(db.payments_for("pay-crash").await, 1, "one effect");
@@ -321,9 +322,7 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_write_nothing()
 
     // One at a time, so "reused" with 5 is the one that gets applied.
     let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1));
-    consumer.settled(6).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(6).await;
 
     let dead = broker.drain(&dlq).await;
     let reasons: Vec<&str> = dead.iter().map(|d| d.reason()).collect();
@@ -454,14 +453,9 @@ async fn shutdown_lets_the_handler_in_flight_commit_and_returns_the_rest_to_the_
 async fn a_header_can_carry_the_message_id() {
     let (db, broker, queue) = support::setup().await;
     for id in ["h-1", "h-1", "h-2"] {
-        let mut headers = FieldTable::default();
-        headers.insert("x-payment-id".into(), AMQPValue::LongString(id.into()));
+        let body = support::payment_body("kim", 2);
         broker
-            .publish_props(
-                &queue,
-                BasicProperties::default().with_headers(headers),
-                &support::payment_body("kim", 2),
-            )
+            .publish_with_headers(&queue, &[("x-payment-id", id)], &body)
             .await;
     }
     let consumer = Running::start(
@@ -469,9 +463,7 @@ async fn a_header_can_carry_the_message_id() {
             .concurrency(1)
             .message_id(MessageIdSource::Header("x-payment-id".into())),
     );
-    consumer.settled(3).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(3).await;
 
     assert_eq!((stats.processed, stats.duplicates), (2, 1));
     assert_eq!(db.payments_for("h-1").await, 1);
@@ -482,23 +474,14 @@ async fn a_header_can_carry_the_message_id() {
 async fn an_oversized_message_id_is_dead_lettered() {
     // The AMQP message_id property cannot exceed 255 bytes, but a header can.
     let (db, broker, queue) = support::setup().await;
-    let mut headers = FieldTable::default();
-    headers.insert(
-        "x-payment-id".into(),
-        AMQPValue::LongString("x".repeat(256).into()),
-    );
+    let (id, body) = ("x".repeat(256), support::payment_body("kim", 2));
     broker
-        .publish_props(
-            &queue,
-            BasicProperties::default().with_headers(headers),
-            &support::payment_body("kim", 2),
-        )
+        .publish_with_headers(&queue, &[("x-payment-id", &id)], &body)
         .await;
     let consumer = Running::start(
         payments_consumer(&db, &queue).message_id(MessageIdSource::Header("x-payment-id".into())),
     );
-    consumer.settled(1).await;
-    consumer.stop().await.unwrap();
+    consumer.finish(1).await;
 
     let dead = broker.drain(&format!("{queue}.dlq")).await;
     assert_eq!(dead.len(), 1);
@@ -527,9 +510,7 @@ async fn content_hash_mode_treats_equal_bodies_as_one_message() {
             .concurrency(1)
             .message_id(MessageIdSource::ContentHash),
     );
-    consumer.settled(3).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(3).await;
 
     assert_eq!((stats.processed, stats.duplicates), (2, 1));
     assert_eq!(db.balances().await["lee"], 7);
@@ -554,8 +535,7 @@ async fn a_classic_queue_is_declared_on_request() {
     })
     .await;
     broker.publish_payment(&queue, "pay-c", "max", 1).await;
-    consumer.settled(1).await;
-    consumer.stop().await.unwrap();
+    consumer.finish(1).await;
 
     // Re-declaring with other arguments would fail: the queue is classic.
     broker
@@ -626,8 +606,7 @@ async fn a_tx_handle_kept_past_its_handler_refuses_to_run_statements() {
         *slot.lock().unwrap() = Some(tx.clone());
         payments::handle(tx, message, 0.0)
     }));
-    consumer.settled(1).await;
-    consumer.stop().await.unwrap();
+    consumer.finish(1).await;
 
     let tx = kept.lock().unwrap().take().expect("the handler ran");
     let err = tx.lock().unwrap_err();
@@ -668,9 +647,7 @@ async fn a_failed_commit_is_not_acked_and_the_redelivery_applies_once() {
         Ok(())
     });
     let consumer = Running::start(payments_consumer(&db, &queue).handler(guarded));
-    consumer.settled(1).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(1).await;
 
     assert_eq!(
         (stats.commit_failures, stats.retried, stats.processed),
@@ -764,9 +741,7 @@ async fn a_handler_that_ignores_a_failed_statement_is_not_acked() {
         Ok(())
     });
     let consumer = Running::start(payments_consumer(&db, &queue).handler(swallowing));
-    consumer.settled(1).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(1).await;
 
     assert_eq!((stats.retried, stats.processed), (1, 1));
     assert_eq!(
@@ -791,9 +766,7 @@ async fn a_handler_that_rolls_back_by_itself_is_not_acked() {
         Ok(())
     });
     let consumer = Running::start(payments_consumer(&db, &queue).handler(rolling_back));
-    consumer.settled(1).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(1).await;
 
     assert_eq!((stats.retried, stats.processed), (1, 1));
     assert_eq!(db.payments_for("pay-self-rollback").await, 1);
@@ -814,9 +787,7 @@ async fn a_hung_handler_times_out_rolls_back_and_is_retried() {
             .handler_timeout(Duration::from_millis(300))
             .handler(hanging),
     );
-    consumer.settled(1).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(1).await;
 
     assert_eq!(attempts.load(Ordering::SeqCst), 2);
     assert_eq!((stats.retried, stats.processed), (1, 1));
@@ -839,8 +810,7 @@ async fn locking_the_transaction_twice_is_an_error_not_a_deadlock() {
         }
     });
     let consumer = Running::start(payments_consumer(&db, &queue).handler(double));
-    consumer.settled(1).await;
-    consumer.stop().await.unwrap();
+    consumer.finish(1).await;
 
     assert_eq!(
         second_lock.lock().unwrap().as_deref(),
@@ -918,15 +888,9 @@ async fn shutdown_now_does_not_wait_for_handlers_in_flight() {
 async fn a_custom_function_can_derive_the_message_id() {
     let (db, broker, queue) = support::setup().await;
     for (order, line) in [("o-1", "1"), ("o-1", "1"), ("o-1", "2")] {
-        let mut headers = FieldTable::default();
-        headers.insert("order".into(), AMQPValue::LongString(order.into()));
-        headers.insert("line".into(), AMQPValue::LongString(line.into()));
+        let body = support::payment_body("xena", 1);
         broker
-            .publish_props(
-                &queue,
-                BasicProperties::default().with_headers(headers),
-                &support::payment_body("xena", 1),
-            )
+            .publish_with_headers(&queue, &[("order", order), ("line", line)], &body)
             .await;
     }
     let header = |m: &Message, name: &str| match m.header(name)? {
@@ -938,9 +902,7 @@ async fn a_custom_function_can_derive_the_message_id() {
             Some(format!("{}#{}", header(m, "order")?, header(m, "line")?))
         }),
     ));
-    consumer.settled(3).await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
+    let stats = consumer.finish(3).await;
 
     assert_eq!((stats.processed, stats.duplicates), (2, 1));
     assert_eq!(db.payments_for("o-1#1").await, 1);
@@ -960,8 +922,7 @@ async fn a_dead_letter_does_not_inherit_the_original_expiration() {
         )
         .await;
     let consumer = Running::start(payments_consumer(&db, &queue));
-    consumer.settled(1).await;
-    consumer.stop().await.unwrap();
+    consumer.finish(1).await;
 
     let dead = broker.drain(&format!("{queue}.dlq")).await;
     assert_eq!(dead.len(), 1);

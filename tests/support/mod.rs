@@ -301,6 +301,16 @@ impl Broker {
         );
     }
 
+    /// Publishes `body` with string application headers and no message id.
+    pub async fn publish_with_headers(&self, queue: &str, headers: &[(&str, &str)], body: &[u8]) {
+        let mut table = FieldTable::default();
+        for (name, value) in headers {
+            table.insert((*name).into(), AMQPValue::LongString((*value).into()));
+        }
+        self.publish_props(queue, BasicProperties::default().with_headers(table), body)
+            .await;
+    }
+
     /// Publishes `body` with AMQP `message_id` = `id` (or none).
     pub async fn publish(&self, queue: &str, id: Option<&str>, body: &[u8]) {
         let mut properties = BasicProperties::default();
