@@ -13,7 +13,7 @@ use idempo::amqp::{
     Consumer, ConsumerBuilder, HandlerError, Message, MessageIdSource, QueueType, ShutdownHandle,
     Stats, StatsSnapshot, Tx,
 };
-use lapin::options::{BasicPublishOptions, ExchangeDeclareOptions, QueueDeclareOptions};
+use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, ExchangeKind};
 use support::{Broker, Db, eventually, payments, unique};
@@ -107,6 +107,26 @@ where
     (attempts, handler)
 }
 
+/// The payments handler, then a pause of `pause` after notifying `started`.
+fn slow_payments(
+    pause: Duration,
+) -> (
+    Arc<tokio::sync::Notify>,
+    impl Fn(Tx, Message) -> HandlerFuture + Clone + Send + Sync + 'static,
+) {
+    let started = Arc::new(tokio::sync::Notify::new());
+    let signal = started.clone();
+    let (_, handler) = payments_then(move |_, _tx| {
+        let signal = signal.clone();
+        async move {
+            signal.notify_one();
+            tokio::time::sleep(pause).await;
+            Ok(())
+        }
+    });
+    (started, handler)
+}
+
 #[tokio::test]
 async fn a_message_published_twice_is_applied_once() {
     let (db, broker, queue) = support::setup().await;
@@ -150,30 +170,13 @@ async fn fan_out_to_two_consumers_applies_once_for_each() {
     let b = Running::start(payments_consumer(&db, &ledger).bind(&exchange, ""));
     // The runtime binds before it subscribes: a consumer means a binding.
     eventually("both queues are bound and consumed", WAIT, || async {
-        consuming(&broker, &billing).await && consuming(&broker, &ledger).await
+        broker.consuming(&billing).await && broker.consuming(&ledger).await
     })
     .await;
     for _ in 0..2 {
-        let confirm = broker
-            .channel
-            .basic_publish(
-                exchange.as_str().into(),
-                "".into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                &support::payment_body("carol", 70),
-                BasicProperties::default().with_message_id("pay-fan".into()),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(
-            matches!(confirm, lapin::Confirmation::Ack(None)),
-            "{confirm:?}"
-        );
+        let properties = BasicProperties::default().with_message_id("pay-fan".into());
+        let body = support::payment_body("carol", 70);
+        broker.publish_to(&exchange, "", properties, &body).await;
     }
     a.settled(2).await;
     b.settled(2).await;
@@ -190,20 +193,6 @@ async fn fan_out_to_two_consumers_applies_once_for_each() {
     );
     assert_eq!(db.balances().await["carol"], 140);
     assert_eq!(db.claims().await, 2);
-}
-
-async fn consuming(broker: &Broker, queue: &str) -> bool {
-    // A passive declare of a missing queue closes its channel: use a throwaway one.
-    let channel = broker.connection.create_channel().await.unwrap();
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let declared = channel
-        .queue_declare(queue.into(), passive, FieldTable::default())
-        .await;
-    let _ = channel.close(200, "".into()).await;
-    declared.is_ok_and(|q| q.consumer_count() > 0)
 }
 
 #[tokio::test]
@@ -412,16 +401,7 @@ async fn shutdown_lets_the_handler_in_flight_commit_and_returns_the_rest_to_the_
             .publish_payment(&queue, &format!("pay-{i}"), "jill", 1)
             .await;
     }
-    let started = Arc::new(tokio::sync::Notify::new());
-    let signal = started.clone();
-    let (_, slow) = payments_then(move |_, _tx| {
-        let signal = signal.clone();
-        async move {
-            signal.notify_one();
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            Ok(())
-        }
-    });
+    let (started, slow) = slow_payments(Duration::from_millis(500));
     let consumer = Running::start(
         payments_consumer(&db, &queue)
             .concurrency(1)
@@ -531,7 +511,7 @@ async fn a_classic_queue_is_declared_on_request() {
     broker.track(&queue);
     let consumer = Running::start(payments_consumer(&db, &queue).queue_type(QueueType::Classic));
     eventually("the consumer declared its queue", WAIT, || {
-        consuming(&broker, &queue)
+        broker.consuming(&queue)
     })
     .await;
     broker.publish_payment(&queue, "pay-c", "max", 1).await;
@@ -823,16 +803,7 @@ async fn locking_the_transaction_twice_is_an_error_not_a_deadlock() {
 async fn the_shutdown_timeout_drops_a_slow_handler_and_its_delivery_returns() {
     let (db, broker, queue) = support::setup().await;
     broker.publish_payment(&queue, "pay-slow", "vic", 2).await;
-    let started = Arc::new(tokio::sync::Notify::new());
-    let signal = started.clone();
-    let (_, slow) = payments_then(move |_, _tx| {
-        let signal = signal.clone();
-        async move {
-            signal.notify_one();
-            tokio::time::sleep(Duration::from_secs(3600)).await;
-            Ok(())
-        }
-    });
+    let (started, slow) = slow_payments(Duration::from_secs(3600));
     let consumer = Running::start(
         payments_consumer(&db, &queue)
             .shutdown_timeout(Duration::from_millis(200))
@@ -859,16 +830,7 @@ async fn the_shutdown_timeout_drops_a_slow_handler_and_its_delivery_returns() {
 async fn shutdown_now_does_not_wait_for_handlers_in_flight() {
     let (db, broker, queue) = support::setup().await;
     broker.publish_payment(&queue, "pay-now", "wes", 2).await;
-    let started = Arc::new(tokio::sync::Notify::new());
-    let signal = started.clone();
-    let (_, slow) = payments_then(move |_, _tx| {
-        let signal = signal.clone();
-        async move {
-            signal.notify_one();
-            tokio::time::sleep(Duration::from_secs(3600)).await;
-            Ok(())
-        }
-    });
+    let (started, slow) = slow_payments(Duration::from_secs(3600));
     let consumer = Running::start(payments_consumer(&db, &queue).handler(slow));
     started.notified().await;
     consumer.shutdown.shutdown_now();

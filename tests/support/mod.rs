@@ -279,11 +279,23 @@ impl Broker {
 
     /// Publishes through the default exchange and waits for the confirm.
     pub async fn publish_props(&self, queue: &str, properties: BasicProperties, body: &[u8]) {
+        self.publish_to("", queue, properties, body).await;
+    }
+
+    /// Publishes `mandatory` and persistent, and asserts the broker confirmed
+    /// and routed it.
+    pub async fn publish_to(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        properties: BasicProperties,
+        body: &[u8],
+    ) {
         let confirm = self
             .channel
             .basic_publish(
-                "".into(),
-                queue.into(),
+                exchange.into(),
+                routing_key.into(),
                 BasicPublishOptions {
                     mandatory: true,
                     ..Default::default()
@@ -297,7 +309,7 @@ impl Broker {
             .unwrap();
         assert!(
             matches!(confirm, lapin::Confirmation::Ack(None)),
-            "publish to {queue} not confirmed: {confirm:?}"
+            "publish to {exchange:?}/{routing_key:?} not confirmed: {confirm:?}"
         );
     }
 
@@ -349,23 +361,32 @@ impl Broker {
 
     /// Messages ready in `queue` (not counting unacked ones).
     pub async fn ready(&self, queue: &str) -> u32 {
-        self.inspect(queue).await.message_count()
+        self.inspect(queue)
+            .await
+            .unwrap_or_else(|| panic!("queue {queue} should exist"))
+            .message_count()
     }
 
-    /// Consumers subscribed to `queue`.
-    pub async fn consumers(&self, queue: &str) -> u32 {
-        self.inspect(queue).await.consumer_count()
+    /// Whether `queue` exists and has a consumer.
+    pub async fn consuming(&self, queue: &str) -> bool {
+        self.inspect(queue)
+            .await
+            .is_some_and(|q| q.consumer_count() > 0)
     }
 
-    async fn inspect(&self, queue: &str) -> lapin::Queue {
+    async fn inspect(&self, queue: &str) -> Option<lapin::Queue> {
+        // A passive declare of a missing queue closes its channel: use a throwaway one.
+        let channel = self.connection.create_channel().await.unwrap();
         let passive = QueueDeclareOptions {
             passive: true,
             ..Default::default()
         };
-        self.channel
+        let declared = channel
             .queue_declare(queue.into(), passive, FieldTable::default())
             .await
-            .unwrap_or_else(|e| panic!("queue {queue} should exist: {e}"))
+            .ok();
+        let _ = channel.close(200, "".into()).await;
+        declared
     }
 
     /// Takes every message from `queue` (acking them) and returns them.
