@@ -34,11 +34,6 @@ pub enum Error {
         queue: String,
     },
 
-    /// The channel that publishes dead letters closed: poison could no longer
-    /// be parked, so the consumer stops rather than requeue it forever.
-    #[error("the dead-letter channel was lost")]
-    DeadLetterChannelLost,
-
     /// A builder was given an impossible configuration.
     #[error("invalid configuration: {0}")]
     Config(String),

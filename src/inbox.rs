@@ -34,8 +34,10 @@
 //! # Ok(()) }
 //! ```
 
+use std::time::Duration;
+
 use sha2::{Digest, Sha256};
-use sqlx::{Postgres, Transaction};
+use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::Result;
 
@@ -158,6 +160,43 @@ pub async fn claim(
         sqlx::Error::Protocol("the conflicting processed_messages row vanished three times".into())
             .into(),
     )
+}
+
+/// Deletes `consumer`'s claims older than `age`, `batch` rows per statement,
+/// and returns how many rows went.
+///
+/// Each statement is its own short transaction and skips rows that another
+/// reaper has locked, so replicas reaping at once neither wait for nor
+/// deadlock with each other. Delete only what can no longer be redelivered: a
+/// redelivery that arrives after its claim is gone is processed again.
+///
+/// # Errors
+/// [`Error::Database`](crate::Error::Database) when a statement fails.
+pub async fn delete_processed_before(
+    pool: &PgPool,
+    consumer: &str,
+    age: Duration,
+    batch: i64,
+) -> Result<u64> {
+    let mut total = 0;
+    loop {
+        let deleted = sqlx::query(
+            "DELETE FROM processed_messages WHERE ctid = ANY(ARRAY(\
+                 SELECT ctid FROM processed_messages \
+                 WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) \
+                 LIMIT $3 FOR UPDATE SKIP LOCKED))",
+        )
+        .bind(consumer)
+        .bind(age.as_secs_f64())
+        .bind(batch)
+        .execute(pool)
+        .await?
+        .rows_affected();
+        total += deleted;
+        if deleted < batch.max(1) as u64 {
+            return Ok(total);
+        }
+    }
 }
 
 #[cfg(test)]

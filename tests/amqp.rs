@@ -1,131 +1,18 @@
-//! The AMQP consumer runtime against the real RabbitMQ and PostgreSQL.
+//! The AMQP consumer runtime against the real RabbitMQ and PostgreSQL:
+//! deduplication, poison, handlers, shutdown.
 
 mod support;
 
-use std::future::Future;
-
-use futures::future::BoxFuture;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use idempo::amqp::{
-    Consumer, ConsumerBuilder, HandlerError, Message, MessageIdSource, QueueType, ShutdownHandle,
-    Stats, StatsSnapshot, Tx,
-};
+use idempo::amqp::{Consumer, HandlerError, Message, MessageIdSource, QueueType, Tx};
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, ExchangeKind};
+use support::consumer::{Running, WAIT, payments_consumer, payments_then, slow_payments};
 use support::{Broker, Db, eventually, payments, unique};
-use tokio::task::JoinHandle;
-
-const WAIT: Duration = Duration::from_secs(30);
-
-/// A consumer running in the background.
-struct Running {
-    shutdown: ShutdownHandle,
-    stats: Stats,
-    task: JoinHandle<idempo::Result<()>>,
-}
-
-impl Running {
-    fn start(builder: ConsumerBuilder) -> Running {
-        let consumer = builder.build().expect("valid configuration");
-        let shutdown = consumer.shutdown_handle();
-        let stats = consumer.stats();
-        let task = tokio::spawn(consumer.run());
-        Running {
-            shutdown,
-            stats,
-            task,
-        }
-    }
-
-    fn stats(&self) -> StatsSnapshot {
-        self.stats.snapshot()
-    }
-
-    /// Waits until `n` deliveries reached an end (acked, dead-lettered).
-    async fn settled(&self, n: u64) {
-        eventually(&format!("{n} deliveries settled"), WAIT, || async {
-            let s = self.stats();
-            s.processed + s.duplicates + s.dead_lettered >= n
-        })
-        .await;
-    }
-
-    /// Waits until `n` deliveries settled, stops gracefully, and returns the
-    /// final counters.
-    async fn finish(self, n: u64) -> StatsSnapshot {
-        self.settled(n).await;
-        let stats = self.stats.clone();
-        self.stop().await.expect("a graceful stop returns Ok");
-        stats.snapshot()
-    }
-
-    async fn stop(self) -> idempo::Result<()> {
-        self.shutdown.shutdown();
-        tokio::time::timeout(WAIT, self.task)
-            .await
-            .expect("the consumer stops within the timeout")
-            .expect("the consumer task does not panic")
-    }
-}
-
-/// The payments consumer of `queue`, retrying quickly.
-fn payments_consumer(db: &Db, queue: &str) -> ConsumerBuilder {
-    Consumer::builder(support::amqp_url(), db.pool.clone())
-        .queue(queue)
-        .requeue_delay(Duration::from_millis(50))
-        .handler(|tx, message| payments::handle(tx, message, 0.0))
-}
-
-type HandlerFuture = BoxFuture<'static, Result<(), HandlerError>>;
-
-/// The payments handler followed by `after(attempt, tx)` on the same
-/// transaction (attempt counts from 0); also returns the attempt counter.
-fn payments_then<F, Fut>(
-    after: F,
-) -> (
-    Arc<AtomicUsize>,
-    impl Fn(Tx, Message) -> HandlerFuture + Clone + Send + Sync + 'static,
-)
-where
-    F: Fn(usize, Tx) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
-{
-    let attempts = Arc::new(AtomicUsize::new(0));
-    let counter = attempts.clone();
-    let handler = move |tx: Tx, message: Message| {
-        let (counter, after) = (counter.clone(), after.clone());
-        Box::pin(async move {
-            let payment: payments::Payment = message.json()?;
-            payments::apply(tx.clone(), message.id(), &payment, 0.0).await?;
-            after(counter.fetch_add(1, Ordering::SeqCst), tx).await
-        }) as HandlerFuture
-    };
-    (attempts, handler)
-}
-
-/// The payments handler, then a pause of `pause` after notifying `started`.
-fn slow_payments(
-    pause: Duration,
-) -> (
-    Arc<tokio::sync::Notify>,
-    impl Fn(Tx, Message) -> HandlerFuture + Clone + Send + Sync + 'static,
-) {
-    let started = Arc::new(tokio::sync::Notify::new());
-    let signal = started.clone();
-    let (_, handler) = payments_then(move |_, _tx| {
-        let signal = signal.clone();
-        async move {
-            signal.notify_one();
-            tokio::time::sleep(pause).await;
-            Ok(())
-        }
-    });
-    (started, handler)
-}
 
 #[tokio::test]
 async fn a_message_published_twice_is_applied_once() {
@@ -248,50 +135,6 @@ async fn a_panicking_handler_is_rolled_back_and_retried_and_the_runtime_keeps_ru
     assert_eq!((stats.retried, stats.processed), (1, 2));
     assert_eq!(db.payments_for("pay-panic").await, 1);
     assert_eq!(db.balances().await["erin"], 15);
-}
-
-#[tokio::test]
-async fn a_crash_between_commit_and_ack_is_redelivered_and_acked_as_a_duplicate() {
-    let (db, broker, queue) = support::setup().await;
-    broker
-        .publish_payment(&queue, "pay-crash", "frank", 900)
-        .await;
-
-    // The handler cuts its own AMQP connection before returning: the runtime
-    // then commits and its ack can no longer reach the broker.
-    let connection = unique("crashing");
-    let name = connection.clone();
-    let (_, cutting) = payments_then(move |_, _tx| {
-        let name = name.clone();
-        async move {
-            tokio::task::spawn_blocking(move || support::close_connection_named(&name))
-                .await
-                .unwrap();
-            Ok(())
-        }
-    });
-    let first = Running::start(
-        payments_consumer(&db, &queue)
-            .connection_name(&connection)
-            .handler(cutting),
-    );
-    let result = tokio::time::timeout(WAIT, first.task)
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(result.is_err(), "the first consumer lost its connection");
-    let committed = first.stats.snapshot();
-    assert_eq!(committed.processed, 1, "the transaction committed");
-    assert_eq!(db.payments_for("pay-crash").await, 1);
-
-    // The broker redelivers the unacked message to the next consumer.
-    let second = Running::start(payments_consumer(&db, &queue));
-    let stats = second.finish(1).await;
-
-    assert_eq!((stats.duplicates, stats.processed), (1, 0));
-    assert_eq!(db.payments_for("pay-crash").await, 1, "one effect");
-    assert_eq!(db.balances().await["frank"], 900);
-    assert_eq!(broker.ready(&queue).await, 0);
 }
 
 #[tokio::test]
@@ -527,23 +370,6 @@ async fn a_classic_queue_is_declared_on_request() {
 }
 
 #[tokio::test]
-async fn deleting_the_queue_stops_the_consumer_with_consumer_cancelled() {
-    let (db, broker, queue) = support::setup().await;
-    let consumer = Running::start(payments_consumer(&db, &queue));
-    broker.publish_payment(&queue, "pay-d", "ned", 1).await;
-    consumer.settled(1).await;
-    broker.delete(&queue).await;
-    let result = tokio::time::timeout(WAIT, consumer.task)
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(
-        matches!(result, Err(idempo::Error::ConsumerCancelled { ref queue }) if queue.starts_with(support::TEST_PREFIX)),
-        "{result:?}"
-    );
-}
-
-#[tokio::test]
 async fn an_impossible_configuration_is_refused_with_a_clear_error() {
     let db = Db::empty().await;
     let no_queue = Consumer::builder(support::amqp_url(), db.pool.clone())
@@ -596,112 +422,6 @@ async fn a_tx_handle_kept_past_its_handler_refuses_to_run_statements() {
         1,
         "the handler's writes committed"
     );
-}
-
-#[tokio::test]
-async fn a_failed_commit_is_not_acked_and_the_redelivery_applies_once() {
-    support::init_tracing();
-    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("q"));
-    // A deferred unique constraint is checked at COMMIT: the handler's
-    // statements succeed, the commit itself fails.
-    sqlx::query(
-        "CREATE TABLE commit_guard (n int, CONSTRAINT commit_guard_n UNIQUE (n) DEFERRABLE INITIALLY DEFERRED)",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    broker.declare(&queue).await;
-    broker
-        .publish_payment(&queue, "pay-commit", "pia", 40)
-        .await;
-
-    let (_, guarded) = payments_then(|attempt, tx| async move {
-        // The first attempt breaks the deferred constraint; the next ones do not.
-        let rows = if attempt == 0 { 2 } else { 1 };
-        let mut tx = tx.lock()?;
-        for _ in 0..rows {
-            sqlx::query("INSERT INTO commit_guard VALUES (1)")
-                .execute(&mut *tx)
-                .await?;
-        }
-        Ok(())
-    });
-    let consumer = Running::start(payments_consumer(&db, &queue).handler(guarded));
-    let stats = consumer.finish(1).await;
-
-    assert_eq!(
-        (stats.commit_failures, stats.retried, stats.processed),
-        (1, 1, 1)
-    );
-    assert_eq!(db.payments_for("pay-commit").await, 1);
-    assert_eq!(db.balances().await["pia"], 40);
-    assert_eq!(broker.ready(&queue).await, 0);
-}
-
-#[tokio::test]
-async fn an_unreachable_database_leaves_the_delivery_in_the_queue() {
-    support::init_tracing();
-    let (broker, queue) = (Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
-    broker.publish_payment(&queue, "pay-nodb", "quinn", 1).await;
-    broker
-        .publish(&queue, Some("poison-nodb"), b"not json")
-        .await;
-    // Nothing listens on port 1: every BEGIN fails.
-    let dead_pool = sqlx::postgres::PgPoolOptions::new()
-        .acquire_timeout(Duration::from_millis(300))
-        .connect_lazy("postgres://postgres@127.0.0.1:1/postgres")
-        .unwrap();
-    let consumer = Running::start(
-        Consumer::builder(support::amqp_url(), dead_pool)
-            .queue(&queue)
-            .requeue_delay(Duration::from_millis(50))
-            .handler(|tx, message| payments::handle(tx, message, 0.0)),
-    );
-    eventually("the delivery was retried twice", WAIT, || async {
-        consumer.stats().retried >= 2
-    })
-    .await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
-
-    assert_eq!(stats.processed, 0);
-    assert_eq!(
-        stats.dead_lettered, 1,
-        "poison needs no database to be dead-lettered"
-    );
-    let dead = broker.drain(&format!("{queue}.dlq")).await;
-    assert_eq!(dead[0].reason(), "undecodable body");
-    eventually("the payment is back in the queue", WAIT, || async {
-        broker.ready(&queue).await == 1
-    })
-    .await;
-}
-
-#[tokio::test]
-async fn a_dead_letter_the_broker_cannot_route_keeps_the_original_in_the_queue() {
-    let (db, broker, queue) = support::setup().await;
-    broker.publish(&queue, Some("poison"), b"not json").await;
-    let consumer = Running::start(
-        payments_consumer(&db, &queue)
-            .declare(false)
-            .dead_letter_queue(unique("missing_dlq")),
-    );
-    eventually("the poison was handed back", WAIT, || async {
-        consumer.stats().retried >= 1
-    })
-    .await;
-    let stats = consumer.stats();
-    consumer.stop().await.unwrap();
-
-    assert_eq!(
-        stats.dead_lettered, 0,
-        "an unconfirmed dead letter is not counted"
-    );
-    eventually("the poison is still in the work queue", WAIT, || async {
-        broker.ready(&queue).await == 1
-    })
-    .await;
 }
 
 #[tokio::test]

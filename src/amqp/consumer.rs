@@ -1,14 +1,11 @@
-//! The consumer runtime: connect, declare, consume, dispatch, shut down.
+//! The consumer runtime: connect, declare, consume, dispatch, reconnect, shut down.
 
 use std::fmt;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
-};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use sqlx::PgPool;
@@ -17,19 +14,31 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::MessageIdSource;
-use super::dead_letter::DeadLetterPublisher;
+use super::backoff::Backoff;
+use super::builder::ConsumerBuilder;
+use super::database_gate::DatabaseGate;
 use super::delivery::Pipeline;
-use super::handler::{self, BoxedHandler, HandlerError, Tx};
-use super::message::FromMessage;
-use super::stats::Stats;
-use super::topology::{QueueType, Topology};
+use super::handler::BoxedHandler;
+use super::health::{Health, RuntimeState};
+use super::republish::Republisher;
+use super::retention;
+use super::retry::RetryPolicy;
+use super::stats::{Counter, Stats};
+use super::topology::Topology;
 use crate::{Error, Result};
+
+/// How many confirm-mode channels publish retries and dead letters side by side.
+const REPUBLISH_CHANNELS: usize = 4;
+
+/// RabbitMQ's default `consumer_timeout`: an unacked delivery older than this
+/// makes the broker close the channel, and the message is redelivered.
+const BROKER_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// An exactly-once-effects consumer of one RabbitMQ queue.
 ///
 /// Build it with [`Consumer::builder`], then [`run`](Consumer::run) it (until
 /// a [`ShutdownHandle`] fires) or [`run_until_signal`](Consumer::run_until_signal)
-/// (until SIGTERM or SIGINT).
+/// (until SIGTERM or SIGINT). Read its [`Stats`] and [`Health`] meanwhile.
 ///
 /// # Example
 /// ```no_run
@@ -59,6 +68,18 @@ use crate::{Error, Result};
 /// # Ok(()) }
 /// ```
 ///
+/// # Broker and database loss
+/// The runtime never exits because a connection died. When the AMQP
+/// connection or a channel is lost (broker restart, `rabbitmqctl
+/// close_all_connections`, missed heartbeats) or the broker cancels the
+/// subscription (queue deleted: reported in [`Health`] and logged), it
+/// reconnects with exponential backoff and jitter, declares its topology
+/// again and resubscribes. Handlers in flight carry on; if their ack can no
+/// longer be sent, the redelivery is claimed as a duplicate. When PostgreSQL
+/// is unreachable, deliveries wait at a gate that probes the database with
+/// backoff, and run again once it answers: they use up no retry attempt and
+/// are never acked in between.
+///
 /// # Shutdown
 /// When the [`ShutdownHandle`] fires (or a signal arrives), the runtime cancels
 /// its broker subscription, lets the handlers in flight finish (bounded by
@@ -69,10 +90,11 @@ use crate::{Error, Result};
 /// second signal) are dropped: their transactions roll back and their
 /// deliveries are redelivered.
 pub struct Consumer {
-    config: Config,
-    handler: BoxedHandler,
-    shutdown: ShutdownHandle,
-    stats: Stats,
+    pub(crate) config: Config,
+    pub(crate) handler: BoxedHandler,
+    pub(crate) shutdown: ShutdownHandle,
+    pub(crate) stats: Stats,
+    pub(crate) health: Health,
 }
 
 impl fmt::Debug for Consumer {
@@ -84,19 +106,21 @@ impl fmt::Debug for Consumer {
 }
 
 #[derive(Debug, Clone)]
-struct Config {
-    amqp_url: String,
-    pool: PgPool,
-    consumer: String,
-    topology: Topology,
-    declare: bool,
-    prefetch: u16,
-    concurrency: usize,
-    message_id: MessageIdSource,
-    requeue_delay: Duration,
-    handler_timeout: Duration,
-    shutdown_timeout: Duration,
-    connection_name: Option<String>,
+pub(crate) struct Config {
+    pub(crate) amqp_url: String,
+    pub(crate) pool: PgPool,
+    pub(crate) consumer: String,
+    pub(crate) topology: Topology,
+    pub(crate) declare: bool,
+    pub(crate) prefetch: u16,
+    pub(crate) concurrency: usize,
+    pub(crate) message_id: MessageIdSource,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) handler_timeout: Duration,
+    pub(crate) shutdown_timeout: Duration,
+    pub(crate) retention: Option<Duration>,
+    pub(crate) retention_interval: Duration,
+    pub(crate) connection_name: String,
 }
 
 /// Stops a running [`Consumer`] from another task. Cheap to clone.
@@ -146,6 +170,11 @@ impl Consumer {
         self.stats.clone()
     }
 
+    /// The consumer's live health: connected, consuming, database, last error.
+    pub fn health(&self) -> Health {
+        self.health.clone()
+    }
+
     /// The consumer name that scopes its message ids in `processed_messages`.
     pub fn name(&self) -> &str {
         &self.config.consumer
@@ -174,160 +203,289 @@ impl Consumer {
     }
 
     /// Connects, declares the topology (unless turned off), consumes and
-    /// processes deliveries until the [`ShutdownHandle`] fires.
+    /// processes deliveries until the [`ShutdownHandle`] fires; reconnects
+    /// whenever the broker connection is lost. Also runs the retention reaper.
     ///
     /// # Errors
-    /// - [`Error::Amqp`] when the broker is unreachable, a declaration is
-    ///   refused, or the connection is lost while consuming;
-    /// - [`Error::ConsumerCancelled`] when the broker cancels the subscription
-    ///   (the queue was deleted);
-    /// - [`Error::DeadLetterChannelLost`] when dead letters can no longer be
-    ///   published.
-    ///
-    /// In both cases the handlers in flight are first drained as in a shutdown;
-    /// nothing that was not committed is acknowledged.
+    /// None today: connection failures are retried, not returned. The
+    /// `Result` is kept so that future fatal conditions can be reported.
     pub async fn run(self) -> Result<()> {
         let Consumer {
             config,
             handler,
             shutdown,
             stats,
+            health,
         } = self;
-        let mut properties = ConnectionProperties::default();
-        if let Some(name) = &config.connection_name {
-            properties = properties.with_connection_name(name.as_str().into());
+        warn_if_retention_too_short(&config);
+        let reaper = config.retention.map(|retention| {
+            tokio::spawn(retention::reap_periodically(
+                config.pool.clone(),
+                config.consumer.clone(),
+                retention,
+                config.retention_interval,
+                shutdown.graceful.clone(),
+            ))
+        });
+        let mut runtime = Runtime {
+            gate: DatabaseGate::new(config.pool.clone(), health.clone()),
+            permits: Arc::new(Semaphore::new(config.concurrency)),
+            tasks: JoinSet::new(),
+            config,
+            handler,
+            shutdown,
+            stats,
+            health,
+        };
+        runtime.run().await;
+        if let Some(reaper) = reaper {
+            reaper.abort();
         }
-        let connection = Connection::connect(&config.amqp_url, properties).await?;
-        let result = consume(&config, handler, &shutdown, stats, &connection).await;
-        if let Err(e) = connection
-            .close(200, "idempo consumer stopped".into())
-            .await
-        {
-            tracing::debug!(error = %e, "closing the connection failed");
-        }
-        result
+        Ok(())
     }
 }
 
-async fn consume(
-    config: &Config,
+/// The state that outlives broker sessions: handlers in flight keep running
+/// across a reconnect (their ack may fail; the redelivery is deduplicated).
+struct Runtime {
+    config: Config,
     handler: BoxedHandler,
-    shutdown: &ShutdownHandle,
+    shutdown: ShutdownHandle,
     stats: Stats,
-    connection: &Connection,
-) -> Result<()> {
-    let channel = connection.create_channel().await?;
-    if config.declare {
-        config.topology.declare(&channel).await?;
-    }
-    let dead_letters = connection.create_channel().await?;
-    dead_letters
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    channel
-        .basic_qos(config.prefetch, BasicQosOptions::default())
-        .await?;
-    let mut deliveries = channel
-        .basic_consume(
-            config.topology.queue.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-    let tag = deliveries.tag();
-    tracing::info!(
-        consumer = %config.consumer,
-        queue = %config.topology.queue,
-        prefetch = config.prefetch,
-        concurrency = config.concurrency,
-        "consuming"
-    );
+    health: Health,
+    gate: Arc<DatabaseGate>,
+    permits: Arc<Semaphore>,
+    tasks: JoinSet<()>,
+}
 
-    let broken = CancellationToken::new();
-    let pipeline = Arc::new(Pipeline {
-        consumer: config.consumer.clone(),
-        pool: config.pool.clone(),
-        handler,
-        message_id: config.message_id.clone(),
-        requeue_delay: config.requeue_delay,
-        handler_timeout: config.handler_timeout,
-        dead_letters: DeadLetterPublisher::new(
-            dead_letters,
-            config.topology.dead_letter_queue.clone(),
-            config.consumer.clone(),
-            config.topology.queue.clone(),
-        ),
-        broken: broken.clone(),
-        stats,
-    });
-    let permits = Arc::new(Semaphore::new(config.concurrency));
-    let mut tasks = JoinSet::new();
+/// How a broker session ended.
+enum SessionEnd {
+    /// Shutdown was requested; everything is drained and closed.
+    Shutdown,
+    /// The connection, a channel or the subscription was lost.
+    Lost { error: String, was_consuming: bool },
+}
 
-    let result = loop {
-        while let Some(done) = tasks.try_join_next() {
-            log_task_failure(done);
+impl Runtime {
+    async fn run(&mut self) {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
+        loop {
+            self.health.set_state(RuntimeState::Connecting);
+            match self.session().await {
+                SessionEnd::Shutdown => break,
+                SessionEnd::Lost {
+                    error,
+                    was_consuming,
+                } => {
+                    if was_consuming {
+                        backoff.reset();
+                    }
+                    let pause = backoff.next_delay();
+                    tracing::error!(%error, ?pause, "broker session lost; reconnecting");
+                    self.health.record_error(error);
+                    self.health.record_reconnect();
+                    self.stats.incr(Counter::Reconnects);
+                    tokio::select! {
+                        () = tokio::time::sleep(pause) => {}
+                        () = self.shutdown.graceful.cancelled() => {
+                            // Not connected: handlers in flight can no longer ack;
+                            // let them finish their transactions, then stop.
+                            self.drain().await;
+                            break;
+                        }
+                    }
+                }
+            }
         }
-        let next = tokio::select! {
-            biased;
-            () = shutdown.graceful.cancelled() => break Ok(()),
-            () = broken.cancelled() => break Err(Error::DeadLetterChannelLost),
-            next = deliveries.next() => next,
+        self.health.set_state(RuntimeState::Stopped);
+        tracing::info!(consumer = %self.config.consumer, "stopped");
+    }
+
+    /// One connection's life: connect, declare, subscribe, dispatch until
+    /// shutdown or loss.
+    async fn session(&mut self) -> SessionEnd {
+        let lost = |error: String| SessionEnd::Lost {
+            error,
+            was_consuming: false,
         };
-        let delivery = match next {
-            Some(Ok(delivery)) => delivery,
-            Some(Err(e)) => break Err(Error::from(e)),
-            None => {
-                break Err(Error::ConsumerCancelled {
-                    queue: config.topology.queue.clone(),
-                });
+        let properties = ConnectionProperties::default()
+            .with_connection_name(self.config.connection_name.as_str().into());
+        let connection = match Connection::connect(&self.config.amqp_url, properties).await {
+            Ok(connection) => connection,
+            Err(e) => return lost(format!("cannot connect to the broker: {e}")),
+        };
+        let end = match self.subscribe(&connection).await {
+            Ok((channel, deliveries, pipeline, broken)) => {
+                self.dispatch(&connection, channel, deliveries, pipeline, broken)
+                    .await
+            }
+            Err(e) => lost(format!("cannot set up the subscription: {e}")),
+        };
+        // Closing the connection hands every unacked delivery back to the broker.
+        if connection.status().connected() {
+            let _ = connection
+                .close(200, "idempo consumer stopped".into())
+                .await;
+        }
+        end
+    }
+
+    async fn subscribe(
+        &self,
+        connection: &Connection,
+    ) -> Result<(
+        lapin::Channel,
+        lapin::Consumer,
+        Arc<Pipeline>,
+        CancellationToken,
+    )> {
+        let config = &self.config;
+        let channel = connection.create_channel().await?;
+        if config.declare {
+            config.topology.declare(&channel).await?;
+        }
+        let republisher = Republisher::open(connection, REPUBLISH_CHANNELS).await?;
+        channel
+            .basic_qos(config.prefetch, BasicQosOptions::default())
+            .await?;
+        let deliveries = channel
+            .basic_consume(
+                config.topology.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let broken = CancellationToken::new();
+        let pipeline = Arc::new(Pipeline {
+            consumer: config.consumer.clone(),
+            queue: config.topology.queue.clone(),
+            dead_letter_queue: config.topology.dead_letter_queue.clone(),
+            pool: config.pool.clone(),
+            handler: self.handler.clone(),
+            message_id: config.message_id.clone(),
+            retry: config.retry.clone(),
+            handler_timeout: config.handler_timeout,
+            gate: self.gate.clone(),
+            republisher,
+            broken: broken.clone(),
+            shutdown: self.shutdown.graceful.clone(),
+            stats: self.stats.clone(),
+        });
+        Ok((channel, deliveries, pipeline, broken))
+    }
+
+    async fn dispatch(
+        &mut self,
+        connection: &Connection,
+        channel: lapin::Channel,
+        mut deliveries: lapin::Consumer,
+        pipeline: Arc<Pipeline>,
+        broken: CancellationToken,
+    ) -> SessionEnd {
+        let config = &self.config;
+        self.health.set_state(RuntimeState::Consuming);
+        tracing::info!(
+            consumer = %config.consumer,
+            queue = %config.topology.queue,
+            prefetch = config.prefetch,
+            concurrency = config.concurrency,
+            "consuming"
+        );
+        let lost = |error: String| SessionEnd::Lost {
+            error,
+            was_consuming: true,
+        };
+        let end = loop {
+            while let Some(done) = self.tasks.try_join_next() {
+                log_task_failure(done);
+            }
+            let next = tokio::select! {
+                biased;
+                () = self.shutdown.graceful.cancelled() => break SessionEnd::Shutdown,
+                () = broken.cancelled() => break lost("the republishing channels were lost".into()),
+                next = deliveries.next() => next,
+            };
+            let delivery = match next {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(e)) => break lost(format!("consuming failed: {e}")),
+                None if channel.status().connected() && connection.status().connected() => {
+                    let error = Error::ConsumerCancelled {
+                        queue: config.topology.queue.clone(),
+                    };
+                    break lost(format!("{error} (was the queue deleted?)"));
+                }
+                None => break lost("the channel closed".into()),
+            };
+            // Wait for a free handler slot; a delivery that never gets one is
+            // left unacked and returns to the queue when the channel closes.
+            let permit = tokio::select! {
+                biased;
+                () = self.shutdown.graceful.cancelled() => break SessionEnd::Shutdown,
+                permit = self.permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+            };
+            let pipeline = pipeline.clone();
+            self.tasks.spawn(async move {
+                pipeline.run(delivery).await;
+                drop(permit);
+            });
+        };
+
+        if let SessionEnd::Shutdown = end {
+            self.health.set_state(RuntimeState::Stopping);
+            // Stop new deliveries first, so that nothing arrives while we drain.
+            if channel.status().connected()
+                && let Err(e) = channel
+                    .basic_cancel(deliveries.tag(), BasicCancelOptions::default())
+                    .await
+            {
+                tracing::debug!(error = %e, "basic.cancel failed");
+            }
+            self.drain().await;
+        }
+        if channel.status().connected() {
+            let _ = channel.close(200, "idempo consumer stopped".into()).await;
+        }
+        end
+    }
+
+    /// Lets the handlers in flight finish (bounded by `shutdown_timeout`, or
+    /// cut short by `shutdown_now`); drops the rest, rolling them back.
+    async fn drain(&mut self) {
+        let tasks = &mut self.tasks;
+        let drain = async {
+            while let Some(done) = tasks.join_next().await {
+                log_task_failure(done);
             }
         };
-        // Wait for a free handler slot; a delivery that never gets one is
-        // left unacked and returns to the queue when the channel closes.
-        let permit = tokio::select! {
-            biased;
-            () = shutdown.graceful.cancelled() => break Ok(()),
-            () = broken.cancelled() => break Err(Error::DeadLetterChannelLost),
-            permit = permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+        let drained = tokio::select! {
+            drained = tokio::time::timeout(self.config.shutdown_timeout, drain) => drained.is_ok(),
+            () = self.shutdown.now.cancelled() => false,
         };
-        let pipeline = pipeline.clone();
-        tasks.spawn(async move {
-            pipeline.run(delivery).await;
-            drop(permit);
-        });
-    };
-
-    // Stop new deliveries first, so that nothing arrives while we drain.
-    if channel.status().connected()
-        && let Err(e) = channel
-            .basic_cancel(tag, BasicCancelOptions::default())
-            .await
-    {
-        tracing::debug!(error = %e, "basic.cancel failed");
-    }
-    let drain = async {
-        while let Some(done) = tasks.join_next().await {
-            log_task_failure(done);
+        if !drained {
+            tracing::warn!(
+                remaining = self.tasks.len(),
+                "dropping handlers in flight; their transactions roll back and their deliveries will be redelivered"
+            );
+            self.tasks.shutdown().await;
         }
+    }
+}
+
+/// A redelivery that arrives after retention deleted its claim is processed
+/// again: warn when the retention does not cover the longest way back.
+fn warn_if_retention_too_short(config: &Config) {
+    let Some(retention) = config.retention else {
+        return;
     };
-    let drained = tokio::select! {
-        drained = tokio::time::timeout(config.shutdown_timeout, drain) => drained.is_ok(),
-        () = shutdown.now.cancelled() => false,
-    };
-    if !drained {
+    let longest = config.retry.total_delay() + BROKER_CONSUMER_TIMEOUT;
+    if retention < longest {
         tracing::warn!(
-            remaining = tasks.len(),
-            "dropping handlers in flight; their transactions roll back and their deliveries will be redelivered"
+            ?retention,
+            ?longest,
+            "retention is shorter than the longest possible redelivery (retry schedule plus the broker's 30 min consumer timeout): a late redelivery could be processed twice"
         );
-        tasks.shutdown().await;
     }
-    // Closing the channel hands every unacked delivery back to the broker.
-    if channel.status().connected() {
-        let _ = channel.close(200, "idempo consumer stopped".into()).await;
-    }
-    tracing::info!(consumer = %config.consumer, "stopped consuming");
-    result
 }
 
 /// Handler panics are caught inside the task; a failed task means a bug in
@@ -370,242 +528,5 @@ impl Signals {
         }
         #[cfg(not(unix))]
         let _ = tokio::signal::ctrl_c().await;
-    }
-}
-
-/// Configures a [`Consumer`]. Created by [`Consumer::builder`].
-///
-/// # Default
-/// - queue type: [`QueueType::Quorum`], declared durable, dead-lettering into `<queue>.dlq`;
-/// - consumer name (the scope of message ids): the queue name;
-/// - `prefetch`: 100, `concurrency`: 16;
-/// - message id: the AMQP `message_id` property ([`MessageIdSource::Property`]);
-/// - `requeue_delay`: 1 s; `handler_timeout`: 5 min; `shutdown_timeout`: 30 s.
-#[must_use]
-pub struct ConsumerBuilder {
-    amqp_url: String,
-    pool: PgPool,
-    queue: Option<String>,
-    consumer: Option<String>,
-    dead_letter_queue: Option<String>,
-    queue_type: QueueType,
-    declare: bool,
-    bindings: Vec<(String, String)>,
-    prefetch: u16,
-    concurrency: usize,
-    message_id: MessageIdSource,
-    requeue_delay: Duration,
-    handler_timeout: Duration,
-    shutdown_timeout: Duration,
-    connection_name: Option<String>,
-    handler: Option<BoxedHandler>,
-}
-
-impl fmt::Debug for ConsumerBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ConsumerBuilder")
-            .field("queue", &self.queue)
-            .field("consumer", &self.consumer)
-            .field("prefetch", &self.prefetch)
-            .field("concurrency", &self.concurrency)
-            .finish_non_exhaustive()
-    }
-}
-
-impl ConsumerBuilder {
-    fn new(amqp_url: String, pool: PgPool) -> Self {
-        ConsumerBuilder {
-            amqp_url,
-            pool,
-            queue: None,
-            consumer: None,
-            dead_letter_queue: None,
-            queue_type: QueueType::default(),
-            declare: true,
-            bindings: Vec::new(),
-            prefetch: 100,
-            concurrency: 16,
-            message_id: MessageIdSource::default(),
-            requeue_delay: Duration::from_secs(1),
-            handler_timeout: Duration::from_secs(300),
-            shutdown_timeout: Duration::from_secs(30),
-            connection_name: None,
-            handler: None,
-        }
-    }
-
-    /// The queue to consume (required). Unless [`declare`](Self::declare) is
-    /// turned off, it is declared durable, dead-lettering into `<queue>.dlq`.
-    pub fn queue(mut self, queue: impl Into<String>) -> Self {
-        self.queue = Some(queue.into());
-        self
-    }
-
-    /// The name that scopes message ids in `processed_messages` (default: the
-    /// queue name). Two consumers of one message (fan-out) must have different
-    /// names to each process it once; replicas of one consumer share a name.
-    pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
-        self.consumer = Some(name.into());
-        self
-    }
-
-    /// The dead-letter queue (default: `<queue>.dlq`).
-    pub fn dead_letter_queue(mut self, queue: impl Into<String>) -> Self {
-        self.dead_letter_queue = Some(queue.into());
-        self
-    }
-
-    /// The type of the queues the runtime declares (default: quorum).
-    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
-        self.queue_type = queue_type;
-        self
-    }
-
-    /// Whether to declare the queues (default: `true`). Turn it off when the
-    /// topology is managed elsewhere; the dead-letter queue must then exist.
-    pub fn declare(mut self, declare: bool) -> Self {
-        self.declare = declare;
-        self
-    }
-
-    /// Binds the queue to an existing exchange with a routing key, at start.
-    pub fn bind(mut self, exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
-        self.bindings.push((exchange.into(), routing_key.into()));
-        self
-    }
-
-    /// How many unacknowledged deliveries the broker may send ahead (default: 100).
-    /// Must be at least [`concurrency`](Self::concurrency).
-    pub fn prefetch(mut self, prefetch: u16) -> Self {
-        self.prefetch = prefetch;
-        self
-    }
-
-    /// How many handlers run at once (default: 16). Each holds a database
-    /// connection from the pool while it runs.
-    pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency;
-        self
-    }
-
-    /// Where the message id comes from (default: the AMQP `message_id` property).
-    pub fn message_id(mut self, source: MessageIdSource) -> Self {
-        self.message_id = source;
-        self
-    }
-
-    /// How long a transiently failed delivery waits before it is handed back
-    /// to the broker (default: 1 s). It keeps its prefetch slot meanwhile.
-    pub fn requeue_delay(mut self, delay: Duration) -> Self {
-        self.requeue_delay = delay;
-        self
-    }
-
-    /// How long one handler may run (default: 5 min). A handler that takes
-    /// longer is dropped, its transaction rolls back, and the delivery is
-    /// retried: a hung call must not hold a connection and the claim's row
-    /// lock forever. Keep it below the broker's `consumer_timeout` (30 min by
-    /// default), after which RabbitMQ closes the channel.
-    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
-        self.handler_timeout = timeout;
-        self
-    }
-
-    /// How long a shutdown waits for handlers in flight (default: 30 s).
-    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
-        self.shutdown_timeout = timeout;
-        self
-    }
-
-    /// The connection name shown in RabbitMQ's management UI and `rabbitmqctl`.
-    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
-        self.connection_name = Some(name.into());
-        self
-    }
-
-    /// The handler (required): a closure or async fn
-    /// `(Tx, M) -> impl Future<Output = Result<(), HandlerError>>` where `M` is
-    /// [`Json<T>`](super::Json), [`Message`](super::Message) or another
-    /// [`FromMessage`] type. It runs in the transaction that claimed the
-    /// message id; it must not commit or roll back (the runtime commits after
-    /// `Ok`, then acks). State goes into the closure (an `Arc`, a pool, ...).
-    pub fn handler<M, F, Fut>(mut self, handler: F) -> Self
-    where
-        M: FromMessage,
-        F: Fn(Tx, M) -> Fut + Clone + Send + Sync + 'static,
-        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
-    {
-        self.handler = Some(handler::boxed(handler));
-        self
-    }
-
-    /// Checks the configuration and builds the consumer.
-    ///
-    /// # Errors
-    /// [`Error::Config`] when the queue or handler is missing, `concurrency`
-    /// is 0, or `prefetch` is below `concurrency`.
-    pub fn build(self) -> Result<Consumer> {
-        let queue = self
-            .queue
-            .ok_or_else(|| Error::Config("a queue is required: call .queue(name)".into()))?;
-        let handler = self
-            .handler
-            .ok_or_else(|| Error::Config("a handler is required: call .handler(f)".into()))?;
-        if self.concurrency == 0 {
-            return Err(Error::Config("concurrency must be at least 1".into()));
-        }
-        if usize::from(self.prefetch) < self.concurrency {
-            return Err(Error::Config(format!(
-                "prefetch ({}) must be at least concurrency ({}): handlers beyond the prefetch would never get a delivery",
-                self.prefetch, self.concurrency
-            )));
-        }
-        let consumer = self.consumer.unwrap_or_else(|| queue.clone());
-        if consumer.is_empty() {
-            return Err(Error::Config("the consumer name must not be empty".into()));
-        }
-        let dead_letter_queue = self
-            .dead_letter_queue
-            .unwrap_or_else(|| format!("{queue}.dlq"));
-        Ok(Consumer {
-            config: Config {
-                amqp_url: self.amqp_url,
-                pool: self.pool,
-                consumer,
-                topology: Topology {
-                    queue,
-                    dead_letter_queue,
-                    queue_type: self.queue_type,
-                    bindings: self.bindings,
-                },
-                declare: self.declare,
-                prefetch: self.prefetch,
-                concurrency: self.concurrency,
-                message_id: self.message_id,
-                requeue_delay: self.requeue_delay,
-                handler_timeout: self.handler_timeout,
-                shutdown_timeout: self.shutdown_timeout,
-                connection_name: self.connection_name,
-            },
-            handler,
-            shutdown: ShutdownHandle::default(),
-            stats: Stats::default(),
-        })
-    }
-
-    /// Builds and [runs](Consumer::run) the consumer.
-    ///
-    /// # Errors
-    /// As [`build`](Self::build) and [`Consumer::run`].
-    pub async fn run(self) -> Result<()> {
-        self.build()?.run().await
-    }
-
-    /// Builds and [runs until a signal](Consumer::run_until_signal).
-    ///
-    /// # Errors
-    /// As [`build`](Self::build) and [`Consumer::run`].
-    pub async fn run_until_signal(self) -> Result<()> {
-        self.build()?.run_until_signal().await
     }
 }

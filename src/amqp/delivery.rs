@@ -2,11 +2,17 @@
 //!
 //! ```text
 //! received ─► id ─► decode ─► BEGIN ─► claim ─┬─ Fresh ─► handler ─┬─ Ok ─► claim still ours? ─► COMMIT ─┬─ ok ─► ack
-//!              │       │                      │                    │                                     └─ failed/unknown ─► requeue
+//!              │       │                      │                    │                                     └─ failed/unknown ─► RETRY
 //!              │       │                      ├─ Duplicate ─► ROLLBACK ─► ack
-//!              │       │                      └─ Mismatch ──► ROLLBACK ─► dead-letter ─► ack
-//!              │       └─ undecodable ─► dead-letter ─► ack  ├─ transient error / panic / timeout ─► ROLLBACK ─► requeue
-//!              └─ missing/invalid ─► dead-letter ─► ack      └─ permanent error ─► ROLLBACK ─► dead-letter ─► ack
+//!              │       │                      └─ Mismatch ──► ROLLBACK ─► DEAD-LETTER ─► ack
+//!              │       └─ undecodable ─► DEAD-LETTER ─► ack  ├─ transient error / panic / timeout ─► ROLLBACK ─► RETRY
+//!              └─ missing/invalid ─► DEAD-LETTER ─► ack      └─ permanent error ─► ROLLBACK ─► DEAD-LETTER ─► ack
+//!
+//! RETRY       = attempts left: publish to <queue>.retry.<delay> (confirmed) ─► ack
+//!               none left: DEAD-LETTER; policy "requeue": pause ─► nack(requeue)
+//! DEAD-LETTER = publish to <queue>.dlq (confirmed) ─► ack
+//! a publish that is not confirmed ─► pause ─► nack(requeue): never acked
+//! database unreachable anywhere ─► ROLLBACK ─► wait at the database gate ─► run again from BEGIN
 //! ```
 //!
 //! Dropping the future (shutdown timeout) at any `.await` is safe: before the
@@ -22,12 +28,20 @@ use std::time::Duration;
 use futures::FutureExt;
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::types::AMQPValue;
 use sqlx::{PgPool, Postgres, Transaction};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, field};
 
-use super::dead_letter::{DeadLetterPublisher, DeadLetterReason};
-use super::handler::{BoxedHandler, HandlerError, PreparedCall, Tx};
+use super::database_gate::{DatabaseGate, is_connection_error, is_connection_failure};
+use super::dead_letter::DeadLetterReason;
+use super::handler::{BoxedHandler, HandlerError, Tx};
+use super::headers::{
+    CONSUMER_HEADER, ERROR_HEADER, Failures, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER,
+    original_routing_key,
+};
+use super::republish::Republisher;
+use super::retry::{Mode, RetryPolicy, delay_queue};
 use super::stats::{Counter, Stats};
 use super::{DecodeError, Message, MessageIdSource};
 use crate::inbox::{self, Claim, InvalidMessageId};
@@ -39,16 +53,26 @@ const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 /// Everything a delivery task needs, shared by all tasks of one consumer.
 pub(crate) struct Pipeline {
     pub(crate) consumer: String,
+    pub(crate) queue: String,
+    pub(crate) dead_letter_queue: String,
     pub(crate) pool: PgPool,
     pub(crate) handler: BoxedHandler,
     pub(crate) message_id: MessageIdSource,
-    pub(crate) requeue_delay: Duration,
+    pub(crate) retry: RetryPolicy,
     pub(crate) handler_timeout: Duration,
-    pub(crate) dead_letters: DeadLetterPublisher,
-    /// Fired when the dead-letter channel is gone: the consumer must stop.
+    pub(crate) gate: Arc<DatabaseGate>,
+    /// Copies to delay queues and to the DLQ, confirmed before the ack.
+    pub(crate) republisher: Republisher,
+    /// Fired when the republishing channels are gone: the session must end.
     pub(crate) broken: CancellationToken,
+    /// Fired on shutdown: deliveries waiting for the database give up.
+    pub(crate) shutdown: CancellationToken,
     pub(crate) stats: Stats,
 }
+
+/// A pause before handing a delivery back with nack when no confirmed
+/// republish was possible, so a failing broker path is not hammered.
+const FALLBACK_PAUSE: Duration = Duration::from_secs(1);
 
 /// What the claim, the handler and the commit decided.
 #[derive(Debug)]
@@ -62,8 +86,22 @@ enum Outcome {
         reason: DeadLetterReason,
         error: String,
     },
-    /// Might succeed later: hand back to the broker after a delay.
-    Retry { error: String },
+    /// Shutdown came while the delivery waited for the database: leave it
+    /// unacked; it returns to the queue when the channel closes.
+    Abandoned,
+    /// Might succeed later: retry per the policy.
+    Retry {
+        error: String,
+        requested_delay: Option<Duration>,
+    },
+}
+
+/// One pass through claim, handler and commit.
+enum Pass {
+    Done(Outcome),
+    /// The database connection failed: nothing of this pass survived (or the
+    /// commit's outcome is unknown, which a new pass resolves through the claim).
+    DatabaseDown(String),
 }
 
 impl Pipeline {
@@ -85,11 +123,7 @@ impl Pipeline {
                 Ok(id) => {
                     Span::current().record("message_id", id.as_str());
                     message.set_id(id);
-                    // Decode before touching the database: a bad body is final.
-                    match (self.handler)(message.clone()) {
-                        Ok(call) => self.decide(&message, call).await,
-                        Err(e) => undecodable(&e),
-                    }
+                    self.decide(&message).await
                 }
                 Err(e) => invalid_id(e),
             };
@@ -100,69 +134,96 @@ impl Pipeline {
         .await
     }
 
-    /// Claims, runs the handler and commits; says how to settle the delivery.
-    async fn decide(&self, message: &Message, call: PreparedCall) -> Outcome {
+    /// Decodes, then claims, runs the handler and commits, as many passes as
+    /// database outages need; says how to settle the delivery.
+    async fn decide(&self, message: &Message) -> Outcome {
+        loop {
+            match self.pass(message).await {
+                Pass::Done(outcome) => return outcome,
+                Pass::DatabaseDown(error) => {
+                    self.gate.report_down(&error);
+                    tokio::select! {
+                        () = self.gate.wait_available() => {}
+                        () = self.shutdown.cancelled() => return Outcome::Abandoned,
+                    }
+                }
+            }
+        }
+    }
+
+    async fn pass(&self, message: &Message) -> Pass {
+        // Decode before touching the database: a bad body is final.
+        let call = match (self.handler)(message.clone()) {
+            Ok(call) => call,
+            Err(e) => return Pass::Done(undecodable(&e)),
+        };
         let id = message.id();
         let mut tx = match self.pool.begin_with(BEGIN).await {
             Ok(tx) => tx,
-            Err(e) => return retry("cannot begin a transaction", e),
+            Err(e) => return database_error("cannot begin a transaction", e),
         };
         match inbox::claim(&mut tx, &self.consumer, id, message.body()).await {
-            Err(e) => return retry("claim failed", e),
+            Err(crate::Error::Database(e)) => return database_error("claim failed", e),
+            Err(e) => return Pass::Done(retry("claim failed", e)),
             Ok(Claim::Duplicate) => {
                 rollback(tx).await;
-                return Outcome::Duplicate;
+                return Pass::Done(Outcome::Duplicate);
             }
             Ok(Claim::Mismatch) => {
                 rollback(tx).await;
                 self.stats.incr(Counter::PayloadMismatches);
                 tracing::warn!(message_id = %id, "message id reused with a different payload");
-                return Outcome::DeadLetter {
+                return Pass::Done(Outcome::DeadLetter {
                     reason: DeadLetterReason::PayloadMismatch,
                     error: format!(
                         "message id {id:?} was already processed by {:?} with a different body",
                         self.consumer
                     ),
-                };
+                });
             }
             Ok(Claim::Fresh) => {}
         }
 
         let tx = Tx::new(tx);
+        let started = std::time::Instant::now();
         let result = tokio::time::timeout(
             self.handler_timeout,
             AssertUnwindSafe(call(tx.clone())).catch_unwind(),
         )
         .await;
+        self.stats.handler_duration(started.elapsed());
         let Some(tx) = tx.take() else {
             // The guard lives on in a task the handler spawned; the
             // transaction rolls back when that guard is dropped.
-            return retry(
+            return Pass::Done(retry(
                 "handler finished while a task it spawned still holds the transaction",
                 "rolled back",
-            );
+            ));
         };
         match result {
             Ok(Ok(Ok(()))) => self.commit(tx, id).await,
             Ok(Ok(Err(e))) => {
                 rollback(tx).await;
-                handler_failed(e)
+                if is_connection_failure(e.source()) {
+                    return Pass::DatabaseDown(format!("handler lost its connection: {e}"));
+                }
+                Pass::Done(handler_failed(e))
             }
             Ok(Err(panic)) => {
                 rollback(tx).await;
-                retry("handler panicked", panic_message(&*panic))
+                Pass::Done(retry("handler panicked", panic_message(&*panic)))
             }
             Err(_) => {
                 rollback(tx).await;
-                retry(
+                Pass::Done(retry(
                     "handler timed out after",
                     format!("{:?}", self.handler_timeout),
-                )
+                ))
             }
         }
     }
 
-    async fn commit(&self, mut tx: Transaction<'static, Postgres>, id: &str) -> Outcome {
+    async fn commit(&self, mut tx: Transaction<'static, Postgres>, id: &str) -> Pass {
         // COMMIT of an aborted transaction (a handler that ignored a failed
         // statement) reports success while it rolls back; a handler that ran
         // ROLLBACK itself leaves nothing to commit. Check the claim is still ours.
@@ -176,32 +237,39 @@ impl Pipeline {
             Ok(Some(_)) => {}
             Ok(None) => {
                 rollback(tx).await;
-                return retry(
+                return Pass::Done(retry(
                     "the handler ended the transaction itself",
                     "its writes and the claim are gone",
-                );
+                ));
+            }
+            Err(e) if is_connection_error(&e) => {
+                return database_error("lost the connection before commit", e);
             }
             Err(e) => {
                 rollback(tx).await;
-                return retry(
+                return Pass::Done(retry(
                     "the handler left the transaction aborted (did it ignore a failed statement?)",
                     e,
-                );
+                ));
             }
         }
         match tx.commit().await {
-            Ok(()) => Outcome::Processed,
+            Ok(()) => Pass::Done(Outcome::Processed),
             Err(e) => {
-                // Maybe committed, maybe not: never ack. The redelivery is
-                // either claimed as a duplicate or processed afresh.
+                // Maybe committed, maybe not: never ack. The next pass (or
+                // redelivery) is either claimed as a duplicate or runs afresh.
                 self.stats.incr(Counter::CommitFailures);
-                retry("commit failed or its outcome is unknown", e)
+                if is_connection_error(&e) {
+                    database_error("commit outcome unknown", e)
+                } else {
+                    Pass::Done(retry("commit failed", e))
+                }
             }
         }
     }
 
-    /// Acks, dead-letters or requeues, and says which it did. Nothing is acked
-    /// before its effects (or its dead letter) are durable.
+    /// Acks, dead-letters or retries, and says which it did. Nothing is acked
+    /// before its effects, its retry copy or its dead letter are durable.
     async fn settle(&self, acker: &Acker, message: &Message, outcome: Outcome) -> &'static str {
         match outcome {
             Outcome::Processed => {
@@ -216,48 +284,134 @@ impl Pipeline {
                 "duplicate"
             }
             Outcome::DeadLetter { reason, error } => {
-                match self.dead_letters.publish(message, reason, &error).await {
+                self.dead_letter(acker, message, reason, &error, Failures::record(message))
+                    .await
+            }
+            Outcome::Retry {
+                error,
+                requested_delay,
+            } => self.retry(acker, message, &error, requested_delay).await,
+            Outcome::Abandoned => "abandoned",
+        }
+    }
+
+    async fn retry(
+        &self,
+        acker: &Acker,
+        message: &Message,
+        error: &str,
+        requested_delay: Option<Duration>,
+    ) -> &'static str {
+        let failures = Failures::record(message);
+        match &self.retry.mode {
+            Mode::Requeue(pause) => {
+                tracing::warn!(%error, "transient failure; requeueing");
+                self.stats.incr(Counter::Retried);
+                nack_after(acker, *pause).await;
+                "retried"
+            }
+            Mode::Delayed(_) if failures.attempts >= self.retry.max_attempts => {
+                let error = format!("{} attempts failed; the last: {error}", failures.attempts);
+                self.dead_letter(
+                    acker,
+                    message,
+                    DeadLetterReason::AttemptsExhausted,
+                    &error,
+                    failures,
+                )
+                .await
+            }
+            Mode::Delayed(_) => {
+                let delay = self.retry.delay_for(failures.attempts, requested_delay);
+                let queue = delay_queue(&self.queue, delay);
+                let headers = self.failure_headers(message, error, &failures);
+                match self.republisher.publish(&queue, message, headers).await {
                     Ok(()) => {
-                        self.stats.incr(Counter::DeadLettered);
-                        tracing::warn!(%reason, %error, "dead-lettered");
+                        tracing::warn!(%error, attempts = failures.attempts, ?delay, "transient failure; retrying later");
+                        self.stats.incr(Counter::Retried);
                         ack(acker).await;
-                        "dead_lettered"
+                        "retried"
                     }
                     Err(e) => {
-                        tracing::error!(%reason, error = %e, "cannot dead-letter; requeueing");
-                        if !self.dead_letters.is_open().await {
-                            self.broken.cancel();
-                        }
-                        self.requeue(acker).await;
+                        tracing::error!(error = %e, "cannot publish the retry; requeueing instead");
+                        self.publish_failed(acker).await;
                         "retried"
                     }
                 }
             }
-            Outcome::Retry { error } => {
-                tracing::warn!(%error, "transient failure; the delivery will be retried");
-                self.requeue(acker).await;
+        }
+    }
+
+    async fn dead_letter(
+        &self,
+        acker: &Acker,
+        message: &Message,
+        reason: DeadLetterReason,
+        error: &str,
+        failures: Failures,
+    ) -> &'static str {
+        let mut headers = self.failure_headers(message, error, &failures);
+        headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
+        match self
+            .republisher
+            .publish(&self.dead_letter_queue, message, headers)
+            .await
+        {
+            Ok(()) => {
+                self.stats.incr(Counter::DeadLettered);
+                tracing::warn!(%reason, %error, "dead-lettered");
+                ack(acker).await;
+                "dead_lettered"
+            }
+            Err(e) => {
+                tracing::error!(%reason, error = %e, "cannot dead-letter; requeueing");
+                self.publish_failed(acker).await;
                 "retried"
             }
         }
     }
 
-    /// Hands the delivery back after a pause, so a failing dependency is not
-    /// hammered in a tight redelivery loop.
-    async fn requeue(&self, acker: &Acker) {
-        self.stats.incr(Counter::Retried);
-        tokio::time::sleep(self.requeue_delay).await;
-        let nack = BasicNackOptions {
-            requeue: true,
-            ..BasicNackOptions::default()
-        };
-        match acker.nack(nack).await {
-            Ok(true) => {}
-            // The channel is gone: the broker requeues every unacked delivery.
-            Ok(false) => {
-                tracing::warn!("nack not sent (channel closed); the broker will redeliver")
-            }
-            Err(e) => tracing::warn!(error = %e, "nack failed; the broker will redeliver"),
+    fn failure_headers(
+        &self,
+        message: &Message,
+        error: &str,
+        failures: &Failures,
+    ) -> Vec<(&'static str, AMQPValue)> {
+        let text = |s: &str| AMQPValue::LongString(s.into());
+        let mut headers = vec![
+            (ERROR_HEADER, text(error)),
+            (CONSUMER_HEADER, text(&self.consumer)),
+            (QUEUE_HEADER, text(&self.queue)),
+            (ROUTING_KEY_HEADER, text(&original_routing_key(message))),
+        ];
+        headers.extend(failures.headers());
+        headers
+    }
+
+    /// No confirmed copy: hand the original back instead. If the publishing
+    /// channels are gone, the session must reconnect.
+    async fn publish_failed(&self, acker: &Acker) {
+        if !self.republisher.is_open().await {
+            self.broken.cancel();
         }
+        self.stats.incr(Counter::Retried);
+        nack_after(acker, FALLBACK_PAUSE).await;
+    }
+}
+
+/// Hands the delivery back after a pause, so a failing dependency is not
+/// hammered in a tight redelivery loop.
+async fn nack_after(acker: &Acker, pause: Duration) {
+    tokio::time::sleep(pause).await;
+    let nack = BasicNackOptions {
+        requeue: true,
+        ..BasicNackOptions::default()
+    };
+    match acker.nack(nack).await {
+        Ok(true) => {}
+        // The channel is gone: the broker requeues every unacked delivery.
+        Ok(false) => tracing::warn!("nack not sent (channel closed); the broker will redeliver"),
+        Err(e) => tracing::warn!(error = %e, "nack failed; the broker will redeliver"),
     }
 }
 
@@ -292,7 +446,10 @@ fn handler_failed(e: HandlerError) -> Outcome {
             error: e.to_string(),
         }
     } else {
-        retry("handler failed", e)
+        Outcome::Retry {
+            requested_delay: e.requested_delay(),
+            error: format!("handler failed: {e}"),
+        }
     }
 }
 
@@ -317,6 +474,17 @@ fn invalid_id(e: InvalidMessageId) -> Outcome {
 fn retry(context: &str, e: impl std::fmt::Display) -> Outcome {
     Outcome::Retry {
         error: format!("{context}: {e}"),
+        requested_delay: None,
+    }
+}
+
+/// A database error before or at commit: a connection failure goes to the
+/// gate, anything else is retried like a handler error.
+fn database_error(context: &str, e: sqlx::Error) -> Pass {
+    if is_connection_error(&e) {
+        Pass::DatabaseDown(format!("{context}: {e}"))
+    } else {
+        Pass::Done(retry(context, e))
     }
 }
 

@@ -5,6 +5,7 @@ use std::fmt;
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use sqlx::{PgConnection, Postgres, Transaction};
@@ -143,6 +144,7 @@ pub enum ErrorKind {
 pub struct HandlerError {
     kind: ErrorKind,
     source: BoxError,
+    retry_after: Option<Duration>,
 }
 
 impl HandlerError {
@@ -151,6 +153,7 @@ impl HandlerError {
         HandlerError {
             kind: ErrorKind::Transient,
             source: error.into(),
+            retry_after: None,
         }
     }
 
@@ -159,7 +162,23 @@ impl HandlerError {
         HandlerError {
             kind: ErrorKind::Permanent,
             source: error.into(),
+            retry_after: None,
         }
+    }
+
+    /// Asks for the retry to wait about `delay` (a transient error): the
+    /// smallest delay tier of the [`RetryPolicy`](super::RetryPolicy) that is
+    /// at least as long is used. For example, a downstream answered
+    /// "429, Retry-After: 30".
+    #[must_use]
+    pub fn retry_after(mut self, delay: Duration) -> Self {
+        self.retry_after = Some(delay);
+        self
+    }
+
+    /// The delay asked for with [`retry_after`](Self::retry_after).
+    pub fn requested_delay(&self) -> Option<Duration> {
+        self.retry_after
     }
 
     /// Transient or permanent.
@@ -188,6 +207,7 @@ impl fmt::Debug for HandlerError {
         f.debug_struct("HandlerError")
             .field("kind", &self.kind)
             .field("source", &self.source)
+            .field("retry_after", &self.retry_after)
             .finish()
     }
 }

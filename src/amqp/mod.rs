@@ -21,23 +21,35 @@
 //!
 //! See <https://www.rabbitmq.com/docs/confirms> for RabbitMQ's acknowledgement semantics.
 
+mod backoff;
+mod builder;
 mod consumer;
+mod database_gate;
 mod dead_letter;
 mod delivery;
 mod handler;
+mod headers;
+mod health;
 mod message;
 mod message_id;
+mod republish;
+mod retention;
+mod retry;
 mod stats;
 mod topology;
 
-pub use consumer::{Consumer, ConsumerBuilder, ShutdownHandle};
-pub use dead_letter::{
-    CONSUMER_HEADER, DeadLetterReason, ERROR_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER,
-    REASON_HEADER, ROUTING_KEY_HEADER,
-};
+pub use builder::ConsumerBuilder;
+pub use consumer::{Consumer, ShutdownHandle};
+pub use dead_letter::DeadLetterReason;
 pub use handler::{ErrorKind, HandlerError, ResultExt, Tx, TxGuard};
+pub use headers::{
+    ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
+    ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER,
+};
+pub use health::{Health, HealthSnapshot, RuntimeState};
 pub use message::{DecodeError, FromMessage, Json, Message};
 pub use message_id::{IdFn, MessageIdSource};
+pub use retry::RetryPolicy;
 pub use stats::{Stats, StatsSnapshot};
 pub use topology::QueueType;
 

@@ -1,24 +1,36 @@
-//! Counters a host can read while the consumer runs.
+//! Counters a host can read while the consumer runs, mirrored to the `metrics` facade.
+//!
+//! Every counter is also emitted through the [`metrics`] crate with a
+//! `consumer` label, so any exporter (Prometheus, StatsD, ...) installed by
+//! the host picks them up:
+//!
+//! | metric | kind |
+//! |---|---|
+//! | `idempo_deliveries_total` | counter |
+//! | `idempo_processed_total` | counter |
+//! | `idempo_duplicates_total` | counter |
+//! | `idempo_payload_mismatches_total` | counter |
+//! | `idempo_retried_total` | counter |
+//! | `idempo_dead_lettered_total` | counter |
+//! | `idempo_commit_failures_total` | counter |
+//! | `idempo_reconnects_total` | counter |
+//! | `idempo_handler_duration_seconds` | histogram |
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// Live counters of one consumer. Cheap to clone; all clones see the same
 /// numbers. Read them with [`Stats::snapshot`].
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Stats {
     inner: Arc<Counters>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Counters {
-    deliveries: AtomicU64,
-    processed: AtomicU64,
-    duplicates: AtomicU64,
-    payload_mismatches: AtomicU64,
-    retried: AtomicU64,
-    dead_lettered: AtomicU64,
-    commit_failures: AtomicU64,
+    consumer: String,
+    cells: [AtomicU64; Counter::ALL.len()],
 }
 
 /// The counters at one instant.
@@ -39,6 +51,8 @@ pub struct StatsSnapshot {
     pub dead_lettered: u64,
     /// Commits that failed or whose outcome is unknown.
     pub commit_failures: u64,
+    /// Reconnections to the broker.
+    pub reconnects: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -50,35 +64,67 @@ pub(crate) enum Counter {
     Retried,
     DeadLettered,
     CommitFailures,
+    Reconnects,
+}
+
+impl Counter {
+    const ALL: [Counter; 8] = [
+        Counter::Deliveries,
+        Counter::Processed,
+        Counter::Duplicates,
+        Counter::PayloadMismatches,
+        Counter::Retried,
+        Counter::DeadLettered,
+        Counter::CommitFailures,
+        Counter::Reconnects,
+    ];
+
+    fn metric(self) -> &'static str {
+        match self {
+            Counter::Deliveries => "idempo_deliveries_total",
+            Counter::Processed => "idempo_processed_total",
+            Counter::Duplicates => "idempo_duplicates_total",
+            Counter::PayloadMismatches => "idempo_payload_mismatches_total",
+            Counter::Retried => "idempo_retried_total",
+            Counter::DeadLettered => "idempo_dead_lettered_total",
+            Counter::CommitFailures => "idempo_commit_failures_total",
+            Counter::Reconnects => "idempo_reconnects_total",
+        }
+    }
 }
 
 impl Stats {
+    pub(crate) fn new(consumer: &str) -> Self {
+        Stats {
+            inner: Arc::new(Counters {
+                consumer: consumer.to_owned(),
+                cells: Default::default(),
+            }),
+        }
+    }
+
     pub(crate) fn incr(&self, counter: Counter) {
-        let c = &self.inner;
-        let cell = match counter {
-            Counter::Deliveries => &c.deliveries,
-            Counter::Processed => &c.processed,
-            Counter::Duplicates => &c.duplicates,
-            Counter::PayloadMismatches => &c.payload_mismatches,
-            Counter::Retried => &c.retried,
-            Counter::DeadLettered => &c.dead_lettered,
-            Counter::CommitFailures => &c.commit_failures,
-        };
-        cell.fetch_add(1, Ordering::Relaxed);
+        self.inner.cells[counter as usize].fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(counter.metric(), "consumer" => self.inner.consumer.clone()).increment(1);
+    }
+
+    pub(crate) fn handler_duration(&self, elapsed: Duration) {
+        metrics::histogram!("idempo_handler_duration_seconds", "consumer" => self.inner.consumer.clone())
+            .record(elapsed.as_secs_f64());
     }
 
     /// The current values.
     pub fn snapshot(&self) -> StatsSnapshot {
-        let c = &self.inner;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let get = |c: Counter| self.inner.cells[c as usize].load(Ordering::Relaxed);
         StatsSnapshot {
-            deliveries: get(&c.deliveries),
-            processed: get(&c.processed),
-            duplicates: get(&c.duplicates),
-            payload_mismatches: get(&c.payload_mismatches),
-            retried: get(&c.retried),
-            dead_lettered: get(&c.dead_lettered),
-            commit_failures: get(&c.commit_failures),
+            deliveries: get(Counter::Deliveries),
+            processed: get(Counter::Processed),
+            duplicates: get(Counter::Duplicates),
+            payload_mismatches: get(Counter::PayloadMismatches),
+            retried: get(Counter::Retried),
+            dead_lettered: get(Counter::DeadLettered),
+            commit_failures: get(Counter::CommitFailures),
+            reconnects: get(Counter::Reconnects),
         }
     }
 }

@@ -1,9 +1,12 @@
 //! The queues the runtime declares: the work queue and its dead-letter queue.
 
+use std::time::Duration;
+
 use lapin::Channel;
 use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
+use super::retry::delay_queue;
 use crate::Result;
 
 /// The kind of RabbitMQ queue to declare.
@@ -37,11 +40,14 @@ pub(crate) struct Topology {
     pub(crate) dead_letter_queue: String,
     pub(crate) queue_type: QueueType,
     pub(crate) bindings: Vec<(String, String)>,
+    /// One delay queue per retry delay (empty when retries requeue).
+    pub(crate) retry_delays: Vec<Duration>,
 }
 
 impl Topology {
-    /// Declares the durable dead-letter queue, then the durable work queue
-    /// dead-lettering into it (through the default exchange), then the bindings.
+    /// Declares the durable dead-letter queue, the durable work queue
+    /// dead-lettering into it (through the default exchange), the delay
+    /// queues of the retry policy, then the bindings.
     ///
     /// The broker-side dead-lettering is a safety net for messages rejected
     /// without requeue; idempo itself publishes dead letters with a reason.
@@ -74,6 +80,16 @@ impl Topology {
             .queue_declare(self.queue.as_str().into(), durable, args)
             .await?;
 
+        for delay in &self.retry_delays {
+            channel
+                .queue_declare(
+                    delay_queue(&self.queue, *delay).as_str().into(),
+                    durable,
+                    self.delay_queue_arguments(*delay),
+                )
+                .await?;
+        }
+
         for (exchange, routing_key) in &self.bindings {
             channel
                 .queue_bind(
@@ -86,6 +102,41 @@ impl Topology {
                 .await?;
         }
         Ok(())
+    }
+}
+
+impl Topology {
+    /// A delay queue holds each message for `delay`, then dead-letters it back
+    /// into the work queue. On quorum queues that dead-lettering is
+    /// `at-least-once` (it needs `reject-publish` overflow): the broker keeps
+    /// the message until the work queue confirmed it, so an expiring retry is
+    /// never lost on the way back.
+    fn delay_queue_arguments(&self, delay: Duration) -> FieldTable {
+        let mut args = FieldTable::default();
+        args.insert("x-queue-type".into(), queue_type_value(self.queue_type));
+        args.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(delay.as_millis() as i64),
+        );
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString("".into()),
+        );
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(self.queue.as_str().into()),
+        );
+        if self.queue_type == QueueType::Quorum {
+            args.insert(
+                "x-dead-letter-strategy".into(),
+                AMQPValue::LongString("at-least-once".into()),
+            );
+            args.insert(
+                "x-overflow".into(),
+                AMQPValue::LongString("reject-publish".into()),
+            );
+        }
+        args
     }
 }
 

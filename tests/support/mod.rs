@@ -7,6 +7,8 @@
 #[path = "../../examples/common/payments.rs"]
 pub mod payments;
 
+pub mod consumer;
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::str::FromStr;
@@ -238,12 +240,18 @@ impl Broker {
             .expect("declare the test queues");
     }
 
-    /// Deletes `queue` and `queue.dlq` when this `Broker` is dropped (for
-    /// queues that a consumer declared).
+    /// Deletes `queue`, `queue.dlq` and the delay queue of [`RETRY_DELAY`]
+    /// when this `Broker` is dropped (for queues that a consumer declared).
     pub fn track(&self, queue: &str) {
         let mut created = self.created.lock().unwrap();
         created.push(queue.to_owned());
         created.push(format!("{queue}.dlq"));
+        created.push(format!("{queue}.retry.{}ms", RETRY_DELAY.as_millis()));
+    }
+
+    /// Deletes `queue` when this `Broker` is dropped.
+    pub fn track_one(&self, queue: &str) {
+        self.created.lock().unwrap().push(queue.to_owned());
     }
 
     /// Declares `queue` (of `queue_type`) and its DLQ with the consumer's
@@ -367,6 +375,11 @@ impl Broker {
             .message_count()
     }
 
+    /// Whether `queue` exists.
+    pub async fn exists(&self, queue: &str) -> bool {
+        self.inspect(queue).await.is_some()
+    }
+
     /// Whether `queue` exists and has a consumer.
     pub async fn consuming(&self, queue: &str) -> bool {
         self.inspect(queue)
@@ -411,6 +424,7 @@ impl Broker {
                         k.to_string(),
                         String::from_utf8_lossy(s.as_bytes()).into_owned(),
                     )),
+                    AMQPValue::LongLongInt(n) => Some((k.to_string(), n.to_string())),
                     _ => None,
                 })
                 .collect();
@@ -451,6 +465,9 @@ impl DeadLetter {
             .unwrap_or("<no reason header>")
     }
 }
+
+/// The retry delay the tests configure: short, so retries happen at once.
+pub const RETRY_DELAY: Duration = Duration::from_millis(50);
 
 pub fn payment_body(account: &str, cents: i64) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({"account": account, "amount_cents": cents})).unwrap()
@@ -528,9 +545,10 @@ fn expire_idle_test_queues() {
     });
 }
 
-/// Closes, from the broker's side, the AMQP connection that carries
-/// `connection_name` (as a crash or a network cut would look to the client).
-pub fn close_connection_named(connection_name: &str) {
+/// Closes, from the broker's side, the AMQP connections whose name contains
+/// `connection_name` (as a crash or a network cut would look to the client),
+/// and returns how many it closed (at least one, or it panics).
+pub fn close_connections_named(connection_name: &str) -> usize {
     let out = rabbitmqctl()
         .args([
             "list_connections",
@@ -551,19 +569,21 @@ pub fn close_connection_named(connection_name: &str) {
         .filter(|line| line.contains(connection_name))
         .filter_map(|line| line.split('\t').next())
         .collect();
-    assert_eq!(
-        pids.len(),
-        1,
-        "expected one connection named {connection_name}:\n{listing}"
-    );
-    let closed = rabbitmqctl()
-        .args(["close_connection", pids[0], "test: simulated crash"])
-        .output()
-        .expect("rabbitmqctl close_connection");
     assert!(
-        closed.status.success(),
-        "rabbitmqctl close_connection failed: {closed:?}"
+        !pids.is_empty(),
+        "expected a connection named {connection_name}:\n{listing}"
     );
+    for pid in &pids {
+        let closed = rabbitmqctl()
+            .args(["close_connection", pid, "test: simulated crash"])
+            .output()
+            .expect("rabbitmqctl close_connection");
+        assert!(
+            closed.status.success(),
+            "rabbitmqctl close_connection failed: {closed:?}"
+        );
+    }
+    pids.len()
 }
 
 /// The compiled `payments` example, built on first use.
@@ -590,4 +610,72 @@ pub fn payments_example_binary() -> std::path::PathBuf {
                 .expect("cargo reported the payments executable")
         })
         .clone()
+}
+
+/// A TCP proxy in front of PostgreSQL that a test can cut (all connections
+/// dropped, new ones refused) and restore: a database outage that only this
+/// test sees.
+pub struct TcpProxy {
+    pub addr: std::net::SocketAddr,
+    up: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cut: tokio::sync::watch::Sender<u64>,
+}
+
+impl TcpProxy {
+    pub async fn start(target: &str) -> TcpProxy {
+        use std::sync::atomic::AtomicBool;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let up = std::sync::Arc::new(AtomicBool::new(true));
+        let (cut, _) = tokio::sync::watch::channel(0u64);
+        let (target, flag, cuts) = (target.to_owned(), up.clone(), cut.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else {
+                    return;
+                };
+                if !flag.load(Ordering::SeqCst) {
+                    continue; // dropped: the connection is refused in effect
+                }
+                let target = target.clone();
+                let mut cut_rx = cuts.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = cut_rx.changed() => {}
+                    }
+                });
+            }
+        });
+        TcpProxy { addr, up, cut }
+    }
+
+    /// Drops every proxied connection and refuses new ones.
+    pub fn cut(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        self.cut.send_modify(|n| *n += 1);
+    }
+
+    /// Accepts connections again.
+    pub fn restore(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A pool on the schema of `db`, but through `proxy`.
+pub async fn pool_through(proxy: &TcpProxy, db: &Db) -> PgPool {
+    let options = PgConnectOptions::from_str(&database_url())
+        .unwrap()
+        .host("127.0.0.1")
+        .port(proxy.addr.port())
+        .options([("search_path", db.schema.as_str())]);
+    PgPoolOptions::new()
+        .max_connections(20)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_with(options)
+        .await
+        .expect("connect through the proxy")
 }

@@ -1,0 +1,298 @@
+//! [`ConsumerBuilder`]: every option of a [`Consumer`], checked once in `build`.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+use super::consumer::{Config, Consumer, ShutdownHandle};
+use super::handler::{self, BoxedHandler, HandlerError, Tx};
+use super::health::Health;
+use super::message::FromMessage;
+use super::stats::Stats;
+use super::topology::{QueueType, Topology};
+use super::{MessageIdSource, RetryPolicy};
+use crate::{Error, Result};
+
+/// Configures a [`Consumer`]. Created by [`Consumer::builder`].
+///
+/// # Default
+/// - queue type: [`QueueType::Quorum`], declared durable, dead-lettering into `<queue>.dlq`;
+/// - consumer name (the scope of message ids): the queue name;
+/// - `prefetch`: 100, `concurrency`: 16;
+/// - message id: the AMQP `message_id` property ([`MessageIdSource::Property`]);
+/// - retries: [`RetryPolicy::default`] (delay queues of 1 s, 5 s, 30 s, 2 min,
+///   10 min; 10 attempts, then the DLQ);
+/// - `handler_timeout`: 5 min; `shutdown_timeout`: 30 s;
+/// - `retention` of `processed_messages` rows: 7 days, reaped every 5 min;
+/// - connection name: `idempo:<consumer>:<pid>`.
+#[must_use]
+pub struct ConsumerBuilder {
+    amqp_url: String,
+    pool: PgPool,
+    queue: Option<String>,
+    consumer: Option<String>,
+    dead_letter_queue: Option<String>,
+    queue_type: QueueType,
+    declare: bool,
+    bindings: Vec<(String, String)>,
+    prefetch: u16,
+    concurrency: usize,
+    message_id: MessageIdSource,
+    retry: RetryPolicy,
+    handler_timeout: Duration,
+    shutdown_timeout: Duration,
+    retention: Option<Duration>,
+    retention_interval: Duration,
+    connection_name: Option<String>,
+    handler: Option<BoxedHandler>,
+}
+
+impl fmt::Debug for ConsumerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("queue", &self.queue)
+            .field("consumer", &self.consumer)
+            .field("prefetch", &self.prefetch)
+            .field("concurrency", &self.concurrency)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConsumerBuilder {
+    pub(crate) fn new(amqp_url: String, pool: PgPool) -> Self {
+        ConsumerBuilder {
+            amqp_url,
+            pool,
+            queue: None,
+            consumer: None,
+            dead_letter_queue: None,
+            queue_type: QueueType::default(),
+            declare: true,
+            bindings: Vec::new(),
+            prefetch: 100,
+            concurrency: 16,
+            message_id: MessageIdSource::default(),
+            retry: RetryPolicy::default(),
+            handler_timeout: Duration::from_secs(300),
+            shutdown_timeout: Duration::from_secs(30),
+            retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            retention_interval: Duration::from_secs(300),
+            connection_name: None,
+            handler: None,
+        }
+    }
+
+    /// The queue to consume (required). Unless [`declare`](Self::declare) is
+    /// turned off, it is declared durable, dead-lettering into `<queue>.dlq`.
+    pub fn queue(mut self, queue: impl Into<String>) -> Self {
+        self.queue = Some(queue.into());
+        self
+    }
+
+    /// The name that scopes message ids in `processed_messages` (default: the
+    /// queue name). Two consumers of one message (fan-out) must have different
+    /// names to each process it once; replicas of one consumer share a name.
+    pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
+        self.consumer = Some(name.into());
+        self
+    }
+
+    /// The dead-letter queue (default: `<queue>.dlq`).
+    pub fn dead_letter_queue(mut self, queue: impl Into<String>) -> Self {
+        self.dead_letter_queue = Some(queue.into());
+        self
+    }
+
+    /// The type of the queues the runtime declares (default: quorum).
+    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+
+    /// Whether to declare the queues (default: `true`). Turn it off when the
+    /// topology is managed elsewhere; the dead-letter queue must then exist.
+    pub fn declare(mut self, declare: bool) -> Self {
+        self.declare = declare;
+        self
+    }
+
+    /// Binds the queue to an existing exchange with a routing key, at start.
+    pub fn bind(mut self, exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
+        self.bindings.push((exchange.into(), routing_key.into()));
+        self
+    }
+
+    /// How many unacknowledged deliveries the broker may send ahead (default: 100).
+    /// Must be at least [`concurrency`](Self::concurrency).
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// How many handlers run at once (default: 16). Each holds a database
+    /// connection from the pool while it runs.
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// Where the message id comes from (default: the AMQP `message_id` property).
+    pub fn message_id(mut self, source: MessageIdSource) -> Self {
+        self.message_id = source;
+        self
+    }
+
+    /// How transient failures are retried (default: [`RetryPolicy::default`]).
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// How long `processed_messages` rows of this consumer are kept (default:
+    /// 7 days). A redelivery that arrives after its row was deleted is
+    /// processed again, so keep rows longer than a message can take to come
+    /// back: the retry schedule plus the broker's `consumer_timeout` (a
+    /// warning is logged at start otherwise).
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = Some(retention);
+        self
+    }
+
+    /// Keep `processed_messages` rows forever (or delete them yourself, e.g.
+    /// with [`inbox::delete_processed_before`](crate::inbox::delete_processed_before)).
+    pub fn without_retention(mut self) -> Self {
+        self.retention = None;
+        self
+    }
+
+    /// How often the retention reaper runs (default: 5 min).
+    pub fn retention_interval(mut self, interval: Duration) -> Self {
+        self.retention_interval = interval;
+        self
+    }
+
+    /// How long one handler may run (default: 5 min). A handler that takes
+    /// longer is dropped, its transaction rolls back, and the delivery is
+    /// retried: a hung call must not hold a connection and the claim's row
+    /// lock forever. Keep it below the broker's `consumer_timeout` (30 min by
+    /// default), after which RabbitMQ closes the channel.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = timeout;
+        self
+    }
+
+    /// How long a shutdown waits for handlers in flight (default: 30 s).
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.shutdown_timeout = timeout;
+        self
+    }
+
+    /// The connection name shown in RabbitMQ's management UI and `rabbitmqctl`
+    /// (default: `idempo:<consumer>:<pid>`).
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = Some(name.into());
+        self
+    }
+
+    /// The handler (required): a closure or async fn
+    /// `(Tx, M) -> impl Future<Output = Result<(), HandlerError>>` where `M` is
+    /// [`Json<T>`](super::Json), [`Message`](super::Message) or another
+    /// [`FromMessage`] type. It runs in the transaction that claimed the
+    /// message id; it must not commit or roll back (the runtime commits after
+    /// `Ok`, then acks). State goes into the closure (an `Arc`, a pool, ...).
+    pub fn handler<M, F, Fut>(mut self, handler: F) -> Self
+    where
+        M: FromMessage,
+        F: Fn(Tx, M) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
+        self.handler = Some(handler::boxed(handler));
+        self
+    }
+
+    /// Checks the configuration and builds the consumer.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the queue or handler is missing, `concurrency`
+    /// is 0, or `prefetch` is below `concurrency`.
+    pub fn build(self) -> Result<Consumer> {
+        let queue = self
+            .queue
+            .ok_or_else(|| Error::Config("a queue is required: call .queue(name)".into()))?;
+        let handler = self
+            .handler
+            .ok_or_else(|| Error::Config("a handler is required: call .handler(f)".into()))?;
+        if self.concurrency == 0 {
+            return Err(Error::Config("concurrency must be at least 1".into()));
+        }
+        if usize::from(self.prefetch) < self.concurrency {
+            return Err(Error::Config(format!(
+                "prefetch ({}) must be at least concurrency ({}): handlers beyond the prefetch would never get a delivery",
+                self.prefetch, self.concurrency
+            )));
+        }
+        let consumer = self.consumer.unwrap_or_else(|| queue.clone());
+        if consumer.is_empty() {
+            return Err(Error::Config("the consumer name must not be empty".into()));
+        }
+        self.retry.validate().map_err(Error::Config)?;
+        if self.retention.is_some_and(|r| r.is_zero()) || self.retention_interval.is_zero() {
+            return Err(Error::Config(
+                "retention and retention_interval must be positive".into(),
+            ));
+        }
+        let dead_letter_queue = self
+            .dead_letter_queue
+            .unwrap_or_else(|| format!("{queue}.dlq"));
+        let connection_name = self
+            .connection_name
+            .unwrap_or_else(|| format!("idempo:{consumer}:{}", std::process::id()));
+        let stats = Stats::new(&consumer);
+        Ok(Consumer {
+            config: Config {
+                amqp_url: self.amqp_url,
+                pool: self.pool,
+                consumer,
+                topology: Topology {
+                    queue,
+                    dead_letter_queue,
+                    queue_type: self.queue_type,
+                    bindings: self.bindings,
+                    retry_delays: self.retry.delays().to_vec(),
+                },
+                declare: self.declare,
+                prefetch: self.prefetch,
+                concurrency: self.concurrency,
+                message_id: self.message_id,
+                retry: self.retry,
+                handler_timeout: self.handler_timeout,
+                shutdown_timeout: self.shutdown_timeout,
+                retention: self.retention,
+                retention_interval: self.retention_interval,
+                connection_name,
+            },
+            handler,
+            shutdown: ShutdownHandle::default(),
+            stats,
+            health: Health::default(),
+        })
+    }
+
+    /// Builds and [runs](Consumer::run) the consumer.
+    ///
+    /// # Errors
+    /// As [`build`](Self::build) and [`Consumer::run`].
+    pub async fn run(self) -> Result<()> {
+        self.build()?.run().await
+    }
+
+    /// Builds and [runs until a signal](Consumer::run_until_signal).
+    ///
+    /// # Errors
+    /// As [`build`](Self::build) and [`Consumer::run`].
+    pub async fn run_until_signal(self) -> Result<()> {
+        self.build()?.run_until_signal().await
+    }
+}

@@ -1,0 +1,156 @@
+//! The `x-idempo-*` headers idempo writes on retried and dead-lettered copies.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lapin::types::AMQPValue;
+
+use super::Message;
+
+/// Why the message was dead-lettered (one of [`DeadLetterReason::as_str`](super::DeadLetterReason::as_str)).
+pub const REASON_HEADER: &str = "x-idempo-reason";
+/// The text of the last error.
+pub const ERROR_HEADER: &str = "x-idempo-error";
+/// The consumer that retried or dead-lettered the message.
+pub const CONSUMER_HEADER: &str = "x-idempo-consumer";
+/// The queue the message was consumed from.
+pub const QUEUE_HEADER: &str = "x-idempo-original-queue";
+/// The routing key the message was originally published with.
+pub const ROUTING_KEY_HEADER: &str = "x-idempo-original-routing-key";
+/// The original per-message TTL, which republished copies drop (a dead letter
+/// must not expire out of the DLQ, a retry must not expire in its delay queue).
+pub const ORIGINAL_EXPIRATION_HEADER: &str = "x-idempo-original-expiration";
+/// How many attempts have failed so far (an integer).
+pub const ATTEMPTS_HEADER: &str = "x-idempo-attempts";
+/// When the first attempt failed (RFC 3339, UTC).
+pub const FIRST_FAILURE_HEADER: &str = "x-idempo-first-failure";
+/// When the last attempt failed (RFC 3339, UTC).
+pub const LAST_FAILURE_HEADER: &str = "x-idempo-last-failure";
+
+/// The failure history a message carries, updated with the current failure.
+#[derive(Debug, Clone)]
+pub(crate) struct Failures {
+    /// Failed attempts including the current one.
+    pub(crate) attempts: u32,
+    pub(crate) first_failure: String,
+    pub(crate) last_failure: String,
+}
+
+impl Failures {
+    /// Reads the history of `message` and adds a failure happening now. The
+    /// routing key of the first delivery is kept too, since a retried copy
+    /// arrives with the delay queue's.
+    pub(crate) fn record(message: &Message) -> Failures {
+        let now = rfc3339(SystemTime::now());
+        let previous = message
+            .header(ATTEMPTS_HEADER)
+            .and_then(as_u32)
+            .unwrap_or(0);
+        let first_failure = message
+            .header(FIRST_FAILURE_HEADER)
+            .and_then(as_string)
+            .unwrap_or_else(|| now.clone());
+        Failures {
+            attempts: previous.saturating_add(1),
+            first_failure,
+            last_failure: now,
+        }
+    }
+
+    /// The headers to write on the republished copy.
+    pub(crate) fn headers(&self) -> [(&'static str, AMQPValue); 3] {
+        [
+            (
+                ATTEMPTS_HEADER,
+                AMQPValue::LongLongInt(i64::from(self.attempts)),
+            ),
+            (
+                FIRST_FAILURE_HEADER,
+                AMQPValue::LongString(self.first_failure.as_str().into()),
+            ),
+            (
+                LAST_FAILURE_HEADER,
+                AMQPValue::LongString(self.last_failure.as_str().into()),
+            ),
+        ]
+    }
+}
+
+/// The routing key a message was first published with: kept in a header
+/// across retries, whose copies carry the delay queue's name instead.
+pub(crate) fn original_routing_key(message: &Message) -> String {
+    message
+        .header(ROUTING_KEY_HEADER)
+        .and_then(as_string)
+        .unwrap_or_else(|| message.routing_key().to_owned())
+}
+
+fn as_u32(value: &AMQPValue) -> Option<u32> {
+    let n: i128 = match value {
+        AMQPValue::ShortShortInt(n) => (*n).into(),
+        AMQPValue::ShortShortUInt(n) => (*n).into(),
+        AMQPValue::ShortInt(n) => (*n).into(),
+        AMQPValue::ShortUInt(n) => (*n).into(),
+        AMQPValue::LongInt(n) => (*n).into(),
+        AMQPValue::LongUInt(n) => (*n).into(),
+        AMQPValue::LongLongInt(n) => (*n).into(),
+        _ => return None,
+    };
+    u32::try_from(n).ok()
+}
+
+fn as_string(value: &AMQPValue) -> Option<String> {
+    match value {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// `2026-12-01T02:19:47.123Z`. Hand-rolled to keep a date crate out of the
+/// dependency tree (days-from-civil, Howard Hinnant's algorithm).
+pub(crate) fn rfc3339(t: SystemTime) -> String {
+    let since = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
+    let secs = since.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        since.subsec_millis()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_formats_utc_with_milliseconds() {
+        let t = UNIX_EPOCH + Duration::from_millis(1_796_091_587_123);
+        assert_eq!(rfc3339(t), "2026-12-01T02:19:47.123Z");
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        // A leap day.
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
+            "2000-02-29T00:00:00.000Z"
+        );
+    }
+
+    #[test]
+    fn attempt_counts_accept_any_integer_type() {
+        assert_eq!(as_u32(&AMQPValue::LongLongInt(3)), Some(3));
+        assert_eq!(as_u32(&AMQPValue::ShortUInt(7)), Some(7));
+        assert_eq!(as_u32(&AMQPValue::LongLongInt(-1)), None);
+        assert_eq!(as_u32(&AMQPValue::LongString("3".into())), None);
+    }
+}

@@ -1,0 +1,387 @@
+//! The runtime's failure paths against the real RabbitMQ and PostgreSQL:
+//! delayed retries, dead letters, broker loss, database loss.
+
+mod support;
+
+use std::time::Duration;
+
+use idempo::amqp::{
+    ATTEMPTS_HEADER, Consumer, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
+    QUEUE_HEADER, ROUTING_KEY_HEADER, RetryPolicy, RuntimeState,
+};
+use support::consumer::{Running, WAIT, counting_payments, payments_consumer, payments_then};
+use support::{Broker, TcpProxy, eventually, payments, unique};
+
+#[tokio::test]
+async fn a_transient_failure_is_retried_through_a_delay_queue_counting_attempts() {
+    let (db, broker, queue) = support::setup().await;
+    broker.publish_payment(&queue, "pay-retry", "ann", 12).await;
+    let (seen, handler) = counting_payments(2, None);
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(handler));
+    let stats = consumer.finish(1).await;
+
+    let headers = seen.lock().unwrap().headers.clone();
+    assert_eq!(
+        headers,
+        [None, Some(1), Some(2)],
+        "the count travels in the message"
+    );
+    assert_eq!((stats.retried, stats.processed), (2, 1));
+    assert_eq!(
+        db.payments_for("pay-retry").await,
+        1,
+        "failed attempts rolled back"
+    );
+    assert_eq!(broker.ready(&queue).await, 0);
+    assert_eq!(broker.ready(&format!("{queue}.retry.50ms")).await, 0);
+}
+
+#[tokio::test]
+async fn after_max_attempts_the_delivery_is_dead_lettered_with_its_history() {
+    let (db, broker, queue) = support::setup().await;
+    broker.publish_payment(&queue, "pay-doomed", "bob", 5).await;
+    let (seen, handler) = counting_payments(usize::MAX, None);
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .retry(RetryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
+            .handler(handler),
+    );
+    let stats = consumer.finish(1).await;
+
+    assert_eq!(seen.lock().unwrap().headers.len(), 3, "three attempts");
+    assert_eq!(
+        (stats.retried, stats.dead_lettered, stats.processed),
+        (2, 1, 0)
+    );
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead.len(), 1);
+    let h = &dead[0].headers;
+    assert_eq!(dead[0].reason(), "max attempts exceeded");
+    assert_eq!(h[ATTEMPTS_HEADER], "3");
+    assert!(
+        h[ERROR_HEADER].contains("3 attempts failed"),
+        "{}",
+        h[ERROR_HEADER]
+    );
+    assert!(h[ERROR_HEADER].contains("downstream unavailable"));
+    assert_eq!(h[QUEUE_HEADER], queue);
+    assert_eq!(
+        h[ROUTING_KEY_HEADER], queue,
+        "the original routing key, not the delay queue's"
+    );
+    assert!(h[FIRST_FAILURE_HEADER] <= h[LAST_FAILURE_HEADER]);
+    assert!(h[FIRST_FAILURE_HEADER].ends_with('Z'));
+    assert_eq!(dead[0].message_id.as_deref(), Some("pay-doomed"));
+    assert_eq!(db.payments().await, 0);
+}
+
+#[tokio::test]
+async fn a_handler_can_ask_for_a_longer_delay() {
+    let (db, broker, queue) = support::setup().await;
+    broker.track_one(&format!("{queue}.retry.1s"));
+    broker.publish_payment(&queue, "pay-later", "cyd", 1).await;
+    let (seen, handler) = counting_payments(1, Some(Duration::from_millis(800)));
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .retry(RetryPolicy::delayed([
+                support::RETRY_DELAY,
+                Duration::from_secs(1),
+            ]))
+            .handler(handler),
+    );
+    consumer.finish(1).await;
+
+    let at = seen.lock().unwrap().at.clone();
+    let waited = at[1] - at[0];
+    assert!(
+        waited >= Duration::from_millis(900),
+        "waited the 1 s tier, not 50 ms: {waited:?}"
+    );
+    assert_eq!(db.payments_for("pay-later").await, 1);
+}
+
+#[tokio::test]
+async fn the_requeue_policy_retries_without_delay_queues() {
+    let (db, broker, queue) = support::setup().await;
+    broker
+        .publish_payment(&queue, "pay-requeue", "dan", 3)
+        .await;
+    let (seen, handler) = counting_payments(1, None);
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .retry(RetryPolicy::requeue(support::RETRY_DELAY))
+            .handler(handler),
+    );
+    let stats = consumer.finish(1).await;
+
+    assert_eq!(
+        seen.lock().unwrap().headers,
+        [None, None],
+        "nack-requeue counts nothing"
+    );
+    assert_eq!((stats.retried, stats.processed), (1, 1));
+    assert!(!broker.exists(&format!("{queue}.retry.50ms")).await);
+    assert_eq!(db.payments_for("pay-requeue").await, 1);
+}
+
+#[tokio::test]
+async fn a_failed_commit_is_not_acked_and_the_redelivery_applies_once() {
+    let (db, broker, queue) = support::setup().await;
+    // A deferred unique constraint is checked at COMMIT: the handler's
+    // statements succeed, the commit itself fails.
+    sqlx::query(
+        "CREATE TABLE commit_guard (n int, CONSTRAINT commit_guard_n UNIQUE (n) DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    broker
+        .publish_payment(&queue, "pay-commit", "pia", 40)
+        .await;
+    let (_, guarded) = payments_then(|attempt, tx| async move {
+        // The first attempt breaks the deferred constraint; the next ones do not.
+        let rows = if attempt == 0 { 2 } else { 1 };
+        let mut tx = tx.lock()?;
+        for _ in 0..rows {
+            sqlx::query("INSERT INTO commit_guard VALUES (1)")
+                .execute(&mut *tx)
+                .await?;
+        }
+        Ok(())
+    });
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(guarded));
+    let stats = consumer.finish(1).await;
+
+    assert_eq!(
+        (stats.commit_failures, stats.retried, stats.processed),
+        (1, 1, 1)
+    );
+    assert_eq!(db.payments_for("pay-commit").await, 1);
+    assert_eq!(db.balances().await["pia"], 40);
+    assert_eq!(broker.ready(&queue).await, 0);
+}
+
+#[tokio::test]
+async fn a_dead_letter_the_broker_cannot_route_keeps_the_original_in_the_queue() {
+    let (db, broker, queue) = support::setup().await;
+    broker.publish(&queue, Some("poison"), b"not json").await;
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .declare(false)
+            .dead_letter_queue(unique("missing_dlq")),
+    );
+    eventually("the poison was handed back", WAIT, || async {
+        consumer.stats().retried >= 1
+    })
+    .await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!(
+        stats.dead_lettered, 0,
+        "an unconfirmed dead letter is not counted"
+    );
+    eventually("the poison is still in the work queue", WAIT, || async {
+        broker.ready(&queue).await == 1
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_crash_between_commit_and_ack_is_redelivered_and_acked_as_a_duplicate() {
+    let (db, broker, queue) = support::setup().await;
+    broker
+        .publish_payment(&queue, "pay-crash", "frank", 900)
+        .await;
+    // The handler cuts its own AMQP connection before returning: the runtime
+    // then commits, and its ack can no longer reach the broker.
+    let connection = unique("crashing");
+    let name = connection.clone();
+    let (_, cutting) = payments_then(move |attempt, _tx| {
+        let name = name.clone();
+        async move {
+            if attempt == 0 {
+                tokio::task::spawn_blocking(move || support::close_connections_named(&name))
+                    .await
+                    .unwrap();
+            }
+            Ok(())
+        }
+    });
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .connection_name(&connection)
+            .handler(cutting),
+    );
+    // The runtime reconnects by itself and gets the redelivery.
+    let stats = consumer.finish(2).await;
+
+    assert_eq!((stats.processed, stats.duplicates), (1, 1));
+    assert!(stats.reconnects >= 1);
+    assert_eq!(db.payments_for("pay-crash").await, 1, "one effect");
+    assert_eq!(db.balances().await["frank"], 900);
+    assert_eq!(broker.ready(&queue).await, 0);
+}
+
+#[tokio::test]
+async fn a_cut_connection_is_reestablished_and_consuming_resumes() {
+    let (db, broker, queue) = support::setup().await;
+    let connection = unique("cut");
+    let consumer = Running::start(payments_consumer(&db, &queue).connection_name(&connection));
+    consumer.health.wait_for(|h| h.is_consuming()).await;
+    let name = connection.clone();
+    tokio::task::spawn_blocking(move || support::close_connections_named(&name))
+        .await
+        .unwrap();
+    let health = tokio::time::timeout(
+        WAIT,
+        consumer
+            .health
+            .wait_for(|h| h.reconnects >= 1 && h.state == RuntimeState::Consuming),
+    )
+    .await
+    .expect("consuming again after the cut");
+    assert!(health.last_error.is_some());
+    assert!(
+        !consumer.task.is_finished(),
+        "the runtime never exits on a connection loss"
+    );
+
+    broker
+        .publish_payment(&queue, "pay-after-cut", "gus", 4)
+        .await;
+    let stats = consumer.finish(1).await;
+    assert_eq!((stats.processed, stats.reconnects), (1, 1));
+    assert_eq!(db.payments_for("pay-after-cut").await, 1);
+}
+
+#[tokio::test]
+async fn a_deleted_queue_is_reported_then_declared_again() {
+    let (db, broker, queue) = support::setup().await;
+    let consumer = Running::start(payments_consumer(&db, &queue));
+    consumer.health.wait_for(|h| h.is_consuming()).await;
+    broker.delete(&queue).await;
+    broker.track_one(&queue);
+    let health = tokio::time::timeout(
+        WAIT,
+        consumer
+            .health
+            .wait_for(|h| h.reconnects >= 1 && h.state == RuntimeState::Consuming),
+    )
+    .await
+    .expect("consuming again");
+    let error = health.last_error.unwrap_or_default();
+    assert!(
+        error.contains("cancelled the consumer"),
+        "reported: {error}"
+    );
+
+    broker
+        .publish_payment(&queue, "pay-redeclared", "hal", 6)
+        .await;
+    let stats = consumer.finish(1).await;
+    assert_eq!(stats.processed, 1);
+    assert_eq!(db.payments_for("pay-redeclared").await, 1);
+}
+
+#[tokio::test]
+async fn a_backend_killed_mid_transaction_reruns_the_delivery_once() {
+    let (db, broker, queue) = support::setup().await;
+    broker.publish_payment(&queue, "pay-killed", "ida", 7).await;
+    let (attempts, killing) = payments_then(|attempt, tx| async move {
+        if attempt == 0 {
+            let mut tx = tx.lock()?;
+            sqlx::query("SELECT pg_terminate_backend(pg_backend_pid())")
+                .execute(&mut *tx)
+                .await?;
+        }
+        Ok(())
+    });
+    let consumer = Running::start(payments_consumer(&db, &queue).handler(killing));
+    let stats = consumer.finish(1).await;
+
+    assert_eq!(attempts.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert_eq!(
+        (stats.processed, stats.retried),
+        (1, 0),
+        "an outage uses up no attempt"
+    );
+    assert_eq!(db.payments_for("pay-killed").await, 1);
+    assert_eq!(db.balances().await["ida"], 7);
+}
+
+#[tokio::test]
+async fn a_database_outage_holds_deliveries_until_it_returns() {
+    let (db, broker, queue) = support::setup().await;
+    let proxy = TcpProxy::start("127.0.0.1:5432").await;
+    let pool = support::pool_through(&proxy, &db).await;
+    let consumer = Running::start(
+        Consumer::builder(support::amqp_url(), pool)
+            .queue(&queue)
+            .retry(RetryPolicy::delayed([support::RETRY_DELAY]))
+            .handler(|tx, message| payments::handle(tx, message, 0.0)),
+    );
+    consumer.health.wait_for(|h| h.is_consuming()).await;
+    proxy.cut();
+    for i in 0..3 {
+        broker
+            .publish_payment(&queue, &format!("pay-outage-{i}"), "jo", 1)
+            .await;
+    }
+    let down = tokio::time::timeout(WAIT, consumer.health.wait_for(|h| !h.database_available))
+        .await
+        .expect("the outage is reported");
+    assert!(!down.is_healthy());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let during = consumer.stats();
+    assert_eq!(
+        (during.processed, during.retried, during.dead_lettered),
+        (0, 0, 0),
+        "deliveries wait; nothing is retried or dead-lettered"
+    );
+
+    proxy.restore();
+    let stats = consumer.finish(3).await;
+    assert_eq!(stats.processed, 3);
+    assert_eq!(db.payments().await, 3);
+    assert_eq!(db.balances().await["jo"], 3);
+}
+
+#[tokio::test]
+async fn poison_is_dead_lettered_even_while_the_database_is_unreachable() {
+    let (broker, queue) = (Broker::connect().await, unique("q"));
+    support::init_tracing();
+    broker.declare(&queue).await;
+    broker.publish_payment(&queue, "pay-nodb", "quinn", 1).await;
+    broker
+        .publish(&queue, Some("poison-nodb"), b"not json")
+        .await;
+    // Nothing listens on port 1: every BEGIN fails.
+    let dead_pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/postgres")
+        .unwrap();
+    let consumer = Running::start(
+        Consumer::builder(support::amqp_url(), dead_pool)
+            .queue(&queue)
+            .retry(RetryPolicy::delayed([support::RETRY_DELAY]))
+            .handler(|tx, message| payments::handle(tx, message, 0.0)),
+    );
+    consumer.settled(1).await;
+    tokio::time::timeout(WAIT, consumer.health.wait_for(|h| !h.database_available))
+        .await
+        .expect("the outage is reported");
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+
+    assert_eq!(
+        (stats.processed, stats.retried, stats.dead_lettered),
+        (0, 0, 1)
+    );
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead[0].reason(), "undecodable body");
+    eventually("the payment is back in the queue", WAIT, || async {
+        broker.ready(&queue).await == 1
+    })
+    .await;
+}
