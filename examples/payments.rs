@@ -11,6 +11,10 @@
 //! - `PAYMENTS_FAIL_RATE` (default 0): probability of a transient error after
 //!   the handler wrote its rows, to watch the rollback and the retry
 //! - `PAYMENTS_CONCURRENCY` (default 16), `PAYMENTS_PREFETCH` (default 100)
+//! - `PAYMENTS_RETRY_DELAYS` (default `1s,5s,30s,2m,10m`): the delay tiers of
+//!   the retry policy; `PAYMENTS_MAX_ATTEMPTS` (default 10)
+//! - `METRICS_ADDR` (unset by default): serve Prometheus metrics on this
+//!   address, e.g. `127.0.0.1:9000` (then `curl 127.0.0.1:9000/metrics`)
 //!
 //! Runs until SIGTERM or SIGINT, then drains and exits 0.
 
@@ -20,7 +24,7 @@ mod payments;
 use std::time::Duration;
 
 use anyhow::Context;
-use idempo::amqp::Consumer;
+use idempo::amqp::{Consumer, RetryPolicy};
 use sqlx::postgres::PgPoolOptions;
 
 fn env_or(name: &str, default: &str) -> String {
@@ -37,6 +41,25 @@ where
             .map_err(|e| anyhow::anyhow!("{name}={v:?} is invalid: {e}")),
         Err(_) => Ok(default),
     }
+}
+
+/// `250ms`, `5s`, `2m`, `1h`.
+fn parse_delay(text: &str) -> anyhow::Result<Duration> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .with_context(|| format!("delay {text:?} has no unit (ms, s, m, h)"))?;
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .with_context(|| format!("delay {text:?} does not start with a number"))?;
+    Ok(match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n * 60),
+        "h" => Duration::from_secs(n * 3600),
+        _ => anyhow::bail!("delay {text:?}: unknown unit {unit:?} (ms, s, m, h)"),
+    })
 }
 
 #[tokio::main]
@@ -61,6 +84,26 @@ async fn main() -> anyhow::Result<()> {
     );
     let concurrency: usize = env_parse("PAYMENTS_CONCURRENCY", 16)?;
     let prefetch: u16 = env_parse("PAYMENTS_PREFETCH", 100)?;
+    let retry = match std::env::var("PAYMENTS_RETRY_DELAYS") {
+        Ok(list) => RetryPolicy::delayed(
+            list.split(',')
+                .map(parse_delay)
+                .collect::<anyhow::Result<Vec<_>>>()?,
+        ),
+        Err(_) => RetryPolicy::default(),
+    }
+    .max_attempts(env_parse("PAYMENTS_MAX_ATTEMPTS", 10)?);
+
+    if let Ok(addr) = std::env::var("METRICS_ADDR") {
+        let addr: std::net::SocketAddr = addr
+            .parse()
+            .with_context(|| format!("METRICS_ADDR={addr:?} is not an address"))?;
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .context("cannot start the Prometheus exporter")?;
+        tracing::info!("Prometheus metrics on http://{addr}/metrics");
+    }
 
     let pool = PgPoolOptions::new()
         .max_connections(concurrency as u32 + 2)
@@ -75,6 +118,7 @@ async fn main() -> anyhow::Result<()> {
         .queue(queue)
         .prefetch(prefetch.max(concurrency as u16))
         .concurrency(concurrency)
+        .retry(retry)
         .handler(move |tx, message| payments::handle(tx, message, fail_rate))
         .run_until_signal()
         .await?;

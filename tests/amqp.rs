@@ -618,3 +618,33 @@ async fn a_dead_letter_does_not_inherit_the_original_expiration() {
     );
     assert_eq!(dead[0].message_id.as_deref(), Some("ttl-poison"));
 }
+
+#[tokio::test]
+async fn the_consumer_reaps_its_claims_older_than_the_retention() {
+    let (db, _broker, queue) = support::setup().await;
+    sqlx::query(
+        "INSERT INTO processed_messages (consumer, message_id, processed_at) VALUES \
+         ($1, 'old', now() - interval '2 days'), ($1, 'new', now()), ('other', 'old', now() - interval '2 days')",
+    )
+    .bind(&queue)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .retention(Duration::from_secs(24 * 3600))
+            .retention_interval(Duration::from_millis(100)),
+    );
+    eventually("the old claim is reaped", WAIT, || async {
+        db.count("SELECT count(*) FROM processed_messages WHERE message_id = 'old'")
+            .await
+            == 1
+    })
+    .await;
+    consumer.stop().await.unwrap();
+    assert_eq!(
+        db.claims().await,
+        2,
+        "the recent claim and the other consumer's stay"
+    );
+}

@@ -147,3 +147,40 @@ async fn invalid_ids_are_refused_before_touching_the_table() {
     );
     assert!(matches!(long, idempo::Error::InvalidMessageId(_)));
 }
+
+/// Inserts claims for `consumer` that were processed `days` ago.
+async fn old_claims(db: &Db, consumer: &str, count: i64, days: i64) {
+    sqlx::query(
+        "INSERT INTO processed_messages (consumer, message_id, processed_at) \
+         SELECT $1, $1 || '-' || $3::text || '-' || n, now() - make_interval(days => $3::int) \
+         FROM generate_series(1, $2) n",
+    )
+    .bind(consumer)
+    .bind(count)
+    .bind(days)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn retention_deletes_only_this_consumers_old_claims_in_batches() {
+    let db = Db::new().await;
+    old_claims(&db, "billing", 7, 8).await; // older than a week
+    old_claims(&db, "billing", 3, 1).await; // recent
+    old_claims(&db, "ledger", 4, 8).await; // another consumer's
+
+    let week = Duration::from_secs(7 * 24 * 3600);
+    let deleted = inbox::delete_processed_before(&db.pool, "billing", week, 2)
+        .await
+        .unwrap();
+
+    assert_eq!(deleted, 7, "four batches of at most 2");
+    let left: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT consumer, count(*) FROM processed_messages GROUP BY consumer ORDER BY consumer",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(left, [("billing".into(), 3), ("ledger".into(), 4)]);
+}

@@ -49,16 +49,24 @@ async fn publish_load(
     }
 }
 
-fn spawn_example(db: &Db, queue: &str, fail_rate: f64) -> Child {
-    Command::new(support::payments_example_binary())
-        .env("DATABASE_URL", &db.url)
+/// Starts the example on `queue` and `database_url`, retrying after
+/// 50 ms (the tests' delay queue), with `env` on top.
+fn spawn_example(database_url: &str, queue: &str, env: &[(&str, &str)]) -> Child {
+    let mut command = Command::new(support::payments_example_binary());
+    command
+        .env("DATABASE_URL", database_url)
         .env("AMQP_URL", support::amqp_url())
         .env("PAYMENTS_QUEUE", queue)
-        .env("PAYMENTS_FAIL_RATE", fail_rate.to_string())
+        .env(
+            "PAYMENTS_RETRY_DELAYS",
+            format!("{}ms", support::RETRY_DELAY.as_millis()),
+        )
         .env("RUST_LOG", "error")
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("start the payments example")
+        .stdout(Stdio::null());
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command.spawn().expect("start the payments example")
 }
 
 fn signal(child: &Child, sig: &str) {
@@ -97,7 +105,7 @@ async fn sigkill_mid_load_then_restart_applies_every_payment_exactly_once() {
     let load = publish_load(&broker, &queue, 4000, true).await;
 
     // First run, with transient failures after the writes, killed mid-load.
-    let first = spawn_example(&db, &queue, 0.2);
+    let first = spawn_example(&db.url, &queue, &[("PAYMENTS_FAIL_RATE", "0.2")]);
     eventually("the first run applied some payments", WAIT, || async {
         db.claims().await >= 300
     })
@@ -112,7 +120,7 @@ async fn sigkill_mid_load_then_restart_applies_every_payment_exactly_once() {
     );
 
     // The restart picks up the unacked and the unconsumed deliveries.
-    let second = spawn_example(&db, &queue, 0.0);
+    let second = spawn_example(&db.url, &queue, &[]);
     eventually(
         "every payment applied and the queue empty",
         WAIT,
@@ -150,7 +158,7 @@ async fn sigterm_under_load_exits_0_and_leaves_each_payment_applied_once_or_queu
     // committed work was handed back unacked instead of being acked.
     let load = publish_load(&broker, &queue, 4000, false).await;
 
-    let child = spawn_example(&db, &queue, 0.0);
+    let child = spawn_example(&db.url, &queue, &[]);
     eventually("the example applied some payments", WAIT, || async {
         db.claims().await >= 300
     })
@@ -186,5 +194,180 @@ async fn sigterm_under_load_exits_0_and_leaves_each_payment_applied_once_or_queu
     assert_eq!(
         accounted, load.ids,
         "every payment is applied or still queued"
+    );
+}
+
+/// What the chaos test publishes besides the payments: poison of every kind.
+const POISON_EACH: usize = 15;
+
+/// Reads `http://addr/metrics` with a bare HTTP/1.0 request.
+async fn scrape(addr: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("metrics endpoint");
+    stream
+        .write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    response
+}
+
+fn metric(scraped: &str, name: &str) -> f64 {
+    scraped
+        .lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn chaos_kills_cuts_and_killed_backends_leave_every_payment_applied_exactly_once() {
+    let started = std::time::Instant::now();
+    let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("chaos"));
+    broker.declare(&queue).await;
+    let dlq = format!("{queue}.dlq");
+
+    // 2,000 payments, every 5th published twice; then poison of four kinds.
+    let mut load = publish_load(&broker, &queue, 2000, true).await;
+    let mut poison = Vec::new();
+    for k in 0..POISON_EACH {
+        poison.push((format!("poison-json-{k}"), b"{not json".to_vec()));
+        poison.push((
+            format!("poison-negative-{k}"),
+            support::payment_body("neg", -1),
+        ));
+        // Same id twice with different bodies but the same effect: whichever
+        // comes first is applied, the other is a payload mismatch.
+        for note in ["a", "b"] {
+            let body = serde_json::json!({"account": "reuse", "amount_cents": 1, "note": note});
+            poison.push((
+                format!("poison-reuse-{k}"),
+                serde_json::to_vec(&body).unwrap(),
+            ));
+        }
+    }
+    broker.publish_many(&queue, &poison).await;
+    for k in 0..POISON_EACH {
+        let body = support::payment_body(&format!("noid-{k}"), 1);
+        broker.publish(&queue, None, &body).await;
+    }
+    *load.expected.entry("reuse".into()).or_default() += POISON_EACH as i64;
+    let applied_ids = load.ids.len() + POISON_EACH;
+
+    let app = unique("app");
+    // The example's backends carry this name, so the test can terminate them.
+    let url = format!("{}&application_name={app}", db.url);
+    let env = [("PAYMENTS_FAIL_RATE", "0.1")];
+
+    // Three runs killed at growing progress.
+    let mut kills = 0;
+    for threshold in [300, 700, 1100] {
+        let child = spawn_example(&url, &queue, &env);
+        eventually("progress before the kill", WAIT, || async {
+            db.claims().await >= threshold
+        })
+        .await;
+        signal(&child, "-KILL");
+        assert!(!wait_exit(child).await.success());
+        kills += 1;
+    }
+
+    // The last run: its broker connections are cut, its database backends
+    // terminated, and it must carry on by itself.
+    let metrics_addr = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().to_string()
+    };
+    let mut last_env = env.to_vec();
+    last_env.push(("METRICS_ADDR", &metrics_addr));
+    let mut last = spawn_example(&url, &queue, &last_env);
+    eventually("progress before the cut", WAIT, || async {
+        db.claims().await >= 1400
+    })
+    .await;
+    let name = queue.clone();
+    let cuts = tokio::task::spawn_blocking(move || support::close_connections_named(&name))
+        .await
+        .unwrap();
+    eventually("progress after the cut", WAIT, || async {
+        db.claims().await >= 1700
+    })
+    .await;
+    let terminated: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1) t",
+    )
+    .bind(&app)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(terminated > 0, "the example's backends were found");
+    assert!(
+        last.try_wait().unwrap().is_none(),
+        "the consumer never exits on its own"
+    );
+
+    eventually("every payment applied, every queue empty", WAIT, || async {
+        db.claims().await as usize == applied_ids
+            && broker.ready(&queue).await == 0
+            && broker.ready(&format!("{queue}.retry.50ms")).await == 0
+    })
+    .await;
+    // Give the last dead letters time to be confirmed before we read the DLQ.
+    eventually("every poison message dead-lettered", WAIT, || async {
+        broker.ready(&dlq).await as usize >= 4 * POISON_EACH
+    })
+    .await;
+    assert!(
+        last.try_wait().unwrap().is_none(),
+        "still running after the cut and the kills"
+    );
+    let scraped = scrape(&metrics_addr).await;
+    signal(&last, "-TERM");
+    assert_eq!(wait_exit(last).await.code(), Some(0), "SIGTERM exits 0");
+
+    // Exactly once: one row per payment id, balances to the cent.
+    assert_eq!(doubled_payments(&db).await, 0, "no payment applied twice");
+    assert_eq!(db.payments().await as usize, applied_ids);
+    assert_eq!(db.balances().await, load.expected);
+
+    // Every poison message is in the DLQ at least once, with its reason.
+    let dead = broker.drain(&dlq).await;
+    let mut by_reason: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+    for d in &dead {
+        let key = d
+            .message_id
+            .clone()
+            .unwrap_or_else(|| String::from_utf8_lossy(&d.body).into_owned());
+        by_reason.entry(d.reason()).or_default().insert(key);
+    }
+    let count = |reason: &str| by_reason.get(reason).map_or(0, BTreeSet::len);
+    assert_eq!(count("undecodable body"), POISON_EACH);
+    assert_eq!(count("permanent handler error"), POISON_EACH);
+    assert_eq!(
+        count("message id reused with a different payload"),
+        POISON_EACH
+    );
+    assert_eq!(count("missing message id"), POISON_EACH);
+    let distinct: usize = by_reason.values().map(BTreeSet::len).sum();
+    let extra_copies = dead.len() - distinct;
+
+    let processed = metric(&scraped, "idempo_processed_total");
+    let reconnects = metric(&scraped, "idempo_reconnects_total");
+    assert!(processed > 0.0, "metrics are exported:\n{scraped}");
+    assert!(reconnects >= 1.0, "the cut shows as a reconnect");
+    assert!(scraped.contains("idempo_handler_duration_seconds"));
+    println!(
+        "chaos: published {} payments ({} distinct) + {} poison; {kills} SIGKILLs, {cuts} connection cut(s), \
+         {terminated} backend(s) terminated; {} applied once each; DLQ {} messages ({extra_copies} extra copies \
+         from kills between dead-letter and ack); last run: {processed} processed, {reconnects} reconnect(s); {:.1?}",
+        load.published,
+        load.ids.len(),
+        poison.len() + POISON_EACH,
+        applied_ids,
+        dead.len(),
+        started.elapsed()
     );
 }
