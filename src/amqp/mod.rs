@@ -12,11 +12,14 @@
 //!
 //! | failure | outcome |
 //! |---|---|
-//! | handler returns a transient error, or panics | rollback; requeued after [`requeue_delay`](ConsumerBuilder::requeue_delay) |
+//! | handler returns a transient error, panics or times out | rollback; republished to a delay queue per the [`RetryPolicy`], then acked |
+//! | transient failures use up `max_attempts` | dead-lettered with reason `max attempts exceeded` |
 //! | handler returns a permanent error | rollback; published to the DLQ with header `x-idempo-reason`, then acked |
 //! | undecodable body, missing/empty/over-255-byte id | published to the DLQ with its reason, then acked |
 //! | same id, different body | handler not run; DLQ with reason "message id reused with a different payload" |
-//! | commit fails or its outcome is unknown | not acked; the redelivery is deduplicated or re-run |
+//! | commit fails | not acked; retried |
+//! | database unreachable, backend killed | rollback; the delivery waits until the database answers, then runs again |
+//! | broker connection lost, consumer cancelled | reconnect with backoff; the redelivery is deduplicated |
 //! | crash after commit, before ack | redelivered, claimed as duplicate, acked |
 //!
 //! See <https://www.rabbitmq.com/docs/confirms> for RabbitMQ's acknowledgement semantics.
