@@ -287,16 +287,15 @@ impl Runtime {
                     self.stats.incr(Counter::Reconnects);
                     tokio::select! {
                         () = tokio::time::sleep(pause) => {}
-                        () = self.shutdown.graceful.cancelled() => {
-                            // Not connected: handlers in flight can no longer ack;
-                            // let them finish their transactions, then stop.
-                            self.drain().await;
-                            break;
-                        }
+                        () = self.shutdown.graceful.cancelled() => break,
                     }
                 }
             }
         }
+        // Handlers of lost sessions may still run: they can no longer ack, but
+        // let them end their transactions (a no-op after a drained session).
+        self.health.set_state(RuntimeState::Stopping);
+        self.drain().await;
         self.health.set_state(RuntimeState::Stopped);
         tracing::info!(consumer = %self.config.consumer, "stopped");
     }
@@ -310,9 +309,13 @@ impl Runtime {
         };
         let properties = ConnectionProperties::default()
             .with_connection_name(self.config.connection_name.as_str().into());
-        let connection = match Connection::connect(&self.config.amqp_url, properties).await {
-            Ok(connection) => connection,
-            Err(e) => return lost(format!("cannot connect to the broker: {e}")),
+        let connecting = Connection::connect(&self.config.amqp_url, properties);
+        let connection = tokio::select! {
+            connected = connecting => match connected {
+                Ok(connection) => connection,
+                Err(e) => return lost(format!("cannot connect to the broker: {e}")),
+            },
+            () = self.shutdown.graceful.cancelled() => return SessionEnd::Shutdown,
         };
         let end = match self.subscribe(&connection).await {
             Ok((channel, deliveries, pipeline, broken)) => {
