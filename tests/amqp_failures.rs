@@ -39,10 +39,22 @@ async fn a_transient_failure_is_retried_through_a_delay_queue_counting_attempts(
 #[tokio::test]
 async fn after_max_attempts_the_delivery_is_dead_lettered_with_its_history() {
     let (db, broker, queue) = support::setup().await;
-    broker.publish_payment(&queue, "pay-doomed", "bob", 5).await;
+    let properties = lapin::BasicProperties::default()
+        .with_message_id("pay-doomed".into())
+        .with_expiration("600000".into());
+    broker
+        .publish_props(&queue, properties, &support::payment_body("bob", 5))
+        .await;
     let (seen, handler) = counting_payments(usize::MAX, None);
+    // An id derived from a property that copies drop (the expiration) must
+    // stay the original's on every retry.
+    let id_of = |m: &idempo::amqp::Message| {
+        let expiration = m.properties().expiration().as_ref().map(|e| e.to_string());
+        Some(format!("{}/{}", m.message_id_property()?, expiration?))
+    };
     let consumer = Running::start(
         payments_consumer(&db, &queue)
+            .message_id(idempo::amqp::MessageIdSource::custom(id_of))
             .retry(RetryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
             .handler(handler),
     );
@@ -72,6 +84,8 @@ async fn after_max_attempts_the_delivery_is_dead_lettered_with_its_history() {
     assert!(h[FIRST_FAILURE_HEADER] <= h[LAST_FAILURE_HEADER]);
     assert!(h[FIRST_FAILURE_HEADER].ends_with('Z'));
     assert_eq!(dead[0].message_id.as_deref(), Some("pay-doomed"));
+    assert_eq!(h[idempo::amqp::MESSAGE_ID_HEADER], "pay-doomed/600000");
+    assert_eq!(dead[0].expiration, None);
     assert_eq!(db.payments().await, 0);
 }
 
@@ -251,7 +265,8 @@ async fn a_cut_connection_is_reestablished_and_consuming_resumes() {
         .publish_payment(&queue, "pay-after-cut", "gus", 4)
         .await;
     let stats = consumer.finish(1).await;
-    assert_eq!((stats.processed, stats.reconnects), (1, 1));
+    assert_eq!(stats.processed, 1);
+    assert!(stats.reconnects >= 1);
     assert_eq!(db.payments_for("pay-after-cut").await, 1);
 }
 
@@ -384,4 +399,41 @@ async fn poison_is_dead_lettered_even_while_the_database_is_unreachable() {
         broker.ready(&queue).await == 1
     })
     .await;
+}
+
+#[tokio::test]
+async fn a_commit_whose_connection_dies_is_resolved_through_the_claim() {
+    let (db, broker, queue) = support::setup().await;
+    // At COMMIT, a deferred trigger terminates the committing backend once:
+    // the client sees the connection die and cannot know the outcome.
+    sqlx::raw_sql(
+        // A sequence, because nextval survives the rollback that the kill causes.
+        "CREATE SEQUENCE kills;
+         CREATE FUNCTION kill_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF nextval('kills') = 1 THEN
+                 PERFORM pg_terminate_backend(pg_backend_pid());
+             END IF;
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER kill_at_commit AFTER INSERT ON payments
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION kill_at_commit();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    broker
+        .publish_payment(&queue, "pay-unknown", "kim", 9)
+        .await;
+    let consumer = Running::start(payments_consumer(&db, &queue));
+    let stats = consumer.finish(1).await;
+
+    assert_eq!(stats.commit_failures, 1, "the commit's outcome was unknown");
+    assert!(
+        stats.database_outages >= 1,
+        "it went through the database gate"
+    );
+    assert_eq!((stats.processed, stats.retried), (1, 0));
+    assert_eq!(db.payments_for("pay-unknown").await, 1, "one effect");
+    assert_eq!(db.balances().await["kim"], 9);
 }

@@ -26,32 +26,46 @@ async fn publish_load(
     unique_payments: usize,
     duplicates: bool,
 ) -> Load {
-    let mut messages = Vec::new();
-    let mut expected = BTreeMap::new();
-    let mut ids = BTreeSet::new();
-    for i in 0..unique_payments {
-        let id = format!("pay-{i}");
-        let account = format!("acct-{}", i % 8);
-        let cents = (i % 97 + 1) as i64;
-        *expected.entry(account.clone()).or_default() += cents;
-        let body = support::payment_body(&account, cents);
-        messages.push((id.clone(), body.clone()));
-        if duplicates && i % 5 == 0 {
-            messages.push((id.clone(), body));
+    let mut load = Load {
+        ids: BTreeSet::new(),
+        expected: BTreeMap::new(),
+        published: 0,
+    };
+    load.publish(broker, queue, 0..unique_payments, duplicates)
+        .await;
+    load
+}
+
+impl Load {
+    /// Publishes the payments numbered `range` and adds them to the load.
+    async fn publish(
+        &mut self,
+        broker: &Broker,
+        queue: &str,
+        range: std::ops::Range<usize>,
+        duplicates: bool,
+    ) {
+        let mut messages = Vec::new();
+        for i in range {
+            let id = format!("pay-{i}");
+            let account = format!("acct-{}", i % 8);
+            let cents = (i % 97 + 1) as i64;
+            *self.expected.entry(account.clone()).or_default() += cents;
+            let body = support::payment_body(&account, cents);
+            messages.push((id.clone(), body.clone()));
+            if duplicates && i % 5 == 0 {
+                messages.push((id.clone(), body));
+            }
+            self.ids.insert(id);
         }
-        ids.insert(id);
-    }
-    broker.publish_many(queue, &messages).await;
-    Load {
-        ids,
-        expected,
-        published: messages.len(),
+        broker.publish_many(queue, &messages).await;
+        self.published += messages.len();
     }
 }
 
 /// Starts the example on `queue` and `database_url`, retrying after
 /// 50 ms (the tests' delay queue), with `env` on top.
-fn spawn_example(database_url: &str, queue: &str, env: &[(&str, &str)]) -> Child {
+fn spawn_example(database_url: &str, queue: &str, env: &[(&str, &str)]) -> Example {
     let mut command = Command::new(support::payments_example_binary());
     command
         .env("DATABASE_URL", database_url)
@@ -66,10 +80,32 @@ fn spawn_example(database_url: &str, queue: &str, env: &[(&str, &str)]) -> Child
     for (name, value) in env {
         command.env(name, value);
     }
-    command.spawn().expect("start the payments example")
+    Example(command.spawn().expect("start the payments example"))
 }
 
-fn signal(child: &Child, sig: &str) {
+/// The example process; killed if the test ends (or fails) while it runs.
+struct Example(Child);
+
+impl Drop for Example {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+impl Example {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+
+    fn is_running(&mut self) -> bool {
+        matches!(self.0.try_wait(), Ok(None))
+    }
+}
+
+fn signal(child: &Example, sig: &str) {
     let status = Command::new("kill")
         .args([sig, &child.id().to_string()])
         .status()
@@ -77,10 +113,10 @@ fn signal(child: &Child, sig: &str) {
     assert!(status.success());
 }
 
-async fn wait_exit(mut child: Child) -> std::process::ExitStatus {
+async fn wait_exit(mut child: Example) -> std::process::ExitStatus {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
-        if let Some(status) = child.try_wait().unwrap() {
+        if let Some(status) = child.0.try_wait().unwrap() {
             return status;
         }
         assert!(
@@ -296,18 +332,30 @@ async fn chaos_kills_cuts_and_killed_backends_leave_every_payment_applied_exactl
         db.claims().await >= 1700
     })
     .await;
-    let terminated: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1) t",
+    // More work, so that backends are busy when we terminate them.
+    load.publish(&broker, &queue, 2000..3000, false).await;
+    let applied_ids = applied_ids + 1000;
+    // Terminate the backends that are busy (in a statement or a transaction):
+    // idle pool connections would be replaced silently on their next use.
+    let terminated = std::sync::atomic::AtomicI64::new(0);
+    eventually(
+        "a busy backend of the example was terminated",
+        WAIT,
+        || async {
+            let now: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name = $1 AND state <> 'idle') t",
+            )
+            .bind(&app)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+            terminated.fetch_add(now, std::sync::atomic::Ordering::SeqCst) + now > 0
+        },
     )
-    .bind(&app)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    assert!(terminated > 0, "the example's backends were found");
-    assert!(
-        last.try_wait().unwrap().is_none(),
-        "the consumer never exits on its own"
-    );
+    .await;
+    let terminated = terminated.into_inner();
+    assert!(last.is_running(), "the consumer never exits on its own");
 
     eventually("every payment applied, every queue empty", WAIT, || async {
         db.claims().await as usize == applied_ids
@@ -321,7 +369,7 @@ async fn chaos_kills_cuts_and_killed_backends_leave_every_payment_applied_exactl
     })
     .await;
     assert!(
-        last.try_wait().unwrap().is_none(),
+        last.is_running(),
         "still running after the cut and the kills"
     );
     let scraped = scrape(&metrics_addr).await;
@@ -356,13 +404,18 @@ async fn chaos_kills_cuts_and_killed_backends_leave_every_payment_applied_exactl
 
     let processed = metric(&scraped, "idempo_processed_total");
     let reconnects = metric(&scraped, "idempo_reconnects_total");
+    let outages = metric(&scraped, "idempo_database_outages_total");
     assert!(processed > 0.0, "metrics are exported:\n{scraped}");
     assert!(reconnects >= 1.0, "the cut shows as a reconnect");
+    assert!(
+        outages >= 1.0,
+        "the terminated backends went through the database gate"
+    );
     assert!(scraped.contains("idempo_handler_duration_seconds"));
     let figures = format!(
         "chaos: published {} payments ({} distinct) + {} poison; {kills} SIGKILLs, {cuts} connection cut(s), \
          {terminated} backend(s) terminated; {} applied once each; DLQ {} messages ({extra_copies} extra copies \
-         from kills between dead-letter and ack); last run: {processed} processed, {reconnects} reconnect(s); {:.1?}",
+         from kills between dead-letter and ack); last run: {processed} processed, {reconnects} reconnect(s), {outages} database outage(s); {:.1?}",
         load.published,
         load.ids.len(),
         poison.len() + POISON_EACH,

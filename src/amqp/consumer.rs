@@ -228,7 +228,12 @@ impl Consumer {
             ))
         });
         let mut runtime = Runtime {
-            gate: DatabaseGate::new(config.pool.clone(), health.clone()),
+            gate: DatabaseGate::new(
+                config.pool.clone(),
+                health.clone(),
+                stats.clone(),
+                shutdown.graceful.clone(),
+            ),
             permits: Arc::new(Semaphore::new(config.concurrency)),
             tasks: JoinSet::new(),
             config,
@@ -263,8 +268,21 @@ enum SessionEnd {
     /// Shutdown was requested; everything is drained and closed.
     Shutdown,
     /// The connection, a channel or the subscription was lost.
-    Lost { error: String, was_consuming: bool },
+    Lost {
+        error: String,
+        /// How long the session had been consuming (zero if it never did).
+        consumed_for: Duration,
+    },
 }
+
+/// A session that consumed this long resets the reconnect backoff: shorter
+/// ones (a broker that accepts and then drops us) keep backing off.
+const STABLE_SESSION: Duration = Duration::from_secs(30);
+
+/// Bounds on broker round trips during setup and teardown, so a half-open
+/// broker cannot hang a reconnect or a shutdown.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Runtime {
     async fn run(&mut self) {
@@ -275,16 +293,19 @@ impl Runtime {
                 SessionEnd::Shutdown => break,
                 SessionEnd::Lost {
                     error,
-                    was_consuming,
+                    consumed_for,
                 } => {
-                    if was_consuming {
+                    if consumed_for >= STABLE_SESSION {
                         backoff.reset();
                     }
                     let pause = backoff.next_delay();
                     tracing::error!(%error, ?pause, "broker session lost; reconnecting");
                     self.health.record_error(error);
-                    self.health.record_reconnect();
-                    self.stats.incr(Counter::Reconnects);
+                    if !consumed_for.is_zero() {
+                        self.health.record_reconnect();
+                        self.stats.incr(Counter::Reconnects);
+                    }
+                    self.health.set_state(RuntimeState::Reconnecting);
                     tokio::select! {
                         () = tokio::time::sleep(pause) => {}
                         () = self.shutdown.graceful.cancelled() => break,
@@ -305,7 +326,7 @@ impl Runtime {
     async fn session(&mut self) -> SessionEnd {
         let lost = |error: String| SessionEnd::Lost {
             error,
-            was_consuming: false,
+            consumed_for: Duration::ZERO,
         };
         let properties = ConnectionProperties::default()
             .with_connection_name(self.config.connection_name.as_str().into());
@@ -317,18 +338,21 @@ impl Runtime {
             },
             () = self.shutdown.graceful.cancelled() => return SessionEnd::Shutdown,
         };
-        let end = match self.subscribe(&connection).await {
-            Ok((channel, deliveries, pipeline, broken)) => {
+        let subscribed = tokio::time::timeout(SETUP_TIMEOUT, self.subscribe(&connection)).await;
+        let end = match subscribed {
+            Ok(Ok((channel, deliveries, pipeline, broken))) => {
                 self.dispatch(&connection, channel, deliveries, pipeline, broken)
                     .await
             }
-            Err(e) => lost(format!("cannot set up the subscription: {e}")),
+            Ok(Err(e)) => lost(format!("cannot set up the subscription: {e}")),
+            Err(_) => lost(format!(
+                "setting up the subscription took over {SETUP_TIMEOUT:?}"
+            )),
         };
         // Closing the connection hands every unacked delivery back to the broker.
         if connection.status().connected() {
-            let _ = connection
-                .close(200, "idempo consumer stopped".into())
-                .await;
+            let close = connection.close(200, "idempo consumer stopped".into());
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, close).await;
         }
         end
     }
@@ -373,6 +397,7 @@ impl Runtime {
             republisher,
             broken: broken.clone(),
             shutdown: self.shutdown.graceful.clone(),
+            health: self.health.clone(),
             stats: self.stats.clone(),
         });
         Ok((channel, deliveries, pipeline, broken))
@@ -395,9 +420,10 @@ impl Runtime {
             concurrency = config.concurrency,
             "consuming"
         );
+        let consuming_since = std::time::Instant::now();
         let lost = |error: String| SessionEnd::Lost {
             error,
-            was_consuming: true,
+            consumed_for: consuming_since.elapsed().max(Duration::from_nanos(1)),
         };
         let end = loop {
             while let Some(done) = self.tasks.try_join_next() {
@@ -447,7 +473,8 @@ impl Runtime {
             self.drain().await;
         }
         if channel.status().connected() {
-            let _ = channel.close(200, "idempo consumer stopped".into()).await;
+            let close = channel.close(200, "idempo consumer stopped".into());
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, close).await;
         }
         end
     }

@@ -12,21 +12,34 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio::sync::watch;
 
+use tokio_util::sync::CancellationToken;
+
 use super::backoff::Backoff;
 use super::health::Health;
+use super::stats::{Counter, Stats};
 
 pub(crate) struct DatabaseGate {
     pool: PgPool,
     available: watch::Sender<bool>,
     health: Health,
+    stats: Stats,
+    /// Ends the probe when the consumer stops.
+    stop: CancellationToken,
 }
 
 impl DatabaseGate {
-    pub(crate) fn new(pool: PgPool, health: Health) -> Arc<Self> {
+    pub(crate) fn new(
+        pool: PgPool,
+        health: Health,
+        stats: Stats,
+        stop: CancellationToken,
+    ) -> Arc<Self> {
         Arc::new(DatabaseGate {
             pool,
             available: watch::Sender::new(true),
             health,
+            stats,
+            stop,
         })
     }
 
@@ -36,6 +49,7 @@ impl DatabaseGate {
         let was_up = self.available.send_replace(false);
         if was_up {
             tracing::error!(%error, "database unreachable; deliveries wait until it returns");
+            self.stats.incr(Counter::DatabaseOutages);
             self.health
                 .set_database(false, Some(format!("database unreachable: {error}")));
             let gate = self.clone();
@@ -52,7 +66,10 @@ impl DatabaseGate {
     async fn probe(&self) {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
         loop {
-            tokio::time::sleep(backoff.next_delay()).await;
+            tokio::select! {
+                () = tokio::time::sleep(backoff.next_delay()) => {}
+                () = self.stop.cancelled() => return,
+            }
             match sqlx::query("SELECT 1").execute(&self.pool).await {
                 Ok(_) => {
                     tracing::info!("database reachable again");
@@ -75,10 +92,13 @@ pub(crate) fn is_connection_error(error: &sqlx::Error) -> bool {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => true,
-        // Class 08: connection exception; 57P01-57P03: admin shutdown
-        // (pg_terminate_backend), crash shutdown, cannot connect now.
+        // Class 08: connection exception (but 08P01, protocol violation, is
+        // also what a wrong number of bind parameters gets: a bug, not an
+        // outage); 57P01-57P03: admin shutdown (pg_terminate_backend), crash
+        // shutdown, cannot connect now.
         sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
+            (code.starts_with("08") && code != "08P01")
+                || matches!(&*code, "57P01" | "57P02" | "57P03")
         }),
         _ => false,
     }

@@ -37,9 +37,10 @@ use super::database_gate::{DatabaseGate, is_connection_error, is_connection_fail
 use super::dead_letter::DeadLetterReason;
 use super::handler::{BoxedHandler, HandlerError, Tx};
 use super::headers::{
-    CONSUMER_HEADER, ERROR_HEADER, Failures, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER,
-    original_routing_key,
+    CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER,
+    ROUTING_KEY_HEADER, original_routing_key,
 };
+use super::health::Health;
 use super::republish::Republisher;
 use super::retry::{Mode, RetryPolicy, delay_queue};
 use super::stats::{Counter, Stats};
@@ -67,8 +68,17 @@ pub(crate) struct Pipeline {
     pub(crate) broken: CancellationToken,
     /// Fired on shutdown: deliveries waiting for the database give up.
     pub(crate) shutdown: CancellationToken,
+    pub(crate) health: Health,
     pub(crate) stats: Stats,
 }
+
+/// Passes that end in a connection error although the database answered in
+/// between: after this many, the error is the message's (a statement that
+/// kills its own connection, a second pool) and it is retried like any other.
+const MAX_DATABASE_PASSES: u32 = 5;
+
+/// Error texts in headers are cut to this: a frame carries the headers whole.
+const MAX_ERROR_HEADER: usize = 4096;
 
 /// A pause before handing a delivery back with nack when no confirmed
 /// republish was possible, so a failing broker path is not hammered.
@@ -123,7 +133,7 @@ impl Pipeline {
                 Ok(id) => {
                     Span::current().record("message_id", id.as_str());
                     message.set_id(id);
-                    self.decide(&message).await
+                    self.decide(&message, &acker).await
                 }
                 Err(e) => invalid_id(e),
             };
@@ -136,8 +146,8 @@ impl Pipeline {
 
     /// Decodes, then claims, runs the handler and commits, as many passes as
     /// database outages need; says how to settle the delivery.
-    async fn decide(&self, message: &Message) -> Outcome {
-        loop {
+    async fn decide(&self, message: &Message, acker: &Acker) -> Outcome {
+        for _ in 1..MAX_DATABASE_PASSES {
             match self.pass(message).await {
                 Pass::Done(outcome) => return outcome,
                 Pass::DatabaseDown(error) => {
@@ -145,8 +155,17 @@ impl Pipeline {
                     tokio::select! {
                         () = self.gate.wait_available() => {}
                         () = self.shutdown.cancelled() => return Outcome::Abandoned,
+                        // The channel died meanwhile (reconnect, broker
+                        // consumer timeout): the broker redelivers; stop here.
+                        () = channel_closed(acker) => return Outcome::Abandoned,
                     }
                 }
+            }
+        }
+        match self.pass(message).await {
+            Pass::Done(outcome) => outcome,
+            Pass::DatabaseDown(error) => {
+                retry("connection errors although the database answers", error)
             }
         }
     }
@@ -333,8 +352,8 @@ impl Pipeline {
                         "retried"
                     }
                     Err(e) => {
-                        tracing::error!(error = %e, "cannot publish the retry; requeueing instead");
-                        self.publish_failed(acker).await;
+                        let error = format!("cannot publish the retry to {queue:?}: {e}");
+                        self.publish_failed(acker, error).await;
                         "retried"
                     }
                 }
@@ -364,8 +383,11 @@ impl Pipeline {
                 "dead_lettered"
             }
             Err(e) => {
-                tracing::error!(%reason, error = %e, "cannot dead-letter; requeueing");
-                self.publish_failed(acker).await;
+                let error = format!(
+                    "cannot dead-letter ({reason}) to {:?}: {e}",
+                    self.dead_letter_queue
+                );
+                self.publish_failed(acker, error).await;
                 "retried"
             }
         }
@@ -379,7 +401,8 @@ impl Pipeline {
     ) -> Vec<(&'static str, AMQPValue)> {
         let text = |s: &str| AMQPValue::LongString(s.into());
         let mut headers = vec![
-            (ERROR_HEADER, text(error)),
+            (MESSAGE_ID_HEADER, text(message.id())),
+            (ERROR_HEADER, text(truncate(error, MAX_ERROR_HEADER))),
             (CONSUMER_HEADER, text(&self.consumer)),
             (QUEUE_HEADER, text(&self.queue)),
             (ROUTING_KEY_HEADER, text(&original_routing_key(message))),
@@ -390,7 +413,9 @@ impl Pipeline {
 
     /// No confirmed copy: hand the original back instead. If the publishing
     /// channels are gone, the session must reconnect.
-    async fn publish_failed(&self, acker: &Acker) {
+    async fn publish_failed(&self, acker: &Acker, error: String) {
+        tracing::error!(%error, "requeueing the original instead");
+        self.health.record_error(error);
         if !self.republisher.is_open().await {
             self.broken.cancel();
         }
@@ -486,6 +511,25 @@ fn database_error(context: &str, e: sqlx::Error) -> Pass {
     } else {
         Pass::Done(retry(context, e))
     }
+}
+
+/// Resolves once the delivery's channel is closed (its acker poisoned).
+async fn channel_closed(acker: &Acker) {
+    while !acker.poisoned() {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// `text`, cut at a character boundary to at most `max` bytes.
+fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 fn panic_message(panic: &(dyn Any + Send)) -> &str {

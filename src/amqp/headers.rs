@@ -19,6 +19,10 @@ pub const ROUTING_KEY_HEADER: &str = "x-idempo-original-routing-key";
 /// The original per-message TTL, which republished copies drop (a dead letter
 /// must not expire out of the DLQ, a retry must not expire in its delay queue).
 pub const ORIGINAL_EXPIRATION_HEADER: &str = "x-idempo-original-expiration";
+/// The id idempo deduplicated the original on, written on every copy: a
+/// copy's properties differ from the original's (routing key, expiration),
+/// so an id derived from them must not be derived again.
+pub const MESSAGE_ID_HEADER: &str = "x-idempo-message-id";
 /// How many attempts have failed so far (an integer).
 pub const ATTEMPTS_HEADER: &str = "x-idempo-attempts";
 /// When the first attempt failed (RFC 3339, UTC).

@@ -97,10 +97,7 @@ impl Health {
     }
 
     pub(crate) fn record_reconnect(&self) {
-        self.inner.send_modify(|s| {
-            s.reconnects += 1;
-            s.state = RuntimeState::Reconnecting;
-        });
+        self.inner.send_modify(|s| s.reconnects += 1);
     }
 
     pub(crate) fn set_database(&self, available: bool, error: Option<String>) {

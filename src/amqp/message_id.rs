@@ -6,6 +6,7 @@ use std::sync::Arc;
 use lapin::types::AMQPValue;
 
 use super::Message;
+use super::headers::MESSAGE_ID_HEADER;
 use crate::inbox::{InvalidMessageId, payload_sha256, validate_message_id};
 
 /// A user function that finds a delivery's id; `None` means "no id".
@@ -40,11 +41,18 @@ impl MessageIdSource {
         MessageIdSource::Custom(Arc::new(f))
     }
 
-    /// Extracts and validates the id of `message`.
+    /// Extracts and validates the id of `message`. A copy that idempo
+    /// republished (a retry) carries its id in the `x-idempo-message-id`
+    /// header, which takes precedence over the source.
     ///
     /// # Errors
     /// [`InvalidMessageId`] when it is missing, empty or over 255 bytes.
     pub fn extract(&self, message: &Message) -> Result<String, InvalidMessageId> {
+        // A retried copy carries the id its original was deduplicated on.
+        if let Some(id) = message.header(MESSAGE_ID_HEADER).and_then(header_to_string) {
+            validate_message_id(&id)?;
+            return Ok(id);
+        }
         let id = match self {
             MessageIdSource::Property => message.message_id_property().map(str::to_owned),
             MessageIdSource::Header(name) => message.header(name).and_then(header_to_string),

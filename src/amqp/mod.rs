@@ -47,7 +47,7 @@ pub use dead_letter::DeadLetterReason;
 pub use handler::{ErrorKind, HandlerError, ResultExt, Tx, TxGuard};
 pub use headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER,
+    MESSAGE_ID_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER,
 };
 pub use health::{Health, HealthSnapshot, RuntimeState};
 pub use message::{DecodeError, FromMessage, Json, Message};

@@ -23,13 +23,13 @@ use std::time::Duration;
 /// # Requeue
 /// [`RetryPolicy::requeue`] hands the delivery back with
 /// `basic.nack(requeue = true)` after a pause instead. Attempts are not
-/// counted; on RabbitMQ 4.x quorum queues the broker's `delivery-limit`
-/// (default 20) eventually dead-letters the message itself.
+/// counted, so a message that always fails transiently is retried forever
+/// (unless a broker-side delivery limit intervenes).
 ///
 /// # Default
 /// Delayed, with delays 1 s, 5 s, 30 s, 2 min, 10 min, and at most 10
-/// attempts (so the last retry happens at most about 54 min after the first
-/// failure).
+/// attempts: the last retry comes about 53 min after the first failure (90
+/// min at worst, if every retry asks for the longest delay).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryPolicy {
     pub(crate) mode: Mode,
@@ -93,14 +93,11 @@ impl RetryPolicy {
     }
 
     /// The longest a delivery can spend waiting between its first failure and
-    /// its last attempt. Retention must be longer than this.
+    /// its last attempt: every retry at the longest delay (a handler may ask
+    /// for it with `retry_after`). Retention must be longer than this.
     pub fn total_delay(&self) -> Duration {
-        match &self.mode {
-            Mode::Delayed(_) => (1..self.max_attempts)
-                .map(|n| self.delay_for(n, None))
-                .sum(),
-            Mode::Requeue(_) => Duration::ZERO,
-        }
+        let longest = self.delays().iter().copied().max().unwrap_or_default();
+        longest * self.max_attempts.saturating_sub(1)
     }
 
     pub(crate) fn validate(&self) -> Result<(), String> {
@@ -186,9 +183,10 @@ mod tests {
     }
 
     #[test]
-    fn the_default_schedule_totals_under_an_hour() {
-        // 9 retries: 1 + 5 + 30 + 120 + 5 × 600 seconds.
-        assert_eq!(RetryPolicy::default().total_delay(), secs(3156));
+    fn the_worst_case_wait_is_every_retry_at_the_longest_delay() {
+        // 9 retries of 10 minutes.
+        assert_eq!(RetryPolicy::default().total_delay(), secs(5400));
+        assert_eq!(RetryPolicy::requeue(secs(1)).total_delay(), Duration::ZERO);
     }
 
     #[test]

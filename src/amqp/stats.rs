@@ -14,6 +14,7 @@
 //! | `idempo_dead_lettered_total` | counter |
 //! | `idempo_commit_failures_total` | counter |
 //! | `idempo_reconnects_total` | counter |
+//! | `idempo_database_outages_total` | counter |
 //! | `idempo_handler_duration_seconds` | histogram |
 
 use std::sync::Arc;
@@ -45,14 +46,17 @@ pub struct StatsSnapshot {
     pub duplicates: u64,
     /// Deliveries whose id was already processed with a different body.
     pub payload_mismatches: u64,
-    /// Deliveries handed back for a later retry (transient errors).
+    /// Deliveries handed back for a later retry: transient errors, and
+    /// retries or dead letters whose publish was not confirmed.
     pub retried: u64,
     /// Deliveries published to the dead-letter queue.
     pub dead_lettered: u64,
     /// Commits that failed or whose outcome is unknown.
     pub commit_failures: u64,
-    /// Reconnections to the broker.
+    /// Reconnections to the broker after a lost session.
     pub reconnects: u64,
+    /// Times the database was found unreachable (deliveries then wait).
+    pub database_outages: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -65,10 +69,11 @@ pub(crate) enum Counter {
     DeadLettered,
     CommitFailures,
     Reconnects,
+    DatabaseOutages,
 }
 
 impl Counter {
-    const ALL: [Counter; 8] = [
+    const ALL: [Counter; 9] = [
         Counter::Deliveries,
         Counter::Processed,
         Counter::Duplicates,
@@ -77,6 +82,7 @@ impl Counter {
         Counter::DeadLettered,
         Counter::CommitFailures,
         Counter::Reconnects,
+        Counter::DatabaseOutages,
     ];
 
     fn metric(self) -> &'static str {
@@ -89,6 +95,7 @@ impl Counter {
             Counter::DeadLettered => "idempo_dead_lettered_total",
             Counter::CommitFailures => "idempo_commit_failures_total",
             Counter::Reconnects => "idempo_reconnects_total",
+            Counter::DatabaseOutages => "idempo_database_outages_total",
         }
     }
 }
@@ -125,6 +132,7 @@ impl Stats {
             dead_lettered: get(Counter::DeadLettered),
             commit_failures: get(Counter::CommitFailures),
             reconnects: get(Counter::Reconnects),
+            database_outages: get(Counter::DatabaseOutages),
         }
     }
 }

@@ -68,14 +68,7 @@ impl Topology {
 
         let mut args = FieldTable::default();
         args.insert("x-queue-type".into(), queue_type_value(self.queue_type));
-        args.insert(
-            "x-dead-letter-exchange".into(),
-            AMQPValue::LongString("".into()),
-        );
-        args.insert(
-            "x-dead-letter-routing-key".into(),
-            AMQPValue::LongString(self.dead_letter_queue.as_str().into()),
-        );
+        dead_letter_into(&mut args, &self.dead_letter_queue, self.queue_type);
         channel
             .queue_declare(self.queue.as_str().into(), durable, args)
             .await?;
@@ -107,36 +100,42 @@ impl Topology {
 
 impl Topology {
     /// A delay queue holds each message for `delay`, then dead-letters it back
-    /// into the work queue. On quorum queues that dead-lettering is
-    /// `at-least-once` (it needs `reject-publish` overflow): the broker keeps
-    /// the message until the work queue confirmed it, so an expiring retry is
-    /// never lost on the way back.
+    /// into the work queue. It is a quorum queue whatever the work queue's
+    /// type: a classic queue dead-letters at-most-once, so a retry whose
+    /// original was already acked could be dropped on its way back.
     fn delay_queue_arguments(&self, delay: Duration) -> FieldTable {
         let mut args = FieldTable::default();
-        args.insert("x-queue-type".into(), queue_type_value(self.queue_type));
+        args.insert("x-queue-type".into(), queue_type_value(QueueType::Quorum));
         args.insert(
             "x-message-ttl".into(),
             AMQPValue::LongLongInt(delay.as_millis() as i64),
         );
-        args.insert(
-            "x-dead-letter-exchange".into(),
-            AMQPValue::LongString("".into()),
-        );
-        args.insert(
-            "x-dead-letter-routing-key".into(),
-            AMQPValue::LongString(self.queue.as_str().into()),
-        );
-        if self.queue_type == QueueType::Quorum {
-            args.insert(
-                "x-dead-letter-strategy".into(),
-                AMQPValue::LongString("at-least-once".into()),
-            );
-            args.insert(
-                "x-overflow".into(),
-                AMQPValue::LongString("reject-publish".into()),
-            );
-        }
+        dead_letter_into(&mut args, &self.queue, QueueType::Quorum);
         args
+    }
+}
+
+/// Dead-letters (through the default exchange) into `target`. On quorum
+/// queues this is `at-least-once` (which needs `reject-publish` overflow): the
+/// broker keeps the message until `target` confirmed it.
+fn dead_letter_into(args: &mut FieldTable, target: &str, queue_type: QueueType) {
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString("".into()),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(target.into()),
+    );
+    if queue_type == QueueType::Quorum {
+        args.insert(
+            "x-dead-letter-strategy".into(),
+            AMQPValue::LongString("at-least-once".into()),
+        );
+        args.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
     }
 }
 

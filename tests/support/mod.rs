@@ -279,6 +279,16 @@ impl Broker {
             "x-dead-letter-routing-key".into(),
             AMQPValue::LongString(dlq.as_str().into()),
         );
+        if queue_type == "quorum" {
+            args.insert(
+                "x-dead-letter-strategy".into(),
+                AMQPValue::LongString("at-least-once".into()),
+            );
+            args.insert(
+                "x-overflow".into(),
+                AMQPValue::LongString("reject-publish".into()),
+            );
+        }
         self.channel
             .queue_declare(queue.into(), durable, args)
             .await?;
