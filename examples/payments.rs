@@ -10,7 +10,11 @@
 //! - `PAYMENTS_QUEUE` (default `payments`; dead letters go to `$PAYMENTS_QUEUE.dlq`)
 //! - `PAYMENTS_FAIL_RATE` (default 0): probability of a transient error after
 //!   the handler wrote its rows, to watch the rollback and the retry
-//! - `PAYMENTS_CONCURRENCY` (default 16), `PAYMENTS_PREFETCH` (default 100)
+//! - `PAYMENTS_CONCURRENCY` (default 16), `PAYMENTS_PREFETCH` (default 100,
+//!   or twice the batch size)
+//! - `PAYMENTS_BATCH` (default 0): 0 processes one message per transaction;
+//!   N > 0 turns on batch mode with batches of up to N and a batch handler
+//!   that writes with one bulk insert and one grouped balance upsert
 //! - `PAYMENTS_RETRY_DELAYS` (default `1s,5s,30s,2m,10m`): the delay tiers of
 //!   the retry policy; `PAYMENTS_MAX_ATTEMPTS` (default 10)
 //! - `METRICS_ADDR` (unset by default): serve Prometheus metrics on this
@@ -83,7 +87,8 @@ async fn main() -> anyhow::Result<()> {
         "PAYMENTS_FAIL_RATE must be between 0 and 1, got {fail_rate}"
     );
     let concurrency: usize = env_parse("PAYMENTS_CONCURRENCY", 16)?;
-    let prefetch: u16 = env_parse("PAYMENTS_PREFETCH", 100)?;
+    let batch: usize = env_parse("PAYMENTS_BATCH", 0)?;
+    let prefetch: u16 = env_parse("PAYMENTS_PREFETCH", (batch * 2).clamp(100, 65_535) as u16)?;
     let retry = match std::env::var("PAYMENTS_RETRY_DELAYS") {
         Ok(list) => RetryPolicy::delayed(
             list.split(',')
@@ -114,14 +119,19 @@ async fn main() -> anyhow::Result<()> {
     idempo::migrate(&pool).await?;
     payments::create_tables(&pool).await?;
 
-    Consumer::builder(amqp_url, pool)
+    let consumer = Consumer::builder(amqp_url, pool)
         .queue(queue)
         .prefetch(prefetch.max(concurrency as u16))
         .concurrency(concurrency)
-        .retry(retry)
-        .handler(move |tx, message| payments::handle(tx, message, fail_rate))
-        .run_until_signal()
-        .await?;
+        .retry(retry);
+    let consumer = if batch > 0 {
+        consumer
+            .batch(batch)
+            .batch_handler(move |tx, batch| payments::handle_batch(tx, batch, fail_rate))
+    } else {
+        consumer.handler(move |tx, message| payments::handle(tx, message, fail_rate))
+    };
+    consumer.run_until_signal().await?;
     tracing::info!("drained; bye");
     Ok(())
 }

@@ -261,6 +261,16 @@ fn metric(scraped: &str, name: &str) -> f64 {
 
 #[tokio::test]
 async fn chaos_kills_cuts_and_killed_backends_leave_every_payment_applied_exactly_once() {
+    chaos("0").await;
+}
+
+#[tokio::test]
+async fn chaos_in_batch_mode_leaves_every_payment_applied_exactly_once() {
+    chaos("100").await;
+}
+
+/// Kills, cuts and terminated backends under load; `batch` is `PAYMENTS_BATCH`.
+async fn chaos(batch: &str) {
     let started = std::time::Instant::now();
     let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("chaos"));
     broker.declare(&queue).await;
@@ -296,7 +306,7 @@ async fn chaos_kills_cuts_and_killed_backends_leave_every_payment_applied_exactl
     let app = unique("app");
     // The example's backends carry this name, so the test can terminate them.
     let url = format!("{}&application_name={app}", db.url);
-    let env = [("PAYMENTS_FAIL_RATE", "0.1")];
+    let env = [("PAYMENTS_FAIL_RATE", "0.1"), ("PAYMENTS_BATCH", batch)];
 
     // Three runs killed at growing progress.
     let mut kills = 0;
@@ -413,7 +423,7 @@ async fn chaos_kills_cuts_and_killed_backends_leave_every_payment_applied_exactl
     );
     assert!(scraped.contains("idempo_handler_duration_seconds"));
     let figures = format!(
-        "chaos: published {} payments ({} distinct) + {} poison; {kills} SIGKILLs, {cuts} connection cut(s), \
+        "chaos (PAYMENTS_BATCH={batch}): published {} payments ({} distinct) + {} poison; {kills} SIGKILLs, {cuts} connection cut(s), \
          {terminated} backend(s) terminated; {} applied once each; DLQ {} messages ({extra_copies} extra copies \
          from kills between dead-letter and ack); last run: {processed} processed, {reconnects} reconnect(s), {outages} database outage(s); {:.1?}",
         load.published,
@@ -425,6 +435,7 @@ async fn chaos_kills_cuts_and_killed_backends_leave_every_payment_applied_exactl
     );
     println!("{figures}");
     // cargo test hides a passing test's output: keep the figures for CI to show.
-    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("chaos-figures.txt");
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("chaos-figures-batch-{batch}.txt"));
     std::fs::write(&path, format!("{figures}\n")).expect("write the chaos figures");
 }

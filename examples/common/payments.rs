@@ -88,3 +88,55 @@ pub async fn handle(
 ) -> Result<(), HandlerError> {
     apply(tx, message.id(), &payment, fail_rate).await
 }
+
+/// The batch handler: ONE bulk insert of the payments and ONE grouped balance
+/// upsert for the whole batch (accounts sorted, so concurrent batches lock
+/// balance rows in the same order). Batching pays only when the business
+/// writes are batched too.
+pub async fn handle_batch(
+    tx: Tx,
+    batch: Vec<(Json<Payment>, Message)>,
+    fail_rate: f64,
+) -> Result<(), HandlerError> {
+    if let Some((Json(p), _)) = batch.iter().find(|(Json(p), _)| p.amount_cents < 0) {
+        // The batch falls back to one message at a time; this one is then
+        // dead-lettered alone.
+        return Err(HandlerError::permanent(format!(
+            "negative amount: {}",
+            p.amount_cents
+        )));
+    }
+    let ids: Vec<&str> = batch.iter().map(|(_, m)| m.id()).collect();
+    let accounts: Vec<&str> = batch
+        .iter()
+        .map(|(Json(p), _)| p.account.as_str())
+        .collect();
+    let amounts: Vec<i64> = batch.iter().map(|(Json(p), _)| p.amount_cents).collect();
+    let mut tx = tx.lock()?;
+    sqlx::query(
+        "INSERT INTO payments (message_id, account, amount_cents) \
+         SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])",
+    )
+    .bind(&ids)
+    .bind(&accounts)
+    .bind(&amounts)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO account_balances (account, balance_cents) \
+         SELECT account, sum(amount) FROM unnest($1::text[], $2::bigint[]) AS t(account, amount) \
+         GROUP BY account ORDER BY account \
+         ON CONFLICT (account) DO UPDATE \
+         SET balance_cents = account_balances.balance_cents + excluded.balance_cents",
+    )
+    .bind(&accounts)
+    .bind(&amounts)
+    .execute(&mut *tx)
+    .await?;
+    if fail_rate > 0.0 && rand::random::<f64>() < fail_rate {
+        return Err(HandlerError::transient(
+            "injected failure (PAYMENTS_FAIL_RATE)",
+        ));
+    }
+    Ok(())
+}

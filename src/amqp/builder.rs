@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::consumer::{Config, Consumer, ShutdownHandle};
+use super::batch::{BoxedBatchHandler, boxed_batch, per_message};
+use super::consumer::{BatchMode, Config, Consumer, ShutdownHandle};
 use super::handler::{self, BoxedHandler, HandlerError, Tx};
 use super::health::Health;
 use super::message::FromMessage;
@@ -47,6 +48,9 @@ pub struct ConsumerBuilder {
     retention_interval: Duration,
     connection_name: Option<String>,
     handler: Option<BoxedHandler>,
+    batch_size: Option<usize>,
+    batch_linger: Duration,
+    batch_handler: Option<BoxedBatchHandler>,
 }
 
 impl fmt::Debug for ConsumerBuilder {
@@ -81,6 +85,9 @@ impl ConsumerBuilder {
             retention_interval: Duration::from_secs(300),
             connection_name: None,
             handler: None,
+            batch_size: None,
+            batch_linger: Duration::from_millis(5),
+            batch_handler: None,
         }
     }
 
@@ -212,6 +219,70 @@ impl ConsumerBuilder {
         self
     }
 
+    /// Turns on batch mode with batches of up to `size` deliveries (see the
+    /// [batch mode](super#batch-mode) docs). With a per-message
+    /// [`handler`](Self::handler), it runs over each fresh message of a batch
+    /// in one transaction; with a [`batch_handler`](Self::batch_handler), it
+    /// gets them all at once, which is where bulk statements pay off.
+    /// Set `prefetch` to at least twice the batch size so that the next batch
+    /// fills while one commits.
+    pub fn batch(mut self, size: usize) -> Self {
+        self.batch_size = Some(size);
+        self
+    }
+
+    /// How long a batch waits for more deliveries after its first one
+    /// (default: 5 ms).
+    pub fn batch_linger(mut self, linger: Duration) -> Self {
+        self.batch_linger = linger;
+        self
+    }
+
+    /// A handler for a whole batch: `(Tx, Vec<M>) -> Result<(), HandlerError>`,
+    /// called once per batch with the fresh (not yet processed) messages, in
+    /// delivery order. Turns on batch mode (batches of 100 unless
+    /// [`batch`](Self::batch) says otherwise). When it fails, the batch rolls
+    /// back and each delivery is handled on its own (the handler is called with
+    /// a batch of one), so only the failing message takes the failure path.
+    ///
+    /// # Example
+    /// ```no_run
+    /// # use idempo::amqp::{Consumer, Json, Message};
+    /// # #[derive(serde::Deserialize)] struct Payment { account: String, amount_cents: i64 }
+    /// # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
+    /// Consumer::builder("amqp://127.0.0.1", pool)
+    ///     .queue("payments")
+    ///     .prefetch(1000)
+    ///     .batch(500)
+    ///     .batch_handler(|tx, batch: Vec<(Json<Payment>, Message)>| async move {
+    ///         let ids: Vec<&str> = batch.iter().map(|(_, m)| m.id()).collect();
+    ///         let accounts: Vec<&str> = batch.iter().map(|(p, _)| p.0.account.as_str()).collect();
+    ///         let amounts: Vec<i64> = batch.iter().map(|(p, _)| p.0.amount_cents).collect();
+    ///         let mut tx = tx.lock()?;
+    ///         sqlx::query("INSERT INTO payments (message_id, account, amount_cents) \
+    ///                      SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])")
+    ///             .bind(&ids).bind(&accounts).bind(&amounts)
+    ///             .execute(&mut *tx)
+    ///             .await?;
+    ///         Ok(())
+    ///     })
+    ///     .run_until_signal()
+    ///     .await
+    /// # }
+    /// ```
+    pub fn batch_handler<M, F, Fut>(mut self, handler: F) -> Self
+    where
+        M: FromMessage,
+        F: Fn(Tx, Vec<M>) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
+        let (batch, one) = boxed_batch(handler);
+        self.batch_handler = Some(batch);
+        self.handler = Some(one);
+        self.batch_size.get_or_insert(100);
+        self
+    }
+
     /// Checks the configuration and builds the consumer.
     ///
     /// # Errors
@@ -250,6 +321,23 @@ impl ConsumerBuilder {
             .connection_name
             .unwrap_or_else(|| format!("idempo:{consumer}:{}", std::process::id()));
         let stats = Stats::new(&consumer);
+        let batch = match self.batch_size {
+            None => None,
+            Some(0) => return Err(Error::Config("the batch size must be at least 1".into())),
+            Some(size) if usize::from(self.prefetch) < size => {
+                return Err(Error::Config(format!(
+                    "prefetch ({}) must be at least the batch size ({size}); twice is better",
+                    self.prefetch
+                )));
+            }
+            Some(size) => Some(BatchMode {
+                size,
+                linger: self.batch_linger,
+                handler: self
+                    .batch_handler
+                    .unwrap_or_else(|| per_message(handler.clone())),
+            }),
+        };
         Ok(Consumer {
             config: Config {
                 amqp_url: self.amqp_url,
@@ -272,6 +360,7 @@ impl ConsumerBuilder {
                 retention: self.retention,
                 retention_interval: self.retention_interval,
                 connection_name,
+                batch,
             },
             handler,
             shutdown: ShutdownHandle::default(),

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::MessageIdSource;
 use super::backoff::Backoff;
+use super::batch::BoxedBatchHandler;
 use super::builder::ConsumerBuilder;
 use super::database_gate::DatabaseGate;
 use super::delivery::Pipeline;
@@ -26,6 +27,9 @@ use super::retry::RetryPolicy;
 use super::stats::{Counter, Stats};
 use super::topology::Topology;
 use crate::{Error, Result};
+
+/// Batches processed at once in batch mode (each on its own connection).
+const BATCHES_IN_FLIGHT: usize = 2;
 
 /// How many confirm-mode channels publish retries and dead letters side by side.
 const REPUBLISH_CHANNELS: usize = 4;
@@ -121,6 +125,24 @@ pub(crate) struct Config {
     pub(crate) retention: Option<Duration>,
     pub(crate) retention_interval: Duration,
     pub(crate) connection_name: String,
+    pub(crate) batch: Option<BatchMode>,
+}
+
+/// Batch mode's settings (see [`ConsumerBuilder::batch`]).
+#[derive(Clone)]
+pub(crate) struct BatchMode {
+    pub(crate) size: usize,
+    pub(crate) linger: Duration,
+    pub(crate) handler: BoxedBatchHandler,
+}
+
+impl fmt::Debug for BatchMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BatchMode")
+            .field("size", &self.size)
+            .field("linger", &self.linger)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Stops a running [`Consumer`] from another task. Cheap to clone.
@@ -234,7 +256,12 @@ impl Consumer {
                 stats.clone(),
                 shutdown.graceful.clone(),
             ),
-            permits: Arc::new(Semaphore::new(config.concurrency)),
+            // In batch mode the slots are batches in flight: one committing
+            // while the next is collected and claimed.
+            permits: Arc::new(Semaphore::new(match &config.batch {
+                Some(_) => BATCHES_IN_FLIGHT,
+                None => config.concurrency,
+            })),
             tasks: JoinSet::new(),
             config,
             handler,
@@ -418,36 +445,54 @@ impl Runtime {
             queue = %config.topology.queue,
             prefetch = config.prefetch,
             concurrency = config.concurrency,
+            batch = config.batch.as_ref().map(|b| b.size),
             "consuming"
         );
-        let consuming_since = std::time::Instant::now();
-        let lost = |error: String| SessionEnd::Lost {
-            error,
-            consumed_for: consuming_since.elapsed().max(Duration::from_nanos(1)),
+        let mut feed = Feed {
+            deliveries: &mut deliveries,
+            channel: &channel,
+            connection,
+            broken: &broken,
+            shutdown: &self.shutdown.graceful,
+            queue: &config.topology.queue,
+            consuming_since: std::time::Instant::now(),
         };
         let end = loop {
             while let Some(done) = self.tasks.try_join_next() {
                 log_task_failure(done);
             }
-            let next = tokio::select! {
-                biased;
-                () = self.shutdown.graceful.cancelled() => break SessionEnd::Shutdown,
-                () = broken.cancelled() => break lost("the republishing channels were lost".into()),
-                next = deliveries.next() => next,
+            let first = match feed.next(None).await {
+                Next::Delivery(delivery) => delivery,
+                Next::End(end) => break end,
+                Next::Deadline => continue,
             };
-            let delivery = match next {
-                Some(Ok(delivery)) => delivery,
-                Some(Err(e)) => break lost(format!("consuming failed: {e}")),
-                None if channel.status().connected() && connection.status().connected() => {
-                    let error = Error::ConsumerCancelled {
-                        queue: config.topology.queue.clone(),
-                    };
-                    break lost(format!("{error} (was the queue deleted?)"));
+            let batch = match &config.batch {
+                None => Work::One(first),
+                Some(mode) => {
+                    // Collect up to `size`, or what arrives within the linger.
+                    let deadline = tokio::time::Instant::now() + mode.linger;
+                    let mut batch = vec![*first];
+                    let mut ended = None;
+                    while batch.len() < mode.size {
+                        match feed.next(Some(deadline)).await {
+                            Next::Delivery(delivery) => batch.push(*delivery),
+                            Next::Deadline => break,
+                            Next::End(end) => {
+                                ended = Some(end);
+                                break;
+                            }
+                        }
+                    }
+                    // Deliveries collected when the session ends stay unacked
+                    // and return to the queue when the channel closes.
+                    if let Some(end) = ended {
+                        break end;
+                    }
+                    Work::Batch(mode.handler.clone(), batch)
                 }
-                None => break lost("the channel closed".into()),
             };
-            // Wait for a free handler slot; a delivery that never gets one is
-            // left unacked and returns to the queue when the channel closes.
+            // Wait for a free slot (a handler, or one of the batches in
+            // flight); work that never gets one is left unacked.
             let permit = tokio::select! {
                 biased;
                 () = self.shutdown.graceful.cancelled() => break SessionEnd::Shutdown,
@@ -455,7 +500,12 @@ impl Runtime {
             };
             let pipeline = pipeline.clone();
             self.tasks.spawn(async move {
-                pipeline.run(delivery).await;
+                match batch {
+                    Work::One(delivery) => pipeline.run(*delivery).await,
+                    Work::Batch(handler, deliveries) => {
+                        pipeline.run_batch(&handler, deliveries).await
+                    }
+                }
                 drop(permit);
             });
         };
@@ -498,6 +548,67 @@ impl Runtime {
                 "dropping handlers in flight; their transactions roll back and their deliveries will be redelivered"
             );
             self.tasks.shutdown().await;
+        }
+    }
+}
+
+/// What one spawned task processes.
+enum Work {
+    One(Box<lapin::message::Delivery>),
+    Batch(BoxedBatchHandler, Vec<lapin::message::Delivery>),
+}
+
+/// What the delivery stream gave.
+enum Next {
+    Delivery(Box<lapin::message::Delivery>),
+    /// The batch's linger time is over.
+    Deadline,
+    /// Shutdown, or the session is lost.
+    End(SessionEnd),
+}
+
+/// The delivery stream of one session, and what ends it.
+struct Feed<'a> {
+    deliveries: &'a mut lapin::Consumer,
+    channel: &'a lapin::Channel,
+    connection: &'a Connection,
+    broken: &'a CancellationToken,
+    shutdown: &'a CancellationToken,
+    queue: &'a str,
+    consuming_since: std::time::Instant,
+}
+
+impl Feed<'_> {
+    async fn next(&mut self, deadline: Option<tokio::time::Instant>) -> Next {
+        let lost = |error: String| {
+            Next::End(SessionEnd::Lost {
+                error,
+                consumed_for: self.consuming_since.elapsed().max(Duration::from_nanos(1)),
+            })
+        };
+        let linger = async {
+            match deadline {
+                Some(deadline) => tokio::time::sleep_until(deadline).await,
+                None => std::future::pending().await,
+            }
+        };
+        let next = tokio::select! {
+            biased;
+            () = self.shutdown.cancelled() => return Next::End(SessionEnd::Shutdown),
+            () = self.broken.cancelled() => return lost("the republishing channels were lost".into()),
+            next = self.deliveries.next() => next,
+            () = linger => return Next::Deadline,
+        };
+        match next {
+            Some(Ok(delivery)) => Next::Delivery(Box::new(delivery)),
+            Some(Err(e)) => lost(format!("consuming failed: {e}")),
+            None if self.channel.status().connected() && self.connection.status().connected() => {
+                let error = Error::ConsumerCancelled {
+                    queue: self.queue.to_owned(),
+                };
+                lost(format!("{error} (was the queue deleted?)"))
+            }
+            None => lost("the channel closed".into()),
         }
     }
 }

@@ -49,7 +49,7 @@ use crate::inbox::{self, Claim, InvalidMessageId};
 
 /// The claim relies on READ COMMITTED (a duplicate's follow-up read must see
 /// the row another transaction just committed), whatever the database default.
-const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 /// Everything a delivery task needs, shared by all tasks of one consumer.
 pub(crate) struct Pipeline {
@@ -86,7 +86,7 @@ const FALLBACK_PAUSE: Duration = Duration::from_secs(1);
 
 /// What the claim, the handler and the commit decided.
 #[derive(Debug)]
-enum Outcome {
+pub(crate) enum Outcome {
     /// The handler ran and its transaction committed: ack.
     Processed,
     /// Already processed with the same body: ack without running the handler.
@@ -119,7 +119,13 @@ impl Pipeline {
     pub(crate) async fn run(self: Arc<Self>, delivery: lapin::message::Delivery) {
         self.stats.incr(Counter::Deliveries);
         let acker = delivery.acker.clone();
-        let mut message = Message::from_delivery(delivery);
+        let message = Message::from_delivery(delivery);
+        self.run_message(acker, message).await;
+    }
+
+    /// The per-message path for a delivery already received (also a batch's
+    /// fallback when the batch as a whole failed).
+    pub(crate) async fn run_message(self: Arc<Self>, acker: Acker, mut message: Message) {
         let span = tracing::info_span!(
             "delivery",
             consumer = %self.consumer,
@@ -129,10 +135,17 @@ impl Pipeline {
             outcome = field::Empty,
         );
         async {
-            let outcome = match self.message_id.extract(&message) {
+            // A batch's fallback hands over messages whose id is already known.
+            let id = match message.id() {
+                "" => self.message_id.extract(&message),
+                known => Ok(known.to_owned()),
+            };
+            let outcome = match id {
                 Ok(id) => {
                     Span::current().record("message_id", id.as_str());
-                    message.set_id(id);
+                    if message.id().is_empty() {
+                        message.set_id(id);
+                    }
                     self.decide(&message, &acker).await
                 }
                 Err(e) => invalid_id(e),
@@ -190,15 +203,7 @@ impl Pipeline {
             }
             Ok(Claim::Mismatch) => {
                 rollback(tx).await;
-                self.stats.incr(Counter::PayloadMismatches);
-                tracing::warn!(message_id = %id, "message id reused with a different payload");
-                return Pass::Done(Outcome::DeadLetter {
-                    reason: DeadLetterReason::PayloadMismatch,
-                    error: format!(
-                        "message id {id:?} was already processed by {:?} with a different body",
-                        self.consumer
-                    ),
-                });
+                return Pass::Done(self.mismatch(message));
             }
             Ok(Claim::Fresh) => {}
         }
@@ -289,7 +294,26 @@ impl Pipeline {
 
     /// Acks, dead-letters or retries, and says which it did. Nothing is acked
     /// before its effects, its retry copy or its dead letter are durable.
-    async fn settle(&self, acker: &Acker, message: &Message, outcome: Outcome) -> &'static str {
+    /// A reused id: counted, logged, and dead-lettered.
+    pub(crate) fn mismatch(&self, message: &Message) -> Outcome {
+        let id = message.id();
+        self.stats.incr(Counter::PayloadMismatches);
+        tracing::warn!(message_id = %id, "message id reused with a different payload");
+        Outcome::DeadLetter {
+            reason: DeadLetterReason::PayloadMismatch,
+            error: format!(
+                "message id {id:?} was already processed by {:?} with a different body",
+                self.consumer
+            ),
+        }
+    }
+
+    pub(crate) async fn settle(
+        &self,
+        acker: &Acker,
+        message: &Message,
+        outcome: Outcome,
+    ) -> &'static str {
         match outcome {
             Outcome::Processed => {
                 self.stats.incr(Counter::Processed);
@@ -478,14 +502,14 @@ fn handler_failed(e: HandlerError) -> Outcome {
     }
 }
 
-fn undecodable(e: &DecodeError) -> Outcome {
+pub(crate) fn undecodable(e: &DecodeError) -> Outcome {
     Outcome::DeadLetter {
         reason: DeadLetterReason::UndecodableBody,
         error: e.to_string(),
     }
 }
 
-fn invalid_id(e: InvalidMessageId) -> Outcome {
+pub(crate) fn invalid_id(e: InvalidMessageId) -> Outcome {
     let reason = match e {
         InvalidMessageId::Missing => DeadLetterReason::MissingMessageId,
         _ => DeadLetterReason::InvalidMessageId,

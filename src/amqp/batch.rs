@@ -1,0 +1,363 @@
+//! Batch mode: many deliveries, one transaction, one claim statement, one handler call.
+//!
+//! The runtime collects up to `batch_size` deliveries (or what arrived within
+//! the linger time), claims all their ids in one `INSERT ... SELECT unnest(..)
+//! ON CONFLICT DO NOTHING RETURNING` (ids sorted, so two batches claiming
+//! overlapping ids lock them in the same order and cannot deadlock), runs the
+//! handler once over the fresh messages, commits once, then acks. Duplicates
+//! are acked without running the handler; mismatches and poison follow the
+//! per-message rules. No savepoints on the happy path: if the batch fails, it
+//! rolls back and each of its deliveries is processed on its own, so only the
+//! failing one takes the failure path.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures::FutureExt;
+use futures::future::{BoxFuture, join_all};
+use lapin::Acker;
+use sqlx::{Postgres, Transaction};
+use tracing::Instrument;
+
+use super::database_gate::{is_connection_error, is_connection_failure};
+use super::delivery::{Outcome, Pipeline, invalid_id, undecodable};
+use super::handler::{BoxedHandler, HandlerError, Tx};
+use super::message::{DecodeError, FromMessage, Message};
+use super::stats::Counter;
+use crate::inbox::payload_sha256;
+
+/// The handler bound to a batch of decoded messages, waiting for the transaction.
+pub(crate) type BatchCall =
+    Box<dyn FnOnce(Tx) -> BoxFuture<'static, Result<(), HandlerError>> + Send>;
+
+/// A batch handler with its message type erased: decodes every message, or
+/// says which one (by index) does not decode.
+pub(crate) type BoxedBatchHandler =
+    Arc<dyn Fn(&[Message]) -> Result<BatchCall, (usize, DecodeError)> + Send + Sync>;
+
+/// A `Fn(Tx, Vec<M>)` batch handler, erased; and the same handler over a
+/// batch of one, for the per-message fallback.
+pub(crate) fn boxed_batch<M, F, Fut>(handler: F) -> (BoxedBatchHandler, BoxedHandler)
+where
+    M: FromMessage,
+    F: Fn(Tx, Vec<M>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    let single = handler.clone();
+    let batch: BoxedBatchHandler = Arc::new(move |messages: &[Message]| {
+        let decoded = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| M::from_message(m.clone()).map_err(|e| (i, e)))
+            .collect::<Result<Vec<M>, _>>()?;
+        let handler = handler.clone();
+        Ok(
+            Box::new(move |tx| Box::pin(handler(tx, decoded)) as BoxFuture<'static, _>)
+                as BatchCall,
+        )
+    });
+    let one: BoxedHandler = Arc::new(move |message: Message| {
+        let decoded = M::from_message(message)?;
+        let handler = single.clone();
+        Ok(
+            Box::new(move |tx| Box::pin(handler(tx, vec![decoded])) as BoxFuture<'static, _>)
+                as super::handler::PreparedCall,
+        )
+    });
+    (batch, one)
+}
+
+/// A per-message handler run over each fresh message of a batch in turn, on
+/// the batch's transaction.
+pub(crate) fn per_message(handler: BoxedHandler) -> BoxedBatchHandler {
+    Arc::new(move |messages: &[Message]| {
+        let calls = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| handler(m.clone()).map_err(|e| (i, e)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Box::new(move |tx: Tx| {
+            Box::pin(async move {
+                for call in calls {
+                    call(tx.clone()).await?;
+                }
+                Ok(())
+            }) as BoxFuture<'static, _>
+        }) as BatchCall)
+    })
+}
+
+/// How each claimed message of a batch ended up.
+enum Verdict {
+    Fresh,
+    Duplicate,
+    Mismatch,
+}
+
+/// What a batch pass decided.
+enum BatchPass {
+    /// Committed (or nothing to commit): settle each delivery with its verdict.
+    Done(Vec<Verdict>),
+    /// The database connection failed: wait at the gate, then try again.
+    DatabaseDown(String),
+    /// Something failed that may concern one delivery only: process each on its own.
+    Split(String),
+}
+
+impl Pipeline {
+    /// Processes one collected batch to its end.
+    pub(crate) async fn run_batch(
+        self: Arc<Self>,
+        batch: &BoxedBatchHandler,
+        deliveries: Vec<lapin::message::Delivery>,
+    ) {
+        let span = tracing::info_span!("batch", consumer = %self.consumer, size = deliveries.len());
+        async {
+            // Ids first: a delivery without a usable id leaves the batch at once.
+            let mut items: Vec<(Acker, Message)> = Vec::with_capacity(deliveries.len());
+            for delivery in deliveries {
+                self.stats.incr(Counter::Deliveries);
+                let acker = delivery.acker.clone();
+                let mut message = Message::from_delivery(delivery);
+                match self.message_id.extract(&message) {
+                    Ok(id) => {
+                        message.set_id(id);
+                        items.push((acker, message));
+                    }
+                    Err(e) => {
+                        self.settle(&acker, &message, invalid_id(e)).await;
+                    }
+                }
+            }
+            // Then bodies: an undecodable one is dead-lettered and leaves too.
+            loop {
+                if items.is_empty() {
+                    return;
+                }
+                let messages: Vec<Message> = items.iter().map(|(_, m)| m.clone()).collect();
+                match batch(&messages) {
+                    Ok(_) => break,
+                    Err((i, e)) => {
+                        let (acker, message) = items.remove(i);
+                        self.settle(&acker, &message, undecodable(&e)).await;
+                    }
+                }
+            }
+            self.claim_and_handle(batch, items).await;
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn claim_and_handle(
+        self: &Arc<Self>,
+        batch: &BoxedBatchHandler,
+        items: Vec<(Acker, Message)>,
+    ) {
+        let messages: Vec<Message> = items.iter().map(|(_, m)| m.clone()).collect();
+        loop {
+            match self.batch_pass(batch, &messages).await {
+                BatchPass::Done(verdicts) => {
+                    let settling = items
+                        .iter()
+                        .zip(verdicts)
+                        .map(|((acker, message), verdict)| {
+                            let outcome = match verdict {
+                                Verdict::Fresh => Outcome::Processed,
+                                Verdict::Duplicate => Outcome::Duplicate,
+                                Verdict::Mismatch => self.mismatch(message),
+                            };
+                            self.settle(acker, message, outcome)
+                        });
+                    join_all(settling).await;
+                    return;
+                }
+                BatchPass::DatabaseDown(error) => {
+                    self.gate.report_down(&error);
+                    tokio::select! {
+                        () = self.gate.wait_available() => {}
+                        // Unacked: the deliveries return when the channel closes.
+                        () = self.shutdown.cancelled() => return,
+                    }
+                }
+                BatchPass::Split(error) => {
+                    tracing::warn!(%error, size = items.len(), "batch failed; processing its deliveries one by one");
+                    for (acker, message) in &items {
+                        self.clone()
+                            .run_message(acker.clone(), message.clone())
+                            .await;
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn batch_pass(&self, batch: &BoxedBatchHandler, messages: &[Message]) -> BatchPass {
+        let mut tx = match self.pool.begin_with(super::delivery::BEGIN).await {
+            Ok(tx) => tx,
+            Err(e) => return database_error("cannot begin a transaction", e),
+        };
+        let verdicts = match self.claim_all(&mut tx, messages).await {
+            Ok(verdicts) => verdicts,
+            Err(e) => return database_error("batch claim failed", e),
+        };
+        let fresh: Vec<Message> = messages
+            .iter()
+            .zip(&verdicts)
+            .filter(|(_, v)| matches!(v, Verdict::Fresh))
+            .map(|(m, _)| m.clone())
+            .collect();
+        if fresh.is_empty() {
+            let _ = tx.rollback().await;
+            return BatchPass::Done(verdicts);
+        }
+        let call = match batch(&fresh) {
+            Ok(call) => call,
+            // Decoded once already; a handler type that decodes differently
+            // the second time is handled one by one.
+            Err((_, e)) => return BatchPass::Split(e.to_string()),
+        };
+        let tx = Tx::new(tx);
+        let started = std::time::Instant::now();
+        let result = tokio::time::timeout(
+            self.handler_timeout,
+            AssertUnwindSafe(call(tx.clone())).catch_unwind(),
+        )
+        .await;
+        self.stats.handler_duration(started.elapsed());
+        let Some(mut tx) = tx.take() else {
+            return BatchPass::Split(
+                "a task the handler spawned still holds the transaction".into(),
+            );
+        };
+        match result {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => {
+                let _ = tx.rollback().await;
+                if is_connection_failure(e.source()) {
+                    return BatchPass::DatabaseDown(format!(
+                        "batch handler lost its connection: {e}"
+                    ));
+                }
+                return BatchPass::Split(format!("batch handler failed: {e}"));
+            }
+            Ok(Err(_)) => {
+                let _ = tx.rollback().await;
+                return BatchPass::Split("batch handler panicked".into());
+            }
+            Err(_) => {
+                let _ = tx.rollback().await;
+                return BatchPass::Split(format!(
+                    "batch handler timed out after {:?}",
+                    self.handler_timeout
+                ));
+            }
+        }
+        // As in per-message mode: COMMIT of an aborted transaction would
+        // report success while rolling back; count the claims first.
+        let ids: Vec<&str> = fresh.iter().map(|m| m.id()).collect();
+        let ours: Result<i64, sqlx::Error> = sqlx::query_scalar(
+            "SELECT count(*) FROM processed_messages WHERE consumer = $1 AND message_id = ANY($2)",
+        )
+        .bind(&self.consumer)
+        .bind(&ids)
+        .fetch_one(&mut *tx)
+        .await;
+        match ours {
+            Ok(n) if n as usize == fresh.len() => {}
+            Ok(_) => {
+                let _ = tx.rollback().await;
+                return BatchPass::Split("the batch handler ended the transaction itself".into());
+            }
+            Err(e) if is_connection_error(&e) => {
+                return BatchPass::DatabaseDown(format!("lost the connection before commit: {e}"));
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return BatchPass::Split(format!(
+                    "the batch handler left the transaction aborted: {e}"
+                ));
+            }
+        }
+        match tx.commit().await {
+            Ok(()) => BatchPass::Done(verdicts),
+            Err(e) => {
+                self.stats.incr(Counter::CommitFailures);
+                if is_connection_error(&e) {
+                    BatchPass::DatabaseDown(format!("batch commit outcome unknown: {e}"))
+                } else {
+                    BatchPass::Split(format!("batch commit failed: {e}"))
+                }
+            }
+        }
+    }
+
+    /// Claims every id in one statement and classifies each message.
+    async fn claim_all(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        messages: &[Message],
+    ) -> Result<Vec<Verdict>, sqlx::Error> {
+        let ids: Vec<&str> = messages.iter().map(|m| m.id()).collect();
+        let hashes: Vec<Vec<u8>> = messages
+            .iter()
+            .map(|m| payload_sha256(m.body()).to_vec())
+            .collect();
+        // Sorted, so that batches claiming overlapping ids lock them in one
+        // order; a repeated id conflicts with its own first row and is skipped.
+        let inserted: Vec<String> = sqlx::query_scalar(
+            "INSERT INTO processed_messages (consumer, message_id, payload_sha256) \
+             SELECT $1, id, hash FROM unnest($2::text[], $3::bytea[]) AS t(id, hash) ORDER BY id \
+             ON CONFLICT DO NOTHING RETURNING message_id",
+        )
+        .bind(&self.consumer)
+        .bind(&ids)
+        .bind(&hashes)
+        .fetch_all(&mut **tx)
+        .await?;
+        let mut fresh: HashMap<String, bool> = inserted.into_iter().map(|id| (id, false)).collect();
+        let mut stored: HashMap<String, Option<Vec<u8>>> = HashMap::new();
+        if fresh.len() < ids.len() {
+            // Also what this batch inserted, for ids that occur twice in it.
+            let rows: Vec<(String, Option<Vec<u8>>)> = sqlx::query_as(
+                "SELECT message_id, payload_sha256 FROM processed_messages \
+                 WHERE consumer = $1 AND message_id = ANY($2)",
+            )
+            .bind(&self.consumer)
+            .bind(&ids)
+            .fetch_all(&mut **tx)
+            .await?;
+            stored.extend(rows);
+        }
+        Ok(messages
+            .iter()
+            .zip(&hashes)
+            .map(|(m, hash)| {
+                if let Some(taken) = fresh.get_mut(m.id())
+                    && !*taken
+                    && stored
+                        .get(m.id())
+                        .is_none_or(|s| s.as_deref() == Some(hash.as_slice()))
+                {
+                    // The first copy in the batch with the inserted body.
+                    *taken = true;
+                    return Verdict::Fresh;
+                }
+                match stored.get(m.id()) {
+                    Some(Some(s)) if s != hash => Verdict::Mismatch,
+                    _ => Verdict::Duplicate,
+                }
+            })
+            .collect())
+    }
+}
+
+fn database_error(context: &str, e: sqlx::Error) -> BatchPass {
+    if is_connection_error(&e) {
+        BatchPass::DatabaseDown(format!("{context}: {e}"))
+    } else {
+        BatchPass::Split(format!("{context}: {e}"))
+    }
+}
