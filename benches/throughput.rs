@@ -1,0 +1,730 @@
+//! Throughput of exactly-once consumption, against the local RabbitMQ and
+//! PostgreSQL, with hand-written baselines measured in the same run.
+//!
+//! ```text
+//! cargo bench --bench throughput
+//! ```
+//!
+//! Environment: `BENCH_MESSAGES` (default 20000 per variant),
+//! `BENCH_QUEUE_TYPE` (`quorum`, the default, or `classic`), `AMQP_URL`,
+//! `DATABASE_URL`. Each variant runs in a child process of its own, so that
+//! its peak RSS is its own. See BENCHMARKS.md for what each variant does.
+
+#[path = "../examples/common/payments.rs"]
+#[allow(dead_code)]
+mod payments;
+
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use futures::StreamExt;
+use idempo::amqp::{Consumer, QueueType, RetryPolicy};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::sync::{Mutex, Semaphore};
+
+const VARIANTS: &[&str] = &[
+    "a:raw-consume",
+    "b:hand-tx-loop-c16",
+    "c:hand-article-c16",
+    "d:hand-batch-loop",
+    "e:idempo-c1",
+    "e:idempo-c16",
+    "e:idempo-c64",
+    "f:idempo-batch100",
+    "f:idempo-batch500",
+    "g:idempo-duplicates-c16",
+];
+
+/// Paced phase for latency: this many messages per second, for this long.
+const PACED_RATE: u64 = 500;
+const PACED_FOR: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Figures {
+    variant: String,
+    messages: u64,
+    seconds: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    peak_rss_mib: f64,
+}
+
+impl Figures {
+    fn rate(&self) -> f64 {
+        self.messages as f64 / self.seconds
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--variant") {
+        let variant = args.get(i + 1).context("--variant NAME")?.clone();
+        let runtime = tokio::runtime::Runtime::new()?;
+        let figures = runtime.block_on(run_variant(&variant))?;
+        println!("FIGURES {}", serde_json::to_string(&figures)?);
+        return Ok(());
+    }
+    // `cargo bench` passes `--bench`; any other word filters the variants.
+    let filter: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with("--")).collect();
+    let exe = std::env::current_exe()?;
+    let mut results = Vec::new();
+    for variant in VARIANTS {
+        if !filter.is_empty() && !filter.iter().any(|f| variant.contains(f.as_str())) {
+            continue;
+        }
+        eprintln!("running {variant} ...");
+        let out = Command::new(&exe).args(["--variant", variant]).output()?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("FIGURES "))
+            .with_context(|| {
+                format!(
+                    "{variant} failed: {}\n{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            })?;
+        results.push(serde_json::from_str::<Figures>(line)?);
+    }
+    report(&results);
+    Ok(())
+}
+
+fn report(results: &[Figures]) {
+    let queue_type = std::env::var("BENCH_QUEUE_TYPE").unwrap_or_else(|_| "quorum".into());
+    println!(
+        "\nqueue type: {queue_type}; latency = publish -> business writes done (paced at {PACED_RATE} msg/s)\n"
+    );
+    println!("| variant | msg/s | p50 ms | p99 ms | peak RSS MiB | vs a | vs b | vs c | vs d |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let baseline = |prefix: &str| {
+        results
+            .iter()
+            .find(|r| r.variant.starts_with(prefix))
+            .map(Figures::rate)
+    };
+    let bases = ["a:", "b:", "c:", "d:"].map(baseline);
+    for r in results {
+        let ratios: Vec<String> = bases
+            .iter()
+            .map(|b| match b {
+                Some(b) if r.variant.contains("idempo") => format!("{:.2}×", r.rate() / b),
+                _ => String::new(),
+            })
+            .collect();
+        println!(
+            "| {} | {:.0} | {:.1} | {:.1} | {:.0} | {} |",
+            r.variant,
+            r.rate(),
+            r.p50_ms,
+            r.p99_ms,
+            r.peak_rss_mib,
+            ratios.join(" | ")
+        );
+    }
+}
+
+/// What every variant shares: a schema, a queue, and a way to publish.
+struct Bench {
+    pool: PgPool,
+    queue: String,
+    amqp_url: String,
+    queue_type: QueueType,
+    publisher: Channel,
+    _connection: Connection,
+    latencies: Arc<Mutex<Vec<f64>>>,
+}
+
+async fn setup(variant: &str, pool_size: u32) -> anyhow::Result<Bench> {
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let amqp_url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let tag = format!(
+        "bench_{}_{}",
+        variant.replace([':', '-'], "_"),
+        std::process::id()
+    );
+    let admin = PgPool::connect(&database_url)
+        .await
+        .with_context(|| format!("PostgreSQL at {database_url}"))?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS {tag} CASCADE; "
+    )))
+    .execute(&admin)
+    .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {tag}")))
+        .execute(&admin)
+        .await?;
+    let options: PgConnectOptions = database_url.parse()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(pool_size)
+        .connect_with(options.options([("search_path", tag.as_str())]))
+        .await?;
+    idempo::migrate(&pool).await?;
+    payments::create_tables(&pool).await?;
+    sqlx::query(
+        "CREATE TABLE article_processed (message_id text PRIMARY KEY, status text NOT NULL, \
+         updated_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(&pool)
+    .await?;
+    let connection = Connection::connect(&amqp_url, ConnectionProperties::default())
+        .await
+        .with_context(|| format!("RabbitMQ at {amqp_url}"))?;
+    let publisher = connection.create_channel().await?;
+    publisher
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let queue_type = match std::env::var("BENCH_QUEUE_TYPE").as_deref() {
+        Ok("classic") => QueueType::Classic,
+        _ => QueueType::Quorum,
+    };
+    Ok(Bench {
+        pool,
+        queue: tag,
+        amqp_url,
+        queue_type,
+        publisher,
+        _connection: connection,
+        latencies: Arc::default(),
+    })
+}
+
+fn now_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as i64
+}
+
+/// A payment body of about 50 bytes.
+fn body(i: u64) -> Vec<u8> {
+    format!(
+        r#"{{"account":"acct-{:02}","amount_cents":{:>8}}}"#,
+        i % 50,
+        1 + i % 9_999
+    )
+    .into_bytes()
+}
+
+impl Bench {
+    /// Declares the queue as idempo would (so both kinds of consumer use the same type).
+    async fn declare(&self) -> anyhow::Result<()> {
+        let mut args = FieldTable::default();
+        let kind = match self.queue_type {
+            QueueType::Quorum => "quorum",
+            _ => "classic",
+        };
+        args.insert("x-queue-type".into(), AMQPValue::LongString(kind.into()));
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        self.publisher
+            .queue_declare(self.queue.as_str().into(), durable, args)
+            .await?;
+        Ok(())
+    }
+
+    /// Publishes `count` payments with ids `prefix-n`, confirmed.
+    async fn publish(&self, prefix: &str, count: u64, paced: bool) -> anyhow::Result<()> {
+        let start = Instant::now();
+        for i in 0..count {
+            if paced {
+                let due = start + Duration::from_secs_f64(i as f64 / PACED_RATE as f64);
+                tokio::time::sleep_until(due.into()).await;
+            }
+            let mut headers = FieldTable::default();
+            headers.insert("x-sent-ns".into(), AMQPValue::LongLongInt(now_ns()));
+            let properties = BasicProperties::default()
+                .with_message_id(format!("{prefix}-{i}").as_str().into())
+                .with_delivery_mode(2)
+                .with_headers(headers);
+            // Confirmed all at once below.
+            let _confirm = self
+                .publisher
+                .basic_publish(
+                    "".into(),
+                    self.queue.as_str().into(),
+                    BasicPublishOptions::default(),
+                    &body(i),
+                    properties,
+                )
+                .await?;
+        }
+        self.publisher.wait_for_confirms().await?;
+        Ok(())
+    }
+
+    async fn record_latency(latencies: &Mutex<Vec<f64>>, sent_ns: Option<i64>) {
+        if let Some(sent) = sent_ns {
+            latencies.lock().await.push((now_ns() - sent) as f64 / 1e6);
+        }
+    }
+
+    async fn cleanup(&self) {
+        let _ = self
+            .publisher
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        for suffix in [
+            ".dlq",
+            ".retry.1s",
+            ".retry.5s",
+            ".retry.30s",
+            ".retry.2m",
+            ".retry.10m",
+        ] {
+            let _ = self
+                .publisher
+                .queue_delete(
+                    format!("{}{suffix}", self.queue).as_str().into(),
+                    QueueDeleteOptions::default(),
+                )
+                .await;
+        }
+        let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA {} CASCADE",
+            self.queue
+        )))
+        .execute(&self.pool)
+        .await;
+    }
+}
+
+fn sent_ns(properties: &BasicProperties) -> Option<i64> {
+    match properties.headers().as_ref()?.inner().get("x-sent-ns")? {
+        AMQPValue::LongLongInt(n) => Some(*n),
+        _ => None,
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+async fn run_variant(variant: &str) -> anyhow::Result<Figures> {
+    let messages: u64 = std::env::var("BENCH_MESSAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let messages = if variant.ends_with("-c1") {
+        messages / 4
+    } else {
+        messages
+    };
+    let bench = setup(variant, 70).await?;
+    let paced = PACED_RATE * PACED_FOR.as_secs();
+
+    // Phase 1: a pre-filled queue, consumed as fast as the variant can.
+    // Phase 2: a paced load, for latency.
+    let duplicates = variant.contains("duplicates");
+    let seconds = if variant.contains("idempo") {
+        run_idempo(&bench, variant, messages, paced, duplicates).await?
+    } else {
+        bench.declare().await?;
+        run_hand_written(&bench, variant, messages, paced).await?
+    };
+    let mut latencies = bench.latencies.lock().await.clone();
+    latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    bench.cleanup().await;
+    Ok(Figures {
+        variant: variant.to_owned(),
+        messages,
+        seconds,
+        p50_ms: percentile(&latencies, 0.5),
+        p99_ms: percentile(&latencies, 0.99),
+        peak_rss_mib: peak_rss_mib(),
+    })
+}
+
+/// Runs an idempo consumer over a pre-filled queue, then a paced load;
+/// returns the seconds the pre-filled part took.
+async fn run_idempo(
+    bench: &Bench,
+    variant: &str,
+    messages: u64,
+    paced: u64,
+    duplicates: bool,
+) -> anyhow::Result<f64> {
+    let concurrency = if variant.ends_with("-c1") {
+        1
+    } else if variant.ends_with("-c64") {
+        64
+    } else {
+        16
+    };
+    let batch = variant
+        .split("batch")
+        .nth(1)
+        .and_then(|n| n.parse::<usize>().ok());
+    let build = || {
+        let latencies = bench.latencies.clone();
+        let builder = Consumer::builder(bench.amqp_url.clone(), bench.pool.clone())
+            .queue(bench.queue.clone())
+            .queue_type(bench.queue_type)
+            .retry(RetryPolicy::default())
+            .prefetch(
+                (concurrency as u16 * 2)
+                    .max(100)
+                    .max(batch.unwrap_or(0) as u16 * 2),
+            )
+            .concurrency(concurrency);
+        match batch {
+            Some(size) => builder.batch(size).batch_handler(
+                move |tx,
+                      batch: Vec<(
+                    idempo::amqp::Json<payments::Payment>,
+                    idempo::amqp::Message,
+                )>| {
+                    let latencies = latencies.clone();
+                    async move {
+                        let sent: Vec<Option<i64>> =
+                            batch.iter().map(|(_, m)| sent_ns(m.properties())).collect();
+                        payments::handle_batch(tx, batch, 0.0).await?;
+                        for s in sent {
+                            Bench::record_latency(&latencies, s).await;
+                        }
+                        Ok(())
+                    }
+                },
+            ),
+            None => builder.handler(
+                move |tx,
+                      (payment, message): (
+                    idempo::amqp::Json<payments::Payment>,
+                    idempo::amqp::Message,
+                )| {
+                    let latencies = latencies.clone();
+                    async move {
+                        payments::apply(tx, message.id(), &payment.0, 0.0).await?;
+                        Bench::record_latency(&latencies, sent_ns(message.properties())).await;
+                        Ok(())
+                    }
+                },
+            ),
+        }
+        .build()
+    };
+
+    // Let the runtime declare its topology once, then fill the queue.
+    let declaring = build()?;
+    let (stop, health) = (declaring.shutdown_handle(), declaring.health());
+    let task = tokio::spawn(declaring.run());
+    health.wait_for(|h| h.is_consuming()).await;
+    stop.shutdown();
+    task.await??;
+    let prefix = if duplicates { "dup" } else { "t" };
+    if duplicates {
+        let ids: Vec<String> = (0..messages).map(|i| format!("dup-{i}")).collect();
+        let hashes: Vec<Vec<u8>> = (0..messages)
+            .map(|i| idempo::inbox::payload_sha256(&body(i)).to_vec())
+            .collect();
+        sqlx::query(
+            "INSERT INTO processed_messages (consumer, message_id, payload_sha256) \
+             SELECT $1, * FROM unnest($2::text[], $3::bytea[])",
+        )
+        .bind(&bench.queue)
+        .bind(&ids)
+        .bind(&hashes)
+        .execute(&bench.pool)
+        .await?;
+    }
+    bench.publish(prefix, messages, false).await?;
+
+    let consumer = build()?;
+    let (stop, health, stats) = (
+        consumer.shutdown_handle(),
+        consumer.health(),
+        consumer.stats(),
+    );
+    let task = tokio::spawn(consumer.run());
+    health.wait_for(|h| h.is_consuming()).await;
+    let started = Instant::now();
+    let settled = || {
+        let s = stats.snapshot();
+        s.processed + s.duplicates
+    };
+    while settled() < messages {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    if !duplicates {
+        bench.publish("p", paced, true).await?;
+        while settled() < messages + paced {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    stop.shutdown();
+    task.await??;
+    Ok(seconds)
+}
+
+/// Runs a hand-written consumer over a pre-filled queue, then a paced load.
+async fn run_hand_written(
+    bench: &Bench,
+    variant: &str,
+    messages: u64,
+    paced: u64,
+) -> anyhow::Result<f64> {
+    bench.publish("t", messages, false).await?;
+    let connection = Connection::connect(&bench.amqp_url, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    let prefetch = if variant.starts_with("d:") || variant.starts_with("a:") {
+        1000
+    } else {
+        100
+    };
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    let consumer = channel
+        .basic_consume(
+            bench.queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let worker = {
+        let (pool, latencies, done, variant) = (
+            bench.pool.clone(),
+            bench.latencies.clone(),
+            done.clone(),
+            variant.to_owned(),
+        );
+        tokio::spawn(async move {
+            match &variant[..2] {
+                "a:" => raw(consumer, latencies, done).await,
+                "b:" => per_message(consumer, pool, latencies, done, false).await,
+                "c:" => per_message(consumer, pool, latencies, done, true).await,
+                _ => batch_loop(consumer, pool, latencies, done).await,
+            }
+        })
+    };
+    while done.load(Ordering::Relaxed) < messages {
+        anyhow::ensure!(!worker.is_finished(), "the {variant} consumer stopped");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    bench.publish("p", paced, true).await?;
+    while done.load(Ordering::Relaxed) < messages + paced {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    worker.abort();
+    let _ = connection.close(200, "bench done".into()).await;
+    Ok(seconds)
+}
+
+/// (a) The ceiling: consume and acknowledge in groups of 100, no database.
+async fn raw(
+    mut consumer: lapin::Consumer,
+    latencies: Arc<Mutex<Vec<f64>>>,
+    done: Arc<AtomicU64>,
+) -> anyhow::Result<()> {
+    let mut n = 0u64;
+    while let Some(delivery) = consumer.next().await {
+        let delivery = delivery?;
+        Bench::record_latency(&latencies, sent_ns(&delivery.properties)).await;
+        n += 1;
+        if n.is_multiple_of(100) {
+            delivery
+                .acker
+                .ack(BasicAckOptions { multiple: true })
+                .await?;
+        }
+        done.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// (b) The careful per-message loop: BEGIN, claim, insert, balance, COMMIT, ack;
+/// or (c, `article`) the article's algorithm: SELECT completed?, BEGIN, INSERT
+/// processing, work, UPDATE completed, COMMIT, ack. Both at concurrency 16.
+async fn per_message(
+    mut consumer: lapin::Consumer,
+    pool: PgPool,
+    latencies: Arc<Mutex<Vec<f64>>>,
+    done: Arc<AtomicU64>,
+    article: bool,
+) -> anyhow::Result<()> {
+    let permits = Arc::new(Semaphore::new(16));
+    while let Some(delivery) = consumer.next().await {
+        let delivery = delivery?;
+        let permit = permits.clone().acquire_owned().await?;
+        let (pool, latencies, done) = (pool.clone(), latencies.clone(), done.clone());
+        tokio::spawn(async move {
+            let result: anyhow::Result<()> = async {
+                let id = delivery.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default();
+                let p: payments::Payment = serde_json::from_slice(&delivery.data)?;
+                if article {
+                    let status: Option<String> = sqlx::query_scalar("SELECT status FROM article_processed WHERE message_id = $1")
+                        .bind(&id)
+                        .fetch_optional(&pool)
+                        .await?;
+                    if status.as_deref() != Some("completed") {
+                        let mut tx = pool.begin().await?;
+                        sqlx::query("INSERT INTO article_processed (message_id, status) VALUES ($1, 'processing') ON CONFLICT DO NOTHING")
+                            .bind(&id)
+                            .execute(&mut *tx)
+                            .await?;
+                        write_payment(&mut tx, &id, &p).await?;
+                        Bench::record_latency(&latencies, sent_ns(&delivery.properties)).await;
+                        sqlx::query("UPDATE article_processed SET status = 'completed', updated_at = now() WHERE message_id = $1")
+                            .bind(&id)
+                            .execute(&mut *tx)
+                            .await?;
+                        tx.commit().await?;
+                    }
+                } else {
+                    let mut tx = pool.begin().await?;
+                    let fresh = sqlx::query("INSERT INTO processed_messages (consumer, message_id) VALUES ('hand', $1) ON CONFLICT DO NOTHING")
+                        .bind(&id)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected()
+                        == 1;
+                    if fresh {
+                        write_payment(&mut tx, &id, &p).await?;
+                        Bench::record_latency(&latencies, sent_ns(&delivery.properties)).await;
+                    }
+                    tx.commit().await?;
+                }
+                delivery.acker.ack(BasicAckOptions::default()).await?;
+                done.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            .await;
+            if let Err(e) = result {
+                eprintln!("hand-written consumer: {e}");
+            }
+            drop(permit);
+        });
+    }
+    Ok(())
+}
+
+async fn write_payment(
+    tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+    id: &str,
+    p: &payments::Payment,
+) -> sqlx::Result<()> {
+    sqlx::query("INSERT INTO payments (message_id, account, amount_cents) VALUES ($1, $2, $3)")
+        .bind(id)
+        .bind(&p.account)
+        .bind(p.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO account_balances (account, balance_cents) VALUES ($1, $2) \
+         ON CONFLICT (account) DO UPDATE SET balance_cents = account_balances.balance_cents + excluded.balance_cents",
+    )
+    .bind(&p.account)
+    .bind(p.amount_cents)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// (d) The hand-written single-loop batch consumer: collect up to 500 or
+/// 5 ms, BEGIN, claim all with unnest RETURNING, ONE bulk insert, ONE grouped
+/// balance upsert, COMMIT, one multiple-ack.
+async fn batch_loop(
+    mut consumer: lapin::Consumer,
+    pool: PgPool,
+    latencies: Arc<Mutex<Vec<f64>>>,
+    done: Arc<AtomicU64>,
+) -> anyhow::Result<()> {
+    loop {
+        let Some(first) = consumer.next().await else {
+            return Ok(());
+        };
+        let mut batch = vec![first?];
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
+        while batch.len() < 500 {
+            match tokio::time::timeout_at(deadline, consumer.next()).await {
+                Ok(Some(d)) => batch.push(d?),
+                _ => break,
+            }
+        }
+        let ids: Vec<String> = batch
+            .iter()
+            .map(|d| {
+                d.properties
+                    .message_id()
+                    .as_ref()
+                    .map(|s| s.to_string())
+                    .unwrap_or_default()
+            })
+            .collect();
+        let mut tx = pool.begin().await?;
+        let fresh: Vec<String> = sqlx::query_scalar(
+            "INSERT INTO processed_messages (consumer, message_id) SELECT 'hand', id FROM unnest($1::text[]) id ORDER BY id \
+             ON CONFLICT DO NOTHING RETURNING message_id",
+        )
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await?;
+        let fresh: std::collections::HashSet<String> = fresh.into_iter().collect();
+        let (mut f_ids, mut accounts, mut amounts) = (Vec::new(), Vec::new(), Vec::new());
+        for (d, id) in batch.iter().zip(&ids) {
+            if fresh.contains(id) {
+                let p: payments::Payment = serde_json::from_slice(&d.data)?;
+                f_ids.push(id.clone());
+                accounts.push(p.account);
+                amounts.push(p.amount_cents);
+            }
+        }
+        sqlx::query("INSERT INTO payments (message_id, account, amount_cents) SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])")
+            .bind(&f_ids)
+            .bind(&accounts)
+            .bind(&amounts)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO account_balances (account, balance_cents) SELECT account, sum(amount) \
+             FROM unnest($1::text[], $2::bigint[]) AS t(account, amount) GROUP BY account ORDER BY account \
+             ON CONFLICT (account) DO UPDATE SET balance_cents = account_balances.balance_cents + excluded.balance_cents",
+        )
+        .bind(&accounts)
+        .bind(&amounts)
+        .execute(&mut *tx)
+        .await?;
+        for d in &batch {
+            Bench::record_latency(&latencies, sent_ns(&d.properties)).await;
+        }
+        tx.commit().await?;
+        let last = batch.last().expect("a batch has a first delivery");
+        last.acker.ack(BasicAckOptions { multiple: true }).await?;
+        done.fetch_add(batch.len() as u64, Ordering::Relaxed);
+    }
+}
