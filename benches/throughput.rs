@@ -17,7 +17,7 @@ mod payments;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
@@ -105,7 +105,7 @@ fn main() -> anyhow::Result<()> {
 fn report(results: &[Figures]) {
     let queue_type = std::env::var("BENCH_QUEUE_TYPE").unwrap_or_else(|_| "quorum".into());
     println!(
-        "\nqueue type: {queue_type}; latency = publish -> business writes done (paced at {PACED_RATE} msg/s)\n"
+        "\nqueue type: {queue_type}; latency = delivery received -> business writes done, under a paced load of {PACED_RATE} msg/s\n"
     );
     println!("| variant | msg/s | p50 ms | p99 ms | peak RSS MiB | vs a | vs b | vs c | vs d |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
@@ -203,13 +203,6 @@ async fn setup(variant: &str, pool_size: u32) -> anyhow::Result<Bench> {
     })
 }
 
-fn now_ns() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as i64
-}
-
 /// A payment body of about 50 bytes.
 fn body(i: u64) -> Vec<u8> {
     format!(
@@ -247,14 +240,10 @@ impl Bench {
                 let due = start + Duration::from_secs_f64(i as f64 / PACED_RATE as f64);
                 tokio::time::sleep_until(due.into()).await;
             }
-            let mut headers = FieldTable::default();
-            headers.insert("x-sent-ns".into(), AMQPValue::LongLongInt(now_ns()));
             let properties = BasicProperties::default()
                 .with_message_id(format!("{prefix}-{i}").as_str().into())
-                .with_delivery_mode(2)
-                .with_headers(headers);
-            // Confirmed all at once below.
-            let _confirm = self
+                .with_delivery_mode(2);
+            let confirm = self
                 .publisher
                 .basic_publish(
                     "".into(),
@@ -264,15 +253,18 @@ impl Bench {
                     properties,
                 )
                 .await?;
+            drop(confirm); // confirmed all at once below
         }
         self.publisher.wait_for_confirms().await?;
         Ok(())
     }
 
-    async fn record_latency(latencies: &Mutex<Vec<f64>>, sent_ns: Option<i64>) {
-        if let Some(sent) = sent_ns {
-            latencies.lock().await.push((now_ns() - sent) as f64 / 1e6);
-        }
+    /// Records received → now (the business writes are done).
+    async fn record_latency(latencies: &Mutex<Vec<f64>>, received: Instant) {
+        latencies
+            .lock()
+            .await
+            .push(received.elapsed().as_secs_f64() * 1e3);
     }
 
     async fn cleanup(&self) {
@@ -302,13 +294,6 @@ impl Bench {
         )))
         .execute(&self.pool)
         .await;
-    }
-}
-
-fn sent_ns(properties: &BasicProperties) -> Option<i64> {
-    match properties.headers().as_ref()?.inner().get("x-sent-ns")? {
-        AMQPValue::LongLongInt(n) => Some(*n),
-        _ => None,
     }
 }
 
@@ -394,7 +379,7 @@ async fn run_idempo(
             .prefetch(
                 (concurrency as u16 * 2)
                     .max(100)
-                    .max(batch.unwrap_or(0) as u16 * 2),
+                    .max(batch.unwrap_or(0) as u16 * 3),
             )
             .concurrency(concurrency);
         match batch {
@@ -406,11 +391,11 @@ async fn run_idempo(
                 )>| {
                     let latencies = latencies.clone();
                     async move {
-                        let sent: Vec<Option<i64>> =
-                            batch.iter().map(|(_, m)| sent_ns(m.properties())).collect();
+                        let received: Vec<Instant> =
+                            batch.iter().map(|(_, m)| m.received_at()).collect();
                         payments::handle_batch(tx, batch, 0.0).await?;
-                        for s in sent {
-                            Bench::record_latency(&latencies, s).await;
+                        for r in received {
+                            Bench::record_latency(&latencies, r).await;
                         }
                         Ok(())
                     }
@@ -425,7 +410,7 @@ async fn run_idempo(
                     let latencies = latencies.clone();
                     async move {
                         payments::apply(tx, message.id(), &payment.0, 0.0).await?;
-                        Bench::record_latency(&latencies, sent_ns(message.properties())).await;
+                        Bench::record_latency(&latencies, message.received_at()).await;
                         Ok(())
                     }
                 },
@@ -554,7 +539,8 @@ async fn raw(
     let mut n = 0u64;
     while let Some(delivery) = consumer.next().await {
         let delivery = delivery?;
-        Bench::record_latency(&latencies, sent_ns(&delivery.properties)).await;
+        let received = Instant::now();
+        Bench::record_latency(&latencies, received).await;
         n += 1;
         if n.is_multiple_of(100) {
             delivery
@@ -580,6 +566,7 @@ async fn per_message(
     let permits = Arc::new(Semaphore::new(16));
     while let Some(delivery) = consumer.next().await {
         let delivery = delivery?;
+        let received = Instant::now();
         let permit = permits.clone().acquire_owned().await?;
         let (pool, latencies, done) = (pool.clone(), latencies.clone(), done.clone());
         tokio::spawn(async move {
@@ -598,7 +585,7 @@ async fn per_message(
                             .execute(&mut *tx)
                             .await?;
                         write_payment(&mut tx, &id, &p).await?;
-                        Bench::record_latency(&latencies, sent_ns(&delivery.properties)).await;
+                        Bench::record_latency(&latencies, received).await;
                         sqlx::query("UPDATE article_processed SET status = 'completed', updated_at = now() WHERE message_id = $1")
                             .bind(&id)
                             .execute(&mut *tx)
@@ -615,7 +602,7 @@ async fn per_message(
                         == 1;
                     if fresh {
                         write_payment(&mut tx, &id, &p).await?;
-                        Bench::record_latency(&latencies, sent_ns(&delivery.properties)).await;
+                        Bench::record_latency(&latencies, received).await;
                     }
                     tx.commit().await?;
                 }
@@ -669,10 +656,14 @@ async fn batch_loop(
             return Ok(());
         };
         let mut batch = vec![first?];
+        let mut received = vec![Instant::now()];
         let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
         while batch.len() < 500 {
             match tokio::time::timeout_at(deadline, consumer.next()).await {
-                Ok(Some(d)) => batch.push(d?),
+                Ok(Some(d)) => {
+                    batch.push(d?);
+                    received.push(Instant::now());
+                }
                 _ => break,
             }
         }
@@ -719,8 +710,8 @@ async fn batch_loop(
         .bind(&amounts)
         .execute(&mut *tx)
         .await?;
-        for d in &batch {
-            Bench::record_latency(&latencies, sent_ns(&d.properties)).await;
+        for r in &received {
+            Bench::record_latency(&latencies, *r).await;
         }
         tx.commit().await?;
         let last = batch.last().expect("a batch has a first delivery");

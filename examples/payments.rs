@@ -11,7 +11,7 @@
 //! - `PAYMENTS_FAIL_RATE` (default 0): probability of a transient error after
 //!   the handler wrote its rows, to watch the rollback and the retry
 //! - `PAYMENTS_CONCURRENCY` (default 16), `PAYMENTS_PREFETCH` (default 100,
-//!   or twice the batch size)
+//!   or three times the batch size)
 //! - `PAYMENTS_BATCH` (default 0): 0 processes one message per transaction;
 //!   N > 0 turns on batch mode with batches of up to N and a batch handler
 //!   that writes with one bulk insert and one grouped balance upsert
@@ -88,7 +88,7 @@ async fn main() -> anyhow::Result<()> {
     );
     let concurrency: usize = env_parse("PAYMENTS_CONCURRENCY", 16)?;
     let batch: usize = env_parse("PAYMENTS_BATCH", 0)?;
-    let prefetch: u16 = env_parse("PAYMENTS_PREFETCH", (batch * 2).clamp(100, 65_535) as u16)?;
+    let prefetch: u16 = env_parse("PAYMENTS_PREFETCH", (batch * 3).clamp(100, 65_535) as u16)?;
     let retry = match std::env::var("PAYMENTS_RETRY_DELAYS") {
         Ok(list) => RetryPolicy::delayed(
             list.split(',')

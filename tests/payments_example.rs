@@ -342,29 +342,40 @@ async fn chaos(batch: &str) {
         db.claims().await >= 1700
     })
     .await;
-    // More work, so that backends are busy when we terminate them.
-    load.publish(&broker, &queue, 2000..3000, false).await;
-    let applied_ids = applied_ids + 1000;
-    // Terminate the backends that are busy (in a statement or a transaction):
-    // idle pool connections would be replaced silently on their next use.
-    let terminated = std::sync::atomic::AtomicI64::new(0);
-    eventually(
-        "a busy backend of the example was terminated",
-        WAIT,
-        || async {
-            let now: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+    // Terminate the backends that are busy (in a statement or a transaction;
+    // idle pool connections would be replaced silently on their next use),
+    // with more work coming, until the example reports a database outage.
+    let mut terminated = 0i64;
+    let mut next_payment = 2000;
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        load.publish(&broker, &queue, next_payment..next_payment + 300, false)
+            .await;
+        next_payment += 300;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        terminated += sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
              WHERE application_name = $1 AND state <> 'idle') t",
-            )
-            .bind(&app)
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-            terminated.fetch_add(now, std::sync::atomic::Ordering::SeqCst) + now > 0
-        },
-    )
-    .await;
-    let terminated = terminated.into_inner();
+        )
+        .bind(&app)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if metric(
+            &scrape(&metrics_addr).await,
+            "idempo_database_outages_total",
+        ) >= 1.0
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no outage after {terminated} terminations"
+        );
+    }
+    let applied_ids = applied_ids + (next_payment - 2000);
+
     assert!(last.is_running(), "the consumer never exits on its own");
 
     eventually("every payment applied, every queue empty", WAIT, || async {

@@ -15,7 +15,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
 use futures::FutureExt;
-use futures::future::{BoxFuture, join_all};
+use futures::future::BoxFuture;
 use lapin::Acker;
 use sqlx::{Postgres, Transaction};
 use tracing::Instrument;
@@ -106,6 +106,14 @@ enum BatchPass {
 }
 
 impl Pipeline {
+    /// Settles one delivery of a batch on its own (dead letter, retry), then
+    /// records its tag as settled.
+    async fn settle_alone(&self, acker: &Acker, message: &Message, outcome: Outcome, tag: u64) {
+        if self.settle(acker, message, outcome).await != "abandoned" {
+            self.acks.settle([(tag, None)]).await;
+        }
+    }
+
     /// Processes one collected batch to its end.
     pub(crate) async fn run_batch(
         self: Arc<Self>,
@@ -126,7 +134,9 @@ impl Pipeline {
                         items.push((acker, message));
                     }
                     Err(e) => {
-                        self.settle(&acker, &message, invalid_id(e)).await;
+                        let tag = message.delivery_tag();
+                        self.settle_alone(&acker, &message, invalid_id(e), tag)
+                            .await;
                     }
                 }
             }
@@ -140,7 +150,9 @@ impl Pipeline {
                     Ok(_) => break,
                     Err((i, e)) => {
                         let (acker, message) = items.remove(i);
-                        self.settle(&acker, &message, undecodable(&e)).await;
+                        let tag = message.delivery_tag();
+                        self.settle_alone(&acker, &message, undecodable(&e), tag)
+                            .await;
                     }
                 }
             }
@@ -159,18 +171,27 @@ impl Pipeline {
         loop {
             match self.batch_pass(batch, &messages).await {
                 BatchPass::Done(verdicts) => {
-                    let settling = items
-                        .iter()
-                        .zip(verdicts)
-                        .map(|((acker, message), verdict)| {
-                            let outcome = match verdict {
-                                Verdict::Fresh => Outcome::Processed,
-                                Verdict::Duplicate => Outcome::Duplicate,
-                                Verdict::Mismatch => self.mismatch(message),
-                            };
-                            self.settle(acker, message, outcome)
-                        });
-                    join_all(settling).await;
+                    // Processed and duplicates: one multiple ack for the lot,
+                    // once every lower tag is settled. Reused ids: dead-lettered.
+                    let mut coalesced = Vec::with_capacity(items.len());
+                    let mut alone = Vec::new();
+                    for ((acker, message), verdict) in items.iter().zip(verdicts) {
+                        let counter = match verdict {
+                            Verdict::Fresh => Counter::Processed,
+                            Verdict::Duplicate => Counter::Duplicates,
+                            Verdict::Mismatch => {
+                                alone.push((acker, message, self.mismatch(message)));
+                                continue;
+                            }
+                        };
+                        self.stats.incr(counter);
+                        coalesced.push((message.delivery_tag(), Some(acker.clone())));
+                    }
+                    for (acker, message, outcome) in alone {
+                        self.settle_alone(acker, message, outcome, message.delivery_tag())
+                            .await;
+                    }
+                    self.acks.settle(coalesced).await;
                     return;
                 }
                 BatchPass::DatabaseDown(error) => {
@@ -184,9 +205,13 @@ impl Pipeline {
                 BatchPass::Split(error) => {
                     tracing::warn!(%error, size = items.len(), "batch failed; processing its deliveries one by one");
                     for (acker, message) in &items {
-                        self.clone()
+                        let settled = self
+                            .clone()
                             .run_message(acker.clone(), message.clone())
                             .await;
+                        if settled != "abandoned" {
+                            self.acks.settle([(message.delivery_tag(), None)]).await;
+                        }
                     }
                     return;
                 }

@@ -224,8 +224,8 @@ impl ConsumerBuilder {
     /// [`handler`](Self::handler), it runs over each fresh message of a batch
     /// in one transaction; with a [`batch_handler`](Self::batch_handler), it
     /// gets them all at once, which is where bulk statements pay off.
-    /// Set `prefetch` to at least twice the batch size so that the next batch
-    /// fills while one commits.
+    /// Set `prefetch` to about three times the batch size: two batches in
+    /// flight hold their deliveries unacked while the next one is collected.
     pub fn batch(mut self, size: usize) -> Self {
         self.batch_size = Some(size);
         self
@@ -252,7 +252,7 @@ impl ConsumerBuilder {
     /// # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
     /// Consumer::builder("amqp://127.0.0.1", pool)
     ///     .queue("payments")
-    ///     .prefetch(1000)
+    ///     .prefetch(1500)
     ///     .batch(500)
     ///     .batch_handler(|tx, batch: Vec<(Json<Payment>, Message)>| async move {
     ///         let ids: Vec<&str> = batch.iter().map(|(_, m)| m.id()).collect();

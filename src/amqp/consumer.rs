@@ -14,6 +14,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::MessageIdSource;
+use super::acks::AckTracker;
 use super::backoff::Backoff;
 use super::batch::BoxedBatchHandler;
 use super::builder::ConsumerBuilder;
@@ -426,6 +427,7 @@ impl Runtime {
             shutdown: self.shutdown.graceful.clone(),
             health: self.health.clone(),
             stats: self.stats.clone(),
+            acks: AckTracker::new(),
         });
         Ok((channel, deliveries, pipeline, broken))
     }

@@ -33,6 +33,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, field};
 
+use super::acks::AckTracker;
 use super::database_gate::{DatabaseGate, is_connection_error, is_connection_failure};
 use super::dead_letter::DeadLetterReason;
 use super::handler::{BoxedHandler, HandlerError, Tx};
@@ -70,6 +71,8 @@ pub(crate) struct Pipeline {
     pub(crate) shutdown: CancellationToken,
     pub(crate) health: Health,
     pub(crate) stats: Stats,
+    /// Batch mode's coalesced acks for this session's channel.
+    pub(crate) acks: AckTracker,
 }
 
 /// Passes that end in a connection error although the database answered in
@@ -125,7 +128,11 @@ impl Pipeline {
 
     /// The per-message path for a delivery already received (also a batch's
     /// fallback when the batch as a whole failed).
-    pub(crate) async fn run_message(self: Arc<Self>, acker: Acker, mut message: Message) {
+    pub(crate) async fn run_message(
+        self: Arc<Self>,
+        acker: Acker,
+        mut message: Message,
+    ) -> &'static str {
         let span = tracing::info_span!(
             "delivery",
             consumer = %self.consumer,
@@ -152,6 +159,7 @@ impl Pipeline {
             };
             let settled = self.settle(&acker, &message, outcome).await;
             Span::current().record("outcome", settled);
+            settled
         }
         .instrument(span)
         .await

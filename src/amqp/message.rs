@@ -24,6 +24,7 @@ struct Inner {
     routing_key: String,
     redelivered: bool,
     delivery_tag: u64,
+    received_at: std::time::Instant,
 }
 
 impl Message {
@@ -37,6 +38,7 @@ impl Message {
                 routing_key: delivery.routing_key.to_string(),
                 redelivered: delivery.redelivered,
                 delivery_tag: delivery.delivery_tag,
+                received_at: std::time::Instant::now(),
             }),
         }
     }
@@ -105,6 +107,12 @@ impl Message {
     /// The delivery tag on the consuming channel.
     pub fn delivery_tag(&self) -> u64 {
         self.inner.delivery_tag
+    }
+
+    /// When the runtime received the delivery from the broker: for latency
+    /// metrics of the host's own (received → handled).
+    pub fn received_at(&self) -> std::time::Instant {
+        self.inner.received_at
     }
 
     /// Deserializes the body as JSON.

@@ -43,6 +43,7 @@
 //!
 //! See <https://www.rabbitmq.com/docs/confirms> for RabbitMQ's acknowledgement semantics.
 
+mod acks;
 mod backoff;
 mod batch;
 mod builder;
