@@ -11,25 +11,22 @@
 //! failing one takes the failure path.
 
 use std::collections::HashMap;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
-use futures::FutureExt;
 use futures::future::BoxFuture;
 use lapin::Acker;
 use sqlx::{Postgres, Transaction};
 use tracing::Instrument;
 
 use super::database_gate::{is_connection_error, is_connection_failure};
-use super::delivery::{Outcome, Pipeline, invalid_id, undecodable};
-use super::handler::{BoxedHandler, HandlerError, Tx};
+use super::delivery::{HandlerRun, Outcome, Pipeline, invalid_id, undecodable};
+use super::handler::{BoxedHandler, HandlerError, PreparedCall, Tx};
 use super::message::{DecodeError, FromMessage, Message};
 use super::stats::Counter;
 use crate::inbox::payload_sha256;
 
 /// The handler bound to a batch of decoded messages, waiting for the transaction.
-pub(crate) type BatchCall =
-    Box<dyn FnOnce(Tx) -> BoxFuture<'static, Result<(), HandlerError>> + Send>;
+pub(crate) type BatchCall = PreparedCall;
 
 /// A batch handler with its message type erased: decodes every message, or
 /// says which one (by index) does not decode.
@@ -244,41 +241,28 @@ impl Pipeline {
             // the second time is handled one by one.
             Err((_, e)) => return BatchPass::Split(e.to_string()),
         };
-        let tx = Tx::new(tx);
-        let started = std::time::Instant::now();
-        let result = tokio::time::timeout(
-            self.handler_timeout,
-            AssertUnwindSafe(call(tx.clone())).catch_unwind(),
-        )
-        .await;
-        self.stats.handler_duration(started.elapsed());
-        let Some(mut tx) = tx.take() else {
+        let (run, tx) = self.call_handler(call, tx).await;
+        let Some(mut tx) = tx else {
             return BatchPass::Split(
                 "a task the handler spawned still holds the transaction".into(),
             );
         };
-        match result {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => {
+        let failure = match run {
+            HandlerRun::Done => None,
+            HandlerRun::Failed(e) if is_connection_failure(e.source()) => {
                 let _ = tx.rollback().await;
-                if is_connection_failure(e.source()) {
-                    return BatchPass::DatabaseDown(format!(
-                        "batch handler lost its connection: {e}"
-                    ));
-                }
-                return BatchPass::Split(format!("batch handler failed: {e}"));
+                return BatchPass::DatabaseDown(format!("batch handler lost its connection: {e}"));
             }
-            Ok(Err(_)) => {
-                let _ = tx.rollback().await;
-                return BatchPass::Split("batch handler panicked".into());
-            }
-            Err(_) => {
-                let _ = tx.rollback().await;
-                return BatchPass::Split(format!(
-                    "batch handler timed out after {:?}",
-                    self.handler_timeout
-                ));
-            }
+            HandlerRun::Failed(e) => Some(format!("batch handler failed: {e}")),
+            HandlerRun::Panicked(panic) => Some(format!("batch handler panicked: {panic}")),
+            HandlerRun::TimedOut => Some(format!(
+                "batch handler timed out after {:?}",
+                self.handler_timeout
+            )),
+        };
+        if let Some(failure) = failure {
+            let _ = tx.rollback().await;
+            return BatchPass::Split(failure);
         }
         // As in per-message mode: COMMIT of an aborted transaction would
         // report success while rolling back; count the claims first.

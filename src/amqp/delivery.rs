@@ -36,7 +36,7 @@ use tracing::{Instrument, Span, field};
 use super::acks::AckTracker;
 use super::database_gate::{DatabaseGate, is_connection_error, is_connection_failure};
 use super::dead_letter::DeadLetterReason;
-use super::handler::{BoxedHandler, HandlerError, Tx};
+use super::handler::{BoxedHandler, HandlerError, PreparedCall, Tx};
 use super::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER,
     ROUTING_KEY_HEADER, original_routing_key,
@@ -107,6 +107,14 @@ pub(crate) enum Outcome {
         error: String,
         requested_delay: Option<Duration>,
     },
+}
+
+/// How a handler call ended.
+pub(crate) enum HandlerRun {
+    Done,
+    Failed(HandlerError),
+    Panicked(String),
+    TimedOut,
 }
 
 /// One pass through claim, handler and commit.
@@ -216,6 +224,46 @@ impl Pipeline {
             Ok(Claim::Fresh) => {}
         }
 
+        let (run, tx) = self.call_handler(call, tx).await;
+        let Some(tx) = tx else {
+            // The guard lives on in a task the handler spawned; the
+            // transaction rolls back when that guard is dropped.
+            return Pass::Done(retry(
+                "handler finished while a task it spawned still holds the transaction",
+                "rolled back",
+            ));
+        };
+        match run {
+            HandlerRun::Done => self.commit(tx, id).await,
+            HandlerRun::Failed(e) => {
+                rollback(tx).await;
+                if is_connection_failure(e.source()) {
+                    return Pass::DatabaseDown(format!("handler lost its connection: {e}"));
+                }
+                Pass::Done(handler_failed(e))
+            }
+            HandlerRun::Panicked(panic) => {
+                rollback(tx).await;
+                Pass::Done(retry("handler panicked", panic))
+            }
+            HandlerRun::TimedOut => {
+                rollback(tx).await;
+                Pass::Done(retry(
+                    "handler timed out after",
+                    format!("{:?}", self.handler_timeout),
+                ))
+            }
+        }
+    }
+
+    /// Runs a handler call on `tx`, bounded by the handler timeout, with
+    /// panics caught; then takes the transaction back (`None` if a guard
+    /// outlived the call in a task it spawned).
+    pub(crate) async fn call_handler(
+        &self,
+        call: PreparedCall,
+        tx: Transaction<'static, Postgres>,
+    ) -> (HandlerRun, Option<Transaction<'static, Postgres>>) {
         let tx = Tx::new(tx);
         let started = std::time::Instant::now();
         let result = tokio::time::timeout(
@@ -224,35 +272,13 @@ impl Pipeline {
         )
         .await;
         self.stats.handler_duration(started.elapsed());
-        let Some(tx) = tx.take() else {
-            // The guard lives on in a task the handler spawned; the
-            // transaction rolls back when that guard is dropped.
-            return Pass::Done(retry(
-                "handler finished while a task it spawned still holds the transaction",
-                "rolled back",
-            ));
+        let run = match result {
+            Ok(Ok(Ok(()))) => HandlerRun::Done,
+            Ok(Ok(Err(e))) => HandlerRun::Failed(e),
+            Ok(Err(panic)) => HandlerRun::Panicked(panic_message(&*panic).to_owned()),
+            Err(_) => HandlerRun::TimedOut,
         };
-        match result {
-            Ok(Ok(Ok(()))) => self.commit(tx, id).await,
-            Ok(Ok(Err(e))) => {
-                rollback(tx).await;
-                if is_connection_failure(e.source()) {
-                    return Pass::DatabaseDown(format!("handler lost its connection: {e}"));
-                }
-                Pass::Done(handler_failed(e))
-            }
-            Ok(Err(panic)) => {
-                rollback(tx).await;
-                Pass::Done(retry("handler panicked", panic_message(&*panic)))
-            }
-            Err(_) => {
-                rollback(tx).await;
-                Pass::Done(retry(
-                    "handler timed out after",
-                    format!("{:?}", self.handler_timeout),
-                ))
-            }
-        }
+        (run, tx.take())
     }
 
     async fn commit(&self, mut tx: Transaction<'static, Postgres>, id: &str) -> Pass {
