@@ -540,10 +540,7 @@ async fn the_shutdown_timeout_drops_a_slow_handler_and_its_delivery_returns() {
         0,
         "the dropped handler's writes rolled back"
     );
-    eventually("the delivery is back in the queue", WAIT, || async {
-        broker.ready(&queue).await == 1
-    })
-    .await;
+    support::eventually_ready(&broker, &queue, 1).await;
 }
 
 #[tokio::test]
@@ -560,10 +557,7 @@ async fn shutdown_now_does_not_wait_for_handlers_in_flight() {
     result.unwrap().unwrap();
 
     assert_eq!(db.payments().await, 0);
-    eventually("the delivery is back in the queue", WAIT, || async {
-        broker.ready(&queue).await == 1
-    })
-    .await;
+    support::eventually_ready(&broker, &queue, 1).await;
 }
 
 #[tokio::test]

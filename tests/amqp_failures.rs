@@ -195,10 +195,7 @@ async fn a_dead_letter_the_broker_cannot_route_keeps_the_original_in_the_queue()
         stats.dead_lettered, 0,
         "an unconfirmed dead letter is not counted"
     );
-    eventually("the poison is still in the work queue", WAIT, || async {
-        broker.ready(&queue).await == 1
-    })
-    .await;
+    support::eventually_ready(&broker, &queue, 1).await;
 }
 
 #[tokio::test]
@@ -395,10 +392,7 @@ async fn poison_is_dead_lettered_even_while_the_database_is_unreachable() {
     );
     let dead = broker.drain(&format!("{queue}.dlq")).await;
     assert_eq!(dead[0].reason(), "undecodable body");
-    eventually("the payment is back in the queue", WAIT, || async {
-        broker.ready(&queue).await == 1
-    })
-    .await;
+    support::eventually_ready(&broker, &queue, 1).await;
 }
 
 #[tokio::test]

@@ -70,12 +70,7 @@ pub async fn apply(
     .bind(payment.amount_cents)
     .execute(&mut *tx)
     .await?;
-    if fail_rate > 0.0 && rand::random::<f64>() < fail_rate {
-        return Err(HandlerError::transient(
-            "injected failure (PAYMENTS_FAIL_RATE)",
-        ));
-    }
-    Ok(())
+    injected_failure(fail_rate)
 }
 
 /// The handler as registered with the consumer: the body is decoded before
@@ -133,6 +128,12 @@ pub async fn handle_batch(
     .bind(&amounts)
     .execute(&mut *tx)
     .await?;
+    injected_failure(fail_rate)
+}
+
+/// With probability `fail_rate`, a transient error *after* the writes, to
+/// exercise the rollback (PAYMENTS_FAIL_RATE).
+fn injected_failure(fail_rate: f64) -> Result<(), HandlerError> {
     if fail_rate > 0.0 && rand::random::<f64>() < fail_rate {
         return Err(HandlerError::transient(
             "injected failure (PAYMENTS_FAIL_RATE)",

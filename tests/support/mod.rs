@@ -483,6 +483,17 @@ pub fn payment_body(account: &str, cents: i64) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({"account": account, "amount_cents": cents})).unwrap()
 }
 
+/// Waits until `queue` holds exactly `n` ready messages (unacked ones return
+/// when their consumer's channel closes, so this may take a moment).
+pub async fn eventually_ready(broker: &Broker, queue: &str, n: u32) {
+    eventually(
+        &format!("{n} message(s) ready in {queue}"),
+        Duration::from_secs(30),
+        || async { broker.ready(queue).await == n },
+    )
+    .await;
+}
+
 /// Polls `condition` every 50 ms until it holds or `timeout` passes.
 pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut condition: F)
 where
