@@ -75,6 +75,9 @@ pub enum InvalidMessageId {
         /// The id's length in bytes.
         len: usize,
     },
+    /// A user function that derives the id panicked on this message.
+    #[error("the message-id function panicked")]
+    FunctionPanicked,
 }
 
 /// Checks that `id` is usable as a message id: 1 to [`MAX_MESSAGE_ID_LEN`] bytes.

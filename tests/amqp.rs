@@ -738,3 +738,64 @@ async fn a_per_message_handler_runs_over_each_message_of_a_batch() {
     assert_eq!(db.payments().await, 100);
     assert_eq!(db.balances().await["mia"], 200);
 }
+
+#[tokio::test]
+async fn in_one_batch_the_first_copy_of_a_reused_id_wins() {
+    let (db, broker, queue) = support::setup().await;
+    let first =
+        serde_json::to_vec(&serde_json::json!({"account": "nia", "amount_cents": 1})).unwrap();
+    let second =
+        serde_json::to_vec(&serde_json::json!({"account": "nia", "amount_cents": 2})).unwrap();
+    let mut messages = vec![
+        ("reused".to_owned(), first),
+        ("reused".to_owned(), second.clone()),
+    ];
+    for i in 0..20 {
+        messages.push((format!("filler-{i}"), support::payment_body("oz", 1)));
+    }
+    broker.publish_many(&queue, &messages).await;
+    let consumer = Running::start(
+        payments_consumer(&db, &queue)
+            .prefetch(100)
+            .batch(50)
+            .batch_linger(Duration::from_millis(200))
+            .batch_handler(|tx, batch| payments::handle_batch(tx, batch, 0.0)),
+    );
+    let stats = consumer.finish(22).await;
+
+    assert_eq!((stats.processed, stats.dead_lettered), (21, 1));
+    assert_eq!(
+        db.balances().await["nia"],
+        1,
+        "the first delivery was applied"
+    );
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead[0].body, second, "the later copy was dead-lettered");
+}
+
+#[tokio::test]
+async fn a_panicking_message_id_function_dead_letters_the_message() {
+    let (db, broker, queue) = support::setup().await;
+    broker.publish_payment(&queue, "boom", "pat", 1).await;
+    broker.publish_payment(&queue, "fine", "pat", 2).await;
+    let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1).message_id(
+        MessageIdSource::custom(|m| {
+            let id = m.message_id_property()?;
+            assert_ne!(id, "boom", "a bug in the id function");
+            Some(id.to_owned())
+        }),
+    ));
+    let stats = consumer.finish(2).await;
+
+    assert_eq!(
+        (stats.processed, stats.dead_lettered, stats.reconnects),
+        (1, 1, 0)
+    );
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead[0].reason(), "invalid message id");
+    assert_eq!(
+        dead[0].headers[idempo::amqp::ERROR_HEADER],
+        "the message-id function panicked"
+    );
+    assert_eq!(db.payments_for("fine").await, 1);
+}

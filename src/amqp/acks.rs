@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use lapin::Acker;
 use lapin::options::BasicAckOptions;
 use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
 
 /// Tracks which delivery tags of one channel are settled, and acks them with
 /// `basic.ack(multiple = true)` once every lower tag is settled too.
@@ -15,6 +16,9 @@ use tokio::sync::Mutex;
 /// increasing order: acking a tag twice would make the broker close the channel.
 pub(crate) struct AckTracker {
     state: Mutex<State>,
+    /// Cancelled when the tracker sees a tag it cannot place: the session
+    /// must reconnect rather than risk a multiple ack over unsettled tags.
+    broken: CancellationToken,
 }
 
 struct State {
@@ -26,12 +30,16 @@ struct State {
 }
 
 impl AckTracker {
-    pub(crate) fn new() -> Self {
+    /// One tracker per channel: its tags start at 1. (Were lapin's automatic
+    /// recovery ever turned on, a recovered channel would restart its tags
+    /// under the same tracker; that is caught below.)
+    pub(crate) fn new(broken: CancellationToken) -> Self {
         AckTracker {
             state: Mutex::new(State {
                 next: 1,
                 settled: BTreeMap::new(),
             }),
+            broken,
         }
     }
 
@@ -40,7 +48,18 @@ impl AckTracker {
     /// recorded, so nothing above it is acked by a multiple ack.
     pub(crate) async fn settle(&self, tags: impl IntoIterator<Item = (u64, Option<Acker>)>) {
         let mut state = self.state.lock().await;
-        state.settled.extend(tags);
+        for (tag, acker) in tags {
+            if tag < state.next || state.settled.contains_key(&tag) {
+                tracing::error!(
+                    tag,
+                    next = state.next,
+                    "delivery tag reported twice or out of range; reconnecting"
+                );
+                self.broken.cancel();
+                return;
+            }
+            state.settled.insert(tag, acker);
+        }
         let mut ack_with = None;
         loop {
             let next = state.next;

@@ -19,9 +19,11 @@ use sqlx::{Postgres, Transaction};
 use tracing::Instrument;
 
 use super::database_gate::{is_connection_error, is_connection_failure};
-use super::delivery::{HandlerRun, Outcome, Pipeline, invalid_id, undecodable};
+use super::delivery::{
+    HandlerRun, MAX_DATABASE_PASSES, Outcome, Pipeline, channel_closed, invalid_id, undecodable,
+};
 use super::handler::{BoxedHandler, HandlerError, PreparedCall, Tx};
-use super::message::{DecodeError, FromMessage, Message};
+use super::message::{DecodeError, FromMessage, Message, decode};
 use super::stats::Counter;
 use crate::inbox::payload_sha256;
 
@@ -46,7 +48,7 @@ where
         let decoded = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| M::from_message(m.clone()).map_err(|e| (i, e)))
+            .map(|(i, m)| decode::<M>(m.clone()).map_err(|e| (i, e)))
             .collect::<Result<Vec<M>, _>>()?;
         let handler = handler.clone();
         Ok(
@@ -55,7 +57,7 @@ where
         )
     });
     let one: BoxedHandler = Arc::new(move |message: Message| {
-        let decoded = M::from_message(message)?;
+        let decoded = decode::<M>(message)?;
         let handler = single.clone();
         Ok(
             Box::new(move |tx| Box::pin(handler(tx, vec![decoded])) as BoxFuture<'static, _>)
@@ -90,6 +92,9 @@ enum Verdict {
     Fresh,
     Duplicate,
     Mismatch,
+    /// Conflicted, yet no row is there (retention deleted it meanwhile):
+    /// never guess; the per-message claim sorts it out.
+    Vanished,
 }
 
 /// What a batch pass decided.
@@ -165,8 +170,19 @@ impl Pipeline {
         items: Vec<(Acker, Message)>,
     ) {
         let messages: Vec<Message> = items.iter().map(|(_, m)| m.clone()).collect();
+        let mut database_passes = 0;
         loop {
-            match self.batch_pass(batch, &messages).await {
+            let pass = match self.batch_pass(batch, &messages).await {
+                // As in per-message mode: connection errors although the
+                // database answers are the batch's own problem.
+                BatchPass::DatabaseDown(error) if database_passes + 1 >= MAX_DATABASE_PASSES => {
+                    BatchPass::Split(format!(
+                        "connection errors although the database answers: {error}"
+                    ))
+                }
+                pass => pass,
+            };
+            match pass {
                 BatchPass::Done(verdicts) => {
                     // Processed and duplicates: one multiple ack for the lot,
                     // once every lower tag is settled. Reused ids: dead-lettered.
@@ -175,7 +191,8 @@ impl Pipeline {
                     for ((acker, message), verdict) in items.iter().zip(verdicts) {
                         let counter = match verdict {
                             Verdict::Fresh => Counter::Processed,
-                            Verdict::Duplicate => Counter::Duplicates,
+                            // A batch pass never ends Done with a vanished row.
+                            Verdict::Duplicate | Verdict::Vanished => Counter::Duplicates,
                             Verdict::Mismatch => {
                                 alone.push((acker, message, self.mismatch(message)));
                                 continue;
@@ -192,11 +209,13 @@ impl Pipeline {
                     return;
                 }
                 BatchPass::DatabaseDown(error) => {
+                    database_passes += 1;
                     self.gate.report_down(&error);
                     tokio::select! {
                         () = self.gate.wait_available() => {}
                         // Unacked: the deliveries return when the channel closes.
                         () = self.shutdown.cancelled() => return,
+                        () = channel_closed(&items[0].0) => return,
                     }
                 }
                 BatchPass::Split(error) => {
@@ -225,6 +244,10 @@ impl Pipeline {
             Ok(verdicts) => verdicts,
             Err(e) => return database_error("batch claim failed", e),
         };
+        if verdicts.iter().any(|v| matches!(v, Verdict::Vanished)) {
+            let _ = tx.rollback().await;
+            return BatchPass::Split("a claimed id vanished during the batch claim".into());
+        }
         let fresh: Vec<Message> = messages
             .iter()
             .zip(&verdicts)
@@ -315,10 +338,13 @@ impl Pipeline {
             .map(|m| payload_sha256(m.body()).to_vec())
             .collect();
         // Sorted, so that batches claiming overlapping ids lock them in one
-        // order; a repeated id conflicts with its own first row and is skipped.
+        // order; a repeated id conflicts with its own first row and is
+        // skipped, and the delivery order breaks ties, so the first copy wins
+        // as in per-message mode.
         let inserted: Vec<String> = sqlx::query_scalar(
             "INSERT INTO processed_messages (consumer, message_id, payload_sha256) \
-             SELECT $1, id, hash FROM unnest($2::text[], $3::bytea[]) AS t(id, hash) ORDER BY id \
+             SELECT $1, id, hash FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS t(id, hash, ord) \
+             ORDER BY id, ord \
              ON CONFLICT DO NOTHING RETURNING message_id",
         )
         .bind(&self.consumer)
@@ -357,8 +383,9 @@ impl Pipeline {
                     return Verdict::Fresh;
                 }
                 match stored.get(m.id()) {
+                    None => Verdict::Vanished,
                     Some(Some(s)) if s != hash => Verdict::Mismatch,
-                    _ => Verdict::Duplicate,
+                    Some(_) => Verdict::Duplicate,
                 }
             })
             .collect())

@@ -4,7 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
+use std::panic::AssertUnwindSafe;
+
+use futures::{FutureExt, StreamExt};
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
@@ -427,7 +429,7 @@ impl Runtime {
             shutdown: self.shutdown.graceful.clone(),
             health: self.health.clone(),
             stats: self.stats.clone(),
-            acks: AckTracker::new(),
+            acks: AckTracker::new(broken.clone()),
         });
         Ok((channel, deliveries, pipeline, broken))
     }
@@ -502,11 +504,21 @@ impl Runtime {
             };
             let pipeline = pipeline.clone();
             self.tasks.spawn(async move {
-                match batch {
-                    Work::One(delivery) => pipeline.run(*delivery).await,
-                    Work::Batch(handler, deliveries) => {
-                        pipeline.run_batch(&handler, deliveries).await
+                let work = async {
+                    match batch {
+                        Work::One(delivery) => pipeline.clone().run(*delivery).await,
+                        Work::Batch(handler, deliveries) => {
+                            pipeline.clone().run_batch(&handler, deliveries).await
+                        }
                     }
+                };
+                // A panic outside the handler (a message-id function, a
+                // FromMessage impl) leaves deliveries unsettled; in batch mode
+                // it would also stall the coalesced acks. Reconnecting hands
+                // them all back.
+                if AssertUnwindSafe(work).catch_unwind().await.is_err() {
+                    tracing::error!("a delivery task panicked outside the handler; reconnecting");
+                    pipeline.broken.cancel();
                 }
                 drop(permit);
             });

@@ -78,7 +78,7 @@ pub(crate) struct Pipeline {
 /// Passes that end in a connection error although the database answered in
 /// between: after this many, the error is the message's (a statement that
 /// kills its own connection, a second pool) and it is retried like any other.
-const MAX_DATABASE_PASSES: u32 = 5;
+pub(crate) const MAX_DATABASE_PASSES: u32 = 5;
 
 /// Error texts in headers are cut to this: a frame carries the headers whole.
 const MAX_ERROR_HEADER: usize = 4096;
@@ -268,7 +268,9 @@ impl Pipeline {
         let started = std::time::Instant::now();
         let result = tokio::time::timeout(
             self.handler_timeout,
-            AssertUnwindSafe(call(tx.clone())).catch_unwind(),
+            // The call itself inside the guard: user code runs before it
+            // returns its future too.
+            AssertUnwindSafe(async { call(tx.clone()).await }).catch_unwind(),
         )
         .await;
         self.stats.handler_duration(started.elapsed());
@@ -572,7 +574,7 @@ fn database_error(context: &str, e: sqlx::Error) -> Pass {
 }
 
 /// Resolves once the delivery's channel is closed (its acker poisoned).
-async fn channel_closed(acker: &Acker) {
+pub(crate) async fn channel_closed(acker: &Acker) {
     while !acker.poisoned() {
         tokio::time::sleep(Duration::from_secs(1)).await;
     }

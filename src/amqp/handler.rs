@@ -268,7 +268,7 @@ where
     Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
 {
     Arc::new(move |message| {
-        let message = M::from_message(message)?;
+        let message = super::message::decode::<M>(message)?;
         let handler = handler.clone();
         Ok(Box::new(move |tx| Box::pin(handler(tx, message))))
     })

@@ -161,6 +161,13 @@ pub trait FromMessage: Sized + Send + 'static {
     fn from_message(message: Message) -> Result<Self, DecodeError>;
 }
 
+/// [`FromMessage::from_message`], with a panic turned into a [`DecodeError`]:
+/// it would repeat on every redelivery, so the message is dead-lettered.
+pub(crate) fn decode<M: FromMessage>(message: Message) -> Result<M, DecodeError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| M::from_message(message)))
+        .unwrap_or_else(|_| Err(DecodeError("decoding panicked".into())))
+}
+
 impl FromMessage for Message {
     fn from_message(message: Message) -> Result<Self, DecodeError> {
         Ok(message)

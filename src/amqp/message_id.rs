@@ -56,7 +56,12 @@ impl MessageIdSource {
         let id = match self {
             MessageIdSource::Property => message.message_id_property().map(str::to_owned),
             MessageIdSource::Header(name) => message.header(name).and_then(header_to_string),
-            MessageIdSource::Custom(f) => f(message),
+            // A panic here would repeat on every redelivery: treat it as
+            // an invalid id, which is dead-lettered.
+            MessageIdSource::Custom(f) => {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(message)))
+                    .map_err(|_| InvalidMessageId::FunctionPanicked)?
+            }
             MessageIdSource::ContentHash => Some(to_hex(&payload_sha256(message.body()))),
         };
         let id = id.ok_or(InvalidMessageId::Missing)?;
