@@ -15,18 +15,54 @@ use tokio_util::sync::CancellationToken;
 /// committing, a retry still publishing). Acks go out under the lock, in
 /// increasing order: acking a tag twice would make the broker close the channel.
 pub(crate) struct AckTracker {
-    state: Mutex<State>,
+    state: Mutex<State<Acker>>,
     /// Cancelled when the tracker sees a tag it cannot place: the session
     /// must reconnect rather than risk a multiple ack over unsettled tags.
     broken: CancellationToken,
 }
 
-struct State {
+/// The bookkeeping, apart from lapin so that it can be tested on its own.
+struct State<A> {
     /// The lowest tag not yet settled (lapin numbers deliveries from 1).
     next: u64,
     /// Settled tags at or above `next`: `Some` waits for the multiple ack,
     /// `None` was settled on its own (acked, nacked or dead-lettered).
-    settled: BTreeMap<u64, Option<Acker>>,
+    settled: BTreeMap<u64, Option<A>>,
+}
+
+/// A tag reported twice, or below the watermark.
+#[derive(Debug, PartialEq, Eq)]
+struct Misplaced(u64);
+
+impl<A> State<A> {
+    fn new() -> Self {
+        State {
+            next: 1,
+            settled: BTreeMap::new(),
+        }
+    }
+
+    /// Records settled tags; returns what to send the multiple ack with, if
+    /// the watermark passed a tag that waits for one.
+    fn record(
+        &mut self,
+        tags: impl IntoIterator<Item = (u64, Option<A>)>,
+    ) -> Result<Option<A>, Misplaced> {
+        for (tag, acker) in tags {
+            if tag < self.next || self.settled.contains_key(&tag) {
+                return Err(Misplaced(tag));
+            }
+            self.settled.insert(tag, acker);
+        }
+        let mut ack_with = None;
+        while let Some(entry) = self.settled.remove(&self.next) {
+            if entry.is_some() {
+                ack_with = entry;
+            }
+            self.next += 1;
+        }
+        Ok(ack_with)
+    }
 }
 
 impl AckTracker {
@@ -35,10 +71,7 @@ impl AckTracker {
     /// under the same tracker; that is caught below.)
     pub(crate) fn new(broken: CancellationToken) -> Self {
         AckTracker {
-            state: Mutex::new(State {
-                next: 1,
-                settled: BTreeMap::new(),
-            }),
+            state: Mutex::new(State::new()),
             broken,
         }
     }
@@ -48,8 +81,9 @@ impl AckTracker {
     /// recorded, so nothing above it is acked by a multiple ack.
     pub(crate) async fn settle(&self, tags: impl IntoIterator<Item = (u64, Option<Acker>)>) {
         let mut state = self.state.lock().await;
-        for (tag, acker) in tags {
-            if tag < state.next || state.settled.contains_key(&tag) {
+        let ack_with = match state.record(tags) {
+            Ok(ack_with) => ack_with,
+            Err(Misplaced(tag)) => {
                 tracing::error!(
                     tag,
                     next = state.next,
@@ -58,19 +92,7 @@ impl AckTracker {
                 self.broken.cancel();
                 return;
             }
-            state.settled.insert(tag, acker);
-        }
-        let mut ack_with = None;
-        loop {
-            let next = state.next;
-            let Some(entry) = state.settled.remove(&next) else {
-                break;
-            };
-            if entry.is_some() {
-                ack_with = entry;
-            }
-            state.next += 1;
-        }
+        };
         if let Some(acker) = ack_with {
             match acker.ack(BasicAckOptions { multiple: true }).await {
                 Ok(true) => {}
@@ -83,5 +105,60 @@ impl AckTracker {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending(tags: std::ops::RangeInclusive<u64>) -> Vec<(u64, Option<u64>)> {
+        tags.map(|t| (t, Some(t))).collect()
+    }
+
+    #[test]
+    fn a_batch_is_acked_up_to_its_last_tag_once_lower_tags_are_settled() {
+        let mut s = State::new();
+        assert_eq!(s.record(pending(1..=3)), Ok(Some(3)));
+        assert_eq!(s.next, 4);
+    }
+
+    #[test]
+    fn a_later_batch_waits_for_an_earlier_one_still_in_flight() {
+        let mut s = State::new();
+        // Tags 4..=6 finish first: nothing may be acked while 1..=3 run.
+        assert_eq!(s.record(pending(4..=6)), Ok(None));
+        assert_eq!(s.record(pending(1..=3)), Ok(Some(6)));
+    }
+
+    #[test]
+    fn a_tag_settled_on_its_own_is_passed_but_never_acked_again() {
+        let mut s = State::new();
+        // Tag 2 was dead-lettered and acked on its own; 3 is the batch's last.
+        assert_eq!(
+            s.record([(1, Some(1)), (2, None), (3, Some(3))]),
+            Ok(Some(3))
+        );
+        // A run of tags settled on their own needs no multiple ack.
+        assert_eq!(s.record([(4, None), (5, None)]), Ok(None));
+        assert_eq!(s.next, 6);
+    }
+
+    #[test]
+    fn an_unsettled_tag_holds_back_everything_above_it() {
+        let mut s = State::new();
+        // Tag 2 is abandoned (never recorded): 3 and 4 must not be acked.
+        assert_eq!(s.record([(1, Some(1))]), Ok(Some(1)));
+        assert_eq!(s.record(pending(3..=4)), Ok(None));
+        assert_eq!(s.next, 2);
+    }
+
+    #[test]
+    fn a_tag_reported_twice_or_below_the_watermark_is_refused() {
+        let mut s = State::new();
+        assert_eq!(s.record(pending(1..=2)), Ok(Some(2)));
+        assert_eq!(s.record(pending(2..=2)), Err(Misplaced(2)));
+        assert_eq!(s.record(pending(5..=5)), Ok(None));
+        assert_eq!(s.record(pending(5..=5)), Err(Misplaced(5)));
     }
 }
