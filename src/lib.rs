@@ -8,7 +8,12 @@
 //!   from any worker loop.
 //! - [`amqp`] (feature `amqp`, on by default): a RabbitMQ consumer runtime on
 //!   lapin and tokio. The claim, your handler's writes and the commit share one
-//!   transaction; the delivery is acknowledged only after the commit.
+//!   transaction; the delivery is acknowledged only after the commit. Around
+//!   that: broker-owned delayed retries ([`amqp::RetryPolicy`]), confirmed
+//!   dead letters with their reason, reconnects, a gate that holds deliveries
+//!   while PostgreSQL is down, retention of old claims, [`amqp::Health`] and
+//!   `metrics` counters, graceful shutdown, and a batch mode for throughput
+//!   ([`amqp::ConsumerBuilder::batch`]).
 //!
 //! ## What is guaranteed
 //! Writes made **through the handler's transaction** happen exactly once per
