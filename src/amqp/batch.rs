@@ -143,13 +143,13 @@ impl Pipeline {
                 }
             }
             // Then bodies: an undecodable one is dead-lettered and leaves too.
-            loop {
+            let decoded = loop {
                 if items.is_empty() {
                     return;
                 }
                 let messages: Vec<Message> = items.iter().map(|(_, m)| m.clone()).collect();
                 match batch(&messages) {
-                    Ok(_) => break,
+                    Ok(call) => break call,
                     Err((i, e)) => {
                         let (acker, message) = items.remove(i);
                         let tag = message.delivery_tag();
@@ -157,8 +157,8 @@ impl Pipeline {
                             .await;
                     }
                 }
-            }
-            self.claim_and_handle(batch, items).await;
+            };
+            self.claim_and_handle(batch, items, decoded).await;
         }
         .instrument(span)
         .await
@@ -168,11 +168,16 @@ impl Pipeline {
         self: &Arc<Self>,
         batch: &BoxedBatchHandler,
         items: Vec<(Acker, Message)>,
+        decoded: BatchCall,
     ) {
         let messages: Vec<Message> = items.iter().map(|(_, m)| m.clone()).collect();
         let mut database_passes = 0;
+        let mut decoded = Some(decoded);
         loop {
-            let pass = match self.batch_pass(batch, &messages).await {
+            // The call decoded for the whole batch serves the first pass if
+            // every message is fresh (the usual case); otherwise the fresh
+            // ones are decoded again.
+            let pass = match self.batch_pass(batch, &messages, decoded.take()).await {
                 // As in per-message mode: connection errors although the
                 // database answers are the batch's own problem.
                 BatchPass::DatabaseDown(error) if database_passes + 1 >= MAX_DATABASE_PASSES => {
@@ -235,7 +240,12 @@ impl Pipeline {
         }
     }
 
-    async fn batch_pass(&self, batch: &BoxedBatchHandler, messages: &[Message]) -> BatchPass {
+    async fn batch_pass(
+        &self,
+        batch: &BoxedBatchHandler,
+        messages: &[Message],
+        decoded: Option<BatchCall>,
+    ) -> BatchPass {
         let mut tx = match self.pool.begin_with(super::delivery::BEGIN).await {
             Ok(tx) => tx,
             Err(e) => return database_error("cannot begin a transaction", e),
@@ -258,7 +268,11 @@ impl Pipeline {
             let _ = tx.rollback().await;
             return BatchPass::Done(verdicts);
         }
-        let call = match batch(&fresh) {
+        let call = match decoded.filter(|_| fresh.len() == messages.len()) {
+            Some(call) => Ok(call),
+            None => batch(&fresh),
+        };
+        let call = match call {
             Ok(call) => call,
             // Decoded once already; a handler type that decodes differently
             // the second time is handled one by one.
