@@ -38,12 +38,12 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
 
-    /// [`Tx::lock`](crate::amqp::Tx::lock) was called while a guard of the same
+    /// [`Tx::lock`](crate::Tx::lock) was called while a guard of the same
     /// transaction was still held.
     #[error("the transaction is already locked: hold one guard at a time")]
     TransactionBusy,
 
-    /// A [`Tx`](crate::amqp::Tx) handle was used after its handler returned:
+    /// A [`Tx`](crate::Tx) handle was used after its handler returned:
     /// the transaction was already committed or rolled back.
     #[error("the transaction was already finished: a Tx handle outlived its handler")]
     TransactionFinished,

@@ -64,6 +64,7 @@
 mod error;
 pub mod inbox;
 mod migrate;
+mod tx;
 
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
@@ -71,3 +72,4 @@ pub mod amqp;
 
 pub use error::{Error, Result};
 pub use migrate::{MIGRATIONS_TABLE, migrate, migrator};
+pub use tx::{Tx, TxGuard};

@@ -22,9 +22,10 @@ use super::database_gate::{is_connection_error, is_connection_failure};
 use super::delivery::{
     HandlerRun, MAX_DATABASE_PASSES, Outcome, Pipeline, channel_closed, invalid_id, undecodable,
 };
-use super::handler::{BoxedHandler, HandlerError, PreparedCall, Tx};
+use super::handler::{BoxedHandler, HandlerError, PreparedCall};
 use super::message::{DecodeError, FromMessage, Message, decode};
 use super::stats::Counter;
+use crate::Tx;
 use crate::inbox::payload_sha256;
 
 /// The handler bound to a batch of decoded messages, waiting for the transaction.

@@ -8,12 +8,13 @@ use sqlx::PgPool;
 
 use super::batch::{BoxedBatchHandler, boxed_batch, per_message};
 use super::consumer::{BatchMode, Config, Consumer, ShutdownHandle};
-use super::handler::{self, BoxedHandler, HandlerError, Tx};
+use super::handler::{self, BoxedHandler, HandlerError};
 use super::health::Health;
 use super::message::FromMessage;
 use super::stats::Stats;
 use super::topology::{QueueType, Topology};
 use super::{MessageIdSource, RetryPolicy};
+use crate::Tx;
 use crate::{Error, Result};
 
 /// Configures a [`Consumer`]. Created by [`Consumer::builder`].

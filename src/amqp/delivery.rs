@@ -36,7 +36,7 @@ use tracing::{Instrument, Span, field};
 use super::acks::AckTracker;
 use super::database_gate::{DatabaseGate, is_connection_error, is_connection_failure};
 use super::dead_letter::DeadLetterReason;
-use super::handler::{BoxedHandler, HandlerError, PreparedCall, Tx};
+use super::handler::{BoxedHandler, HandlerError, PreparedCall};
 use super::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER,
     ROUTING_KEY_HEADER, original_routing_key,
@@ -46,6 +46,7 @@ use super::republish::Republisher;
 use super::retry::{Mode, RetryPolicy, delay_queue};
 use super::stats::{Counter, Stats};
 use super::{DecodeError, Message, MessageIdSource};
+use crate::Tx;
 use crate::inbox::{self, Claim, InvalidMessageId};
 
 /// The claim relies on READ COMMITTED (a duplicate's follow-up read must see

@@ -62,10 +62,11 @@ mod retry;
 mod stats;
 mod topology;
 
+pub use crate::tx::{Tx, TxGuard};
 pub use builder::ConsumerBuilder;
 pub use consumer::{Consumer, ShutdownHandle};
 pub use dead_letter::DeadLetterReason;
-pub use handler::{ErrorKind, HandlerError, ResultExt, Tx, TxGuard};
+pub use handler::{ErrorKind, HandlerError, ResultExt};
 pub use headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
     MESSAGE_ID_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER,

@@ -1,0 +1,125 @@
+//! [`Tx`]: an owned handle to an open PostgreSQL transaction, shared by the
+//! AMQP runtime's handlers and the HTTP layer's atomic phase.
+
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use sqlx::{PgConnection, Postgres, Transaction};
+use tokio::sync::{Mutex, MutexGuard};
+
+/// A handle to an open PostgreSQL transaction that idempo owns and finishes:
+///
+/// - in an [AMQP handler](crate::amqp), the delivery's transaction, in which
+///   the message's id was claimed;
+/// - in an HTTP handler behind the [idempotency layer](crate::http) (as an
+///   axum extractor), the transaction that also completes the
+///   `Idempotency-Key` record with the response.
+///
+/// Everything written through it commits or rolls back together with that
+/// claim or record. Clone it freely within the handler.
+///
+/// # Why a handle and not `&mut Transaction`
+/// A closure whose returned future borrows its argument (`|tx: &mut Transaction, msg| async
+/// move { ... }`) cannot be written on stable Rust so that the future is also
+/// `Send`, which the runtime needs to run handlers on tokio's worker threads.
+/// Async closures (`async |tx, msg| ...`) borrow fine but give no way to require
+/// a `Send` future either. So the handler gets an owned, `'static` [`Tx`] handle
+/// to the transaction and locks it where it issues statements:
+///
+/// ```
+/// # use idempo::Tx;
+/// # use idempo::amqp::{HandlerError, Json};
+/// # #[derive(serde::Deserialize)] struct Payment { account: String }
+/// let handler = |tx: Tx, Json(p): Json<Payment>| async move {
+///     let mut tx = tx.lock()?;                // a guard that derefs to PgConnection
+///     sqlx::query("INSERT INTO seen (account) VALUES ($1)")
+///         .bind(&p.account)
+///         .execute(&mut *tx)                   // `&mut *tx` is an Executor
+///         .await?;
+///     Ok::<_, HandlerError>(())
+/// };
+/// ```
+///
+/// idempo takes the transaction back when the handler's future completes
+/// and commits or rolls it back; a `Tx` clone kept beyond that point only
+/// yields [`Error::TransactionFinished`](crate::Error::TransactionFinished).
+#[derive(Clone)]
+pub struct Tx {
+    inner: Arc<Mutex<Option<Transaction<'static, Postgres>>>>,
+}
+
+impl fmt::Debug for Tx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tx").finish_non_exhaustive()
+    }
+}
+
+impl Tx {
+    pub(crate) fn new(tx: Transaction<'static, Postgres>) -> Self {
+        Tx {
+            inner: Arc::new(Mutex::new(Some(tx))),
+        }
+    }
+
+    /// Locks the transaction for issuing statements; `&mut *guard` is a
+    /// `&mut PgConnection`, which sqlx accepts as an executor.
+    ///
+    /// Hold one guard at a time (a transaction is one connection): reuse the
+    /// guard for several statements rather than locking again.
+    ///
+    /// # Errors
+    /// - [`Error::TransactionBusy`](crate::Error::TransactionBusy) when a guard
+    ///   is already held (locking twice would otherwise deadlock);
+    /// - [`Error::TransactionFinished`](crate::Error::TransactionFinished) when
+    ///   called after the handler returned.
+    pub fn lock(&self) -> crate::Result<TxGuard<'_>> {
+        let guard = self
+            .inner
+            .try_lock()
+            .map_err(|_| crate::Error::TransactionBusy)?;
+        if guard.is_none() {
+            return Err(crate::Error::TransactionFinished);
+        }
+        Ok(TxGuard { guard })
+    }
+
+    /// Takes the transaction back for commit or rollback once the handler
+    /// finished. `None` if a guard outlived the handler (held by a task it
+    /// spawned): that transaction rolls back when the guard drops.
+    pub(crate) fn take(&self) -> Option<Transaction<'static, Postgres>> {
+        self.inner.try_lock().ok()?.take()
+    }
+}
+
+/// The locked transaction; dereferences to [`PgConnection`].
+pub struct TxGuard<'a> {
+    guard: MutexGuard<'a, Option<Transaction<'static, Postgres>>>,
+}
+
+impl fmt::Debug for TxGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TxGuard").finish_non_exhaustive()
+    }
+}
+
+impl TxGuard<'_> {
+    /// The transaction itself, e.g. to pass to [`inbox::claim`](crate::inbox::claim)
+    /// or to open a savepoint with `begin()`.
+    pub fn transaction(&mut self) -> &mut Transaction<'static, Postgres> {
+        self.guard.as_mut().expect("checked in Tx::lock")
+    }
+}
+
+impl Deref for TxGuard<'_> {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        self.guard.as_ref().expect("checked in Tx::lock")
+    }
+}
+
+impl DerefMut for TxGuard<'_> {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.guard.as_mut().expect("checked in Tx::lock")
+    }
+}
