@@ -23,6 +23,15 @@ pub enum Error {
     #[error("amqp error: {0}")]
     Amqp(#[from] lapin::Error),
 
+    /// A Redis command failed (connection lost, timeout, script error).
+    #[cfg(feature = "redis")]
+    #[error("redis error: {0}")]
+    Redis(#[from] redis::RedisError),
+
+    /// A record read back from a store is not in the format idempo writes.
+    #[error("corrupt record in the store: {0}")]
+    CorruptRecord(String),
+
     /// A message id is missing, empty or too long.
     #[error(transparent)]
     InvalidMessageId(#[from] crate::inbox::InvalidMessageId),

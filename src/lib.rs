@@ -52,6 +52,8 @@
 //! | Name | Description | Default? |
 //! |---|---|---|
 //! | `amqp` | The RabbitMQ consumer runtime ([`amqp`]) | yes |
+//! | `http` | The `Idempotency-Key` tower layer and axum extractor (`http`) | no |
+//! | `redis` | Redis stores for the modules that have one | no |
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -69,6 +71,10 @@ mod tx;
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub mod amqp;
+
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http;
 
 pub use error::{Error, Result};
 pub use migrate::{MIGRATIONS_TABLE, migrate, migrator};

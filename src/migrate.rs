@@ -13,7 +13,9 @@ use crate::Result;
 /// missing") and the version numbers of the two could collide.
 pub const MIGRATIONS_TABLE: &str = "_idempo_migrations";
 
-/// idempo's migrations (the `processed_messages` inbox table and its index),
+/// idempo's migrations (the `processed_messages` inbox table, and the
+/// `idempotency_keys` table of the `http` feature; tables of features you do
+/// not use stay empty),
 /// recorded in [`MIGRATIONS_TABLE`].
 ///
 /// Use [`migrate`] unless you need the [`Migrator`] itself, e.g. to list the

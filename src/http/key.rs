@@ -1,0 +1,190 @@
+//! The `Idempotency-Key` request header: parsing and validation.
+
+use std::fmt;
+
+use http::{HeaderMap, HeaderName};
+
+/// `Idempotency-Key`: the request header that names an operation.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// `Idempotent-Replayed: true` marks a response that was replayed from the
+/// store rather than produced by the handler.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The longest key accepted, in characters.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A validated `Idempotency-Key`: 1 to 255 characters of visible ASCII.
+///
+/// Two forms are accepted: a plain token (`Idempotency-Key: 8e03978e-40d5`)
+/// and the structured-field string of the IETF draft
+/// (`Idempotency-Key: "8e03978e-40d5"`, with `\"` and `\\` escapes). Both
+/// name the same key: the quotes are not part of it.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// Parses one header value.
+    ///
+    /// # Errors
+    /// [`KeyError`] when the value is empty, too long, badly quoted or holds
+    /// a character outside visible ASCII.
+    pub fn parse(value: &[u8]) -> Result<Self, KeyError> {
+        let key = match value {
+            [b'"', inner @ .., b'"'] => unquote(inner)?,
+            [b'"', ..] => return Err(KeyError::Unterminated),
+            plain => plain.to_vec(),
+        };
+        if key.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if key.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong { len: key.len() });
+        }
+        if let Some(position) = key.iter().position(|b| !b.is_ascii_graphic()) {
+            return Err(KeyError::InvalidCharacter { position });
+        }
+        // Visible ASCII is valid UTF-8.
+        Ok(IdempotencyKey(
+            String::from_utf8(key).expect("checked ASCII"),
+        ))
+    }
+
+    /// The key of a request: `Ok(None)` when the header is absent.
+    ///
+    /// # Errors
+    /// [`KeyError::Repeated`] when the header appears more than once, or the
+    /// value's own error.
+    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, KeyError> {
+        let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+        let Some(value) = values.next() else {
+            return Ok(None);
+        };
+        if values.next().is_some() {
+            return Err(KeyError::Repeated);
+        }
+        Self::parse(value.as_bytes()).map(Some)
+    }
+
+    /// The key, without quotes.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("IdempotencyKey").field(&self.0).finish()
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Why an `Idempotency-Key` header was rejected (answered with 400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The header is empty (or `""`).
+    #[error("the Idempotency-Key is empty")]
+    Empty,
+    /// Longer than [`MAX_KEY_LEN`].
+    #[error("the Idempotency-Key is {len} characters long; at most {MAX_KEY_LEN} are allowed")]
+    TooLong {
+        /// The key's length.
+        len: usize,
+    },
+    /// A character outside visible ASCII (`!` to `~`); spaces included.
+    #[error("the Idempotency-Key has a character outside visible ASCII at position {position}")]
+    InvalidCharacter {
+        /// Zero-based position in the (unquoted) key.
+        position: usize,
+    },
+    /// Opens a quoted string that does not close, or has a bad escape.
+    #[error("the Idempotency-Key is not a well-formed quoted string")]
+    Unterminated,
+    /// The header was sent more than once.
+    #[error("the Idempotency-Key header was sent more than once")]
+    Repeated,
+}
+
+/// The content of a structured-field string (RFC 8941 §3.3.3): only `\"`
+/// and `\\` are escapes; a bare `"` inside is malformed.
+fn unquote(inner: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let mut out = Vec::with_capacity(inner.len());
+    let mut bytes = inner.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&escaped @ (b'"' | b'\\')) => out.push(escaped),
+                _ => return Err(KeyError::Unterminated),
+            },
+            b'"' => return Err(KeyError::Unterminated),
+            other => out.push(other),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_and_quoted_forms_name_the_same_key() {
+        let plain = IdempotencyKey::parse(b"abc-123").unwrap();
+        assert_eq!(plain.as_str(), "abc-123");
+        assert_eq!(IdempotencyKey::parse(b"\"abc-123\"").unwrap(), plain);
+        assert_eq!(
+            IdempotencyKey::parse(br#""a\"b\\c""#).unwrap().as_str(),
+            r#"a"b\c"#
+        );
+    }
+
+    #[test]
+    fn rejects_bad_keys() {
+        assert_eq!(IdempotencyKey::parse(b""), Err(KeyError::Empty));
+        assert_eq!(IdempotencyKey::parse(b"\"\""), Err(KeyError::Empty));
+        assert!(IdempotencyKey::parse(&[b'k'; 255]).is_ok());
+        assert_eq!(
+            IdempotencyKey::parse(&[b'k'; 256]),
+            Err(KeyError::TooLong { len: 256 })
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"a b"),
+            Err(KeyError::InvalidCharacter { position: 1 })
+        );
+        assert_eq!(
+            IdempotencyKey::parse("caf\u{e9}".as_bytes()),
+            Err(KeyError::InvalidCharacter { position: 3 })
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"\"open"),
+            Err(KeyError::Unterminated)
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"\"a\"b\""),
+            Err(KeyError::Unterminated)
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"\"a\\nb\""),
+            Err(KeyError::Unterminated)
+        );
+    }
+
+    #[test]
+    fn one_header_only() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(IdempotencyKey::from_headers(&headers), Ok(None));
+        headers.append(IDEMPOTENCY_KEY, "a".parse().unwrap());
+        assert!(IdempotencyKey::from_headers(&headers).unwrap().is_some());
+        headers.append(IDEMPOTENCY_KEY, "b".parse().unwrap());
+        assert_eq!(
+            IdempotencyKey::from_headers(&headers),
+            Err(KeyError::Repeated)
+        );
+    }
+}

@@ -1,0 +1,249 @@
+//! The Redis idempotency store (feature `redis`).
+
+use std::fmt;
+use std::time::Duration;
+
+use redis::Script;
+use redis::aio::ConnectionManager;
+
+use super::record::{Fingerprint, RecordKey, StoredResponse, hex};
+use super::store::{Attempt, Begin, FencingToken, IdempotencyStore};
+use crate::{Error, Result};
+
+/// Records in Redis: per record a *lease* key (`SET NX PX`, holding the
+/// fencing token and fingerprint) and a *data* key with the completed
+/// response, which expires with the TTL. Each operation is one Lua script,
+/// so it is atomic.
+///
+/// Shared by every instance of the app and fast; durable only as far as the
+/// Redis server is configured to be (with no persistence, a restart forgets
+/// every key and the next retry executes again). The two keys of a record
+/// share a hash tag, so the store works on a Redis Cluster too.
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: String,
+    scripts: Scripts,
+}
+
+#[derive(Clone)]
+struct Scripts {
+    begin: Script,
+    extend: Script,
+    complete: Script,
+    release: Script,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+// KEYS[1] lease, KEYS[2] data; ARGV[1] "token:fingerprint", ARGV[2] lease ms.
+// Returns {1, data} when complete, {0} when started, {2, lease value} when
+// another request holds the lease.
+const BEGIN: &str = r"
+local data = redis.call('GET', KEYS[2])
+if data then return {1, data} end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0} end
+return {2, redis.call('GET', KEYS[1])}
+";
+
+// The other scripts act only while the lease key still carries the caller's
+// token: ARGV[1] is "<token>:", the prefix of its lease value.
+
+// KEYS[1] lease; ARGV[2] lease ms.
+const EXTEND: &str = r"
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, #ARGV[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+";
+
+// KEYS[1] lease, KEYS[2] data; ARGV[2] the encoded response, ARGV[3] ttl ms.
+// The data (the fingerprint's hex from the lease value, then the response) is
+// written and the lease dropped in one step.
+const COMPLETE: &str = r"
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('SET', KEYS[2], string.sub(v, #ARGV[1] + 1) .. ARGV[2], 'PX', ARGV[3])
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+";
+
+// KEYS[1] lease.
+const RELEASE: &str = r"
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, #ARGV[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+";
+
+impl RedisStore {
+    /// A store on an existing connection manager, with keys under
+    /// `idempo:http:`.
+    pub fn new(conn: ConnectionManager) -> Self {
+        RedisStore {
+            conn,
+            prefix: "idempo:http:".into(),
+            scripts: Scripts {
+                begin: Script::new(BEGIN),
+                extend: Script::new(EXTEND),
+                complete: Script::new(COMPLETE),
+                release: Script::new(RELEASE),
+            },
+        }
+    }
+
+    /// Connects to `url` (`redis://127.0.0.1:6379`) with a 2-second
+    /// connection and response timeout, so that a Redis outage fails requests
+    /// quickly (503) instead of hanging them.
+    ///
+    /// # Errors
+    /// [`Error::Redis`] when the URL is invalid or Redis cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self> {
+        let client = redis::Client::open(url)?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_secs(2)))
+            .set_number_of_retries(1);
+        Ok(Self::new(
+            ConnectionManager::new_with_config(client, config).await?,
+        ))
+    }
+
+    /// Puts the keys under `prefix` instead of `idempo:http:`.
+    #[must_use]
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    fn keys(&self, key: &RecordKey) -> (String, String) {
+        // The braces are a hash tag: both keys land on one cluster slot.
+        let tag = key.hex();
+        (
+            format!("{}{{{tag}}}:lease", self.prefix),
+            format!("{}{{{tag}}}:data", self.prefix),
+        )
+    }
+}
+
+/// The lease key's value: whose lease it is (`<token>:`) and for which
+/// request (the fingerprint in hex, 64 characters).
+fn lease_value(token: FencingToken, fingerprint: &Fingerprint) -> String {
+    format!("{}{}", owner(token), hex(fingerprint.as_bytes()))
+}
+
+/// The prefix of the lease value that proves ownership.
+fn owner(token: FencingToken) -> String {
+    format!("{}:", token.get())
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+const FINGERPRINT_HEX: usize = 64;
+
+impl IdempotencyStore for RedisStore {
+    async fn begin(&self, attempt: Attempt<'_>) -> Result<Begin> {
+        let (lease, data) = self.keys(attempt.key);
+        // Random tokens: unique with overwhelming probability, and unlike a
+        // counter they need no key of their own that could expire and restart.
+        let token = FencingToken::new(fastrand::i64(1..));
+        let reply: (i64, Option<Vec<u8>>) = self
+            .scripts
+            .begin
+            .key(&lease)
+            .key(&data)
+            .arg(lease_value(token, attempt.fingerprint))
+            .arg(ms(attempt.lease))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        match reply {
+            (0, _) => Ok(Begin::Started(token)),
+            (1, Some(stored)) => {
+                let expected = hex(attempt.fingerprint.as_bytes());
+                let Some((fingerprint, response)) = stored.split_at_checked(FINGERPRINT_HEX) else {
+                    return Err(Error::CorruptRecord("stored record is truncated".into()));
+                };
+                if fingerprint != expected.as_bytes() {
+                    return Ok(Begin::Mismatch);
+                }
+                Ok(Begin::Completed(StoredResponse::decode(response)?))
+            }
+            (2, Some(holder)) => {
+                let expected = hex(attempt.fingerprint.as_bytes());
+                if holder.ends_with(expected.as_bytes()) {
+                    Ok(Begin::InProgress)
+                } else {
+                    Ok(Begin::Mismatch)
+                }
+            }
+            // The lease expired between SET NX and GET: cannot happen inside
+            // one script, but answering "in progress" is the safe reading.
+            (2, None) => Ok(Begin::InProgress),
+            (other, _) => Err(Error::CorruptRecord(format!(
+                "unexpected begin script reply {other}"
+            ))),
+        }
+    }
+
+    async fn extend(&self, key: &RecordKey, token: FencingToken, lease: Duration) -> Result<bool> {
+        let (lease_key, _) = self.keys(key);
+        let extended: i64 = self
+            .scripts
+            .extend
+            .key(&lease_key)
+            .arg(owner(token))
+            .arg(ms(lease))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(extended == 1)
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<bool> {
+        let (lease_key, data_key) = self.keys(key);
+        let completed: i64 = self
+            .scripts
+            .complete
+            .key(&lease_key)
+            .key(&data_key)
+            .arg(owner(token))
+            .arg(response.encode())
+            .arg(ms(ttl))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(completed == 1)
+    }
+
+    async fn release(&self, key: &RecordKey, token: FencingToken) -> Result<bool> {
+        let (lease_key, _) = self.keys(key);
+        let released: i64 = self
+            .scripts
+            .release
+            .key(&lease_key)
+            .arg(owner(token))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(released == 1)
+    }
+
+    async fn delete_expired(&self, _limit: usize) -> Result<u64> {
+        Ok(0) // PX expiry deletes records by itself
+    }
+}

@@ -1,0 +1,115 @@
+//! The atomic phase: [`Tx`] as an axum extractor, so that a handler's writes
+//! commit in the same transaction that completes its idempotency record.
+
+use std::fmt;
+use std::sync::Arc;
+
+use axum_core::extract::FromRequestParts;
+use axum_core::response::{IntoResponse, Response};
+use http::request::Parts;
+use sqlx::PgPool;
+use tokio::sync::Mutex;
+
+use super::problem::Problem;
+use crate::Tx;
+
+/// Put in the request's extensions by the layer when its store lives in
+/// PostgreSQL: the pool to begin the handler's transaction on, and the slot
+/// the layer takes it back from.
+#[derive(Clone)]
+pub(crate) struct AtomicPhase {
+    pool: PgPool,
+    tx: Arc<Mutex<Option<Tx>>>,
+}
+
+impl AtomicPhase {
+    pub(crate) fn new(pool: PgPool) -> Self {
+        AtomicPhase {
+            pool,
+            tx: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// The request's transaction, begun on first use; every extractor of one
+    /// request shares it.
+    async fn transaction(&self) -> Result<Tx, sqlx::Error> {
+        let mut slot = self.tx.lock().await;
+        if let Some(tx) = &*slot {
+            return Ok(tx.clone());
+        }
+        let tx = Tx::new(self.pool.begin().await?);
+        *slot = Some(tx.clone());
+        Ok(tx)
+    }
+
+    /// Takes the transaction back once the handler returned (`None` if it
+    /// never asked for one).
+    pub(crate) async fn take(&self) -> Option<Tx> {
+        self.tx.lock().await.take()
+    }
+}
+
+/// In a handler behind an [`IdempotencyLayer`](super::IdempotencyLayer) on a
+/// [`PostgresStore`](super::PostgresStore), `Tx` is the transaction that will
+/// also complete the request's idempotency record: the writes made through it
+/// and the stored response commit together, after the handler returned. If
+/// the response is not stored (a status such as 429, an error, a panic, a
+/// response over the size limit) or the lease was lost, the writes roll back.
+///
+/// ```no_run
+/// use axum::{Json, http::StatusCode};
+/// use idempo::Tx;
+///
+/// async fn create_payment(tx: Tx, Json(amount): Json<i64>) -> Result<StatusCode, StatusCode> {
+///     let mut conn = tx.lock().map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///     sqlx::query("INSERT INTO payments (amount_cents) VALUES ($1)")
+///         .bind(amount)
+///         .execute(&mut *conn)
+///         .await
+///         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///     Ok(StatusCode::CREATED) // committed by the layer, with the stored 201
+/// }
+/// ```
+impl<S: Send + Sync> FromRequestParts<S> for Tx {
+    type Rejection = TxRejection;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let phase = parts
+            .extensions
+            .get::<AtomicPhase>()
+            .ok_or(TxRejection::NotIdempotent)?;
+        phase.transaction().await.map_err(TxRejection::Begin)
+    }
+}
+
+/// Why the [`Tx`] extractor failed.
+#[non_exhaustive]
+pub enum TxRejection {
+    /// The route has no idempotency layer on a PostgreSQL store, or the
+    /// request carried no `Idempotency-Key` (500: a server configuration
+    /// error).
+    NotIdempotent,
+    /// The transaction could not be begun (503).
+    Begin(sqlx::Error),
+}
+
+impl fmt::Debug for TxRejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TxRejection::NotIdempotent => f.write_str("NotIdempotent"),
+            TxRejection::Begin(e) => f.debug_tuple("Begin").field(e).finish(),
+        }
+    }
+}
+
+impl IntoResponse for TxRejection {
+    fn into_response(self) -> Response {
+        match self {
+            TxRejection::NotIdempotent => Problem::NoTransaction.into_response(),
+            TxRejection::Begin(error) => {
+                tracing::warn!(%error, "could not begin the handler's transaction");
+                Problem::StoreUnavailable.into_response()
+            }
+        }
+    }
+}
