@@ -48,8 +48,8 @@ impl fmt::Debug for RedisStore {
 const BEGIN: &str = r"
 local data = redis.call('GET', KEYS[2])
 if data then return {1, data} end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0} end
-return {2, redis.call('GET', KEYS[1])}
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0, ''} end
+return {2, redis.call('GET', KEYS[1]) or ''}
 ";
 
 // The other scripts act only while the lease key still carries the caller's
@@ -159,7 +159,7 @@ impl IdempotencyStore for RedisStore {
         // Random tokens: unique with overwhelming probability, and unlike a
         // counter they need no key of their own that could expire and restart.
         let token = FencingToken::new(fastrand::i64(1..));
-        let reply: (i64, Option<Vec<u8>>) = self
+        let reply: (i64, Vec<u8>) = self
             .scripts
             .begin
             .key(&lease)
@@ -170,7 +170,7 @@ impl IdempotencyStore for RedisStore {
             .await?;
         match reply {
             (0, _) => Ok(Begin::Started(token)),
-            (1, Some(stored)) => {
+            (1, stored) => {
                 let expected = hex(attempt.fingerprint.as_bytes());
                 let Some((fingerprint, response)) = stored.split_at_checked(FINGERPRINT_HEX) else {
                     return Err(Error::CorruptRecord("stored record is truncated".into()));
@@ -180,7 +180,7 @@ impl IdempotencyStore for RedisStore {
                 }
                 Ok(Begin::Completed(StoredResponse::decode(response)?))
             }
-            (2, Some(holder)) => {
+            (2, holder) => {
                 let expected = hex(attempt.fingerprint.as_bytes());
                 if holder.ends_with(expected.as_bytes()) {
                     Ok(Begin::InProgress)
@@ -188,9 +188,6 @@ impl IdempotencyStore for RedisStore {
                     Ok(Begin::Mismatch)
                 }
             }
-            // The lease expired between SET NX and GET: cannot happen inside
-            // one script, but answering "in progress" is the safe reading.
-            (2, None) => Ok(Begin::InProgress),
             (other, _) => Err(Error::CorruptRecord(format!(
                 "unexpected begin script reply {other}"
             ))),

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use axum_core::extract::FromRequestParts;
+use axum_core::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum_core::response::{IntoResponse, Response};
 use http::request::Parts;
 use sqlx::PgPool;
@@ -79,6 +79,28 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
             .get::<AtomicPhase>()
             .ok_or(TxRejection::NotIdempotent)?;
         phase.transaction().await.map_err(TxRejection::Begin)
+    }
+}
+
+/// `Option<Tx>`: `None` where the layer has no transaction to give (another
+/// store, or no `Idempotency-Key` on the request), so one handler serves both
+/// cases: write through the `Tx` when there is one, through the pool
+/// otherwise.
+impl<S: Send + Sync> OptionalFromRequestParts<S> for Tx {
+    type Rejection = TxRejection;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        match parts.extensions.get::<AtomicPhase>() {
+            None => Ok(None),
+            Some(phase) => phase
+                .transaction()
+                .await
+                .map(Some)
+                .map_err(TxRejection::Begin),
+        }
     }
 }
 

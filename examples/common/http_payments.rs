@@ -1,0 +1,128 @@
+//! The HTTP payments service shared by `examples/http_payments.rs` and the
+//! tests: `POST /payments` inserts one payment row and answers 201.
+#![allow(dead_code)]
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header, request::Parts};
+use axum::response::{IntoResponse, Response};
+use idempo::Tx;
+use serde::Deserialize;
+use sqlx::{PgConnection, PgPool};
+
+/// The body of `POST /payments`.
+#[derive(Debug, Deserialize)]
+pub struct NewPayment {
+    pub account: String,
+    pub amount_cents: i64,
+}
+
+pub async fn create_table(pool: &PgPool) -> sqlx::Result<()> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS http_payments (
+             payment_id   uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
+             user_id      text        NOT NULL,
+             account      text        NOT NULL,
+             amount_cents bigint      NOT NULL,
+             created_at   timestamptz NOT NULL DEFAULT now()
+         )",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The user of a request: header `X-User-Id`.
+pub fn user_of(parts: &Parts) -> Option<String> {
+    user_from(&parts.headers)
+}
+
+fn user_from(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get("x-user-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned)
+}
+
+/// Inserts the payment; returns its fresh id.
+pub async fn insert_payment(
+    conn: &mut PgConnection,
+    user: &str,
+    payment: &NewPayment,
+) -> sqlx::Result<String> {
+    sqlx::query_scalar(
+        "INSERT INTO http_payments (user_id, account, amount_cents)
+         VALUES ($1, $2, $3) RETURNING payment_id::text",
+    )
+    .bind(user)
+    .bind(&payment.account)
+    .bind(payment.amount_cents)
+    .fetch_one(conn)
+    .await
+}
+
+/// An error answer of the handlers.
+pub struct Failure(StatusCode, String);
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        (self.0, Json(serde_json::json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<sqlx::Error> for Failure {
+    fn from(e: sqlx::Error) -> Self {
+        Failure(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}"))
+    }
+}
+
+impl From<idempo::Error> for Failure {
+    fn from(e: idempo::Error) -> Self {
+        Failure(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+    }
+}
+
+fn validate(headers: &HeaderMap, payment: &NewPayment) -> Result<String, Failure> {
+    let user = user_from(headers).ok_or_else(|| {
+        Failure(
+            StatusCode::UNAUTHORIZED,
+            "header X-User-Id is required".into(),
+        )
+    })?;
+    if payment.account.is_empty() || payment.amount_cents <= 0 {
+        return Err(Failure(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "account must be non-empty and amount_cents positive".into(),
+        ));
+    }
+    Ok(user)
+}
+
+fn created(payment_id: String) -> Response {
+    let location = format!("/payments/{payment_id}");
+    (
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(serde_json::json!({ "payment_id": payment_id })),
+    )
+        .into_response()
+}
+
+/// `POST /payments`. With the PostgreSQL store the layer hands the handler a
+/// [`Tx`]: the insert commits in the transaction that stores the 201 (the
+/// atomic phase). With the Redis or memory store there is none, and the
+/// insert commits on its own before the layer stores the 201.
+pub async fn create(
+    tx: Option<Tx>,
+    State(pool): State<PgPool>,
+    headers: HeaderMap,
+    Json(payment): Json<NewPayment>,
+) -> Result<Response, Failure> {
+    let user = validate(&headers, &payment)?;
+    let payment_id = match tx {
+        Some(tx) => insert_payment(&mut *tx.lock()?, &user, &payment).await?,
+        None => insert_payment(&mut *pool.acquire().await?, &user, &payment).await?,
+    };
+    Ok(created(payment_id))
+}

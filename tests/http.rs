@@ -1,0 +1,693 @@
+//! The `Idempotency-Key` layer against a real axum server on an ephemeral
+//! port, for each store: PostgreSQL (with the atomic phase), Redis and memory.
+//! Effects are rows in `http_payments`, counted in PostgreSQL.
+
+mod support;
+
+#[path = "../examples/common/http_payments.rs"]
+mod http_payments;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use idempo::Tx;
+use idempo::http::{
+    Attempt, Begin, Fingerprint, IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore,
+    RecordKey, RedisStore, StoredResponse,
+};
+use support::{Db, TcpProxy, pool_through, unique};
+
+const START_REDIS: &str = "start it with `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 \
+     --save \"\" --appendonly no` (or `docker compose up -d redis`), or point REDIS_URL at a running server";
+
+fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// A store under test: made fresh for each test, and, where it can be, made
+/// through a proxy that the test can cut.
+trait TestStore: IdempotencyStore + Clone + Sized {
+    /// Whether `delete_expired` deletes (Redis expires keys by itself).
+    const DELETES_EXPIRED: bool;
+    async fn make(db: &Db) -> Self;
+    async fn through(proxy: &TcpProxy, db: &Db) -> Option<Self>;
+}
+
+impl TestStore for PostgresStore {
+    const DELETES_EXPIRED: bool = true;
+    async fn make(db: &Db) -> Self {
+        PostgresStore::new(db.pool.clone())
+    }
+    async fn through(proxy: &TcpProxy, db: &Db) -> Option<Self> {
+        Some(PostgresStore::new(pool_through(proxy, db).await))
+    }
+}
+
+impl TestStore for RedisStore {
+    const DELETES_EXPIRED: bool = false;
+    async fn make(_: &Db) -> Self {
+        let url = redis_url();
+        RedisStore::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("Redis is not reachable at {url}: {e}\n{START_REDIS}"))
+            .with_prefix(format!("{}:", unique("http")))
+    }
+    async fn through(proxy: &TcpProxy, _: &Db) -> Option<Self> {
+        let url = format!("redis://{}", proxy.addr);
+        let store = RedisStore::connect(&url)
+            .await
+            .expect("redis through the proxy");
+        Some(store.with_prefix(format!("{}:", unique("http"))))
+    }
+}
+
+impl TestStore for Arc<MemoryStore> {
+    const DELETES_EXPIRED: bool = true;
+    async fn make(_: &Db) -> Self {
+        Arc::new(MemoryStore::new())
+    }
+    async fn through(_: &TcpProxy, _: &Db) -> Option<Self> {
+        None // in-process: it cannot be down
+    }
+}
+
+/// `POST /payments` as in the example, with test controls in headers (which
+/// are not part of the fingerprint): `x-delay-ms` sleeps first, `x-fail`
+/// answers that status without writing, `x-panic` panics, `x-pad` replaces
+/// the 201's body with that many bytes.
+async fn payments(
+    tx: Option<Tx>,
+    state: State<sqlx::PgPool>,
+    headers: HeaderMap,
+    body: axum::Json<http_payments::NewPayment>,
+) -> Result<Response, http_payments::Failure> {
+    let number = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    if let Some(ms) = number("x-delay-ms") {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if headers.contains_key("x-panic") {
+        panic!("the handler panicked on purpose");
+    }
+    if let Some(status) = number("x-fail") {
+        return Ok(StatusCode::from_u16(status as u16).unwrap().into_response());
+    }
+    let pad = number("x-pad");
+    let response = http_payments::create(tx, state, headers, body).await?;
+    Ok(match pad {
+        Some(n) => (response.status(), vec![b'x'; n as usize]).into_response(),
+        None => response,
+    })
+}
+
+struct App {
+    db: Db,
+    base: String,
+    client: reqwest::Client,
+}
+
+/// What the client got.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes())
+            == Some(b"true")
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {self:?}"))
+    }
+
+    /// The problem `type` fragment of a problem+json answer.
+    fn problem(&self) -> String {
+        assert_eq!(
+            self.headers["content-type"], "application/problem+json",
+            "{self:?}"
+        );
+        let kind = self.json()["type"].as_str().unwrap().to_owned();
+        kind.rsplit('#').next().unwrap().to_owned()
+    }
+
+    fn payment_id(&self) -> String {
+        self.json()["payment_id"].as_str().unwrap().to_owned()
+    }
+}
+
+fn payment(account: &str, cents: i64) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({ "account": account, "amount_cents": cents })).unwrap()
+}
+
+impl App {
+    /// Serves `/payments` behind `layer` (key required, user from
+    /// `X-User-Id`, as in the example) on an ephemeral port.
+    async fn start<St: IdempotencyStore>(db: Db, layer: IdempotencyLayer<St>) -> App {
+        http_payments::create_table(&db.pool).await.unwrap();
+        let layer = layer.require_key().user(http_payments::user_of);
+        let router = Router::new()
+            .route("/payments", post(payments).layer(layer))
+            .with_state(db.pool.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+        App {
+            db,
+            base,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    async fn post(
+        &self,
+        key: Option<&[u8]>,
+        user: &str,
+        body: Vec<u8>,
+        extra: &[(&str, &str)],
+    ) -> Answer {
+        self.try_post(key, user, body, extra)
+            .await
+            .expect("the request failed")
+    }
+
+    async fn try_post(
+        &self,
+        key: Option<&[u8]>,
+        user: &str,
+        body: Vec<u8>,
+        extra: &[(&str, &str)],
+    ) -> reqwest::Result<Answer> {
+        let mut request = self
+            .client
+            .post(format!("{}/payments", self.base))
+            .header("content-type", "application/json")
+            .header("x-user-id", user)
+            .body(body);
+        if let Some(key) = key {
+            request = request.header("idempotency-key", HeaderValue::from_bytes(key).unwrap());
+        }
+        for (name, value) in extra {
+            request = request.header(*name, *value);
+        }
+        let response = request.send().await?;
+        Ok(Answer {
+            status: response.status().as_u16(),
+            headers: response.headers().clone(),
+            body: response.bytes().await?,
+        })
+    }
+
+    async fn effects(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM http_payments")
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+}
+
+async fn app<St: TestStore>(
+    configure: impl FnOnce(IdempotencyLayer<St>) -> IdempotencyLayer<St>,
+) -> (App, St) {
+    let db = Db::new().await;
+    let store = St::make(&db).await;
+    let layer = configure(IdempotencyLayer::new(store.clone()).ttl(Duration::from_secs(120)));
+    (App::start(db, layer).await, store)
+}
+
+async fn replay_returns_the_stored_response<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    let first = app
+        .post(Some(b"order-1"), "alice", payment("acc-1", 500), &[])
+        .await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert!(!first.replayed());
+    let again = app
+        .post(Some(b"order-1"), "alice", payment("acc-1", 500), &[])
+        .await;
+    assert_eq!(again.status, 201);
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, first.body, "byte for byte");
+    assert_eq!(again.headers["content-type"], first.headers["content-type"]);
+    assert_eq!(again.headers["location"], first.headers["location"]);
+    // The quoted form of the same key is the same key.
+    let quoted = app
+        .post(Some(b"\"order-1\""), "alice", payment("acc-1", 500), &[])
+        .await;
+    assert!(quoted.replayed());
+    assert_eq!(quoted.body, first.body);
+    assert_eq!(app.effects().await, 1);
+}
+
+async fn changed_body_is_422<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    let first = app
+        .post(Some(b"k"), "alice", payment("acc-1", 500), &[])
+        .await;
+    assert_eq!(first.status, 201);
+    let changed = app
+        .post(Some(b"k"), "alice", payment("acc-1", 501), &[])
+        .await;
+    assert_eq!(changed.status, 422, "{changed:?}");
+    assert_eq!(changed.problem(), "key-mismatch");
+    // Also while the first request is still running.
+    let slow = {
+        let app_base = app.base.clone();
+        let client = app.client.clone();
+        tokio::spawn(async move {
+            client
+                .post(format!("{app_base}/payments"))
+                .header("content-type", "application/json")
+                .header("x-user-id", "bob")
+                .header("idempotency-key", "k2")
+                .header("x-delay-ms", "500")
+                .body(payment("acc-2", 1))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let during = app.post(Some(b"k2"), "bob", payment("acc-2", 2), &[]).await;
+    assert_eq!(during.status, 422, "{during:?}");
+    assert_eq!(slow.await.unwrap(), 201);
+    assert_eq!(app.effects().await, 2);
+}
+
+async fn concurrent_requests_make_one_effect<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    let app = Arc::new(app);
+    let requests = (0..64).map(|_| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            app.post(
+                Some(b"same-key"),
+                "alice",
+                payment("acc-1", 700),
+                &[("x-delay-ms", "200")],
+            )
+            .await
+        })
+    });
+    let answers: Vec<Answer> = futures::future::join_all(requests)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let fresh: Vec<&Answer> = answers
+        .iter()
+        .filter(|a| a.status == 201 && !a.replayed())
+        .collect();
+    assert_eq!(fresh.len(), 1, "exactly one request executed: {answers:?}");
+    let id = fresh[0].payment_id();
+    for answer in &answers {
+        match answer.status {
+            201 => assert_eq!(answer.payment_id(), id),
+            409 => {
+                assert_eq!(answer.problem(), "in-progress");
+                assert!(answer.headers.contains_key("retry-after"));
+            }
+            other => panic!("unexpected status {other}: {answer:?}"),
+        }
+    }
+    assert_eq!(app.effects().await, 1);
+}
+
+async fn two_users_with_one_key_make_two_effects<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    let alice = app
+        .post(Some(b"shared"), "alice", payment("acc-1", 5), &[])
+        .await;
+    let bob = app
+        .post(Some(b"shared"), "bob", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!((alice.status, bob.status), (201, 201));
+    assert!(!bob.replayed(), "bob must not get alice's answer");
+    assert_ne!(alice.payment_id(), bob.payment_id());
+    assert_eq!(app.effects().await, 2);
+}
+
+async fn separators_in_user_ids_cannot_reach_another_users_record<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    let victim = app
+        .post(Some(b"b:c"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(victim.status, 201);
+    // Each pair joins to the same string with a naive separator
+    // (`alice:b:c`, `alice|b:c`, `alice:POST:/payments:b:c`).
+    for (user, key) in [
+        ("alice:b", "c"),
+        ("alice|b", ":c"),
+        ("alice:POST:/payments:b", "c"),
+    ] {
+        let attacker = app
+            .post(Some(key.as_bytes()), user, payment("acc-1", 5), &[])
+            .await;
+        assert_eq!(attacker.status, 201, "{user:?} {attacker:?}");
+        assert!(!attacker.replayed(), "{user:?} replayed alice's response");
+        assert_ne!(attacker.payment_id(), victim.payment_id());
+    }
+    assert_eq!(app.effects().await, 4);
+}
+
+async fn body_over_the_limit_is_413<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l.max_request_body(1024)).await;
+    let big = payment(&"a".repeat(2048), 5);
+    let answer = app.post(Some(b"big"), "alice", big, &[]).await;
+    assert_eq!(answer.status, 413, "{answer:?}");
+    assert_eq!(answer.problem(), "body-too-large");
+    let small = app
+        .post(Some(b"big"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(small.status, 201, "a rejected body leaves the key unused");
+    assert_eq!(app.effects().await, 1);
+}
+
+async fn malformed_and_missing_keys_are_400<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    let long = vec![b'k'; 256];
+    let cases: [(&[u8], &str); 6] = [
+        (b"", "empty"),
+        (&long, "256 characters"),
+        (b"has space", "a space"),
+        (b"caf\xe9", "non-ASCII"),
+        (b"\"open", "an unterminated quote"),
+        (b"\"a\"b\"", "a bare quote inside"),
+    ];
+    for (key, what) in cases {
+        let answer = app.post(Some(key), "alice", payment("acc-1", 5), &[]).await;
+        assert_eq!(answer.status, 400, "{what}: {answer:?}");
+        assert_eq!(answer.problem(), "invalid-key", "{what}");
+    }
+    let max = app
+        .post(Some(&long[..255]), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(max.status, 201, "255 characters are allowed");
+    let missing = app.post(None, "alice", payment("acc-1", 5), &[]).await;
+    assert_eq!(missing.status, 400);
+    assert_eq!(missing.problem(), "missing-key");
+    let twice = app
+        .client
+        .post(format!("{}/payments", app.base))
+        .header("content-type", "application/json")
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "b")
+        .body(payment("acc-1", 5))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(twice.status(), 400);
+    assert_eq!(app.effects().await, 1);
+}
+
+async fn an_expired_record_counts_as_absent<St: TestStore>() {
+    let (app, store) = app::<St>(|l| l.ttl(Duration::from_millis(500))).await;
+    let first = app
+        .post(Some(b"ttl"), "alice", payment("acc-1", 5), &[])
+        .await;
+    let soon = app
+        .post(Some(b"ttl"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert!(soon.replayed());
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    // A different body is no mismatch any more: the key is free.
+    let later = app
+        .post(Some(b"ttl"), "alice", payment("acc-1", 6), &[])
+        .await;
+    assert_eq!(later.status, 201);
+    assert!(!later.replayed());
+    assert_ne!(later.payment_id(), first.payment_id());
+    assert_eq!(app.effects().await, 2);
+    let other = app
+        .post(Some(b"ttl-2"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(other.status, 201);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let deleted = store.delete_expired(100).await.unwrap();
+    if St::DELETES_EXPIRED {
+        assert_eq!(deleted, 2, "both expired records are deleted");
+        assert_eq!(store.delete_expired(100).await.unwrap(), 0);
+    }
+}
+
+async fn an_expired_lease_is_taken_over_and_the_stale_token_is_fenced<St: TestStore>() {
+    let lease = Duration::from_millis(400);
+    let (app, store) = app::<St>(|l| l.lease(lease)).await;
+    let body = payment("acc-1", 5);
+    // A worker took the key and died before finishing.
+    let record = RecordKey::new("alice", "POST", "/payments", "crash");
+    let fingerprint = Fingerprint::of_request("POST", "/payments", &body);
+    let attempt = Attempt {
+        key: &record,
+        fingerprint: &fingerprint,
+        lease,
+        ttl: Duration::from_secs(60),
+    };
+    let Begin::Started(dead) = store.begin(attempt).await.unwrap() else {
+        panic!("the key was free")
+    };
+    let busy = app.post(Some(b"crash"), "alice", body.clone(), &[]).await;
+    assert_eq!(
+        busy.status, 409,
+        "the dead worker's lease is still live: {busy:?}"
+    );
+    assert_eq!(busy.problem(), "in-progress");
+    tokio::time::sleep(lease + Duration::from_millis(200)).await;
+    let retry = app.post(Some(b"crash"), "alice", body.clone(), &[]).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(!retry.replayed());
+    // The dead worker wakes up: its completion and release are refused.
+    let late = StoredResponse::new(StatusCode::OK, vec![], Bytes::from_static(b"stale"));
+    let ttl = Duration::from_secs(60);
+    assert!(!store.complete(&record, dead, &late, ttl).await.unwrap());
+    assert!(!store.release(&record, dead).await.unwrap());
+    assert!(!store.extend(&record, dead, lease).await.unwrap());
+    let replay = app.post(Some(b"crash"), "alice", body, &[]).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, retry.body, "the new owner's response stands");
+    assert_eq!(app.effects().await, 1);
+}
+
+async fn the_lease_is_renewed_while_the_handler_runs<St: TestStore>() {
+    let lease = Duration::from_millis(300);
+    let (app, _) = app::<St>(|l| l.lease(lease)).await;
+    let app = Arc::new(app);
+    let slow = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            app.post(
+                Some(b"slow"),
+                "alice",
+                payment("acc-1", 5),
+                &[("x-delay-ms", "1200")],
+            )
+            .await
+        })
+    };
+    for _ in 0..3 {
+        tokio::time::sleep(lease).await;
+        let during = app
+            .post(Some(b"slow"), "alice", payment("acc-1", 5), &[])
+            .await;
+        assert_eq!(
+            during.status, 409,
+            "a live handler's lease must not be taken over: {during:?}"
+        );
+    }
+    let first = slow.await.unwrap();
+    assert_eq!(first.status, 201);
+    let after = app
+        .post(Some(b"slow"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert!(after.replayed());
+    assert_eq!(app.effects().await, 1);
+}
+
+async fn an_oversize_response_is_not_stored<St: TestStore>() {
+    let (app, store) = app::<St>(|l| l.max_response_body(1024)).await;
+    let pad = [("x-pad", "4096")];
+    let first = app
+        .post(Some(b"big-answer"), "alice", payment("acc-1", 5), &pad)
+        .await;
+    if store.transactional().is_some() {
+        // Atomic phase: an effect whose answer cannot be replayed is rolled back.
+        assert_eq!(first.status, 500, "{first:?}");
+        assert_eq!(first.problem(), "response-too-large");
+        assert_eq!(app.effects().await, 0);
+    } else {
+        // Passed through whole, and the key released: a retry executes again.
+        assert_eq!(first.status, 201);
+        assert_eq!(first.body.len(), 4096);
+        let again = app
+            .post(Some(b"big-answer"), "alice", payment("acc-1", 5), &pad)
+            .await;
+        assert_eq!(again.body.len(), 4096);
+        assert!(!again.replayed());
+        assert_eq!(app.effects().await, 2);
+    }
+    // A small answer with the same key is stored as usual.
+    let small = app
+        .post(Some(b"big-answer"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(small.status, 201);
+    assert!(!small.replayed());
+    let replay = app
+        .post(Some(b"big-answer"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert!(replay.replayed());
+}
+
+async fn a_store_that_is_down_fails_closed<St: TestStore>() {
+    let db = Db::new().await;
+    let target = if std::any::type_name::<St>().contains("Redis") {
+        redis_url().trim_start_matches("redis://").to_owned()
+    } else {
+        "127.0.0.1:5432".to_owned()
+    };
+    let proxy = TcpProxy::start(&target).await;
+    let Some(store) = St::through(&proxy, &db).await else {
+        return; // the memory store lives in the process: it cannot be down
+    };
+    let open_store = St::through(&proxy, &db).await.unwrap();
+    let closed = App::start(db, IdempotencyLayer::new(store)).await;
+    let open = App::start(
+        Db::new().await,
+        IdempotencyLayer::new(open_store).fail_open(),
+    )
+    .await;
+    assert_eq!(
+        closed
+            .post(Some(b"up"), "alice", payment("acc-1", 5), &[])
+            .await
+            .status,
+        201
+    );
+    proxy.cut();
+    let answer = closed
+        .post(Some(b"down"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(answer.status, 503, "{answer:?}");
+    assert_eq!(answer.problem(), "store-unavailable");
+    assert_eq!(closed.effects().await, 1, "nothing was executed");
+    let answer = open
+        .post(Some(b"down"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(answer.status, 201, "fail-open runs the request: {answer:?}");
+    assert_eq!(open.effects().await, 1);
+}
+
+async fn unstored_statuses_errors_and_panics_release_the_key<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    let body = || payment("acc-1", 5);
+    let busy = app
+        .post(Some(b"r"), "alice", body(), &[("x-fail", "429")])
+        .await;
+    assert_eq!(busy.status, 429);
+    let panicked = app
+        .try_post(Some(b"r"), "alice", body(), &[("x-panic", "1")])
+        .await;
+    assert!(
+        panicked.is_err(),
+        "a panicking handler drops the connection: {panicked:?}"
+    );
+    let ok = app.post(Some(b"r"), "alice", body(), &[]).await;
+    assert_eq!(ok.status, 201, "the key was released each time: {ok:?}");
+    assert!(!ok.replayed());
+    // A 5xx is stored and replayed (an indeterminate result).
+    let failed = app
+        .post(Some(b"s"), "alice", body(), &[("x-fail", "500")])
+        .await;
+    assert_eq!(failed.status, 500);
+    let replay = app.post(Some(b"s"), "alice", body(), &[]).await;
+    assert_eq!(replay.status, 500);
+    assert!(replay.replayed());
+    assert_eq!(app.effects().await, 1);
+}
+
+macro_rules! store_tests {
+    ($module:ident, $store:ty) => {
+        mod $module {
+            use super::*;
+
+            #[tokio::test]
+            async fn replay_returns_the_stored_response() {
+                super::replay_returns_the_stored_response::<$store>().await
+            }
+            #[tokio::test]
+            async fn changed_body_is_422() {
+                super::changed_body_is_422::<$store>().await
+            }
+            #[tokio::test]
+            async fn concurrent_requests_make_one_effect() {
+                super::concurrent_requests_make_one_effect::<$store>().await
+            }
+            #[tokio::test]
+            async fn two_users_with_one_key_make_two_effects() {
+                super::two_users_with_one_key_make_two_effects::<$store>().await
+            }
+            #[tokio::test]
+            async fn separators_in_user_ids_cannot_reach_another_users_record() {
+                super::separators_in_user_ids_cannot_reach_another_users_record::<$store>().await
+            }
+            #[tokio::test]
+            async fn body_over_the_limit_is_413() {
+                super::body_over_the_limit_is_413::<$store>().await
+            }
+            #[tokio::test]
+            async fn malformed_and_missing_keys_are_400() {
+                super::malformed_and_missing_keys_are_400::<$store>().await
+            }
+            #[tokio::test]
+            async fn an_expired_record_counts_as_absent() {
+                super::an_expired_record_counts_as_absent::<$store>().await
+            }
+            #[tokio::test]
+            async fn an_expired_lease_is_taken_over_and_the_stale_token_is_fenced() {
+                super::an_expired_lease_is_taken_over_and_the_stale_token_is_fenced::<$store>()
+                    .await
+            }
+            #[tokio::test]
+            async fn the_lease_is_renewed_while_the_handler_runs() {
+                super::the_lease_is_renewed_while_the_handler_runs::<$store>().await
+            }
+            #[tokio::test]
+            async fn an_oversize_response_is_not_stored() {
+                super::an_oversize_response_is_not_stored::<$store>().await
+            }
+            #[tokio::test]
+            async fn unstored_statuses_errors_and_panics_release_the_key() {
+                super::unstored_statuses_errors_and_panics_release_the_key::<$store>().await
+            }
+        }
+    };
+}
+
+store_tests!(postgres, PostgresStore);
+store_tests!(redis, RedisStore);
+store_tests!(memory, Arc<MemoryStore>);
+
+#[tokio::test]
+async fn postgres_store_down_fails_closed() {
+    a_store_that_is_down_fails_closed::<PostgresStore>().await
+}
+
+#[tokio::test]
+async fn redis_store_down_fails_closed() {
+    a_store_that_is_down_fails_closed::<RedisStore>().await
+}
