@@ -12,7 +12,7 @@ use tokio::sync::{Mutex, MutexGuard};
 ///
 /// - in an [AMQP handler](crate::amqp), the delivery's transaction, in which
 ///   the message's id was claimed;
-/// - in an HTTP handler behind the [idempotency layer](crate::http) (as an
+/// - in an HTTP handler behind the idempotency layer (feature `http`, as an
 ///   axum extractor), the transaction that also completes the
 ///   `Idempotency-Key` record with the response.
 ///
