@@ -78,9 +78,12 @@ impl TestStore for Arc<MemoryStore> {
 }
 
 /// `POST /payments` as in the example, with test controls in headers (which
-/// are not part of the fingerprint): `x-delay-ms` sleeps first, `x-fail`
-/// answers that status without writing, `x-panic` panics, `x-pad` replaces
-/// the 201's body with that many bytes.
+/// are not part of the fingerprint): `x-delay-ms` sleeps first; after the
+/// insert, `x-fail` answers that status instead, `x-panic` panics, `x-pad`
+/// replaces the 201's body with that many bytes; `x-abort-then` runs a failing
+/// statement in the handler's transaction (ignoring the error) and answers
+/// that status; `x-steal` moves the key to another owner (as a takeover would)
+/// before answering.
 async fn payments(
     tx: Option<Tx>,
     state: State<sqlx::PgPool>,
@@ -91,21 +94,37 @@ async fn payments(
         headers
             .get(name)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok())
+            .and_then(|v| v.parse::<u16>().ok())
     };
     if let Some(ms) = number("x-delay-ms") {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
+        tokio::time::sleep(Duration::from_millis(ms.into())).await;
     }
-    if headers.contains_key("x-panic") {
+    let pool = state.0.clone();
+    let (fail, pad, abort) = (number("x-fail"), number("x-pad"), number("x-abort-then"));
+    let (panics, steals) = (
+        headers.contains_key("x-panic"),
+        headers.contains_key("x-steal"),
+    );
+    let response = http_payments::create(tx.clone(), state, headers, body).await?;
+    if panics {
         panic!("the handler panicked on purpose");
     }
-    if let Some(status) = number("x-fail") {
-        return Ok(StatusCode::from_u16(status as u16).unwrap().into_response());
+    if let Some(status) = fail {
+        return Ok(StatusCode::from_u16(status).unwrap().into_response());
     }
-    let pad = number("x-pad");
-    let response = http_payments::create(tx, state, headers, body).await?;
+    if let Some(status) = abort {
+        let tx = tx.expect("x-abort-then needs the atomic phase");
+        let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx.lock()?).await;
+        assert!(failed.is_err());
+        return Ok(StatusCode::from_u16(status).unwrap().into_response());
+    }
+    if steals {
+        sqlx::query("UPDATE idempotency_keys SET fencing_token = fencing_token + 1000000")
+            .execute(&pool)
+            .await?;
+    }
     Ok(match pad {
-        Some(n) => (response.status(), vec![b'x'; n as usize]).into_response(),
+        Some(n) => (response.status(), vec![b'x'; n.into()]).into_response(),
         None => response,
     })
 }
@@ -275,7 +294,7 @@ async fn changed_body_is_422<St: TestStore>() {
                 .header("content-type", "application/json")
                 .header("x-user-id", "bob")
                 .header("idempotency-key", "k2")
-                .header("x-delay-ms", "500")
+                .header("x-delay-ms", "1500")
                 .body(payment("acc-2", 1))
                 .send()
                 .await
@@ -283,7 +302,7 @@ async fn changed_body_is_422<St: TestStore>() {
                 .status()
         })
     };
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let during = app.post(Some(b"k2"), "bob", payment("acc-2", 2), &[]).await;
     assert_eq!(during.status, 422, "{during:?}");
     assert_eq!(slow.await.unwrap(), 201);
@@ -417,7 +436,7 @@ async fn malformed_and_missing_keys_are_400<St: TestStore>() {
 }
 
 async fn an_expired_record_counts_as_absent<St: TestStore>() {
-    let (app, store) = app::<St>(|l| l.ttl(Duration::from_millis(500))).await;
+    let (app, store) = app::<St>(|l| l.ttl(Duration::from_millis(1500))).await;
     let first = app
         .post(Some(b"ttl"), "alice", payment("acc-1", 5), &[])
         .await;
@@ -425,7 +444,7 @@ async fn an_expired_record_counts_as_absent<St: TestStore>() {
         .post(Some(b"ttl"), "alice", payment("acc-1", 5), &[])
         .await;
     assert!(soon.replayed());
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    tokio::time::sleep(Duration::from_millis(1800)).await;
     // A different body is no mismatch any more: the key is free.
     let later = app
         .post(Some(b"ttl"), "alice", payment("acc-1", 6), &[])
@@ -438,7 +457,7 @@ async fn an_expired_record_counts_as_absent<St: TestStore>() {
         .post(Some(b"ttl-2"), "alice", payment("acc-1", 5), &[])
         .await;
     assert_eq!(other.status, 201);
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    tokio::time::sleep(Duration::from_millis(1800)).await;
     let deleted = store.delete_expired(100).await.unwrap();
     if St::DELETES_EXPIRED {
         assert_eq!(deleted, 2, "both expired records are deleted");
@@ -447,19 +466,21 @@ async fn an_expired_record_counts_as_absent<St: TestStore>() {
 }
 
 async fn an_expired_lease_is_taken_over_and_the_stale_token_is_fenced<St: TestStore>() {
-    let lease = Duration::from_millis(400);
+    let lease = Duration::from_millis(1000);
+    let ttl = Duration::from_secs(60);
     let (app, store) = app::<St>(|l| l.lease(lease)).await;
     let body = payment("acc-1", 5);
-    // A worker took the key and died before finishing.
-    let record = RecordKey::new("alice", "POST", "/payments", "crash");
     let fingerprint = Fingerprint::of_request("POST", "/payments", &body);
-    let attempt = Attempt {
-        key: &record,
+    let attempt = |record| Attempt {
+        key: record,
         fingerprint: &fingerprint,
         lease,
-        ttl: Duration::from_secs(60),
+        ttl,
     };
-    let Begin::Started(dead) = store.begin(attempt).await.unwrap() else {
+
+    // Through HTTP: a worker took the key and died before finishing.
+    let record = RecordKey::new("alice", "POST", "/payments", "crash");
+    let Begin::Started(_dead) = store.begin(attempt(&record)).await.unwrap() else {
         panic!("the key was free")
     };
     let busy = app.post(Some(b"crash"), "alice", body.clone(), &[]).await;
@@ -468,20 +489,45 @@ async fn an_expired_lease_is_taken_over_and_the_stale_token_is_fenced<St: TestSt
         "the dead worker's lease is still live: {busy:?}"
     );
     assert_eq!(busy.problem(), "in-progress");
-    tokio::time::sleep(lease + Duration::from_millis(200)).await;
+    tokio::time::sleep(lease + Duration::from_millis(300)).await;
     let retry = app.post(Some(b"crash"), "alice", body.clone(), &[]).await;
     assert_eq!(retry.status, 201, "{retry:?}");
     assert!(!retry.replayed());
-    // The dead worker wakes up: its completion and release are refused.
-    let late = StoredResponse::new(StatusCode::OK, vec![], Bytes::from_static(b"stale"));
-    let ttl = Duration::from_secs(60);
-    assert!(!store.complete(&record, dead, &late, ttl).await.unwrap());
-    assert!(!store.release(&record, dead).await.unwrap());
-    assert!(!store.extend(&record, dead, lease).await.unwrap());
-    let replay = app.post(Some(b"crash"), "alice", body, &[]).await;
+    let replay = app.post(Some(b"crash"), "alice", body.clone(), &[]).await;
     assert!(replay.replayed());
-    assert_eq!(replay.body, retry.body, "the new owner's response stands");
+    assert_eq!(replay.body, retry.body);
     assert_eq!(app.effects().await, 1);
+
+    // At the store: while the new owner is still working, the old token can
+    // neither renew, complete nor release.
+    let record = RecordKey::new("alice", "POST", "/payments", "fence");
+    let Begin::Started(old) = store.begin(attempt(&record)).await.unwrap() else {
+        panic!("the key was free")
+    };
+    assert_eq!(
+        store.begin(attempt(&record)).await.unwrap(),
+        Begin::InProgress
+    );
+    tokio::time::sleep(lease + Duration::from_millis(300)).await;
+    let Begin::Started(new) = store.begin(attempt(&record)).await.unwrap() else {
+        panic!("an expired lease is taken over")
+    };
+    assert_ne!(new, old);
+    let late = StoredResponse::new(StatusCode::OK, vec![], Bytes::from_static(b"stale"));
+    assert!(!store.extend(&record, old, lease).await.unwrap());
+    assert!(!store.complete(&record, old, &late, ttl).await.unwrap());
+    assert!(!store.release(&record, old).await.unwrap());
+    assert_eq!(
+        store.begin(attempt(&record)).await.unwrap(),
+        Begin::InProgress
+    );
+    let fresh = StoredResponse::new(StatusCode::CREATED, vec![], Bytes::from_static(b"new"));
+    assert!(store.extend(&record, new, lease).await.unwrap());
+    assert!(store.complete(&record, new, &fresh, ttl).await.unwrap());
+    assert_eq!(
+        store.begin(attempt(&record)).await.unwrap(),
+        Begin::Completed(fresh)
+    );
 }
 
 async fn the_lease_is_renewed_while_the_handler_runs<St: TestStore>() {
@@ -593,8 +639,10 @@ async fn a_store_that_is_down_fails_closed<St: TestStore>() {
 }
 
 async fn unstored_statuses_errors_and_panics_release_the_key<St: TestStore>() {
-    let (app, _) = app::<St>(|l| l).await;
+    let (app, store) = app::<St>(|l| l).await;
+    let atomic = store.transactional().is_some();
     let body = || payment("acc-1", 5);
+    // Both fail after the handler inserted its row.
     let busy = app
         .post(Some(b"r"), "alice", body(), &[("x-fail", "429")])
         .await;
@@ -606,10 +654,12 @@ async fn unstored_statuses_errors_and_panics_release_the_key<St: TestStore>() {
         panicked.is_err(),
         "a panicking handler drops the connection: {panicked:?}"
     );
+    // With the atomic phase both inserts were rolled back; without it they stay.
+    assert_eq!(app.effects().await, if atomic { 0 } else { 2 });
     let ok = app.post(Some(b"r"), "alice", body(), &[]).await;
     assert_eq!(ok.status, 201, "the key was released each time: {ok:?}");
     assert!(!ok.replayed());
-    // A 5xx is stored and replayed (an indeterminate result).
+    // A 5xx is stored and replayed (an indeterminate result), its writes kept.
     let failed = app
         .post(Some(b"s"), "alice", body(), &[("x-fail", "500")])
         .await;
@@ -617,6 +667,32 @@ async fn unstored_statuses_errors_and_panics_release_the_key<St: TestStore>() {
     let replay = app.post(Some(b"s"), "alice", body(), &[]).await;
     assert_eq!(replay.status, 500);
     assert!(replay.replayed());
+    assert_eq!(app.effects().await, if atomic { 2 } else { 4 });
+}
+
+async fn a_client_that_disconnects_does_not_leave_the_key_stuck<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let gone = impatient
+        .post(format!("{}/payments", app.base))
+        .header("content-type", "application/json")
+        .header("x-user-id", "alice")
+        .header("idempotency-key", "hang-up")
+        .header("x-delay-ms", "1000")
+        .body(payment("acc-1", 5))
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client gave up: {gone:?}");
+    // The handler finishes anyway and stores its answer for the retry.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let retry = app
+        .post(Some(b"hang-up"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(retry.replayed(), "the abandoned request completed the key");
     assert_eq!(app.effects().await, 1);
 }
 
@@ -671,6 +747,10 @@ macro_rules! store_tests {
                 super::an_oversize_response_is_not_stored::<$store>().await
             }
             #[tokio::test]
+            async fn a_client_that_disconnects_does_not_leave_the_key_stuck() {
+                super::a_client_that_disconnects_does_not_leave_the_key_stuck::<$store>().await
+            }
+            #[tokio::test]
             async fn unstored_statuses_errors_and_panics_release_the_key() {
                 super::unstored_statuses_errors_and_panics_release_the_key::<$store>().await
             }
@@ -690,4 +770,58 @@ async fn postgres_store_down_fails_closed() {
 #[tokio::test]
 async fn redis_store_down_fails_closed() {
     a_store_that_is_down_fails_closed::<RedisStore>().await
+}
+
+#[tokio::test]
+async fn atomic_phase_a_fenced_out_handler_has_its_writes_rolled_back() {
+    let (app, _) = app::<PostgresStore>(|l| l).await;
+    let stolen = app
+        .post(
+            Some(b"x"),
+            "alice",
+            payment("acc-1", 5),
+            &[("x-steal", "1")],
+        )
+        .await;
+    assert_eq!(stolen.status, 409, "{stolen:?}");
+    assert_eq!(stolen.problem(), "lease-lost");
+    assert_eq!(app.effects().await, 0, "the insert was rolled back");
+}
+
+#[tokio::test]
+async fn atomic_phase_a_handler_answering_from_an_aborted_transaction() {
+    let (app, _) = app::<PostgresStore>(|l| l).await;
+    // An error answer is stored on its own (the writes are gone anyway).
+    let refused = app
+        .post(
+            Some(b"a"),
+            "alice",
+            payment("acc-1", 5),
+            &[("x-abort-then", "422")],
+        )
+        .await;
+    assert_eq!(refused.status, 422, "{refused:?}");
+    let replay = app
+        .post(Some(b"a"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(replay.status, 422);
+    assert!(replay.replayed());
+    // A success would be a lie: 503, and the key is free for the retry.
+    let lie = app
+        .post(
+            Some(b"b"),
+            "alice",
+            payment("acc-1", 5),
+            &[("x-abort-then", "201")],
+        )
+        .await;
+    assert_eq!(lie.status, 503, "{lie:?}");
+    assert_eq!(lie.problem(), "commit-failed");
+    assert_eq!(app.effects().await, 0);
+    let retry = app
+        .post(Some(b"b"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed());
+    assert_eq!(app.effects().await, 1);
 }

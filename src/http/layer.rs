@@ -14,6 +14,13 @@ use super::store::IdempotencyStore;
 type UserFn = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
 type StatusFn = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 
+/// The shortest [lease](IdempotencyLayer::lease): the heartbeat renews it
+/// every third of it.
+pub const MIN_LEASE: Duration = Duration::from_millis(100);
+
+/// The longest [TTL](IdempotencyLayer::ttl): a year.
+pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
 /// The user of a request when the [`user`](IdempotencyLayer::user) function
 /// names none.
 pub const ANONYMOUS: &str = "anonymous";
@@ -36,6 +43,21 @@ pub const ANONYMOUS: &str = "anonymous";
 /// | [`stores_status`](Self::stores_status) | [`stores_status_by_default`] |
 /// | [`fail_open`](Self::fail_open) | no: a store error answers 503 |
 /// | [`in_progress_retry_after`](Self::in_progress_retry_after) | 1 s |
+///
+/// # Things to know
+/// - A client that disconnects does not cancel the handler: it runs to the
+///   end in its own task and completes (or releases) the key, so the retry
+///   finds the answer.
+/// - A handler that never returns holds its key (the lease is renewed) for
+///   as long as the process lives: bound handlers with a timeout layer
+///   *inside* this one.
+/// - The scope uses the request's path as this layer sees it. Inside
+///   `Router::nest`, axum strips the nest's prefix: put the layer outside the
+///   nest, or fold the prefix's parameters (a tenant id) into
+///   [`user`](Self::user).
+/// - With [`PostgresStore`](super::PostgresStore) and the atomic phase, a
+///   request in flight holds two connections of the pool at times (its
+///   transaction, and the lease's renewal): size the pool for it.
 ///
 /// # Example
 /// ```no_run
@@ -160,17 +182,19 @@ impl<St> IdempotencyLayer<St> {
 
     /// How long an in-progress record is held. The layer renews it every
     /// third of the lease while the handler runs, so it runs out only when
-    /// the process holding it died; then a retry may take it over.
+    /// the process holding it died; then a retry may take it over. At least
+    /// [`MIN_LEASE`] (shorter values are raised to it).
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.config.lease = lease;
+        self.config.lease = lease.max(MIN_LEASE);
         self
     }
 
     /// How long a completed record is replayed; after that the key is free.
+    /// Between 1 ms and [`MAX_TTL`] (values outside are clamped).
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.config.ttl = ttl;
+        self.config.ttl = ttl.clamp(Duration::from_millis(1), MAX_TTL);
         self
     }
 

@@ -78,6 +78,10 @@
 //! | `RedisStore` (feature `redis`) | yes | as configured in Redis | no |
 //! | [`MemoryStore`] | no | no | no |
 //!
+//! One difference: once a dead holder's lease ran out, PostgreSQL and memory
+//! still know the record's fingerprint (a different body gets 422), while on
+//! Redis the lease key is gone and the key is free for any request.
+//!
 //! A store error fails closed with 503 unless [`IdempotencyLayer::fail_open`].
 //! Expired records count as absent; [`run_cleanup`] deletes them.
 //!
@@ -112,7 +116,7 @@ mod store;
 mod transaction;
 
 pub use key::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use layer::{ANONYMOUS, IdempotencyLayer, stores_status_by_default};
+pub use layer::{ANONYMOUS, IdempotencyLayer, MAX_TTL, MIN_LEASE, stores_status_by_default};
 pub use memory::MemoryStore;
 pub use postgres::PostgresStore;
 pub use problem::PROBLEM_BASE;

@@ -24,6 +24,12 @@ pub(crate) enum Problem {
     NoTransaction,
 }
 
+/// Marks a response the layer made itself (in a response's extensions), so
+/// that it is never stored: a 503 from the `Tx` extractor means "nothing
+/// ran", not an answer to replay.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LayerAnswer;
+
 /// The prefix of every problem `type` this crate sends; the fragment names
 /// the kind (`#key-mismatch`), documented in [`crate::http`].
 pub const PROBLEM_BASE: &str = "https://docs.rs/idempo/latest/idempo/http/index.html";
@@ -120,6 +126,7 @@ impl Problem {
         });
         let mut response = Response::new(Body::from(body.to_string()));
         *response.status_mut() = status;
+        response.extensions_mut().insert(LayerAnswer);
         response.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),

@@ -1,7 +1,6 @@
 //! [`Idempotency`]: the service that runs each request through its key's
 //! state machine (absent → in progress → complete, or released).
 
-use std::any::Any;
 use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -15,12 +14,13 @@ use http::response::Parts as ResponseParts;
 use http::{HeaderValue, Request, Response};
 use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use sqlx::{Postgres, Transaction};
 use tower_service::Service;
 
 use super::key::{IDEMPOTENT_REPLAYED, IdempotencyKey};
 use super::layer::{ANONYMOUS, Config};
 use super::postgres::complete_on;
-use super::problem::Problem;
+use super::problem::{LayerAnswer, Problem};
 use super::record::{Fingerprint, RecordKey, StoredResponse};
 use super::store::{Attempt, Begin, FencingToken, IdempotencyStore};
 use super::transaction::AtomicPhase;
@@ -81,7 +81,7 @@ impl<S, St, B, ResBody> Service<Request<B>> for Idempotency<S, St>
 where
     S: Service<Request<B>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send,
-    S::Error: Send,
+    S::Error: Send + 'static,
     St: IdempotencyStore,
     B: HttpBody<Data = Bytes> + From<Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -112,9 +112,11 @@ async fn handle<S, St, B, ResBody>(
     request: Request<B>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<B>, Response = Response<ResBody>>,
+    S: Service<Request<B>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
     St: IdempotencyStore,
-    B: HttpBody<Data = Bytes> + From<Bytes>,
+    B: HttpBody<Data = Bytes> + From<Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
@@ -178,19 +180,19 @@ where
         parts.extensions.insert(phase.clone());
         phase
     });
-    let call = inner.call(Request::from_parts(parts, B::from(body)));
-    match owner.run(call).await {
-        Ok(Ok(response)) => Ok(owner.finish(phase, response).await),
-        Ok(Err(error)) => {
-            drop(phase); // rolls back the handler's writes, if any
-            owner.release().await;
-            Err(error)
-        }
-        Err(panic) => {
-            drop(phase);
-            owner.release().await;
-            std::panic::resume_unwind(panic)
-        }
+    let request = Request::from_parts(parts, B::from(body));
+    // Spawned: a client that disconnects drops this future, but the handler
+    // must still finish and complete or release the key. Otherwise the key
+    // would stay in progress until its lease ran out and the retry ran again.
+    let task = tokio::spawn(async move {
+        let call = async move { inner.call(request).await };
+        owner.execute(call, phase).await
+    });
+    match task.await {
+        Ok(result) => result,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Cancelled: the runtime is shutting down.
+        Err(_) => Ok(Problem::CommitFailed.into_response()),
     }
 }
 
@@ -224,10 +226,99 @@ struct Owner<St> {
 }
 
 impl<St: IdempotencyStore> Owner<St> {
-    /// Runs the handler, catching a panic, while renewing the lease every
-    /// third of it (so the lease runs out only when this process is gone).
-    async fn run<F: Future>(&self, call: F) -> Result<F::Output, Box<dyn Any + Send>> {
-        let call = AssertUnwindSafe(call).catch_unwind();
+    /// Runs the handler and reads its response under the lease's heartbeat,
+    /// then completes or releases the key. A panic in the handler (or in its
+    /// body) releases the key and resumes.
+    async fn execute<F, E, ResBody>(
+        self,
+        call: F,
+        phase: Option<AtomicPhase>,
+    ) -> Result<Response<Body>, E>
+    where
+        F: Future<Output = Result<Response<ResBody>, E>>,
+        ResBody: HttpBody<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>,
+    {
+        let limit = self.config.max_response_body;
+        let work = AssertUnwindSafe(async {
+            match call.await {
+                Err(error) => Ran::Failed(error),
+                Ok(response) => {
+                    let (parts, body) = response.into_parts();
+                    if self.stores(&parts) {
+                        Ran::Read(parts, read_capped(Box::pin(body), limit).await)
+                    } else {
+                        Ran::Unstored(parts, Body::new(body))
+                    }
+                }
+            }
+        })
+        .catch_unwind();
+        let ran = self.with_heartbeat(work).await;
+        // The handler is done: take its transaction back (dropping it rolls back).
+        let tx = handler_tx(phase).await;
+        let atomic = !matches!(tx, HandlerTx::Unused);
+        let ran = match ran {
+            Ok(ran) => ran,
+            Err(panic) => {
+                drop(tx);
+                self.release().await;
+                std::panic::resume_unwind(panic)
+            }
+        };
+        let (parts, body) = match ran {
+            Ran::Read(parts, Capped::Complete(body)) => (parts, body),
+            Ran::Failed(error) => {
+                drop(tx);
+                self.release().await;
+                return Err(error);
+            }
+            Ran::Unstored(parts, body) => {
+                drop(tx);
+                self.release().await;
+                return Ok(Response::from_parts(parts, body));
+            }
+            Ran::Read(parts, Capped::TooLarge(prefix, rest)) => {
+                drop(tx); // before release: it holds one of the pool's connections
+                self.release().await;
+                if atomic {
+                    return Ok(Problem::ResponseTooLarge { limit }.into_response());
+                }
+                return Ok(Response::from_parts(parts, prefixed(prefix, rest)));
+            }
+            Ran::Read(parts, Capped::Failed(prefix, error)) => {
+                drop(tx);
+                self.release().await;
+                return Ok(Response::from_parts(parts, failing(prefix, error)));
+            }
+        };
+        let stored = self.stored(&parts, body.clone());
+        let answer = match tx {
+            HandlerTx::Open(tx) => self.complete_atomically(tx, &stored).await,
+            HandlerTx::Stuck => {
+                self.release().await;
+                Err(Problem::CommitFailed)
+            }
+            HandlerTx::Unused => {
+                self.complete(&stored).await;
+                Ok(())
+            }
+        };
+        Ok(match answer {
+            Ok(()) => Response::from_parts(parts, Body::from(body)),
+            Err(problem) => problem.into_response(),
+        })
+    }
+
+    /// Whether a response is stored: its status is, and it is the handler's
+    /// own (the layer's problems, e.g. a 503 from the `Tx` extractor, are not).
+    fn stores(&self, parts: &ResponseParts) -> bool {
+        parts.extensions.get::<LayerAnswer>().is_none() && (self.config.stores_status)(parts.status)
+    }
+
+    /// Renews the lease every third of it while `work` runs, so that it runs
+    /// out only when this process is gone.
+    async fn with_heartbeat<F: Future>(&self, work: F) -> F::Output {
         let heartbeat = async {
             let every = self.config.lease / 3;
             loop {
@@ -247,7 +338,7 @@ impl<St: IdempotencyStore> Owner<St> {
             }
         };
         tokio::select! {
-            output = call => output,
+            output = work => output,
             () = heartbeat => unreachable!("the heartbeat never ends"),
         }
     }
@@ -260,93 +351,65 @@ impl<St: IdempotencyStore> Owner<St> {
         }
     }
 
-    /// Stores the response if its status is stored and it fits, inside the
-    /// handler's transaction when it took one.
-    async fn finish<ResBody>(
-        &self,
-        phase: Option<AtomicPhase>,
-        response: Response<ResBody>,
-    ) -> Response<Body>
-    where
-        ResBody: HttpBody<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>,
-    {
-        let tx = match phase {
-            None => None,
-            Some(phase) => match phase.take().await {
-                None => None, // the handler did not ask for a transaction
-                Some(tx) => match tx.take() {
-                    Some(tx) => Some(tx),
-                    None => {
-                        // A TxGuard outlived the handler (held by a task it
-                        // spawned): its transaction cannot be completed.
-                        self.release().await;
-                        return Problem::CommitFailed.into_response();
-                    }
-                },
-            },
-        };
-        let (parts, body) = response.into_parts();
-        if !(self.config.stores_status)(parts.status) {
-            drop(tx);
-            self.release().await;
-            return Response::from_parts(parts, Body::new(body));
+    /// Completes through the store (no atomic phase). The effect already
+    /// happened, so the handler's answer goes out whatever happens here.
+    async fn complete(&self, stored: &StoredResponse) {
+        match self
+            .store
+            .complete(&self.record, self.token, stored, self.config.ttl)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                key = ?self.record,
+                "the lease was taken over before the response was stored; answering without storing"
+            ),
+            Err(error) => tracing::error!(
+                %error,
+                key = ?self.record,
+                "could not store the response; a retry after the lease runs out executes again"
+            ),
         }
-        let limit = self.config.max_response_body;
-        let body = match read_capped(Box::pin(body), limit).await {
-            Capped::Complete(body) => body,
-            Capped::TooLarge(prefix, rest) => {
-                self.release().await;
-                if tx.is_some() {
-                    return Problem::ResponseTooLarge { limit }.into_response();
+    }
+
+    /// The atomic phase: complete the record inside the handler's
+    /// transaction, then commit both.
+    async fn complete_atomically(
+        &self,
+        mut tx: Transaction<'static, Postgres>,
+        stored: &StoredResponse,
+    ) -> Result<(), Problem> {
+        let ttl = self.config.ttl;
+        match complete_on(&mut tx, &self.record, self.token, stored, ttl).await {
+            Ok(true) => match tx.commit().await {
+                Ok(()) => Ok(()),
+                Err(error) => {
+                    tracing::warn!(%error, "commit of the atomic phase failed");
+                    self.release().await; // a no-op if the commit did land
+                    Err(Problem::CommitFailed)
                 }
-                return Response::from_parts(parts, prefixed(prefix, rest));
+            },
+            // Fenced out: another request owns the key; these writes must not land.
+            Ok(false) => Err(Problem::LeaseLost),
+            Err(error) if is_aborted_transaction(&error) => {
+                // The handler answered after a statement failed (say, a unique
+                // violation it turned into a 4xx): its writes are gone. Store
+                // an error answer on its own; a success would be a lie.
+                drop(tx);
+                if stored.status().is_success() {
+                    self.release().await;
+                    return Err(Problem::CommitFailed);
+                }
+                self.complete(stored).await;
+                Ok(())
             }
-            Capped::Failed(prefix, error) => {
+            Err(error) => {
+                tracing::warn!(%error, "completing the key in the handler's transaction failed");
                 drop(tx);
                 self.release().await;
-                return Response::from_parts(parts, failing(prefix, error));
+                Err(Problem::CommitFailed)
             }
-        };
-        let stored = self.stored(&parts, body.clone());
-        let ttl = self.config.ttl;
-        match tx {
-            Some(mut tx) => {
-                match complete_on(&mut tx, &self.record, self.token, &stored, ttl).await {
-                    Ok(true) => {
-                        if let Err(error) = tx.commit().await {
-                            tracing::warn!(%error, "commit of the atomic phase failed");
-                            self.release().await; // a no-op if the commit did land
-                            return Problem::CommitFailed.into_response();
-                        }
-                    }
-                    Ok(false) => return Problem::LeaseLost.into_response(),
-                    Err(error) => {
-                        tracing::warn!(%error, "completing the key in the handler's transaction failed");
-                        drop(tx);
-                        self.release().await;
-                        return Problem::CommitFailed.into_response();
-                    }
-                }
-            }
-            None => match self
-                .store
-                .complete(&self.record, self.token, &stored, ttl)
-                .await
-            {
-                Ok(true) => {}
-                Ok(false) => tracing::warn!(
-                    key = ?self.record,
-                    "the lease was taken over before the response was stored; answering without storing"
-                ),
-                Err(error) => tracing::error!(
-                    %error,
-                    key = ?self.record,
-                    "could not store the response; a retry after the lease runs out executes again"
-                ),
-            },
         }
-        Response::from_parts(parts, Body::from(body))
     }
 
     fn stored(&self, parts: &ResponseParts, body: Bytes) -> StoredResponse {
@@ -364,6 +427,38 @@ impl<St: IdempotencyStore> Owner<St> {
             .collect();
         StoredResponse::new(parts.status, headers, body)
     }
+}
+
+/// How the handler's part went.
+enum Ran<E, B> {
+    Failed(E),
+    Unstored(ResponseParts, Body),
+    Read(ResponseParts, Capped<B>),
+}
+
+/// The handler's transaction after it returned.
+enum HandlerTx {
+    /// It never asked for one.
+    Unused,
+    Open(Transaction<'static, Postgres>),
+    /// A `TxGuard` outlived the handler (held by a task it spawned): the
+    /// transaction cannot be completed.
+    Stuck,
+}
+
+async fn handler_tx(phase: Option<AtomicPhase>) -> HandlerTx {
+    let Some(phase) = phase else {
+        return HandlerTx::Unused;
+    };
+    match phase.take().await {
+        None => HandlerTx::Unused,
+        Some(tx) => tx.take().map_or(HandlerTx::Stuck, HandlerTx::Open),
+    }
+}
+
+/// SQLSTATE 25P02: a statement failed earlier in this transaction.
+fn is_aborted_transaction(error: &crate::Error) -> bool {
+    matches!(error, crate::Error::Database(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02"))
 }
 
 enum Capped<B> {
