@@ -32,6 +32,23 @@ pub enum Error {
     #[error("corrupt record in the store: {0}")]
     CorruptRecord(String),
 
+    /// A bounded in-memory window is full of live ids: refusing is safer
+    /// than forgetting one (its duplicate would pass).
+    #[error("the dedup window is full ({capacity} live ids)")]
+    WindowFull {
+        /// The window's capacity.
+        capacity: usize,
+    },
+
+    /// A deduplication id was refused.
+    #[cfg(feature = "window")]
+    #[error(transparent)]
+    InvalidDedupId(#[from] crate::window::InvalidDedupId),
+
+    /// The broker did not confirm a publish (nacked, unroutable, timed out).
+    #[error("publish not confirmed: {0}")]
+    PublishNotConfirmed(String),
+
     /// A message id is missing, empty or too long.
     #[error(transparent)]
     InvalidMessageId(#[from] crate::inbox::InvalidMessageId),

@@ -53,6 +53,7 @@
 //! |---|---|---|
 //! | `amqp` | The RabbitMQ consumer runtime ([`amqp`]) | yes |
 //! | `http` | The `Idempotency-Key` tower layer and axum extractor (`http`) | no |
+//! | `window` | The SQS-FIFO-style deduplication window (`window`) | no |
 //! | `redis` | Redis stores for the modules that have one | no |
 #![warn(
     missing_docs,
@@ -75,6 +76,10 @@ pub mod amqp;
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;
+
+#[cfg(feature = "window")]
+#[cfg_attr(docsrs, doc(cfg(feature = "window")))]
+pub mod window;
 
 pub use error::{Error, Result};
 pub use migrate::{MIGRATIONS_TABLE, migrate, migrator};

@@ -51,6 +51,7 @@ pub struct ConsumerBuilder {
     handler: Option<BoxedHandler>,
     batch_size: Option<usize>,
     batch_linger: Duration,
+    group_header: Option<String>,
     batch_handler: Option<BoxedBatchHandler>,
 }
 
@@ -88,6 +89,7 @@ impl ConsumerBuilder {
             handler: None,
             batch_size: None,
             batch_linger: Duration::from_millis(5),
+            group_header: None,
             batch_handler: None,
         }
     }
@@ -232,6 +234,26 @@ impl ConsumerBuilder {
         self
     }
 
+    /// Turns on message groups (SQS FIFO's `MessageGroupId`): deliveries
+    /// whose header `x-group-id` holds the same value are processed one at a
+    /// time, in the order they arrived; different groups (and deliveries
+    /// without the header) run in parallel up to [`concurrency`](Self::concurrency).
+    ///
+    /// A delivery that fails is retried through a delay queue and so leaves
+    /// its place in the group (the group does not block behind it, unlike
+    /// SQS); a delivery waiting for its group holds one of the concurrency
+    /// slots. Not available with [`batch`](Self::batch).
+    pub fn message_groups(self) -> Self {
+        self.message_groups_by("x-group-id")
+    }
+
+    /// [`message_groups`](Self::message_groups) with the group id in another
+    /// header.
+    pub fn message_groups_by(mut self, header: impl Into<String>) -> Self {
+        self.group_header = Some(header.into());
+        self
+    }
+
     /// How long a batch waits for more deliveries after its first one
     /// (default: 5 ms).
     pub fn batch_linger(mut self, linger: Duration) -> Self {
@@ -322,6 +344,11 @@ impl ConsumerBuilder {
             .connection_name
             .unwrap_or_else(|| format!("idempo:{consumer}:{}", std::process::id()));
         let stats = Stats::new(&consumer);
+        if self.batch_size.is_some() && self.group_header.is_some() {
+            return Err(Error::Config(
+                "message groups need per-message mode: drop .batch(..) or .message_groups()".into(),
+            ));
+        }
         let batch = match self.batch_size {
             None => None,
             Some(0) => return Err(Error::Config("the batch size must be at least 1".into())),
@@ -362,6 +389,7 @@ impl ConsumerBuilder {
                 retention_interval: self.retention_interval,
                 connection_name,
                 batch,
+                group_header: self.group_header,
             },
             handler,
             shutdown: ShutdownHandle::default(),

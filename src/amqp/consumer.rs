@@ -6,12 +6,14 @@ use std::time::Duration;
 
 use std::panic::AssertUnwindSafe;
 
+use futures::future::Shared;
 use futures::{FutureExt, StreamExt};
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use sqlx::PgPool;
 use tokio::sync::Semaphore;
+use tokio::sync::oneshot;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -129,6 +131,8 @@ pub(crate) struct Config {
     pub(crate) retention_interval: Duration,
     pub(crate) connection_name: String,
     pub(crate) batch: Option<BatchMode>,
+    /// The header whose value orders deliveries into groups.
+    pub(crate) group_header: Option<String>,
 }
 
 /// Batch mode's settings (see [`ConsumerBuilder::batch`]).
@@ -266,6 +270,7 @@ impl Consumer {
                 None => config.concurrency,
             })),
             tasks: JoinSet::new(),
+            groups: GroupChains::default(),
             config,
             handler,
             shutdown,
@@ -291,6 +296,7 @@ struct Runtime {
     gate: Arc<DatabaseGate>,
     permits: Arc<Semaphore>,
     tasks: JoinSet<()>,
+    groups: GroupChains,
 }
 
 /// How a broker session ended.
@@ -502,8 +508,19 @@ impl Runtime {
                 () = self.shutdown.graceful.cancelled() => break SessionEnd::Shutdown,
                 permit = self.permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
             };
+            // In a group, wait for the delivery that arrived before this one.
+            let (predecessor, done) = match (&batch, &config.group_header) {
+                (Work::One(delivery), Some(header)) => match group_of(delivery, header) {
+                    Some(group) => self.groups.enqueue(group),
+                    None => (None, None),
+                },
+                _ => (None, None),
+            };
             let pipeline = pipeline.clone();
             self.tasks.spawn(async move {
+                if let Some(predecessor) = predecessor {
+                    let _ = predecessor.await; // done or dropped: either way it is over
+                }
                 let work = async {
                     match batch {
                         Work::One(delivery) => pipeline.clone().run(*delivery).await,
@@ -520,6 +537,7 @@ impl Runtime {
                     tracing::error!("a delivery task panicked outside the handler; reconnecting");
                     pipeline.broken.cancel();
                 }
+                drop(done);
                 drop(permit);
             });
         };
@@ -563,6 +581,46 @@ impl Runtime {
             );
             self.tasks.shutdown().await;
         }
+    }
+}
+
+/// Per message group, the completion of the delivery that arrived last:
+/// the next delivery of the group waits for it, so a group runs one at a
+/// time in arrival order while groups run in parallel.
+#[derive(Default)]
+struct GroupChains {
+    last: std::collections::HashMap<String, Shared<oneshot::Receiver<()>>>,
+    enqueued: usize,
+}
+
+impl GroupChains {
+    /// The predecessor to wait for, and the sender whose drop releases the
+    /// next delivery of the group.
+    fn enqueue(
+        &mut self,
+        group: String,
+    ) -> (
+        Option<Shared<oneshot::Receiver<()>>>,
+        Option<oneshot::Sender<()>>,
+    ) {
+        let (done, finished) = oneshot::channel();
+        let predecessor = self.last.insert(group, finished.shared());
+        self.enqueued += 1;
+        if self.enqueued % 1024 == 0 {
+            // Forget groups whose last delivery is over.
+            self.last.retain(|_, last| last.peek().is_none());
+        }
+        (predecessor, Some(done))
+    }
+}
+
+/// The group id of a delivery: a string header.
+fn group_of(delivery: &lapin::message::Delivery, header: &str) -> Option<String> {
+    let headers = delivery.properties.headers().as_ref()?;
+    match headers.inner().get(header)? {
+        lapin::types::AMQPValue::LongString(s) => Some(s.to_string()),
+        lapin::types::AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
     }
 }
 

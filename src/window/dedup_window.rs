@@ -1,0 +1,124 @@
+//! [`DedupWindow`]: "drop this id if it was seen in the last five minutes".
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::dedup_id::{DedupId, Scope};
+use super::store::{Reservation, WindowStore};
+use crate::Result;
+
+/// SQS FIFO's deduplication interval.
+pub const DEFAULT_WINDOW: Duration = Duration::from_secs(5 * 60);
+
+/// A deduplication window over a [`WindowStore`]: an id seen within the
+/// window (default [`DEFAULT_WINDOW`], five minutes) is a duplicate; after it,
+/// the same id is new again.
+///
+/// ```
+/// # async fn doc() -> idempo::Result<()> {
+/// use idempo::window::{DedupId, DedupWindow, MemoryWindow, Scope};
+///
+/// let window = DedupWindow::new(MemoryWindow::new(100_000));
+/// let scope = Scope::queue("orders");
+/// let id = DedupId::new("order-17")?;
+/// assert!(window.insert(&scope, &id).await?);   // new
+/// assert!(!window.insert(&scope, &id).await?);  // seen within five minutes
+/// # Ok(()) }
+/// ```
+///
+/// A window is weaker than the [inbox](crate::inbox): it forgets ids after
+/// the window, and recording an id is not transactional with whatever the
+/// message caused. Use it where there is no database to put the effect in.
+#[derive(Debug)]
+pub struct DedupWindow<S> {
+    store: Arc<S>,
+    window: Duration,
+}
+
+impl<S> Clone for DedupWindow<S> {
+    fn clone(&self) -> Self {
+        DedupWindow {
+            store: self.store.clone(),
+            window: self.window,
+        }
+    }
+}
+
+impl<S: WindowStore> DedupWindow<S> {
+    /// A five-minute window on `store`.
+    pub fn new(store: S) -> Self {
+        DedupWindow {
+            store: Arc::new(store),
+            window: DEFAULT_WINDOW,
+        }
+    }
+
+    /// Sets the window's length (at least 1 ms).
+    #[must_use]
+    pub fn window(mut self, window: Duration) -> Self {
+        self.window = window.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The window's length.
+    pub fn length(&self) -> Duration {
+        self.window
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// Records `id` in `scope` unless it was seen within the window: `true`
+    /// when it is new. One atomic step: of concurrent inserts of one id,
+    /// exactly one gets `true`.
+    ///
+    /// # Errors
+    /// The store's error ([`Error::Database`](crate::Error::Database),
+    /// `Error::Redis`, [`Error::WindowFull`](crate::Error::WindowFull)).
+    pub async fn insert(&self, scope: &Scope, id: &DedupId) -> Result<bool> {
+        self.store.insert(&scope.key(id), "", self.window).await
+    }
+
+    /// Reserves `id` for `lease` while work that must happen once is done;
+    /// then [`record`](Self::record) it, or [`release`](Self::release) it if
+    /// the work failed, so that a retry is not taken for a duplicate.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub async fn reserve(
+        &self,
+        scope: &Scope,
+        id: &DedupId,
+        lease: Duration,
+    ) -> Result<Reservation> {
+        self.store.reserve(&scope.key(id), lease).await
+    }
+
+    /// Records a reserved id as seen for the window, with `value` (returned
+    /// to later duplicates as [`Reservation::Seen`]). `false` if the
+    /// reservation's lease ran out first.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub async fn record(
+        &self,
+        scope: &Scope,
+        id: &DedupId,
+        token: i64,
+        value: &str,
+    ) -> Result<bool> {
+        self.store
+            .record(&scope.key(id), token, value, self.window)
+            .await
+    }
+
+    /// Drops a reservation.
+    ///
+    /// # Errors
+    /// The store's error.
+    pub async fn release(&self, scope: &Scope, id: &DedupId, token: i64) -> Result<bool> {
+        self.store.release(&scope.key(id), token).await
+    }
+}

@@ -1,0 +1,255 @@
+//! [`DedupPublisher`]: publish once per dedup id within the window.
+
+use std::fmt;
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection};
+use tokio::sync::Mutex;
+
+use super::dedup_id::{DedupId, Scope};
+use super::dedup_window::DedupWindow;
+use super::store::{Reservation, WindowStore};
+use crate::{Error, Result};
+
+/// The header that carries a message's dedup id.
+pub const DEDUP_ID_HEADER: &str = "x-idempo-dedup-id";
+
+/// The header that carries a message's group id (SQS's `MessageGroupId`).
+pub const GROUP_ID_HEADER: &str = "x-group-id";
+
+/// A message to publish with [`DedupPublisher::publish`].
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    body: Vec<u8>,
+    properties: BasicProperties,
+    dedup_id: Option<DedupId>,
+    group: Option<String>,
+}
+
+impl Outgoing {
+    /// A persistent message with `body`, deduplicated on its content unless
+    /// [`dedup_id`](Self::dedup_id) is set.
+    pub fn new(body: impl Into<Vec<u8>>) -> Self {
+        Outgoing {
+            body: body.into(),
+            properties: BasicProperties::default().with_delivery_mode(2),
+            dedup_id: None,
+            group: None,
+        }
+    }
+
+    /// Deduplicate on this id instead of the body's hash.
+    #[must_use]
+    pub fn dedup_id(mut self, id: DedupId) -> Self {
+        self.dedup_id = Some(id);
+        self
+    }
+
+    /// Puts the message in a group: header [`GROUP_ID_HEADER`], and ids count
+    /// per group.
+    #[must_use]
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.group = Some(group.into());
+        self
+    }
+
+    /// The AMQP properties (a `message_id` set here is kept; otherwise a
+    /// random one is assigned).
+    #[must_use]
+    pub fn properties(mut self, properties: BasicProperties) -> Self {
+        self.properties = properties;
+        self
+    }
+}
+
+/// What [`DedupPublisher::publish`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    /// The `message_id` of the message on the queue: for a duplicate, the
+    /// first publish's (as SQS returns it).
+    pub message_id: String,
+    /// `true` when nothing was sent because the id was seen in the window.
+    pub duplicate: bool,
+}
+
+/// Publishes through a confirm-mode channel, at most once per dedup id
+/// within the window.
+///
+/// The id is *reserved* before publishing and *recorded* only after the
+/// broker confirmed the publish: a publish that fails releases it, so it
+/// does not poison the id, and a concurrent publish of the same id waits for
+/// the first to settle (then returns its message id, or publishes itself if
+/// the first failed). A process that dies between the confirm and the record
+/// leaves a reservation that expires after its lease (30 s); a retry after
+/// that publishes again: the window is at-least-once at that point.
+pub struct DedupPublisher<S> {
+    channel: Mutex<Channel>,
+    window: DedupWindow<S>,
+    lease: Duration,
+    confirm_timeout: Duration,
+}
+
+impl<S> fmt::Debug for DedupPublisher<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DedupPublisher")
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: WindowStore> DedupPublisher<S> {
+    /// Opens a confirm-mode channel on `connection`.
+    ///
+    /// # Errors
+    /// [`Error::Amqp`] when the channel cannot be opened.
+    pub async fn new(connection: &Connection, window: DedupWindow<S>) -> Result<Self> {
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(DedupPublisher {
+            channel: Mutex::new(channel),
+            window,
+            lease: Duration::from_secs(30),
+            confirm_timeout: Duration::from_secs(30),
+        })
+    }
+
+    /// Publishes `message` to `exchange` with `routing_key` (the default
+    /// exchange `""` and a queue name publish to that queue), unless its
+    /// dedup id was seen within the window in the same scope (the exchange
+    /// and routing key, and the group if any).
+    ///
+    /// # Errors
+    /// [`Error::PublishNotConfirmed`] when the broker nacked the message,
+    /// returned it as unroutable or did not confirm in 30 s (the id is
+    /// released: publishing again is safe); the store's error.
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: Outgoing,
+    ) -> Result<Published> {
+        let id = message
+            .dedup_id
+            .clone()
+            .unwrap_or_else(|| DedupId::content(&message.body));
+        let destination = if exchange.is_empty() {
+            routing_key.to_owned()
+        } else {
+            format!("{exchange}/{routing_key}")
+        };
+        let scope = match &message.group {
+            Some(group) => Scope::group(&destination, group),
+            None => Scope::queue(&destination),
+        };
+        let deadline = tokio::time::Instant::now() + self.lease + self.confirm_timeout;
+        loop {
+            match self.window.reserve(&scope, &id, self.lease).await? {
+                Reservation::Seen(message_id) => {
+                    return Ok(Published {
+                        message_id,
+                        duplicate: true,
+                    });
+                }
+                Reservation::Pending if tokio::time::Instant::now() < deadline => {
+                    // Another publisher holds the id: wait for it to settle.
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Reservation::Pending => {
+                    return Err(Error::PublishNotConfirmed(format!(
+                        "dedup id {id} stayed reserved by another publisher"
+                    )));
+                }
+                Reservation::Reserved { token } => {
+                    let sent = self.send(exchange, routing_key, &message, &id).await;
+                    return match sent {
+                        Ok(message_id) => {
+                            if !self.window.record(&scope, &id, token, &message_id).await? {
+                                tracing::warn!(%id, "the reservation expired before the publish was recorded");
+                            }
+                            Ok(Published {
+                                message_id,
+                                duplicate: false,
+                            })
+                        }
+                        Err(error) => {
+                            if let Err(e) = self.window.release(&scope, &id, token).await {
+                                tracing::warn!(%id, error = %e, "could not release the dedup id");
+                            }
+                            Err(error)
+                        }
+                    };
+                }
+            }
+        }
+    }
+
+    /// Publishes and waits for the confirm; returns the message id.
+    async fn send(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &Outgoing,
+        id: &DedupId,
+    ) -> Result<String> {
+        let message_id = match &message.properties.message_id() {
+            Some(known) => known.to_string(),
+            None => format!("{:032x}", fastrand::u128(..)),
+        };
+        let mut headers = message
+            .properties
+            .headers()
+            .clone()
+            .unwrap_or_else(FieldTable::default);
+        headers.insert(
+            DEDUP_ID_HEADER.into(),
+            AMQPValue::LongString(id.as_str().into()),
+        );
+        if let Some(group) = &message.group {
+            headers.insert(
+                GROUP_ID_HEADER.into(),
+                AMQPValue::LongString(group.as_str().into()),
+            );
+        }
+        let properties = message
+            .properties
+            .clone()
+            .with_message_id(ShortString::from(message_id.clone()))
+            .with_headers(headers);
+        let channel = self.channel.lock().await;
+        let confirm = async {
+            channel
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &message.body,
+                    properties,
+                )
+                .await?
+                .await
+        };
+        let confirm = match tokio::time::timeout(self.confirm_timeout, confirm).await {
+            Ok(confirm) => confirm?,
+            Err(_) => {
+                return Err(Error::PublishNotConfirmed(format!(
+                    "no confirm within {:?}",
+                    self.confirm_timeout
+                )));
+            }
+        };
+        match confirm {
+            lapin::Confirmation::Ack(None) => Ok(message_id),
+            lapin::Confirmation::Ack(Some(_)) => Err(Error::PublishNotConfirmed(format!(
+                "unroutable: no queue bound for {routing_key:?} on {exchange:?}"
+            ))),
+            _ => Err(Error::PublishNotConfirmed("nacked by the broker".into())),
+        }
+    }
+}

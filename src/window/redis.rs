@@ -1,0 +1,160 @@
+//! The Redis dedup window (feature `redis`).
+
+use std::fmt;
+use std::time::Duration;
+
+use redis::Script;
+use redis::aio::ConnectionManager;
+
+use super::store::{Reservation, WindowStore};
+use crate::{Error, Result};
+
+/// Seen ids as Redis keys that expire with the window: an insert is
+/// `SET key value NX PX window` (one round trip; with `GET`, so a duplicate
+/// also returns the first value). A reservation is the same key holding a
+/// pending marker with the lease as its expiry; recording and releasing it
+/// are Lua scripts that check the marker first.
+///
+/// Fast and shared; what survives a restart depends on the server's
+/// persistence (with none, every id is forgotten and duplicates that arrive
+/// after the restart pass).
+#[derive(Clone)]
+pub struct RedisWindow {
+    conn: ConnectionManager,
+    prefix: String,
+    record: Script,
+    release: Script,
+}
+
+impl fmt::Debug for RedisWindow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisWindow")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+// Values: "s<value>" for a seen id, "p<token>" for a reservation.
+const RECORD: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+";
+
+const RELEASE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+";
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl RedisWindow {
+    /// A window on an existing connection manager, keys under `idempo:window:`.
+    pub fn new(conn: ConnectionManager) -> Self {
+        RedisWindow {
+            conn,
+            prefix: "idempo:window:".into(),
+            record: Script::new(RECORD),
+            release: Script::new(RELEASE),
+        }
+    }
+
+    /// Connects to `url`, with 2-second connection and response timeouts.
+    ///
+    /// # Errors
+    /// [`Error::Redis`] when Redis cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self> {
+        let client = redis::Client::open(url)?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_secs(2)))
+            .set_number_of_retries(1);
+        Ok(Self::new(
+            ConnectionManager::new_with_config(client, config).await?,
+        ))
+    }
+
+    /// Puts the keys under `prefix` instead of `idempo:window:`.
+    #[must_use]
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    fn key(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+
+    /// `SET key value NX GET PX ttl`: `None` when it was set, else the value
+    /// that was there.
+    async fn set_nx(&self, key: &str, value: &str, ttl: Duration) -> Result<Option<String>> {
+        Ok(redis::cmd("SET")
+            .arg(self.key(key))
+            .arg(value)
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(ms(ttl))
+            .query_async(&mut self.conn.clone())
+            .await?)
+    }
+}
+
+fn found(value: String) -> Result<Reservation> {
+    match value.split_at_checked(1) {
+        Some(("s", seen)) => Ok(Reservation::Seen(seen.to_owned())),
+        Some(("p", _)) => Ok(Reservation::Pending),
+        _ => Err(Error::CorruptRecord(format!(
+            "unexpected dedup window value {value:?}"
+        ))),
+    }
+}
+
+impl WindowStore for RedisWindow {
+    async fn insert(&self, key: &str, value: &str, window: Duration) -> Result<bool> {
+        Ok(self
+            .set_nx(key, &format!("s{value}"), window)
+            .await?
+            .is_none())
+    }
+
+    async fn reserve(&self, key: &str, lease: Duration) -> Result<Reservation> {
+        let token = fastrand::i64(1..);
+        match self.set_nx(key, &format!("p{token}"), lease).await? {
+            None => Ok(Reservation::Reserved { token }),
+            Some(value) => found(value),
+        }
+    }
+
+    async fn record(&self, key: &str, token: i64, value: &str, window: Duration) -> Result<bool> {
+        let done: i64 = self
+            .record
+            .key(self.key(key))
+            .arg(format!("p{token}"))
+            .arg(format!("s{value}"))
+            .arg(ms(window))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(done == 1)
+    }
+
+    async fn release(&self, key: &str, token: i64) -> Result<bool> {
+        let done: i64 = self
+            .release
+            .key(self.key(key))
+            .arg(format!("p{token}"))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(done == 1)
+    }
+
+    async fn delete_expired(&self, _limit: usize) -> Result<u64> {
+        Ok(0) // PX expiry deletes entries by itself
+    }
+}

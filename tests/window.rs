@@ -1,0 +1,425 @@
+//! The dedup window per store against real Redis and PostgreSQL, the
+//! deduplicating publisher against RabbitMQ, and message groups.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempo::amqp::{Consumer, Message, RetryPolicy};
+use idempo::window::{
+    DedupId, DedupPublisher, DedupWindow, InvalidDedupId, MemoryWindow, Outgoing, PostgresWindow,
+    RedisWindow, Reservation, Scope, WindowStore,
+};
+use support::consumer::Running;
+use support::{Broker, Db, amqp_url, unique};
+
+const START_REDIS: &str = "start it with `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 \
+     --save \"\" --appendonly no` (or `docker compose up -d redis`), or point REDIS_URL at a running server";
+
+trait TestStore: WindowStore + Sized {
+    const DELETES_EXPIRED: bool;
+    async fn make() -> Self;
+}
+
+impl TestStore for MemoryWindow {
+    const DELETES_EXPIRED: bool = true;
+    async fn make() -> Self {
+        MemoryWindow::new(10_000)
+    }
+}
+
+impl TestStore for PostgresWindow {
+    const DELETES_EXPIRED: bool = true;
+    async fn make() -> Self {
+        let db = Db::new().await;
+        PostgresWindow::new(db.pool.clone())
+    }
+}
+
+impl TestStore for RedisWindow {
+    const DELETES_EXPIRED: bool = false;
+    async fn make() -> Self {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        RedisWindow::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("Redis is not reachable at {url}: {e}\n{START_REDIS}"))
+            .with_prefix(format!("{}:", unique("window")))
+    }
+}
+
+const SHORT: Duration = Duration::from_millis(800);
+
+async fn a_duplicate_inside_the_window_is_dropped_and_accepted_after_it<S: TestStore>() {
+    let window = DedupWindow::new(S::make().await).window(SHORT);
+    let scope = Scope::queue("orders");
+    let id = DedupId::new("order-1").unwrap();
+    assert!(window.insert(&scope, &id).await.unwrap(), "new");
+    assert!(
+        !window.insert(&scope, &id).await.unwrap(),
+        "inside the window"
+    );
+    // Scopes are independent: another queue, or a group.
+    assert!(window.insert(&Scope::queue("other"), &id).await.unwrap());
+    assert!(
+        window
+            .insert(&Scope::group("orders", "g1"), &id)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !window
+            .insert(&Scope::group("orders", "g1"), &id)
+            .await
+            .unwrap()
+    );
+    tokio::time::sleep(SHORT + Duration::from_millis(300)).await;
+    assert!(
+        window.insert(&scope, &id).await.unwrap(),
+        "after the window"
+    );
+    assert!(!window.insert(&scope, &id).await.unwrap());
+    tokio::time::sleep(SHORT + Duration::from_millis(300)).await;
+    let deleted = window.store().delete_expired(100).await.unwrap();
+    if S::DELETES_EXPIRED {
+        assert_eq!(deleted, 3, "every entry expired (orders, other, the group)");
+    }
+}
+
+async fn content_ids_match_equal_bodies_only<S: TestStore>() {
+    let window = DedupWindow::new(S::make().await);
+    let scope = Scope::queue("orders");
+    let body = br#"{"order": 1}"#;
+    assert!(
+        window
+            .insert(&scope, &DedupId::content(body))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !window
+            .insert(&scope, &DedupId::content(body))
+            .await
+            .unwrap()
+    );
+    assert!(
+        window
+            .insert(&scope, &DedupId::content(br#"{"order": 2}"#))
+            .await
+            .unwrap()
+    );
+}
+
+async fn concurrent_inserts_of_one_id_admit_one<S: TestStore>() {
+    let window = DedupWindow::new(S::make().await);
+    let id = DedupId::new("same").unwrap();
+    let inserts = (0..32).map(|_| {
+        let (window, id) = (window.clone(), id.clone());
+        tokio::spawn(async move { window.insert(&Scope::queue("q"), &id).await.unwrap() })
+    });
+    let admitted = futures::future::join_all(inserts)
+        .await
+        .into_iter()
+        .filter(|r| *r.as_ref().unwrap())
+        .count();
+    assert_eq!(admitted, 1);
+}
+
+async fn reservations_record_or_release<S: TestStore>() {
+    let window = DedupWindow::new(S::make().await);
+    let scope = Scope::queue("q");
+    let id = DedupId::new("job").unwrap();
+    let lease = Duration::from_secs(5);
+    let Reservation::Reserved { token } = window.reserve(&scope, &id, lease).await.unwrap() else {
+        panic!("free")
+    };
+    assert_eq!(
+        window.reserve(&scope, &id, lease).await.unwrap(),
+        Reservation::Pending
+    );
+    assert!(
+        !window.insert(&scope, &id).await.unwrap(),
+        "a reserved id is not new"
+    );
+    assert!(
+        !window.record(&scope, &id, token + 1, "x").await.unwrap(),
+        "not ours"
+    );
+    assert!(window.release(&scope, &id, token).await.unwrap());
+    let Reservation::Reserved { token } = window.reserve(&scope, &id, lease).await.unwrap() else {
+        panic!("released")
+    };
+    assert!(
+        window
+            .record(&scope, &id, token, "first-message")
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        window.reserve(&scope, &id, lease).await.unwrap(),
+        Reservation::Seen("first-message".into())
+    );
+    assert!(
+        !window.release(&scope, &id, token).await.unwrap(),
+        "recorded: nothing to release"
+    );
+}
+
+macro_rules! store_tests {
+    ($module:ident, $store:ty) => {
+        mod $module {
+            use super::*;
+
+            #[tokio::test]
+            async fn a_duplicate_inside_the_window_is_dropped_and_accepted_after_it() {
+                super::a_duplicate_inside_the_window_is_dropped_and_accepted_after_it::<$store>()
+                    .await
+            }
+            #[tokio::test]
+            async fn content_ids_match_equal_bodies_only() {
+                super::content_ids_match_equal_bodies_only::<$store>().await
+            }
+            #[tokio::test]
+            async fn concurrent_inserts_of_one_id_admit_one() {
+                super::concurrent_inserts_of_one_id_admit_one::<$store>().await
+            }
+            #[tokio::test]
+            async fn reservations_record_or_release() {
+                super::reservations_record_or_release::<$store>().await
+            }
+        }
+    };
+}
+
+store_tests!(memory, MemoryWindow);
+store_tests!(postgres, PostgresWindow);
+store_tests!(redis, RedisWindow);
+
+#[test]
+fn invalid_ids_are_rejected_with_a_clear_error() {
+    assert_eq!(DedupId::new(""), Err(InvalidDedupId::Empty));
+    assert_eq!(
+        DedupId::new("x".repeat(129)),
+        Err(InvalidDedupId::TooLong { len: 129 })
+    );
+    let error = DedupId::new("no spaces").unwrap_err();
+    assert!(error.to_string().contains("' '"), "{error}");
+    assert!(DedupId::new("tab\t").is_err());
+}
+
+#[tokio::test]
+async fn a_full_memory_window_refuses_rather_than_forgets() {
+    let window = DedupWindow::new(MemoryWindow::new(2)).window(Duration::from_millis(300));
+    let scope = Scope::queue("q");
+    let id = |n: u32| DedupId::new(format!("id-{n}")).unwrap();
+    assert!(window.insert(&scope, &id(1)).await.unwrap());
+    assert!(window.insert(&scope, &id(2)).await.unwrap());
+    let full = window.insert(&scope, &id(3)).await;
+    assert!(
+        matches!(full, Err(idempo::Error::WindowFull { capacity: 2 })),
+        "{full:?}"
+    );
+    assert!(
+        !window.insert(&scope, &id(1)).await.unwrap(),
+        "live ids are kept"
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(
+        window.insert(&scope, &id(3)).await.unwrap(),
+        "expired entries are evicted"
+    );
+    assert_eq!(window.store().len(), 1);
+}
+
+async fn publisher_test<S: TestStore + 'static>() {
+    let broker = Broker::connect().await;
+    let queue = unique("pub");
+    broker.declare(&queue).await;
+    let window = DedupWindow::new(S::make().await);
+    // Two publishers (two channels), eight tasks each, one dedup id.
+    let publishers = [
+        Arc::new(
+            DedupPublisher::new(&broker.connection, window.clone())
+                .await
+                .unwrap(),
+        ),
+        Arc::new(
+            DedupPublisher::new(&broker.connection, window.clone())
+                .await
+                .unwrap(),
+        ),
+    ];
+    let sends = (0..16).map(|n| {
+        let (publisher, queue) = (publishers[n % 2].clone(), queue.clone());
+        tokio::spawn(async move {
+            let message =
+                Outgoing::new(format!("payload {n}")).dedup_id(DedupId::new("order-9").unwrap());
+            publisher.publish("", &queue, message).await.unwrap()
+        })
+    });
+    let results: Vec<_> = futures::future::join_all(sends)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        results.iter().filter(|p| !p.duplicate).count(),
+        1,
+        "{results:?}"
+    );
+    assert!(
+        results
+            .iter()
+            .all(|p| p.message_id == results[0].message_id)
+    );
+    // Content-based: equal bodies are one message.
+    let a = publishers[0]
+        .publish("", &queue, Outgoing::new("same body"))
+        .await
+        .unwrap();
+    let b = publishers[1]
+        .publish("", &queue, Outgoing::new("same body"))
+        .await
+        .unwrap();
+    assert!(!a.duplicate && b.duplicate);
+    assert_eq!(a.message_id, b.message_id);
+    support::eventually_ready(&broker, &queue, 2).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        broker.ready(&queue).await,
+        2,
+        "exactly one message per id reached the queue"
+    );
+
+    // A publish that is not confirmed does not poison its id.
+    let nowhere = unique("missing");
+    let id = DedupId::new("retry-me").unwrap();
+    let failed = publishers[0]
+        .publish("", &nowhere, Outgoing::new("x").dedup_id(id.clone()))
+        .await;
+    assert!(
+        matches!(failed, Err(idempo::Error::PublishNotConfirmed(_))),
+        "{failed:?}"
+    );
+    broker.declare(&nowhere).await;
+    let sent = publishers[0]
+        .publish("", &nowhere, Outgoing::new("x").dedup_id(id))
+        .await
+        .unwrap();
+    assert!(!sent.duplicate, "the failed publish did not record the id");
+    support::eventually_ready(&broker, &nowhere, 1).await;
+}
+
+#[tokio::test]
+async fn concurrent_publishers_of_one_id_send_it_once_memory() {
+    publisher_test::<MemoryWindow>().await
+}
+
+#[tokio::test]
+async fn concurrent_publishers_of_one_id_send_it_once_postgres() {
+    publisher_test::<PostgresWindow>().await
+}
+
+#[tokio::test]
+async fn concurrent_publishers_of_one_id_send_it_once_redis() {
+    publisher_test::<RedisWindow>().await
+}
+
+/// Publishes `groups` x `per_group` messages, interleaved, with header
+/// `x-group-id` and a body `group:seq`; a consumer with concurrency 16 and
+/// random handler delays records the order it processed them in.
+async fn processing_order(groups: bool) -> Vec<(String, i64)> {
+    let (db, broker, queue) = support::setup().await;
+    sqlx::query("CREATE TABLE handled (n bigserial PRIMARY KEY, grp text, seq bigint)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let (group_count, per_group) = (6, 40);
+    for seq in 0..per_group {
+        for group in 0..group_count {
+            let body = format!("g{group}:{seq}");
+            broker
+                .publish_with_headers(
+                    &queue,
+                    &[("x-group-id", &format!("g{group}"))],
+                    body.as_bytes(),
+                )
+                .await;
+        }
+    }
+    let mut builder = Consumer::builder(amqp_url(), db.pool.clone())
+        .queue(&queue)
+        .message_id(idempo::amqp::MessageIdSource::ContentHash)
+        .concurrency(16)
+        .prefetch(100)
+        .retry(RetryPolicy::delayed([support::RETRY_DELAY]))
+        .handler(|tx, message: Message| async move {
+            let text = String::from_utf8(message.body().to_vec()).unwrap();
+            let (group, seq) = text.split_once(':').unwrap();
+            tokio::time::sleep(Duration::from_millis(fastrand::u64(0..8))).await;
+            let mut tx = tx.lock()?;
+            sqlx::query("INSERT INTO handled (grp, seq) VALUES ($1, $2)")
+                .bind(group)
+                .bind(seq.parse::<i64>().unwrap())
+                .execute(&mut *tx)
+                .await?;
+            Ok(())
+        });
+    if groups {
+        builder = builder.message_groups();
+    }
+    let running = Running::start(builder);
+    running.finish((group_count * per_group) as u64).await;
+    sqlx::query_as("SELECT grp, seq FROM handled ORDER BY n")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+fn out_of_order(handled: &[(String, i64)]) -> usize {
+    let mut last = std::collections::HashMap::new();
+    handled
+        .iter()
+        .filter(|(group, seq)| {
+            let previous = last.insert(group.clone(), *seq);
+            previous.is_some_and(|p| p > *seq)
+        })
+        .count()
+}
+
+#[tokio::test]
+async fn message_groups_keep_their_order_under_concurrency_16() {
+    let handled = processing_order(true).await;
+    assert_eq!(handled.len(), 240);
+    assert_eq!(out_of_order(&handled), 0, "each group in arrival order");
+    // And the groups ran side by side: not one group after the other.
+    let first_six: std::collections::HashSet<_> = handled[..12].iter().map(|(g, _)| g).collect();
+    assert!(
+        first_six.len() > 1,
+        "groups interleave: {:?}",
+        &handled[..12]
+    );
+}
+
+#[tokio::test]
+async fn without_groups_the_same_load_is_reordered() {
+    // The control for the test above: it can fail.
+    let handled = processing_order(false).await;
+    assert_eq!(handled.len(), 240);
+    assert!(
+        out_of_order(&handled) > 0,
+        "concurrency 16 reorders without groups"
+    );
+}
+
+#[tokio::test]
+async fn message_groups_and_batch_mode_are_refused_together() {
+    let db = Db::empty().await;
+    let built = Consumer::builder(amqp_url(), db.pool.clone())
+        .queue("q")
+        .batch(10)
+        .message_groups()
+        .handler(|_tx, _m: Message| async { Ok(()) })
+        .build();
+    assert!(matches!(built, Err(idempo::Error::Config(_))), "{built:?}");
+}
