@@ -606,7 +606,7 @@ impl GroupChains {
         let (done, finished) = oneshot::channel();
         let predecessor = self.last.insert(group, finished.shared());
         self.enqueued += 1;
-        if self.enqueued % 1024 == 0 {
+        if self.enqueued.is_multiple_of(1024) {
             // Forget groups whose last delivery is over.
             self.last.retain(|_, last| last.peek().is_none());
         }

@@ -203,7 +203,7 @@ impl<S: WindowStore> DedupPublisher<S> {
             .properties
             .headers()
             .clone()
-            .unwrap_or_else(FieldTable::default);
+            .unwrap_or_default();
         headers.insert(
             DEDUP_ID_HEADER.into(),
             AMQPValue::LongString(id.as_str().into()),
