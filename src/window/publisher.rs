@@ -4,7 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::types::{AMQPValue, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::Mutex;
 
