@@ -62,6 +62,15 @@ impl Tx {
         }
     }
 
+    /// A handle with no transaction behind it (a handler that touches no
+    /// database): `lock()` answers [`Error::TransactionFinished`](crate::Error::TransactionFinished).
+    #[cfg(feature = "window")]
+    pub(crate) fn detached() -> Self {
+        Tx {
+            inner: Arc::new(Mutex::new(None)),
+        }
+    }
+
     /// Locks the transaction for issuing statements; `&mut *guard` is a
     /// `&mut PgConnection`, which sqlx accepts as an executor.
     ///

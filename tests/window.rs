@@ -423,3 +423,70 @@ async fn message_groups_and_batch_mode_are_refused_together() {
         .build();
     assert!(matches!(built, Err(idempo::Error::Config(_))), "{built:?}");
 }
+
+#[tokio::test]
+async fn a_consumer_with_a_window_runs_each_id_once_within_the_window() {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    let (db, broker, queue) = support::setup().await;
+    let window = DedupWindow::new(RedisWindow::make().await).window(Duration::from_secs(2));
+    let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let seen = runs.clone();
+    let builder = Consumer::builder(amqp_url(), db.pool.clone())
+        .queue(&queue)
+        .concurrency(8)
+        .retry(RetryPolicy::delayed([support::RETRY_DELAY]))
+        .dedup_window(window)
+        .window_handler(move |message: Message| {
+            let seen = seen.clone();
+            async move {
+                let id = message.id().to_owned();
+                let attempt = {
+                    let mut seen = seen.lock().unwrap();
+                    let n = seen.entry(id.clone()).or_default();
+                    *n += 1;
+                    *n
+                };
+                // "flaky" fails its first attempt: the failure must not hide the retry.
+                if id == "flaky" && attempt == 1 {
+                    return Err(idempo::amqp::HandlerError::transient("first attempt fails"));
+                }
+                Ok(())
+            }
+        });
+    let running = Running::start(builder);
+    for id in ["a", "b", "a", "flaky", "a", "b"] {
+        broker.publish(&queue, Some(id), b"{}").await;
+    }
+    support::eventually("every id handled", Duration::from_secs(20), || async {
+        let runs = runs.lock().unwrap();
+        runs.get("a") == Some(&1) && runs.get("b") == Some(&1) && runs.get("flaky") == Some(&2)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        runs.lock().unwrap().get("a"),
+        Some(&1),
+        "duplicates within the window were dropped"
+    );
+    // After the window, the same id is new again (the weaker guarantee).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    broker.publish(&queue, Some("a"), b"{}").await;
+    support::eventually("a after the window", Duration::from_secs(20), || async {
+        runs.lock().unwrap().get("a") == Some(&2)
+    })
+    .await;
+    let stats = running.finish(7).await; // 4 processed + 3 duplicates (the failed attempt was retried)
+    assert_eq!(stats.duplicates, 3, "{stats:?}");
+}
+
+#[tokio::test]
+async fn a_window_needs_a_window_handler() {
+    let db = Db::empty().await;
+    let built = Consumer::builder(amqp_url(), db.pool.clone())
+        .queue("q")
+        .dedup_window(DedupWindow::new(MemoryWindow::new(10)))
+        .handler(|_tx, _m: Message| async { Ok(()) })
+        .build();
+    assert!(matches!(built, Err(idempo::Error::Config(_))), "{built:?}");
+}

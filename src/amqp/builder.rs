@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -52,6 +53,9 @@ pub struct ConsumerBuilder {
     batch_size: Option<usize>,
     batch_linger: Duration,
     group_header: Option<String>,
+    #[cfg(feature = "window")]
+    window: Option<Arc<dyn crate::window::ErasedWindow>>,
+    windowed_handler: bool,
     batch_handler: Option<BoxedBatchHandler>,
 }
 
@@ -90,6 +94,9 @@ impl ConsumerBuilder {
             batch_size: None,
             batch_linger: Duration::from_millis(5),
             group_header: None,
+            #[cfg(feature = "window")]
+            window: None,
+            windowed_handler: false,
             batch_handler: None,
         }
     }
@@ -222,6 +229,43 @@ impl ConsumerBuilder {
         self
     }
 
+    /// Deduplicates with a [`DedupWindow`](crate::window::DedupWindow) instead
+    /// of the PostgreSQL inbox (feature `window`), for handlers that touch no
+    /// database; set the handler with [`window_handler`](Self::window_handler).
+    ///
+    /// The guarantee is weaker, and only this: a copy of a message id that
+    /// arrives **within the window** after the first copy was processed is
+    /// acked without running the handler. The id is reserved while the
+    /// handler runs (a concurrent copy waits) and recorded after it
+    /// succeeded, so a failed attempt does not hide its retry; but recording
+    /// is not transactional with the handler's effects (a crash between the
+    /// two runs the redelivery again), and copies after the window pass.
+    /// Message groups scope ids per group.
+    #[cfg(feature = "window")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
+    pub fn dedup_window<S>(mut self, window: crate::window::DedupWindow<S>) -> Self
+    where
+        S: crate::window::WindowStore + fmt::Debug,
+    {
+        self.window = Some(Arc::new(window));
+        self
+    }
+
+    /// The handler of a consumer with a [`dedup_window`](Self::dedup_window):
+    /// `(M) -> impl Future<Output = Result<(), HandlerError>>`, with no
+    /// transaction. Errors, retries and dead letters work as with
+    /// [`handler`](Self::handler).
+    pub fn window_handler<M, F, Fut>(mut self, handler: F) -> Self
+    where
+        M: FromMessage,
+        F: Fn(M) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
+        self.handler = Some(handler::boxed(move |_tx: Tx, message: M| handler(message)));
+        self.windowed_handler = true;
+        self
+    }
+
     /// Turns on batch mode with batches of up to `size` deliveries (see the
     /// [batch mode](super#batch-mode) docs). With a per-message
     /// [`handler`](Self::handler), it runs over each fresh message of a batch
@@ -344,6 +388,28 @@ impl ConsumerBuilder {
             .connection_name
             .unwrap_or_else(|| format!("idempo:{consumer}:{}", std::process::id()));
         let stats = Stats::new(&consumer);
+        #[cfg(feature = "window")]
+        let window = self.window;
+        #[cfg(not(feature = "window"))]
+        let window: Option<()> = None;
+        match (window.is_some(), self.windowed_handler) {
+            (true, false) => {
+                return Err(Error::Config(
+                    "a consumer with a dedup window needs .window_handler(..): its handler gets no transaction".into(),
+                ));
+            }
+            (false, true) => {
+                return Err(Error::Config(
+                    ".window_handler(..) needs .dedup_window(..) (feature `window`)".into(),
+                ));
+            }
+            _ => {}
+        }
+        if window.is_some() && self.batch_size.is_some() {
+            return Err(Error::Config(
+                "a dedup window needs per-message mode: drop .batch(..)".into(),
+            ));
+        }
         if self.batch_size.is_some() && self.group_header.is_some() {
             return Err(Error::Config(
                 "message groups need per-message mode: drop .batch(..) or .message_groups()".into(),
@@ -390,6 +456,8 @@ impl ConsumerBuilder {
                 connection_name,
                 batch,
                 group_header: self.group_header,
+                #[cfg(feature = "window")]
+                window,
             },
             handler,
             shutdown: ShutdownHandle::default(),

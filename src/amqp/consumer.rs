@@ -133,6 +133,9 @@ pub(crate) struct Config {
     pub(crate) batch: Option<BatchMode>,
     /// The header whose value orders deliveries into groups.
     pub(crate) group_header: Option<String>,
+    /// Deduplicate with this window instead of the inbox.
+    #[cfg(feature = "window")]
+    pub(crate) window: Option<Arc<dyn crate::window::ErasedWindow>>,
 }
 
 /// Batch mode's settings (see [`ConsumerBuilder::batch`]).
@@ -429,6 +432,9 @@ impl Runtime {
             message_id: config.message_id.clone(),
             retry: config.retry.clone(),
             handler_timeout: config.handler_timeout,
+            group_header: config.group_header.clone(),
+            #[cfg(feature = "window")]
+            window: config.window.clone(),
             gate: self.gate.clone(),
             republisher,
             broken: broken.clone(),
@@ -616,12 +622,7 @@ impl GroupChains {
 
 /// The group id of a delivery: a string header.
 fn group_of(delivery: &lapin::message::Delivery, header: &str) -> Option<String> {
-    let headers = delivery.properties.headers().as_ref()?;
-    match headers.inner().get(header)? {
-        lapin::types::AMQPValue::LongString(s) => Some(s.to_string()),
-        lapin::types::AMQPValue::ShortString(s) => Some(s.to_string()),
-        _ => None,
-    }
+    super::headers::string_header(delivery.properties.headers().as_ref(), header)
 }
 
 /// What one spawned task processes.

@@ -63,6 +63,10 @@ pub(crate) struct Pipeline {
     pub(crate) message_id: MessageIdSource,
     pub(crate) retry: RetryPolicy,
     pub(crate) handler_timeout: Duration,
+    /// The header of message groups (ids in a window count per group).
+    pub(crate) group_header: Option<String>,
+    #[cfg(feature = "window")]
+    pub(crate) window: Option<Arc<dyn crate::window::ErasedWindow>>,
     pub(crate) gate: Arc<DatabaseGate>,
     /// Copies to delay queues and to the DLQ, confirmed before the ack.
     pub(crate) republisher: Republisher,
@@ -206,6 +210,10 @@ impl Pipeline {
             Ok(call) => call,
             Err(e) => return Pass::Done(undecodable(&e)),
         };
+        #[cfg(feature = "window")]
+        if let Some(window) = &self.window {
+            return Pass::Done(self.window_pass(&**window, call, message).await);
+        }
         let id = message.id();
         let mut tx = match self.pool.begin_with(BEGIN).await {
             Ok(tx) => tx,
@@ -266,6 +274,13 @@ impl Pipeline {
         tx: Transaction<'static, Postgres>,
     ) -> (HandlerRun, Option<Transaction<'static, Postgres>>) {
         let tx = Tx::new(tx);
+        let run = self.run_call(call, tx.clone()).await;
+        (run, tx.take())
+    }
+
+    /// Runs a handler call with `tx`, bounded by the handler timeout, with
+    /// panics caught.
+    async fn run_call(&self, call: PreparedCall, tx: Tx) -> HandlerRun {
         let started = std::time::Instant::now();
         let result = tokio::time::timeout(
             self.handler_timeout,
@@ -275,13 +290,73 @@ impl Pipeline {
         )
         .await;
         self.stats.handler_duration(started.elapsed());
-        let run = match result {
+        match result {
             Ok(Ok(Ok(()))) => HandlerRun::Done,
             Ok(Ok(Err(e))) => HandlerRun::Failed(e),
             Ok(Err(panic)) => HandlerRun::Panicked(panic_message(&*panic).to_owned()),
             Err(_) => HandlerRun::TimedOut,
+        }
+    }
+
+    /// Window mode: reserve the id in the window, run the handler without a
+    /// transaction, record the id after success or release it after a failure.
+    #[cfg(feature = "window")]
+    async fn window_pass(
+        &self,
+        window: &dyn crate::window::ErasedWindow,
+        call: PreparedCall,
+        message: &Message,
+    ) -> Outcome {
+        use crate::window::{Reservation, Scope};
+        let group = self
+            .group_header
+            .as_deref()
+            .and_then(|h| super::headers::string_header(message.headers(), h));
+        let scope = match group {
+            Some(group) => Scope::group(&self.queue, &group),
+            None => Scope::queue(&self.queue),
         };
-        (run, tx.take())
+        let key = scope.key_of(message.id());
+        // The reservation outlives the longest handler run.
+        let lease = self.handler_timeout + Duration::from_secs(5);
+        let deadline = tokio::time::Instant::now() + lease;
+        let token = loop {
+            match window.reserve(&key, lease).await {
+                Err(e) => return retry("the dedup window failed", e),
+                Ok(Reservation::Seen(_)) => return Outcome::Duplicate,
+                Ok(Reservation::Reserved { token }) => break token,
+                // A copy is being processed right now: wait for its outcome.
+                Ok(_) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(25)).await;
+                }
+                Ok(_) => return retry("the id stayed reserved by another copy", "in the window"),
+            }
+        };
+        let run = self.run_call(call, Tx::detached()).await;
+        let failed = !matches!(run, HandlerRun::Done);
+        if failed && let Err(e) = window.release(&key, token).await {
+            tracing::warn!(error = %e, "could not release the id in the dedup window");
+        }
+        match run {
+            HandlerRun::Done => {
+                match window.record(&key, token, message.id()).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!("the window reservation expired before it was recorded")
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not record the id in the dedup window")
+                    }
+                }
+                Outcome::Processed
+            }
+            HandlerRun::Failed(e) => handler_failed(e),
+            HandlerRun::Panicked(panic) => retry("handler panicked", panic),
+            HandlerRun::TimedOut => retry(
+                "handler timed out after",
+                format!("{:?}", self.handler_timeout),
+            ),
+        }
     }
 
     async fn commit(&self, mut tx: Transaction<'static, Postgres>, id: &str) -> Pass {

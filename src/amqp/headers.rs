@@ -2,7 +2,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use lapin::types::AMQPValue;
+use lapin::types::{AMQPValue, FieldTable};
 
 use super::Message;
 
@@ -132,6 +132,15 @@ pub(crate) fn rfc3339(t: SystemTime) -> String {
         rem % 60,
         since.subsec_millis()
     )
+}
+
+/// A header's value as text, if it is a string.
+pub(crate) fn string_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
+    match headers?.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(s.to_string()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

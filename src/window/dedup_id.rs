@@ -112,7 +112,13 @@ impl Scope {
     /// The store key of `id` in this scope. Lengths prefix the variable
     /// parts, so no queue or group name can forge another scope's key.
     pub fn key(&self, id: &DedupId) -> String {
-        format!("{}:{}", self.0, id.as_str())
+        self.key_of(id.as_str())
+    }
+
+    /// The store key of any id (the consumer's message ids follow the inbox's
+    /// rules, not SQS's).
+    pub(crate) fn key_of(&self, id: &str) -> String {
+        format!("{}:{id}", self.0)
     }
 }
 

@@ -122,3 +122,51 @@ impl<S: WindowStore> DedupWindow<S> {
         self.store.release(&scope.key(id), token).await
     }
 }
+
+/// A [`DedupWindow`] behind `dyn`, for the consumer runtime (which is not
+/// generic over the store).
+#[cfg(feature = "amqp")]
+pub(crate) trait ErasedWindow: Send + Sync + std::fmt::Debug {
+    fn reserve<'a>(
+        &'a self,
+        key: &'a str,
+        lease: Duration,
+    ) -> futures::future::BoxFuture<'a, Result<Reservation>>;
+    fn record<'a>(
+        &'a self,
+        key: &'a str,
+        token: i64,
+        value: &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<bool>>;
+    fn release<'a>(
+        &'a self,
+        key: &'a str,
+        token: i64,
+    ) -> futures::future::BoxFuture<'a, Result<bool>>;
+}
+
+#[cfg(feature = "amqp")]
+impl<S: WindowStore + std::fmt::Debug> ErasedWindow for DedupWindow<S> {
+    fn reserve<'a>(
+        &'a self,
+        key: &'a str,
+        lease: Duration,
+    ) -> futures::future::BoxFuture<'a, Result<Reservation>> {
+        Box::pin(self.store.reserve(key, lease))
+    }
+    fn record<'a>(
+        &'a self,
+        key: &'a str,
+        token: i64,
+        value: &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<bool>> {
+        Box::pin(self.store.record(key, token, value, self.window))
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a str,
+        token: i64,
+    ) -> futures::future::BoxFuture<'a, Result<bool>> {
+        Box::pin(self.store.release(key, token))
+    }
+}

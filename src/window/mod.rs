@@ -33,6 +33,8 @@ mod redis;
 mod store;
 
 pub use dedup_id::{DedupId, InvalidDedupId, MAX_DEDUP_ID_LEN, Scope};
+#[cfg(feature = "amqp")]
+pub(crate) use dedup_window::ErasedWindow;
 pub use dedup_window::{DEFAULT_WINDOW, DedupWindow};
 pub use memory::MemoryWindow;
 pub use postgres::PostgresWindow;

@@ -199,11 +199,7 @@ impl<S: WindowStore> DedupPublisher<S> {
             Some(known) => known.to_string(),
             None => format!("{:032x}", fastrand::u128(..)),
         };
-        let mut headers = message
-            .properties
-            .headers()
-            .clone()
-            .unwrap_or_default();
+        let mut headers = message.properties.headers().clone().unwrap_or_default();
         headers.insert(
             DEDUP_ID_HEADER.into(),
             AMQPValue::LongString(id.as_str().into()),
