@@ -2,7 +2,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -54,7 +53,7 @@ pub struct ConsumerBuilder {
     batch_linger: Duration,
     group_header: Option<String>,
     #[cfg(feature = "window")]
-    window: Option<Arc<dyn crate::window::ErasedWindow>>,
+    window: Option<std::sync::Arc<dyn crate::window::ErasedWindow>>,
     windowed_handler: bool,
     batch_handler: Option<BoxedBatchHandler>,
 }
@@ -247,7 +246,7 @@ impl ConsumerBuilder {
     where
         S: crate::window::WindowStore + fmt::Debug,
     {
-        self.window = Some(Arc::new(window));
+        self.window = Some(std::sync::Arc::new(window));
         self
     }
 

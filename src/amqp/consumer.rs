@@ -432,6 +432,7 @@ impl Runtime {
             message_id: config.message_id.clone(),
             retry: config.retry.clone(),
             handler_timeout: config.handler_timeout,
+            #[cfg(feature = "window")]
             group_header: config.group_header.clone(),
             #[cfg(feature = "window")]
             window: config.window.clone(),

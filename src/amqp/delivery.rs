@@ -64,6 +64,7 @@ pub(crate) struct Pipeline {
     pub(crate) retry: RetryPolicy,
     pub(crate) handler_timeout: Duration,
     /// The header of message groups (ids in a window count per group).
+    #[cfg(feature = "window")]
     pub(crate) group_header: Option<String>,
     #[cfg(feature = "window")]
     pub(crate) window: Option<Arc<dyn crate::window::ErasedWindow>>,
