@@ -14,7 +14,8 @@ use crate::Result;
 pub const MIGRATIONS_TABLE: &str = "_idempo_migrations";
 
 /// idempo's migrations (the `processed_messages` inbox table, and the
-/// `idempotency_keys` table of the `http` feature; tables of features you do
+/// `idempotency_keys` table of the `http` feature, the `dedup_window` table of
+/// the `window` feature; tables of features you do
 /// not use stay empty),
 /// recorded in [`MIGRATIONS_TABLE`].
 ///
