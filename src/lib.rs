@@ -64,6 +64,8 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(any(feature = "http", feature = "window"))]
+mod cleanup;
 mod error;
 pub mod inbox;
 mod migrate;

@@ -207,7 +207,7 @@ fn invalid_ids_are_rejected_with_a_clear_error() {
     assert!(DedupId::new("tab\t").is_err());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_full_memory_window_refuses_rather_than_forgets() {
     let window = DedupWindow::new(MemoryWindow::new(2)).window(Duration::from_millis(300));
     let scope = Scope::queue("q");
@@ -328,7 +328,8 @@ async fn concurrent_publishers_of_one_id_send_it_once_redis() {
 /// Publishes `groups` x `per_group` messages, interleaved, with header
 /// `x-group-id` and a body `group:seq`; a consumer with concurrency 16 and
 /// random handler delays records the order it processed them in.
-async fn processing_order(groups: bool) -> Vec<(String, i64)> {
+async fn processing_order(groups: bool) -> (Vec<(String, i64)>, usize) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let (db, broker, queue) = support::setup().await;
     sqlx::query("CREATE TABLE handled (n bigserial PRIMARY KEY, grp text, seq bigint)")
         .execute(&db.pool)
@@ -347,33 +348,41 @@ async fn processing_order(groups: bool) -> Vec<(String, i64)> {
                 .await;
         }
     }
+    let (running_now, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (now, peak) = (running_now.clone(), most.clone());
     let mut builder = Consumer::builder(amqp_url(), db.pool.clone())
         .queue(&queue)
         .message_id(idempo::amqp::MessageIdSource::ContentHash)
         .concurrency(16)
         .prefetch(100)
         .retry(RetryPolicy::delayed([support::RETRY_DELAY]))
-        .handler(|tx, message: Message| async move {
-            let text = String::from_utf8(message.body().to_vec()).unwrap();
-            let (group, seq) = text.split_once(':').unwrap();
-            tokio::time::sleep(Duration::from_millis(fastrand::u64(0..8))).await;
-            let mut tx = tx.lock()?;
-            sqlx::query("INSERT INTO handled (grp, seq) VALUES ($1, $2)")
-                .bind(group)
-                .bind(seq.parse::<i64>().unwrap())
-                .execute(&mut *tx)
-                .await?;
-            Ok(())
+        .handler(move |tx, message: Message| {
+            let (now, peak) = (now.clone(), peak.clone());
+            async move {
+                let text = String::from_utf8(message.body().to_vec()).unwrap();
+                let (group, seq) = text.split_once(':').unwrap();
+                peak.fetch_max(now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(0..8))).await;
+                now.fetch_sub(1, Ordering::SeqCst);
+                let mut tx = tx.lock()?;
+                sqlx::query("INSERT INTO handled (grp, seq) VALUES ($1, $2)")
+                    .bind(group)
+                    .bind(seq.parse::<i64>().unwrap())
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(())
+            }
         });
     if groups {
         builder = builder.message_groups();
     }
     let running = Running::start(builder);
     running.finish((group_count * per_group) as u64).await;
-    sqlx::query_as("SELECT grp, seq FROM handled ORDER BY n")
+    let handled = sqlx::query_as("SELECT grp, seq FROM handled ORDER BY n")
         .fetch_all(&db.pool)
         .await
-        .unwrap()
+        .unwrap();
+    (handled, most.load(Ordering::SeqCst))
 }
 
 fn out_of_order(handled: &[(String, i64)]) -> usize {
@@ -389,22 +398,24 @@ fn out_of_order(handled: &[(String, i64)]) -> usize {
 
 #[tokio::test]
 async fn message_groups_keep_their_order_under_concurrency_16() {
-    let handled = processing_order(true).await;
+    let (handled, most_at_once) = processing_order(true).await;
     assert_eq!(handled.len(), 240);
     assert_eq!(out_of_order(&handled), 0, "each group in arrival order");
-    // And the groups ran side by side: not one group after the other.
-    let first_six: std::collections::HashSet<_> = handled[..12].iter().map(|(g, _)| g).collect();
+    // And the six groups ran side by side, never more than one handler each.
     assert!(
-        first_six.len() > 1,
-        "groups interleave: {:?}",
-        &handled[..12]
+        most_at_once > 1,
+        "groups run in parallel: at most {most_at_once} at once"
+    );
+    assert!(
+        most_at_once <= 6,
+        "one at a time per group: {most_at_once} at once"
     );
 }
 
 #[tokio::test]
 async fn without_groups_the_same_load_is_reordered() {
     // The control for the test above: it can fail.
-    let handled = processing_order(false).await;
+    let (handled, _) = processing_order(false).await;
     assert_eq!(handled.len(), 240);
     assert!(
         out_of_order(&handled) > 0,
@@ -429,7 +440,7 @@ async fn a_consumer_with_a_window_runs_each_id_once_within_the_window() {
     use std::collections::HashMap;
     use std::sync::Mutex;
     let (db, broker, queue) = support::setup().await;
-    let window = DedupWindow::new(RedisWindow::make().await).window(Duration::from_secs(2));
+    let window = DedupWindow::new(RedisWindow::make().await).window(Duration::from_secs(4));
     let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     let seen = runs.clone();
     let builder = Consumer::builder(amqp_url(), db.pool.clone())
@@ -463,21 +474,30 @@ async fn a_consumer_with_a_window_runs_each_id_once_within_the_window() {
         runs.get("a") == Some(&1) && runs.get("b") == Some(&1) && runs.get("flaky") == Some(&2)
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The same id with another body is a reused id: dead-lettered, not run.
+    broker.publish(&queue, Some("a"), br#"{"other": 1}"#).await;
+    support::eventually(
+        "the reused id dead-lettered",
+        Duration::from_secs(20),
+        || async { running.stats().dead_lettered == 1 },
+    )
+    .await;
     assert_eq!(
         runs.lock().unwrap().get("a"),
         Some(&1),
         "duplicates within the window were dropped"
     );
     // After the window, the same id is new again (the weaker guarantee).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
     broker.publish(&queue, Some("a"), b"{}").await;
     support::eventually("a after the window", Duration::from_secs(20), || async {
         runs.lock().unwrap().get("a") == Some(&2)
     })
     .await;
-    let stats = running.finish(7).await; // 4 processed + 3 duplicates (the failed attempt was retried)
+    // 4 processed + 3 duplicates + 1 dead letter (the failed attempt was retried)
+    let stats = running.finish(8).await;
     assert_eq!(stats.duplicates, 3, "{stats:?}");
+    assert_eq!(broker.drain(&format!("{queue}.dlq")).await.len(), 1);
 }
 
 #[tokio::test]

@@ -225,6 +225,7 @@ impl ConsumerBuilder {
         Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
     {
         self.handler = Some(handler::boxed(handler));
+        self.windowed_handler = false;
         self
     }
 
@@ -239,7 +240,11 @@ impl ConsumerBuilder {
     /// succeeded, so a failed attempt does not hide its retry; but recording
     /// is not transactional with the handler's effects (a crash between the
     /// two runs the redelivery again), and copies after the window pass.
-    /// Message groups scope ids per group.
+    /// Message groups scope ids per group. The body's hash is recorded with
+    /// the id, so an id reused with another body is dead-lettered, as with
+    /// the inbox. A store that fails is a transient failure: the delivery is
+    /// retried through the delay queues and uses an attempt (unlike a
+    /// database outage with the inbox, which waits at the gate).
     #[cfg(feature = "window")]
     #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
     pub fn dedup_window<S>(mut self, window: crate::window::DedupWindow<S>) -> Self
@@ -284,8 +289,11 @@ impl ConsumerBuilder {
     ///
     /// A delivery that fails is retried through a delay queue and so leaves
     /// its place in the group (the group does not block behind it, unlike
-    /// SQS); a delivery waiting for its group holds one of the concurrency
-    /// slots. Not available with [`batch`](Self::batch).
+    /// SQS). A delivery takes a concurrency slot only once its predecessor is
+    /// done, so a busy group cannot starve the others. If a predecessor is
+    /// abandoned (shutdown, a lost channel), the rest of its group is left
+    /// unacked too and comes back in order with the redelivery. Not
+    /// available with [`batch`](Self::batch).
     pub fn message_groups(self) -> Self {
         self.message_groups_by("x-group-id")
     }

@@ -508,31 +508,59 @@ impl Runtime {
                     Work::Batch(mode.handler.clone(), batch)
                 }
             };
-            // Wait for a free slot (a handler, or one of the batches in
-            // flight); work that never gets one is left unacked.
-            let permit = tokio::select! {
-                biased;
-                () = self.shutdown.graceful.cancelled() => break SessionEnd::Shutdown,
-                permit = self.permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
-            };
             // In a group, wait for the delivery that arrived before this one.
             let (predecessor, done) = match (&batch, &config.group_header) {
                 (Work::One(delivery), Some(header)) => match group_of(delivery, header) {
-                    Some(group) => self.groups.enqueue(group),
+                    Some(group) => {
+                        let (predecessor, done) = self.groups.enqueue(group);
+                        (predecessor, Some(done))
+                    }
                     None => (None, None),
                 },
                 _ => (None, None),
             };
+            // Wait for a free slot (a handler, or one of the batches in
+            // flight); work that never gets one is left unacked. A grouped
+            // delivery takes its slot only once its predecessor is done, so
+            // a busy group never holds slots the other groups need.
+            let permit = if done.is_some() {
+                None
+            } else {
+                tokio::select! {
+                    biased;
+                    () = self.shutdown.graceful.cancelled() => break SessionEnd::Shutdown,
+                    permit = self.permits.clone().acquire_owned() => Some(permit.expect("the semaphore is never closed")),
+                }
+            };
+            let (permits, shutdown) = (self.permits.clone(), self.shutdown.graceful.clone());
             let pipeline = pipeline.clone();
             self.tasks.spawn(async move {
-                if let Some(predecessor) = predecessor {
-                    let _ = predecessor.await; // done or dropped: either way it is over
+                let mut permit = permit;
+                if done.is_some() {
+                    // The predecessor must have settled: if it was abandoned
+                    // (shutdown, a lost channel, a panic), running this one
+                    // would overtake its redelivery. Leave it unacked: the
+                    // channel that is going away hands it back in order.
+                    let settled = match predecessor {
+                        Some(predecessor) => matches!(predecessor.await, Ok(true)),
+                        None => true,
+                    };
+                    if !settled || shutdown.is_cancelled() {
+                        return; // `done` drops unsent: the group's next one abandons too
+                    }
+                    let slot = tokio::select! {
+                        biased;
+                        () = shutdown.cancelled() => return,
+                        slot = permits.acquire_owned() => slot.expect("the semaphore is never closed"),
+                    };
+                    permit = Some(slot);
                 }
                 let work = async {
                     match batch {
                         Work::One(delivery) => pipeline.clone().run(*delivery).await,
                         Work::Batch(handler, deliveries) => {
-                            pipeline.clone().run_batch(&handler, deliveries).await
+                            pipeline.clone().run_batch(&handler, deliveries).await;
+                            "batch"
                         }
                     }
                 };
@@ -540,11 +568,17 @@ impl Runtime {
                 // FromMessage impl) leaves deliveries unsettled; in batch mode
                 // it would also stall the coalesced acks. Reconnecting hands
                 // them all back.
-                if AssertUnwindSafe(work).catch_unwind().await.is_err() {
-                    tracing::error!("a delivery task panicked outside the handler; reconnecting");
-                    pipeline.broken.cancel();
+                match AssertUnwindSafe(work).catch_unwind().await {
+                    Ok(outcome) => {
+                        if let Some(done) = done {
+                            let _ = done.send(outcome != "abandoned");
+                        }
+                    }
+                    Err(_) => {
+                        tracing::error!("a delivery task panicked outside the handler; reconnecting");
+                        pipeline.broken.cancel();
+                    }
                 }
-                drop(done);
                 drop(permit);
             });
         };
@@ -593,31 +627,34 @@ impl Runtime {
 
 /// Per message group, the completion of the delivery that arrived last:
 /// the next delivery of the group waits for it, so a group runs one at a
-/// time in arrival order while groups run in parallel.
+/// time in arrival order while groups run in parallel. The completion says
+/// whether that delivery settled (`true`) or was abandoned.
 #[derive(Default)]
 struct GroupChains {
-    last: std::collections::HashMap<String, Shared<oneshot::Receiver<()>>>,
+    last: std::collections::HashMap<String, Shared<oneshot::Receiver<bool>>>,
     enqueued: usize,
 }
 
 impl GroupChains {
-    /// The predecessor to wait for, and the sender whose drop releases the
-    /// next delivery of the group.
+    /// The predecessor to wait for, and the sender that reports this
+    /// delivery's end to the group's next one.
     fn enqueue(
         &mut self,
         group: String,
     ) -> (
-        Option<Shared<oneshot::Receiver<()>>>,
-        Option<oneshot::Sender<()>>,
+        Option<Shared<oneshot::Receiver<bool>>>,
+        oneshot::Sender<bool>,
     ) {
         let (done, finished) = oneshot::channel();
         let predecessor = self.last.insert(group, finished.shared());
         self.enqueued += 1;
         if self.enqueued.is_multiple_of(1024) {
-            // Forget groups whose last delivery is over.
-            self.last.retain(|_, last| last.peek().is_none());
+            // Forget groups whose last delivery is over. Polling a clone is
+            // what completes a `Shared` (peek alone never would here).
+            self.last
+                .retain(|_, last| last.clone().now_or_never().is_none());
         }
-        (predecessor, Some(done))
+        (predecessor, done)
     }
 }
 

@@ -133,11 +133,12 @@ enum Pass {
 
 impl Pipeline {
     /// Processes one delivery to its end, inside a span that records its outcome.
-    pub(crate) async fn run(self: Arc<Self>, delivery: lapin::message::Delivery) {
+    /// Returns how it was settled (`"abandoned"` when it was left unacked).
+    pub(crate) async fn run(self: Arc<Self>, delivery: lapin::message::Delivery) -> &'static str {
         self.stats.incr(Counter::Deliveries);
         let acker = delivery.acker.clone();
         let message = Message::from_delivery(delivery);
-        self.run_message(acker, message).await;
+        self.run_message(acker, message).await
     }
 
     /// The per-message path for a delivery already received (also a batch's
@@ -183,7 +184,7 @@ impl Pipeline {
     /// database outages need; says how to settle the delivery.
     async fn decide(&self, message: &Message, acker: &Acker) -> Outcome {
         for _ in 1..MAX_DATABASE_PASSES {
-            match self.pass(message).await {
+            match self.pass(message, acker).await {
                 Pass::Done(outcome) => return outcome,
                 Pass::DatabaseDown(error) => {
                     self.gate.report_down(&error);
@@ -197,7 +198,7 @@ impl Pipeline {
                 }
             }
         }
-        match self.pass(message).await {
+        match self.pass(message, acker).await {
             Pass::Done(outcome) => outcome,
             Pass::DatabaseDown(error) => {
                 retry("connection errors although the database answers", error)
@@ -205,7 +206,8 @@ impl Pipeline {
         }
     }
 
-    async fn pass(&self, message: &Message) -> Pass {
+    #[cfg_attr(not(feature = "window"), allow(unused_variables))]
+    async fn pass(&self, message: &Message, acker: &Acker) -> Pass {
         // Decode before touching the database: a bad body is final.
         let call = match (self.handler)(message.clone()) {
             Ok(call) => call,
@@ -213,7 +215,7 @@ impl Pipeline {
         };
         #[cfg(feature = "window")]
         if let Some(window) = &self.window {
-            return Pass::Done(self.window_pass(&**window, call, message).await);
+            return Pass::Done(self.window_pass(&**window, call, message, acker).await);
         }
         let id = message.id();
         let mut tx = match self.pool.begin_with(BEGIN).await {
@@ -307,6 +309,7 @@ impl Pipeline {
         window: &dyn crate::window::ErasedWindow,
         call: PreparedCall,
         message: &Message,
+        acker: &Acker,
     ) -> Outcome {
         use crate::window::{Reservation, Scope};
         let group = self
@@ -318,17 +321,30 @@ impl Pipeline {
             None => Scope::queue(&self.queue),
         };
         let key = scope.key_of(message.id());
-        // The reservation outlives the longest handler run.
-        let lease = self.handler_timeout + Duration::from_secs(5);
+        // Recorded with the id, so a reused id with another body is caught.
+        let body_hash = crate::window::DedupId::content(message.body());
+        // The reservation outlives the longest handler run (bounded, so that
+        // a huge handler timeout cannot overflow the clock).
+        let lease = self
+            .handler_timeout
+            .saturating_add(Duration::from_secs(5))
+            .min(Duration::from_secs(24 * 60 * 60));
         let deadline = tokio::time::Instant::now() + lease;
         let token = loop {
             match window.reserve(&key, lease).await {
                 Err(e) => return retry("the dedup window failed", e),
-                Ok(Reservation::Seen(_)) => return Outcome::Duplicate,
+                Ok(Reservation::Seen(seen)) if seen == body_hash.as_str() => {
+                    return Outcome::Duplicate;
+                }
+                Ok(Reservation::Seen(_)) => return self.mismatch(message),
                 Ok(Reservation::Reserved { token }) => break token,
                 // A copy is being processed right now: wait for its outcome.
                 Ok(_) if tokio::time::Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(25)).await;
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis(25)) => {}
+                        () = self.shutdown.cancelled() => return Outcome::Abandoned,
+                        () = channel_closed(acker) => return Outcome::Abandoned,
+                    }
                 }
                 Ok(_) => return retry("the id stayed reserved by another copy", "in the window"),
             }
@@ -340,7 +356,7 @@ impl Pipeline {
         }
         match run {
             HandlerRun::Done => {
-                match window.record(&key, token, message.id()).await {
+                match window.record(&key, token, body_hash.as_str()).await {
                     Ok(true) => {}
                     Ok(false) => {
                         tracing::warn!("the window reservation expired before it was recorded")

@@ -134,13 +134,24 @@ pub(crate) fn rfc3339(t: SystemTime) -> String {
     )
 }
 
-/// A header's value as text, if it is a string.
+/// A header's value as text: a string, an integer, or UTF-8 bytes.
 pub(crate) fn string_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
-    match headers?.inner().get(name)? {
-        AMQPValue::LongString(s) => Some(s.to_string()),
-        AMQPValue::ShortString(s) => Some(s.to_string()),
-        _ => None,
-    }
+    Some(match headers?.inner().get(name)? {
+        AMQPValue::LongString(s) => s.to_string(),
+        AMQPValue::ShortString(s) => s.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        AMQPValue::ByteArray(bytes) => String::from_utf8(bytes.as_slice().to_vec()).ok()?,
+        other => {
+            tracing::warn!(header = name, value = ?other, "a header that is neither text nor a number is ignored");
+            return None;
+        }
+    })
 }
 
 #[cfg(test)]

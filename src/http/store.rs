@@ -128,27 +128,10 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 /// Errors are logged and the loop goes on: a store that is down is retried
 /// at the next tick.
 pub async fn run_cleanup<St: IdempotencyStore>(store: St, every: Duration) {
-    const BATCH: usize = 1_000;
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        loop {
-            match store.delete_expired(BATCH).await {
-                Ok(n) if n as usize == BATCH => continue,
-                Ok(n) => {
-                    if n > 0 {
-                        tracing::debug!(deleted = n, "expired idempotency records deleted");
-                    }
-                    break;
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "deleting expired idempotency records failed");
-                    break;
-                }
-            }
-        }
-    }
+    crate::cleanup::delete_expired_forever("idempotency records", every, |n| {
+        store.delete_expired(n)
+    })
+    .await
 }
 
 impl<T: IdempotencyStore> IdempotencyStore for std::sync::Arc<T> {

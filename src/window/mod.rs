@@ -44,4 +44,4 @@ pub use publisher::{DEDUP_ID_HEADER, DedupPublisher, GROUP_ID_HEADER, Outgoing, 
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisWindow;
-pub use store::{Reservation, WindowStore};
+pub use store::{Reservation, WindowStore, run_cleanup};

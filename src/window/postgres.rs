@@ -13,7 +13,8 @@ use crate::Result;
 /// same statement (`ON CONFLICT DO UPDATE ... WHERE expires_at <= now`), so
 /// the primary key serializes concurrent inserts of one id. Durable and
 /// shared; slower than Redis. Expired rows stay until
-/// [`delete_expired`](WindowStore::delete_expired) removes them.
+/// [`delete_expired`](WindowStore::delete_expired) removes them: spawn
+/// [`run_cleanup`](super::run_cleanup).
 #[derive(Debug, Clone)]
 pub struct PostgresWindow {
     pool: PgPool,

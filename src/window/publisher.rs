@@ -82,8 +82,10 @@ pub struct Published {
 /// does not poison the id, and a concurrent publish of the same id waits for
 /// the first to settle (then returns its message id, or publishes itself if
 /// the first failed). A process that dies between the confirm and the record
-/// leaves a reservation that expires after its lease (30 s); a retry after
-/// that publishes again: the window is at-least-once at that point.
+/// leaves a reservation that expires after its lease (70 s); a retry after
+/// that publishes again: the window is at-least-once at that point. So does a
+/// publish whose confirm never came (the broker may hold it): it returns an
+/// error but keeps the id reserved for the lease.
 pub struct DedupPublisher<S> {
     channel: Mutex<Channel>,
     window: DedupWindow<S>,
@@ -112,7 +114,9 @@ impl<S: WindowStore> DedupPublisher<S> {
         Ok(DedupPublisher {
             channel: Mutex::new(channel),
             window,
-            lease: Duration::from_secs(30),
+            // Outlasts the slowest path from reserving to recording: the wait
+            // for the channel and the confirm are both inside confirm_timeout.
+            lease: Duration::from_secs(70),
             confirm_timeout: Duration::from_secs(30),
         })
     }
@@ -123,9 +127,11 @@ impl<S: WindowStore> DedupPublisher<S> {
     /// and routing key, and the group if any).
     ///
     /// # Errors
-    /// [`Error::PublishNotConfirmed`] when the broker nacked the message,
-    /// returned it as unroutable or did not confirm in 30 s (the id is
-    /// released: publishing again is safe); the store's error.
+    /// [`Error::PublishNotConfirmed`] when the broker nacked the message or
+    /// returned it as unroutable (the id is released: publishing again is
+    /// safe), or did not confirm within 30 s (the outcome is unknown: the id
+    /// stays reserved for its lease); [`Error::Amqp`] when the channel
+    /// failed (outcome unknown too); the store's error.
     pub async fn publish(
         &self,
         exchange: &str,
@@ -136,10 +142,11 @@ impl<S: WindowStore> DedupPublisher<S> {
             .dedup_id
             .clone()
             .unwrap_or_else(|| DedupId::content(&message.body));
+        // The exchange's length keeps ("", "a/b") and ("a", "b") apart.
         let destination = if exchange.is_empty() {
             routing_key.to_owned()
         } else {
-            format!("{exchange}/{routing_key}")
+            format!("{}:{exchange}/{routing_key}", exchange.len())
         };
         let scope = match &message.group {
             Some(group) => Scope::group(&destination, group),
@@ -167,15 +174,27 @@ impl<S: WindowStore> DedupPublisher<S> {
                     let sent = self.send(exchange, routing_key, &message, &id).await;
                     return match sent {
                         Ok(message_id) => {
-                            if !self.window.record(&scope, &id, token, &message_id).await? {
-                                tracing::warn!(%id, "the reservation expired before the publish was recorded");
+                            // The message is out: a failure to record is logged,
+                            // not returned (the caller would publish it again).
+                            match self.window.record(&scope, &id, token, &message_id).await {
+                                Ok(true) => {}
+                                Ok(false) => {
+                                    tracing::warn!(%id, "the reservation expired before the publish was recorded")
+                                }
+                                Err(e) => {
+                                    tracing::warn!(%id, error = %e, "the publish could not be recorded in the window")
+                                }
                             }
                             Ok(Published {
                                 message_id,
                                 duplicate: false,
                             })
                         }
-                        Err(error) => {
+                        // No confirm: the broker may hold the message. Keep the
+                        // reservation (it expires with its lease) rather than let
+                        // a retry publish a second copy at once.
+                        Err(Sent::Unknown(error)) => Err(error),
+                        Err(Sent::No(error)) => {
                             if let Err(e) = self.window.release(&scope, &id, token).await {
                                 tracing::warn!(%id, error = %e, "could not release the dedup id");
                             }
@@ -194,7 +213,7 @@ impl<S: WindowStore> DedupPublisher<S> {
         routing_key: &str,
         message: &Outgoing,
         id: &DedupId,
-    ) -> Result<String> {
+    ) -> std::result::Result<String, Sent> {
         let message_id = match &message.properties.message_id() {
             Some(known) => known.to_string(),
             None => format!("{:032x}", fastrand::u128(..)),
@@ -215,8 +234,8 @@ impl<S: WindowStore> DedupPublisher<S> {
             .clone()
             .with_message_id(ShortString::from(message_id.clone()))
             .with_headers(headers);
-        let channel = self.channel.lock().await;
         let confirm = async {
+            let channel = self.channel.lock().await;
             channel
                 .basic_publish(
                     exchange.into(),
@@ -232,20 +251,31 @@ impl<S: WindowStore> DedupPublisher<S> {
                 .await
         };
         let confirm = match tokio::time::timeout(self.confirm_timeout, confirm).await {
-            Ok(confirm) => confirm?,
+            Ok(Ok(confirm)) => confirm,
+            Ok(Err(e)) => return Err(Sent::Unknown(e.into())),
             Err(_) => {
-                return Err(Error::PublishNotConfirmed(format!(
-                    "no confirm within {:?}",
+                return Err(Sent::Unknown(Error::PublishNotConfirmed(format!(
+                    "no confirm within {:?}; the outcome is unknown and the id stays reserved for its lease",
                     self.confirm_timeout
-                )));
+                ))));
             }
         };
         match confirm {
             lapin::Confirmation::Ack(None) => Ok(message_id),
-            lapin::Confirmation::Ack(Some(_)) => Err(Error::PublishNotConfirmed(format!(
-                "unroutable: no queue bound for {routing_key:?} on {exchange:?}"
+            lapin::Confirmation::Ack(Some(_)) => Err(Sent::No(Error::PublishNotConfirmed(
+                format!("unroutable: no queue bound for {routing_key:?} on {exchange:?}"),
             ))),
-            _ => Err(Error::PublishNotConfirmed("nacked by the broker".into())),
+            _ => Err(Sent::No(Error::PublishNotConfirmed(
+                "nacked by the broker".into(),
+            ))),
         }
     }
+}
+
+/// Why a publish did not go out, and whether that is certain.
+enum Sent {
+    /// Certainly not delivered (nacked, returned): the id can be released.
+    No(Error),
+    /// Perhaps delivered (no confirm, a channel error): keep the id reserved.
+    Unknown(Error),
 }

@@ -15,6 +15,8 @@ use crate::{Error, Result};
 /// pending marker with the lease as its expiry; recording and releasing it
 /// are Lua scripts that check the marker first.
 ///
+/// Needs Redis 7.0 or later (`SET` with both `NX` and `GET`).
+///
 /// Fast and shared; what survives a restart depends on the server's
 /// persistence (with none, every id is forgotten and duplicates that arrive
 /// after the restart pass).

@@ -65,6 +65,17 @@ pub trait WindowStore: Send + Sync + 'static {
     fn delete_expired(&self, limit: usize) -> impl Future<Output = Result<u64>> + Send;
 }
 
+/// Deletes expired entries every `every`, in batches of 1,000, forever (the
+/// PostgreSQL window keeps expired rows until then). Spawn it once per store:
+/// `tokio::spawn(run_cleanup(PostgresWindow::new(pool), Duration::from_secs(60)))`.
+/// Errors are logged and retried at the next tick.
+pub async fn run_cleanup<S: WindowStore>(store: S, every: Duration) {
+    crate::cleanup::delete_expired_forever("dedup window entries", every, |n| {
+        store.delete_expired(n)
+    })
+    .await
+}
+
 impl<T: WindowStore> WindowStore for std::sync::Arc<T> {
     fn insert(
         &self,

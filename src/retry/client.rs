@@ -1,0 +1,228 @@
+//! [`RetryingClient`]: reqwest with retries that keep one `Idempotency-Key`.
+
+use std::fmt;
+use std::time::SystemTime;
+
+use reqwest::header::{HeaderValue, RETRY_AFTER};
+use reqwest::{Client, Request, Response};
+
+use super::policy::{RetryPolicy, parse_retry_after};
+use super::run::{Attempt, RetryError, retry_with};
+
+/// The header the key travels in.
+pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+
+/// A fresh random (version 4) UUID, e.g. for an `Idempotency-Key`.
+pub fn new_key() -> String {
+    let mut bytes = fastrand::u128(..).to_be_bytes();
+    bytes[6] = (bytes[6] & 0x0f) | 0x40; // version 4
+    bytes[8] = (bytes[8] & 0x3f) | 0x80; // RFC 4122 variant
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// A response after retries.
+#[derive(Debug)]
+pub struct Retried {
+    /// The last response: a success, a status that is not retried, or the
+    /// last retryable one when the retries ran out.
+    pub response: Response,
+    /// Attempts made.
+    pub attempts: u32,
+    /// The `Idempotency-Key` sent with every attempt.
+    pub key: String,
+}
+
+/// What ended an attempt that is retried.
+#[derive(Debug)]
+enum Failure {
+    Status(Response),
+    Transport(reqwest::Error),
+}
+
+/// reqwest with retries per a [`RetryPolicy`], sending the **same**
+/// `Idempotency-Key` on every attempt, so that an idempotent server executes
+/// the request once however many attempts reach it.
+///
+/// Retried: network errors (connect, timeout, a connection that broke before
+/// the answer), the policy's statuses (408, 409, 429, 5xx by default), with
+/// the server's `Retry-After` honoured (seconds or HTTP-date, capped by the
+/// max delay). Other statuses return at once.
+///
+/// ```no_run
+/// # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
+/// use idempo::retry::{RetryPolicy, RetryingClient};
+///
+/// let client = RetryingClient::new(reqwest::Client::new(), RetryPolicy::new());
+/// let request = reqwest::Client::new()
+///     .post("http://127.0.0.1:3000/payments")
+///     .header("content-type", "application/json")
+///     .body(r#"{"account": "acc-1", "amount_cents": 500}"#)
+///     .build()?;
+/// let retried = client.send(request).await?;
+/// println!("{} after {} attempt(s), key {}", retried.response.status(), retried.attempts, retried.key);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RetryingClient {
+    client: Client,
+    policy: RetryPolicy,
+}
+
+impl fmt::Debug for RetryingClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryingClient")
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RetryingClient {
+    /// Wraps `client`.
+    pub fn new(client: Client, policy: RetryPolicy) -> Self {
+        RetryingClient { client, policy }
+    }
+
+    /// Sends `request` with a fresh key ([`new_key`]), or the key it already
+    /// carries in `Idempotency-Key`.
+    ///
+    /// # Errors
+    /// See [`send_with_key`](Self::send_with_key).
+    pub async fn send(&self, request: Request) -> Result<Retried, RetryError<reqwest::Error>> {
+        let key = request
+            .headers()
+            .get(IDEMPOTENCY_KEY)
+            .and_then(|v| v.to_str().ok())
+            .map_or_else(new_key, str::to_owned);
+        self.send_with_key(request, &key).await
+    }
+
+    /// Sends `request` with `key` on every attempt (for example
+    /// [`saga::idempotency_key`](crate#feature-flags)).
+    ///
+    /// A request whose body cannot be cloned (a stream) is sent once.
+    ///
+    /// # Errors
+    /// [`RetryError`] with the last transport error and the attempt count
+    /// when no response came; when retries run out on a retryable *status*,
+    /// that response is returned as `Ok`.
+    pub async fn send_with_key(
+        &self,
+        mut request: Request,
+        key: &str,
+    ) -> Result<Retried, RetryError<reqwest::Error>> {
+        let value = HeaderValue::from_str(key).map_err(|_| RetryError::Permanent {
+            error: invalid_key(&self.client),
+            attempts: 0,
+        })?;
+        request.headers_mut().insert(IDEMPOTENCY_KEY, value);
+        let cloneable = request.try_clone().is_some();
+        let mut original = Some(request);
+        let policy = if cloneable {
+            self.policy.clone()
+        } else {
+            self.policy.clone().max_retries(0)
+        };
+        let outcome = retry_with(&policy, |_attempt| {
+            let request = match original.as_ref().and_then(Request::try_clone) {
+                Some(copy) => copy,
+                None => original.take().expect("sent once when not cloneable"),
+            };
+            let client = self.client.clone();
+            let policy = &self.policy;
+            async move {
+                match client.execute(request).await {
+                    Ok(response) if policy.is_retryable(response.status().as_u16()) => {
+                        let after = response
+                            .headers()
+                            .get(RETRY_AFTER)
+                            .and_then(|v| v.to_str().ok())
+                            .and_then(|v| parse_retry_after(v, SystemTime::now()));
+                        Attempt::Retry {
+                            error: Failure::Status(response),
+                            after,
+                        }
+                    }
+                    Ok(response) => Attempt::Done(response),
+                    Err(error) if error.is_builder() => Attempt::Fail(Failure::Transport(error)),
+                    Err(error) => Attempt::Retry {
+                        error: Failure::Transport(error),
+                        after: None,
+                    },
+                }
+            }
+        })
+        .await;
+        let key = key.to_owned();
+        match outcome {
+            Ok((response, attempts)) => Ok(Retried {
+                response,
+                attempts,
+                key,
+            }),
+            Err(RetryError::Exhausted { last: Failure::Status(response), attempts })
+            | Err(RetryError::Deadline { last: Some(Failure::Status(response)), attempts }) => {
+                Ok(Retried {
+                    response,
+                    attempts,
+                    key,
+                })
+            }
+            Err(error) => Err(transport_only(error)),
+        }
+    }
+}
+
+/// Narrows the loop's error to reqwest's (responses were handled above).
+fn transport_only(error: RetryError<Failure>) -> RetryError<reqwest::Error> {
+    let transport = |f: Failure| match f {
+        Failure::Transport(e) => Some(e),
+        Failure::Status(_) => None,
+    };
+    match error {
+        RetryError::Exhausted { last, attempts } => match transport(last) {
+            Some(last) => RetryError::Exhausted { last, attempts },
+            None => RetryError::Deadline { last: None, attempts },
+        },
+        RetryError::Permanent { error, attempts } => match transport(error) {
+            Some(error) => RetryError::Permanent { error, attempts },
+            None => RetryError::Deadline { last: None, attempts },
+        },
+        RetryError::Deadline { last, attempts } => RetryError::Deadline {
+            last: last.and_then(transport),
+            attempts,
+        },
+        RetryError::Cancelled { attempts } => RetryError::Cancelled { attempts },
+    }
+}
+
+/// reqwest has no public constructor for its errors: a request to an
+/// invalid URL produces a builder error to report a key that is not a valid
+/// header value.
+fn invalid_key(client: &Client) -> reqwest::Error {
+    client
+        .get("http://invalid idempotency key/")
+        .build()
+        .expect_err("a URL with a space is refused")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_uuid_v4() {
+        let key = new_key();
+        assert_eq!(key.len(), 36);
+        assert_eq!(&key[14..15], "4");
+        assert!(matches!(&key[19..20], "8" | "9" | "a" | "b"));
+        assert_ne!(key, new_key());
+    }
+}

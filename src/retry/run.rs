@@ -1,0 +1,185 @@
+//! The retry loop: [`retry`] for any async work, shared by the HTTP client.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::policy::RetryPolicy;
+
+/// How one attempt ended, as the caller classifies it.
+#[derive(Debug)]
+pub enum Attempt<T, E> {
+    /// Done: stop and return it.
+    Done(T),
+    /// Worth another try (after `after`, if the other side said so).
+    Retry {
+        /// The failure.
+        error: E,
+        /// The other side's `Retry-After`, if any.
+        after: Option<Duration>,
+    },
+    /// Not worth another try.
+    Fail(E),
+}
+
+/// Why [`retry`] gave up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RetryError<E> {
+    /// Every attempt failed with a retryable error; the last one.
+    #[error("gave up after {attempts} attempts: {last}")]
+    Exhausted {
+        /// The last attempt's error.
+        last: E,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// An error that is not worth retrying.
+    #[error("failed on attempt {attempts}, not retryable: {error}")]
+    Permanent {
+        /// The error.
+        error: E,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The policy's deadline passed (the last error, if an attempt ended).
+    #[error("deadline passed after {attempts} attempts")]
+    Deadline {
+        /// The last attempt's error, if one finished.
+        last: Option<E>,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The policy's cancellation token fired.
+    #[error("cancelled after {attempts} attempts")]
+    Cancelled {
+        /// Attempts made (or started).
+        attempts: u32,
+    },
+}
+
+impl<E> RetryError<E> {
+    /// Attempts made before giving up.
+    pub fn attempts(&self) -> u32 {
+        match self {
+            RetryError::Exhausted { attempts, .. }
+            | RetryError::Permanent { attempts, .. }
+            | RetryError::Deadline { attempts, .. }
+            | RetryError::Cancelled { attempts } => *attempts,
+        }
+    }
+}
+
+/// Runs `op` until it succeeds, retrying **every** error per `policy`.
+/// `op` gets the attempt number (1-based).
+///
+/// ```
+/// # async fn doc() {
+/// use idempo::retry::{retry, RetryPolicy};
+///
+/// let mut calls = 0;
+/// let answer = retry(&RetryPolicy::new().base_delay(std::time::Duration::ZERO), |_attempt| {
+///     calls += 1;
+///     let ok = calls == 3;
+///     async move { if ok { Ok(42) } else { Err("not yet") } }
+/// })
+/// .await;
+/// assert_eq!(answer.unwrap(), 42);
+/// # }
+/// ```
+///
+/// Dropping the returned future cancels it (between attempts, or the attempt
+/// in flight); so does the policy's [`cancel_on`](RetryPolicy::cancel_on)
+/// token.
+///
+/// # Errors
+/// [`RetryError`]: exhausted, past the deadline, or cancelled.
+pub async fn retry<T, E, F, Fut>(policy: &RetryPolicy, mut op: F) -> Result<T, RetryError<E>>
+where
+    F: FnMut(u32) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    retry_with(policy, |attempt| {
+        let run = op(attempt);
+        async move {
+            match run.await {
+                Ok(value) => Attempt::Done(value),
+                Err(error) => Attempt::Retry { error, after: None },
+            }
+        }
+    })
+    .await
+    .map(|(value, _)| value)
+}
+
+/// The loop under [`retry`], with the caller classifying each attempt;
+/// returns the value and the number of attempts.
+///
+/// # Errors
+/// [`RetryError`].
+pub async fn retry_with<T, E, F, Fut>(
+    policy: &RetryPolicy,
+    mut op: F,
+) -> Result<(T, u32), RetryError<E>>
+where
+    F: FnMut(u32) -> Fut,
+    Fut: Future<Output = Attempt<T, E>>,
+{
+    let deadline = policy.deadline.map(|d| Instant::now() + d);
+    let cancelled = async {
+        match &policy.cancel {
+            Some(token) => token.cancelled().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(cancelled);
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let run = op(attempt);
+        let outcome = tokio::select! {
+            biased;
+            () = &mut cancelled => return Err(RetryError::Cancelled { attempts: attempt }),
+            () = sleep_until(deadline) => {
+                return Err(RetryError::Deadline { last: None, attempts: attempt });
+            }
+            outcome = run => outcome,
+        };
+        let (error, after) = match outcome {
+            Attempt::Done(value) => return Ok((value, attempt)),
+            Attempt::Fail(error) => {
+                return Err(RetryError::Permanent {
+                    error,
+                    attempts: attempt,
+                });
+            }
+            Attempt::Retry { error, after } => (error, after),
+        };
+        if attempt > policy.max_retries {
+            return Err(RetryError::Exhausted {
+                last: error,
+                attempts: attempt,
+            });
+        }
+        let wait = policy.delay(attempt, after);
+        if deadline.is_some_and(|d| Instant::now() + wait >= d) {
+            return Err(RetryError::Deadline {
+                last: Some(error),
+                attempts: attempt,
+            });
+        }
+        tokio::select! {
+            biased;
+            () = &mut cancelled => return Err(RetryError::Cancelled { attempts: attempt }),
+            () = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
