@@ -54,6 +54,8 @@
 //! | `amqp` | The RabbitMQ consumer runtime ([`amqp`]) | yes |
 //! | `http` | The `Idempotency-Key` tower layer and axum extractor (`http`) | no |
 //! | `window` | The SQS-FIFO-style deduplication window (`window`) | no |
+//! | `saga` | Saga steps safe to re-execute and re-compensate (`saga`) | no |
+//! | `retry` | A retrying reqwest client that keeps its `Idempotency-Key`, and a generic retry loop (`retry`) | no |
 //! | `redis` | Redis stores for the modules that have one | no |
 #![warn(
     missing_docs,
@@ -82,6 +84,14 @@ pub mod http;
 #[cfg(feature = "window")]
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
 pub mod window;
+
+#[cfg(feature = "saga")]
+#[cfg_attr(docsrs, doc(cfg(feature = "saga")))]
+pub mod saga;
+
+#[cfg(feature = "retry")]
+#[cfg_attr(docsrs, doc(cfg(feature = "retry")))]
+pub mod retry;
 
 pub use error::{Error, Result};
 pub use migrate::{MIGRATIONS_TABLE, migrate, migrator};

@@ -167,14 +167,18 @@ impl RetryingClient {
                 attempts,
                 key,
             }),
-            Err(RetryError::Exhausted { last: Failure::Status(response), attempts })
-            | Err(RetryError::Deadline { last: Some(Failure::Status(response)), attempts }) => {
-                Ok(Retried {
-                    response,
-                    attempts,
-                    key,
-                })
-            }
+            Err(RetryError::Exhausted {
+                last: Failure::Status(response),
+                attempts,
+            })
+            | Err(RetryError::Deadline {
+                last: Some(Failure::Status(response)),
+                attempts,
+            }) => Ok(Retried {
+                response,
+                attempts,
+                key,
+            }),
             Err(error) => Err(transport_only(error)),
         }
     }
@@ -189,11 +193,17 @@ fn transport_only(error: RetryError<Failure>) -> RetryError<reqwest::Error> {
     match error {
         RetryError::Exhausted { last, attempts } => match transport(last) {
             Some(last) => RetryError::Exhausted { last, attempts },
-            None => RetryError::Deadline { last: None, attempts },
+            None => RetryError::Deadline {
+                last: None,
+                attempts,
+            },
         },
         RetryError::Permanent { error, attempts } => match transport(error) {
             Some(error) => RetryError::Permanent { error, attempts },
-            None => RetryError::Deadline { last: None, attempts },
+            None => RetryError::Deadline {
+                last: None,
+                attempts,
+            },
         },
         RetryError::Deadline { last, attempts } => RetryError::Deadline {
             last: last.and_then(transport),

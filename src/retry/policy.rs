@@ -139,13 +139,19 @@ mod tests {
                 assert!(policy.delay(retry, None) <= policy.ceiling(retry));
             }
         }
-        assert_eq!(policy.delay(1, Some(Duration::from_secs(90))), Duration::from_secs(30));
+        assert_eq!(
+            policy.delay(1, Some(Duration::from_secs(90))),
+            Duration::from_secs(30)
+        );
     }
 
     #[test]
     fn retry_after_in_both_forms() {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_445_412_470);
-        assert_eq!(parse_retry_after("120", now), Some(Duration::from_secs(120)));
+        assert_eq!(
+            parse_retry_after("120", now),
+            Some(Duration::from_secs(120))
+        );
         assert_eq!(
             parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now),
             Some(Duration::from_secs(10))

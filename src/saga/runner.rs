@@ -15,8 +15,10 @@ use super::step::{StepError, compensate, execute, idempotency_key};
 use crate::Tx;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
-type Action = Arc<dyn Fn(Tx, StepContext) -> BoxFuture<'static, Result<Value, BoxError>> + Send + Sync>;
-type Compensation = Arc<dyn Fn(Tx, Value) -> BoxFuture<'static, Result<(), BoxError>> + Send + Sync>;
+type Action =
+    Arc<dyn Fn(Tx, StepContext) -> BoxFuture<'static, Result<Value, BoxError>> + Send + Sync>;
+type Compensation =
+    Arc<dyn Fn(Tx, Value) -> BoxFuture<'static, Result<(), BoxError>> + Send + Sync>;
 
 /// What a step's action knows: which saga and step it is, and the results of
 /// the steps before it.
@@ -117,7 +119,10 @@ pub struct Saga {
 impl fmt::Debug for Saga {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Saga")
-            .field("steps", &self.steps.iter().map(|s| &s.name).collect::<Vec<_>>())
+            .field(
+                "steps",
+                &self.steps.iter().map(|s| &s.name).collect::<Vec<_>>(),
+            )
             .field("attempts", &self.attempts)
             .finish_non_exhaustive()
     }
@@ -137,7 +142,12 @@ impl Saga {
     /// result (stored as JSON); `compensation` undoes it, given that result.
     /// Step names must be unique within the saga.
     #[must_use]
-    pub fn step<T, A, AF, C, CF>(mut self, name: impl Into<String>, action: A, compensation: C) -> Self
+    pub fn step<T, A, AF, C, CF>(
+        mut self,
+        name: impl Into<String>,
+        action: A,
+        compensation: C,
+    ) -> Self
     where
         T: Serialize + DeserializeOwned + Send + 'static,
         A: Fn(Tx, StepContext) -> AF + Send + Sync + 'static,
@@ -190,7 +200,9 @@ impl Saga {
                     results: Arc::new(results.clone()),
                 };
                 let action = step.action.clone();
-                let run = execute(&self.pool, saga_id, &step.name, move |tx| action(tx, context));
+                let run = execute(&self.pool, saga_id, &step.name, move |tx| {
+                    action(tx, context)
+                });
                 match run.await {
                     Ok(value) => break value,
                     Err(StepError::Failed { .. }) if attempt < self.attempts => continue,

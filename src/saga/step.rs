@@ -241,12 +241,13 @@ where
             return Ok(false);
         }
     }
-    let result: T = serde_json::from_value(stored.unwrap_or(serde_json::Value::Null)).map_err(
-        |source| StepError::Result {
-            step: step.to_owned(),
-            source,
-        },
-    )?;
+    let result: T =
+        serde_json::from_value(stored.unwrap_or(serde_json::Value::Null)).map_err(|source| {
+            StepError::Result {
+                step: step.to_owned(),
+                source,
+            }
+        })?;
     let handle = Tx::new(tx);
     let outcome = compensation(handle.clone(), result).await;
     let Some(mut tx) = handle.take() else {

@@ -609,28 +609,50 @@ pub fn close_connections_named(connection_name: &str) -> usize {
 
 /// The compiled `payments` example, built on first use.
 pub fn payments_example_binary() -> std::path::PathBuf {
-    static BINARY: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    BINARY
-        .get_or_init(|| {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let out = std::process::Command::new(cargo)
-                .args(["build", "--example", "payments", "--message-format=json"])
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .stderr(std::process::Stdio::inherit())
-                .output()
-                .expect("run cargo build --example payments");
-            assert!(
-                out.status.success(),
-                "cargo build --example payments failed"
-            );
-            String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-                .filter(|m| m["target"]["name"] == "payments")
-                .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
-                .expect("cargo reported the payments executable")
-        })
-        .clone()
+    example_binary("payments")
+}
+
+/// Builds an example (with every feature, as the tests are built, so that
+/// the library is not compiled a second time) and returns its executable.
+pub fn example_binary(name: &str) -> std::path::PathBuf {
+    static BINARIES: std::sync::Mutex<BTreeMap<String, std::path::PathBuf>> =
+        std::sync::Mutex::new(BTreeMap::new());
+    let mut binaries = BINARIES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(path) = binaries.get(name) {
+        return path.clone();
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args([
+            "build",
+            "--all-features",
+            "--example",
+            name,
+            "--message-format=json",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("run cargo build --example {name}: {e}"));
+    assert!(out.status.success(), "cargo build --example {name} failed");
+    let path = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["target"]["name"] == name)
+        .find_map(|m| m["executable"].as_str().map(std::path::PathBuf::from))
+        .unwrap_or_else(|| panic!("cargo reported no {name} executable"));
+    binaries.insert(name.to_owned(), path.clone());
+    path
+}
+
+/// Kills a child process when dropped (a failing test leaves none behind).
+pub struct KillOnDrop<'a>(pub &'a mut std::process::Child);
+
+impl Drop for KillOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// A TCP proxy in front of PostgreSQL that a test can cut (all connections
