@@ -11,3 +11,13 @@ CREATE TABLE IF NOT EXISTS saga_steps (
     updated_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (saga_id, step)
 );
+
+-- One row per saga run by `Saga::run`: whether it is running forward or
+-- compensating, and why. A rerun reads it to resume the right way.
+CREATE TABLE IF NOT EXISTS sagas (
+    saga_id     text        PRIMARY KEY,
+    state       text        NOT NULL CHECK (state IN ('running', 'completed', 'compensating', 'compensated')),
+    failed_step text,
+    error       text,
+    updated_at  timestamptz NOT NULL DEFAULT now()
+);

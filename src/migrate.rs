@@ -15,7 +15,7 @@ pub const MIGRATIONS_TABLE: &str = "_idempo_migrations";
 
 /// idempo's migrations (the `processed_messages` inbox table, and the
 /// `idempotency_keys` table of the `http` feature, the `dedup_window` table of
-/// the `window` feature, `saga_steps` of the `saga` feature; tables of features you do
+/// the `window` feature, `saga_steps` and `sagas` of the `saga` feature; tables of features you do
 /// not use stay empty),
 /// recorded in [`MIGRATIONS_TABLE`].
 ///

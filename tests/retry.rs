@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use idempo::retry::{RetryError, RetryPolicy, RetryingClient, retry};
+use idempo::retry::{RetryError, RetryPolicy, RetryingClient, SendError, retry};
 use tokio::time::Instant;
 
 /// What the server saw: each attempt's key and arrival time (tokio's clock).
@@ -93,7 +93,7 @@ async fn attempt(
     status: StatusCode,
     retry_after: RetryAfter,
 ) -> (
-    Result<idempo::retry::Retried, RetryError<reqwest::Error>>,
+    Result<idempo::retry::Retried, SendError>,
     Vec<String>,
     Vec<Duration>,
 ) {
@@ -255,7 +255,13 @@ async fn the_deadline_and_cancellation_stop_the_retries() {
     )
     .await;
     assert!(
-        matches!(outcome, Err(RetryError::Cancelled { attempts: 2 })),
+        matches!(
+            outcome,
+            Err(SendError::Retry {
+                error: RetryError::Cancelled { attempts: 2 },
+                ..
+            })
+        ),
         "{outcome:?}"
     );
     assert_eq!(keys.len(), 2);
@@ -274,11 +280,16 @@ async fn network_errors_are_retried_then_reported_with_the_attempt_count() {
         .build()
         .unwrap();
     let outcome = client(RetryPolicy::new()).send(request).await;
-    let Err(RetryError::Exhausted { last, attempts }) = outcome else {
+    let Err(SendError::Retry {
+        key,
+        error: RetryError::Exhausted { last, attempts },
+    }) = outcome
+    else {
         panic!("{outcome:?}")
     };
     assert_eq!(attempts, 4);
     assert!(last.is_connect(), "{last}");
+    assert_eq!(key.len(), 36, "the key comes back, to retry later with it");
 }
 
 #[tokio::test(start_paused = true)]
@@ -341,15 +352,73 @@ async fn lossy_proxy(target: String, lose: usize) -> std::net::SocketAddr {
                 continue;
             }
             tokio::spawn(async move {
+                let request = read_request(&mut client).await;
+                server.write_all(&request).await.unwrap();
                 let mut buf = vec![0u8; 64 * 1024];
-                let read = client.read(&mut buf).await.unwrap_or(0);
-                server.write_all(&buf[..read]).await.unwrap();
                 let _ = server.read(&mut buf).await; // the answer, swallowed
                 drop(client); // the client sees the connection close
             });
         }
     });
     addr
+}
+
+/// One whole HTTP/1.1 request: the head, then `content-length` bytes.
+async fn read_request(stream: &mut tokio::net::TcpStream) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut request = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).await.unwrap();
+        assert!(n > 0, "the client closed before a whole request");
+        request.extend_from_slice(&buf[..n]);
+        let Some(end) = request.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&request[..end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .map_or(0, |v| v.trim().parse().unwrap());
+        if request.len() >= end + 4 + length {
+            return request;
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_callers_key_is_kept_and_an_invalid_one_is_refused() {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let url = serve(Script {
+        failures: 1,
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        retry_after: RetryAfter::Seconds(1),
+        seen: seen.clone(),
+    })
+    .await;
+    let request = reqwest::Client::new()
+        .post(&url)
+        .header("idempotency-key", "order-17:charge")
+        .build()
+        .unwrap();
+    let retried = client(RetryPolicy::new()).send(request).await.unwrap();
+    assert_eq!(retried.key, "order-17:charge");
+    let keys: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .attempts
+        .iter()
+        .map(|(k, _)| k.clone())
+        .collect();
+    assert_eq!(keys, ["order-17:charge", "order-17:charge"]);
+    let request = reqwest::Client::new().post(&url).build().unwrap();
+    let refused = client(RetryPolicy::new())
+        .send_with_key(request, "bad\nkey")
+        .await;
+    assert!(
+        matches!(refused, Err(SendError::InvalidKey(_))),
+        "{refused:?}"
+    );
 }
 
 #[tokio::test]

@@ -98,12 +98,9 @@ async fn a_failing_third_step_compensates_two_then_one_once_each() {
         entries(&db).await,
         ["do:one", "do:two", "undo:two", "undo:one"]
     );
-    // Running it again changes nothing: compensated steps stay compensated.
+    // Running it again changes nothing and reports the same failure.
     let again = saga.run("order-1").await.unwrap();
-    assert!(
-        matches!(again, SagaOutcome::Compensated { .. }),
-        "{again:?}"
-    );
+    assert_eq!(again, outcome);
     assert_eq!(
         entries(&db).await,
         ["do:one", "do:two", "undo:two", "undo:one"]
@@ -114,7 +111,10 @@ async fn a_failing_third_step_compensates_two_then_one_once_each() {
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(failed.0, "compensated");
+    assert_eq!(
+        failed,
+        ("compensated".to_owned(), "three failed".to_owned(), 1)
+    );
 }
 
 #[tokio::test]
@@ -274,17 +274,93 @@ async fn an_interrupted_compensation_continues_on_the_next_run() {
     // already compensated.
     let stopped = build().run("order-2").await;
     assert!(
-        matches!(stopped, Err(StepError::Failed { .. })),
+        matches!(stopped, Err(StepError::CompensationFailed { .. })),
         "{stopped:?}"
     );
+    let error: Option<String> = sqlx::query_scalar(
+        "SELECT error FROM saga_steps WHERE saga_id = 'order-2' AND step = 'one'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(error.as_deref(), Some("compensation: undo one failed"));
     assert_eq!(entries(&db).await, ["do:one", "do:two", "undo:two"]);
     // The next run continues the compensation: one is undone, two not again,
     // and no step runs forward.
     let outcome = build().run("order-2").await.unwrap();
     assert!(
-        matches!(outcome, SagaOutcome::Compensated { .. }),
+        matches!(&outcome, SagaOutcome::Compensated { failed_step, .. } if failed_step == "three"),
         "{outcome:?}"
     );
+    assert_eq!(
+        entries(&db).await,
+        ["do:one", "do:two", "undo:two", "undo:one"]
+    );
+}
+
+#[tokio::test]
+async fn concurrent_runs_of_one_saga_act_once() {
+    let db = db_with_log().await;
+    let build = || {
+        let saga = Saga::new(db.pool.clone());
+        let saga = logged_step(saga, "one", counter(0), counter(0));
+        let saga = logged_step(saga, "two", counter(0), counter(0));
+        logged_step(saga, "three", counter(usize::MAX), counter(0))
+    };
+    let (a, b) = (build(), build());
+    let (a, b) = tokio::join!(a.run("order-3"), b.run("order-3"));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a, b, "both report the one outcome");
+    assert_eq!(
+        entries(&db).await,
+        ["do:one", "do:two", "undo:two", "undo:one"]
+    );
+}
+
+#[tokio::test]
+async fn a_run_that_died_after_a_failure_is_compensated_without_retrying_the_step() {
+    let db = db_with_log().await;
+    // The dead run: steps one and two done, three failed, then the process died
+    // before it began compensating.
+    for step in ["one", "two"] {
+        execute(&db.pool, "order-4", step, |tx: Tx| async move {
+            log(&tx, format!("do:{step}")).await?;
+            Ok::<_, BoxError>(format!("result of {step}"))
+        })
+        .await
+        .unwrap();
+    }
+    let failed = execute(&db.pool, "order-4", "three", |_tx: Tx| async {
+        Err::<String, BoxError>("three failed".into())
+    })
+    .await;
+    assert!(matches!(failed, Err(StepError::Failed { attempts: 1, .. })));
+    // The rerun: step three used its one attempt, so it is not run again.
+    let three_runs = counter(0);
+    let saga = Saga::new(db.pool.clone());
+    let saga = logged_step(saga, "one", counter(0), counter(0));
+    let saga = logged_step(saga, "two", counter(0), counter(0));
+    let runs = three_runs.clone();
+    let saga = saga.step(
+        "three",
+        move |_tx: Tx, _ctx: StepContext| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, BoxError>(String::new())
+            }
+        },
+        |_tx: Tx, _: String| async { Ok(()) },
+    );
+    let outcome = saga.run("order-4").await.unwrap();
+    assert_eq!(
+        outcome,
+        SagaOutcome::Compensated {
+            failed_step: "three".into(),
+            error: "three failed".into()
+        }
+    );
+    assert_eq!(three_runs.load(Ordering::SeqCst), 0);
     assert_eq!(
         entries(&db).await,
         ["do:one", "do:two", "undo:two", "undo:one"]

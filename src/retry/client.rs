@@ -12,9 +12,17 @@ use super::run::{Attempt, RetryError, retry_with};
 /// The header the key travels in.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 
-/// A fresh random (version 4) UUID, e.g. for an `Idempotency-Key`.
+/// A fresh random (version 4) UUID, e.g. for an `Idempotency-Key`: 122 bits
+/// from the operating system's generator, so keys of different clients do
+/// not collide (a collision would replay another request's answer).
 pub fn new_key() -> String {
-    let mut bytes = fastrand::u128(..).to_be_bytes();
+    let mut bytes = [0u8; 16];
+    if getrandom::fill(&mut bytes).is_err() {
+        // No OS randomness (never seen on supported targets): fall back to
+        // two independent draws rather than fail the request.
+        bytes[..8].copy_from_slice(&fastrand::u64(..).to_be_bytes());
+        bytes[8..].copy_from_slice(&fastrand::u64(..).to_be_bytes());
+    }
     bytes[6] = (bytes[6] & 0x0f) | 0x40; // version 4
     bytes[8] = (bytes[8] & 0x3f) | 0x80; // RFC 4122 variant
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
@@ -38,6 +46,26 @@ pub struct Retried {
     pub attempts: u32,
     /// The `Idempotency-Key` sent with every attempt.
     pub key: String,
+}
+
+/// Why [`RetryingClient::send`] returned no response.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SendError {
+    /// The key is not a valid header value (visible ASCII).
+    #[error("the Idempotency-Key {0:?} is not a valid header value")]
+    InvalidKey(String),
+    /// No attempt got a response: network errors to the end, the deadline,
+    /// or cancellation. The request may have run: retry later **with the
+    /// same `key`**.
+    #[error("{error} (Idempotency-Key {key})")]
+    Retry {
+        /// The key every attempt carried.
+        key: String,
+        /// What the retries ended with.
+        #[source]
+        error: RetryError<reqwest::Error>,
+    },
 }
 
 /// What ended an attempt that is retried.
@@ -95,12 +123,13 @@ impl RetryingClient {
     ///
     /// # Errors
     /// See [`send_with_key`](Self::send_with_key).
-    pub async fn send(&self, request: Request) -> Result<Retried, RetryError<reqwest::Error>> {
-        let key = request
-            .headers()
-            .get(IDEMPOTENCY_KEY)
-            .and_then(|v| v.to_str().ok())
-            .map_or_else(new_key, str::to_owned);
+    pub async fn send(&self, request: Request) -> Result<Retried, SendError> {
+        let key = match request.headers().get(IDEMPOTENCY_KEY) {
+            None => new_key(),
+            Some(value) => value.to_str().map(str::to_owned).map_err(|_| {
+                SendError::InvalidKey(String::from_utf8_lossy(value.as_bytes()).into())
+            })?,
+        };
         self.send_with_key(request, &key).await
     }
 
@@ -110,18 +139,17 @@ impl RetryingClient {
     /// A request whose body cannot be cloned (a stream) is sent once.
     ///
     /// # Errors
-    /// [`RetryError`] with the last transport error and the attempt count
-    /// when no response came; when retries run out on a retryable *status*,
-    /// that response is returned as `Ok`.
+    /// [`SendError::Retry`] with the key, the last transport error and the
+    /// attempt count when no response came (when retries run out on a
+    /// retryable *status*, that response is returned as `Ok`);
+    /// [`SendError::InvalidKey`].
     pub async fn send_with_key(
         &self,
         mut request: Request,
         key: &str,
-    ) -> Result<Retried, RetryError<reqwest::Error>> {
-        let value = HeaderValue::from_str(key).map_err(|_| RetryError::Permanent {
-            error: invalid_key(&self.client),
-            attempts: 0,
-        })?;
+    ) -> Result<Retried, SendError> {
+        let value =
+            HeaderValue::from_str(key).map_err(|_| SendError::InvalidKey(key.to_owned()))?;
         request.headers_mut().insert(IDEMPOTENCY_KEY, value);
         let cloneable = request.try_clone().is_some();
         let mut original = Some(request);
@@ -179,48 +207,36 @@ impl RetryingClient {
                 attempts,
                 key,
             }),
-            Err(error) => Err(transport_only(error)),
+            Err(error) => Err(SendError::Retry {
+                key,
+                error: transport_only(error),
+            }),
         }
     }
 }
 
-/// Narrows the loop's error to reqwest's (responses were handled above).
+/// Narrows the loop's error to reqwest's: the arms that carry a response
+/// were turned into `Ok` above, and a status is never a permanent failure.
 fn transport_only(error: RetryError<Failure>) -> RetryError<reqwest::Error> {
     let transport = |f: Failure| match f {
-        Failure::Transport(e) => Some(e),
-        Failure::Status(_) => None,
+        Failure::Transport(e) => e,
+        Failure::Status(_) => unreachable!("responses are returned as Ok"),
     };
     match error {
-        RetryError::Exhausted { last, attempts } => match transport(last) {
-            Some(last) => RetryError::Exhausted { last, attempts },
-            None => RetryError::Deadline {
-                last: None,
-                attempts,
-            },
+        RetryError::Exhausted { last, attempts } => RetryError::Exhausted {
+            last: transport(last),
+            attempts,
         },
-        RetryError::Permanent { error, attempts } => match transport(error) {
-            Some(error) => RetryError::Permanent { error, attempts },
-            None => RetryError::Deadline {
-                last: None,
-                attempts,
-            },
+        RetryError::Permanent { error, attempts } => RetryError::Permanent {
+            error: transport(error),
+            attempts,
         },
         RetryError::Deadline { last, attempts } => RetryError::Deadline {
-            last: last.and_then(transport),
+            last: last.map(transport),
             attempts,
         },
         RetryError::Cancelled { attempts } => RetryError::Cancelled { attempts },
     }
-}
-
-/// reqwest has no public constructor for its errors: a request to an
-/// invalid URL produces a builder error to report a key that is not a valid
-/// header value.
-fn invalid_key(client: &Client) -> reqwest::Error {
-    client
-        .get("http://invalid idempotency key/")
-        .build()
-        .expect_err("a URL with a space is refused")
 }
 
 #[cfg(test)]

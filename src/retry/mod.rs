@@ -17,6 +17,6 @@ mod client;
 mod policy;
 mod run;
 
-pub use client::{IDEMPOTENCY_KEY, Retried, RetryingClient, new_key};
+pub use client::{IDEMPOTENCY_KEY, Retried, RetryingClient, SendError, new_key};
 pub use policy::{RetryPolicy, parse_retry_after};
 pub use run::{Attempt, RetryError, retry, retry_with};

@@ -117,8 +117,13 @@ impl RetryPolicy {
 /// past is zero). `None` for anything else.
 pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds));
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        // Too many seconds for a u64 is "a very long time" (the max delay caps it).
+        return Some(
+            value
+                .parse::<u64>()
+                .map_or(Duration::MAX, Duration::from_secs),
+        );
     }
     let date = httpdate::parse_http_date(value).ok()?;
     Some(date.duration_since(now).unwrap_or(Duration::ZERO))
@@ -161,6 +166,10 @@ mod tests {
             Some(Duration::ZERO)
         );
         assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(
+            parse_retry_after("99999999999999999999999", now),
+            Some(Duration::MAX)
+        );
         assert_eq!(parse_retry_after("-1", now), None);
     }
 }

@@ -135,16 +135,23 @@ where
     };
     tokio::pin!(cancelled);
     let mut attempt = 0;
+    // The last retryable error, reported if the deadline cuts the next attempt.
+    let mut last = None;
     loop {
+        if policy.cancel.as_ref().is_some_and(|t| t.is_cancelled()) {
+            return Err(RetryError::Cancelled { attempts: attempt });
+        }
         attempt += 1;
         let run = op(attempt);
+        // The attempt first: an answer that is ready wins over a deadline or
+        // a cancellation that fire at the same moment.
         let outcome = tokio::select! {
             biased;
+            outcome = run => outcome,
             () = &mut cancelled => return Err(RetryError::Cancelled { attempts: attempt }),
             () = sleep_until(deadline) => {
-                return Err(RetryError::Deadline { last: None, attempts: attempt });
+                return Err(RetryError::Deadline { last, attempts: attempt });
             }
-            outcome = run => outcome,
         };
         let (error, after) = match outcome {
             Attempt::Done(value) => return Ok((value, attempt)),
@@ -169,6 +176,7 @@ where
                 attempts: attempt,
             });
         }
+        last = Some(error);
         tokio::select! {
             biased;
             () = &mut cancelled => return Err(RetryError::Cancelled { attempts: attempt }),

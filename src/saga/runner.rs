@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 use sqlx::PgPool;
 
-use super::step::{StepError, compensate, execute, idempotency_key};
+use super::step::{StepError, compensate, execute, idempotency_key, step_state};
 use crate::Tx;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -77,8 +77,9 @@ pub enum SagaOutcome {
 /// A sequence of steps that is safe to run again with the same saga id.
 ///
 /// Each step's action runs in a transaction that also records its result
-/// ([`execute`]); when a step fails `attempts` times in a row (default 1),
-/// the completed steps are compensated in reverse order ([`compensate`]).
+/// ([`execute`]); when a step has failed `attempts` times (default 1, counted
+/// in the database across runs), the completed steps are compensated in
+/// reverse order ([`compensate`]).
 /// Running the same saga id again after a crash resumes: completed steps are
 /// not re-run (their stored results are used), and an interrupted
 /// compensation continues.
@@ -185,15 +186,66 @@ impl Saga {
 
     /// Runs (or resumes) the saga `saga_id`.
     ///
+    /// Runs of one saga id are serialized by a PostgreSQL advisory lock held
+    /// on a connection of their own for the whole run, closed at its end (so
+    /// the lock goes with it, also when the run's future is dropped or the
+    /// process dies). A run needs up to three connections of the pool. The saga's own row in `sagas`
+    /// says whether it runs forward or compensates, so a rerun resumes the
+    /// right way: a saga that began compensating never runs forward again.
+    ///
     /// # Errors
     /// A database error, or a compensation that failed: nothing is lost; run
     /// the same saga id again to resume.
     pub async fn run(&self, saga_id: &str) -> Result<SagaOutcome, StepError> {
+        let mut lock = self.pool.acquire().await?;
+        // The lock is the connection's: closing it (not returning it to the
+        // pool) releases the lock even when this future is dropped mid-run.
+        lock.close_on_drop();
+        sqlx::query("SELECT pg_advisory_lock(hashtextextended('idempo.saga:' || $1, 0))")
+            .bind(saga_id)
+            .execute(&mut *lock)
+            .await?;
+        let outcome = self.run_locked(saga_id).await;
+        let unlocked =
+            sqlx::query("SELECT pg_advisory_unlock(hashtextextended('idempo.saga:' || $1, 0))")
+                .bind(saga_id)
+                .execute(&mut *lock)
+                .await;
+        if unlocked.is_err() {
+            // The lock must not outlive the run on a pooled connection.
+            lock.close_on_drop();
+        }
+        outcome
+    }
+
+    async fn run_locked(&self, saga_id: &str) -> Result<SagaOutcome, StepError> {
+        let saga: Option<(String, Option<String>, Option<String>)> =
+            sqlx::query_as("SELECT state, failed_step, error FROM sagas WHERE saga_id = $1")
+                .bind(saga_id)
+                .fetch_optional(&self.pool)
+                .await?;
+        if let Some((state, failed_step, error)) = saga
+            && (state == "compensating" || state == "compensated")
+        {
+            let failed_step = failed_step.unwrap_or_default();
+            return self
+                .compensate_all(saga_id, failed_step, error.unwrap_or_default())
+                .await;
+        }
+        self.set_state(saga_id, "running", None, None).await?;
+
         let mut results = BTreeMap::new();
-        for (index, step) in self.steps.iter().enumerate() {
-            let mut attempt = 0;
+        for step in &self.steps {
             let value = loop {
-                attempt += 1;
+                // A step that already used its attempts (in an earlier run
+                // that died before compensating) is not tried again.
+                if let Some((state, attempts)) = step_state(&self.pool, saga_id, &step.name).await?
+                    && state == "failed"
+                    && attempts >= self.attempts as i32
+                {
+                    let error = self.step_error(saga_id, &step.name).await?;
+                    return self.give_up(saga_id, &step.name, error).await;
+                }
                 let context = StepContext {
                     saga_id: saga_id.to_owned(),
                     step: step.name.clone(),
@@ -205,43 +257,89 @@ impl Saga {
                 });
                 match run.await {
                     Ok(value) => break value,
-                    Err(StepError::Failed { .. }) if attempt < self.attempts => continue,
-                    Err(StepError::Failed { source, .. }) => {
-                        return self
-                            .compensate_through(saga_id, index, source.to_string())
-                            .await;
+                    // Counted in the database, so a rerun does not get a fresh budget.
+                    Err(StepError::Failed { attempts, .. }) if attempts < self.attempts as i32 => {
+                        continue;
                     }
-                    // An earlier run began compensating: finish that.
+                    Err(StepError::Failed { source, .. }) => {
+                        return self.give_up(saga_id, &step.name, source.to_string()).await;
+                    }
+                    // Compensated outside a run of this saga: undo the rest.
                     Err(StepError::Compensated { .. }) => {
-                        let error = "an earlier run was compensating".to_owned();
-                        return self.compensate_through(saga_id, index, error).await;
+                        let error = "the step was compensated".to_owned();
+                        return self.give_up(saga_id, &step.name, error).await;
                     }
                     Err(other) => return Err(other),
                 }
             };
             results.insert(step.name.clone(), value);
         }
+        self.set_state(saga_id, "completed", None, None).await?;
         Ok(SagaOutcome::Completed(results))
     }
 
-    /// Compensates step `failed` (a no-op mark: it never completed) and every
-    /// step before it, last first.
-    async fn compensate_through(
+    /// Records that the saga compensates (before anything is undone, so a
+    /// rerun continues the compensation), then compensates.
+    async fn give_up(
         &self,
         saga_id: &str,
-        failed: usize,
+        failed_step: &str,
         error: String,
     ) -> Result<SagaOutcome, StepError> {
-        for step in self.steps[..=failed].iter().rev() {
+        self.set_state(saga_id, "compensating", Some(failed_step), Some(&error))
+            .await?;
+        self.compensate_all(saga_id, failed_step.to_owned(), error)
+            .await
+    }
+
+    /// Compensates every step, last first: completed ones run their
+    /// compensation, the others are only marked.
+    async fn compensate_all(
+        &self,
+        saga_id: &str,
+        failed_step: String,
+        error: String,
+    ) -> Result<SagaOutcome, StepError> {
+        for step in self.steps.iter().rev() {
             let compensation = step.compensation.clone();
             compensate(&self.pool, saga_id, &step.name, move |tx, value: Value| {
                 compensation(tx, value)
             })
             .await?;
         }
-        Ok(SagaOutcome::Compensated {
-            failed_step: self.steps[failed].name.clone(),
-            error,
-        })
+        self.set_state(saga_id, "compensated", Some(&failed_step), Some(&error))
+            .await?;
+        Ok(SagaOutcome::Compensated { failed_step, error })
+    }
+
+    async fn set_state(
+        &self,
+        saga_id: &str,
+        state: &str,
+        failed_step: Option<&str>,
+        error: Option<&str>,
+    ) -> sqlx::Result<()> {
+        sqlx::query(
+            "INSERT INTO sagas (saga_id, state, failed_step, error) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (saga_id) DO UPDATE SET state = EXCLUDED.state,
+                 failed_step = EXCLUDED.failed_step, error = EXCLUDED.error, updated_at = now()",
+        )
+        .bind(saga_id)
+        .bind(state)
+        .bind(failed_step)
+        .bind(error)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn step_error(&self, saga_id: &str, step: &str) -> sqlx::Result<String> {
+        let error: Option<String> =
+            sqlx::query_scalar("SELECT error FROM saga_steps WHERE saga_id = $1 AND step = $2")
+                .bind(saga_id)
+                .bind(step)
+                .fetch_one(&self.pool)
+                .await?;
+        Ok(error.unwrap_or_default())
     }
 }

@@ -33,6 +33,16 @@ pub enum StepError {
         /// The step.
         step: String,
     },
+    /// The compensation failed: its writes rolled back, its error is stored
+    /// on the step (which stays `completed`). Run it again.
+    #[error("compensating step {step:?} failed: {source}")]
+    CompensationFailed {
+        /// The step.
+        step: String,
+        /// The compensation's error.
+        #[source]
+        source: BoxError,
+    },
     /// The stored result does not deserialize into the requested type.
     #[error("the stored result of step {step:?} does not match its type: {source}")]
     Result {
@@ -52,15 +62,6 @@ pub enum StepError {
     /// PostgreSQL failed.
     #[error(transparent)]
     Database(#[from] sqlx::Error),
-}
-
-impl From<crate::Error> for StepError {
-    fn from(e: crate::Error) -> Self {
-        match e {
-            crate::Error::Database(e) => StepError::Database(e),
-            other => StepError::Database(sqlx::Error::Protocol(other.to_string())),
-        }
-    }
 }
 
 /// Locks the step's row for this transaction, creating it as `pending` if it
@@ -202,14 +203,16 @@ where
 /// Compensates a step at most once with effect: runs `compensation` with the
 /// step's stored result and records `compensated` in the same transaction.
 ///
-/// A step that never completed (absent, failed) has nothing to undo: it is
-/// marked `compensated` without running `compensation`, so a late execution
-/// cannot run it afterwards. An already compensated step is a no-op. Returns
-/// whether `compensation` ran.
+/// A step that never completed (absent, failed) has nothing to undo:
+/// `compensation` does not run (the no-op), but the step is marked
+/// `compensated`, so that a late execution (a straggler of a crashed run)
+/// cannot run it after the saga was undone. An already compensated step is a
+/// no-op. Returns whether `compensation` ran.
 ///
 /// # Errors
-/// [`StepError::Failed`] when the compensation fails (nothing recorded: run
-/// it again), [`StepError::Database`].
+/// [`StepError::CompensationFailed`] when the compensation fails (its writes
+/// roll back and the error is stored on the step: run it again),
+/// [`StepError::Database`].
 pub async fn compensate<T, F, Fut>(
     pool: &PgPool,
     saga_id: &str,
@@ -267,13 +270,34 @@ where
         }
         Err(source) => {
             tx.rollback().await?;
-            Err(StepError::Failed {
+            sqlx::query(
+                "UPDATE saga_steps SET error = $3, updated_at = now()
+                 WHERE saga_id = $1 AND step = $2 AND state = 'completed'",
+            )
+            .bind(saga_id)
+            .bind(step)
+            .bind(format!("compensation: {source}"))
+            .execute(pool)
+            .await?;
+            Err(StepError::CompensationFailed {
                 step: step.to_owned(),
-                attempts: 0,
                 source,
             })
         }
     }
+}
+
+/// A step's recorded state and attempt count (`None` if it never ran).
+pub(crate) async fn step_state(
+    pool: &PgPool,
+    saga_id: &str,
+    step: &str,
+) -> sqlx::Result<Option<(String, i32)>> {
+    sqlx::query_as("SELECT state, attempts FROM saga_steps WHERE saga_id = $1 AND step = $2")
+        .bind(saga_id)
+        .bind(step)
+        .fetch_optional(pool)
+        .await
 }
 
 /// The idempotency key for an external call made inside a step:
