@@ -179,7 +179,10 @@ impl RetryingClient {
                         }
                     }
                     Ok(response) => Attempt::Done(response),
-                    Err(error) if error.is_builder() => Attempt::Fail(Failure::Transport(error)),
+                    // A malformed request or a redirect loop fails the same way every time.
+                    Err(error) if error.is_builder() || error.is_redirect() => {
+                        Attempt::Fail(Failure::Transport(error))
+                    }
                     Err(error) => Attempt::Retry {
                         error: Failure::Transport(error),
                         after: None,
