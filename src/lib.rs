@@ -69,8 +69,11 @@
 #[cfg(any(feature = "http", feature = "window"))]
 mod cleanup;
 mod error;
+mod hex;
 pub mod inbox;
 mod migrate;
+#[cfg(feature = "redis")]
+mod redis_connection;
 mod tx;
 
 #[cfg(feature = "amqp")]

@@ -134,29 +134,54 @@ pub(crate) fn rfc3339(t: SystemTime) -> String {
     )
 }
 
-/// A header's value as text: a string, an integer, or UTF-8 bytes.
+/// A header value as text: a string, UTF-8 bytes, or an integer.
+pub(crate) fn header_text(value: &AMQPValue) -> Option<String> {
+    match value {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        AMQPValue::ByteArray(b) => String::from_utf8(b.as_slice().to_vec()).ok(),
+        AMQPValue::ShortShortInt(n) => Some(n.to_string()),
+        AMQPValue::ShortShortUInt(n) => Some(n.to_string()),
+        AMQPValue::ShortInt(n) => Some(n.to_string()),
+        AMQPValue::ShortUInt(n) => Some(n.to_string()),
+        AMQPValue::LongInt(n) => Some(n.to_string()),
+        AMQPValue::LongUInt(n) => Some(n.to_string()),
+        AMQPValue::LongLongInt(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// The header `name` as text ([`header_text`]); other values are ignored
+/// with a warning.
 pub(crate) fn string_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
-    Some(match headers?.inner().get(name)? {
-        AMQPValue::LongString(s) => s.to_string(),
-        AMQPValue::ShortString(s) => s.to_string(),
-        AMQPValue::ShortShortInt(n) => n.to_string(),
-        AMQPValue::ShortShortUInt(n) => n.to_string(),
-        AMQPValue::ShortInt(n) => n.to_string(),
-        AMQPValue::ShortUInt(n) => n.to_string(),
-        AMQPValue::LongInt(n) => n.to_string(),
-        AMQPValue::LongUInt(n) => n.to_string(),
-        AMQPValue::LongLongInt(n) => n.to_string(),
-        AMQPValue::ByteArray(bytes) => String::from_utf8(bytes.as_slice().to_vec()).ok()?,
-        other => {
-            tracing::warn!(header = name, value = ?other, "a header that is neither text nor a number is ignored");
-            return None;
-        }
-    })
+    let value = headers?.inner().get(name)?;
+    let text = header_text(value);
+    if text.is_none() {
+        tracing::warn!(
+            header = name,
+            ?value,
+            "a header that is neither text nor a number is ignored"
+        );
+    }
+    text
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn integer_and_string_headers_become_ids() {
+        assert_eq!(
+            header_text(&AMQPValue::LongLongInt(42)).as_deref(),
+            Some("42")
+        );
+        assert_eq!(
+            header_text(&AMQPValue::LongString("pay-1".into())).as_deref(),
+            Some("pay-1")
+        );
+        assert_eq!(header_text(&AMQPValue::Boolean(true)), None);
+    }
 
     #[test]
     fn rfc3339_formats_utc_with_milliseconds() {

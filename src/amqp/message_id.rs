@@ -3,10 +3,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use lapin::types::AMQPValue;
-
 use super::Message;
-use super::headers::MESSAGE_ID_HEADER;
+use super::headers::{MESSAGE_ID_HEADER, header_text};
 use crate::inbox::{InvalidMessageId, payload_sha256, validate_message_id};
 
 /// A user function that finds a delivery's id; `None` means "no id".
@@ -49,20 +47,22 @@ impl MessageIdSource {
     /// [`InvalidMessageId`] when it is missing, empty or over 255 bytes.
     pub fn extract(&self, message: &Message) -> Result<String, InvalidMessageId> {
         // A retried copy carries the id its original was deduplicated on.
-        if let Some(id) = message.header(MESSAGE_ID_HEADER).and_then(header_to_string) {
+        if let Some(id) = message.header(MESSAGE_ID_HEADER).and_then(header_text) {
             validate_message_id(&id)?;
             return Ok(id);
         }
         let id = match self {
             MessageIdSource::Property => message.message_id_property().map(str::to_owned),
-            MessageIdSource::Header(name) => message.header(name).and_then(header_to_string),
+            MessageIdSource::Header(name) => message.header(name).and_then(header_text),
             // A panic here would repeat on every redelivery: treat it as
             // an invalid id, which is dead-lettered.
             MessageIdSource::Custom(f) => {
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(message)))
                     .map_err(|_| InvalidMessageId::FunctionPanicked)?
             }
-            MessageIdSource::ContentHash => Some(to_hex(&payload_sha256(message.body()))),
+            MessageIdSource::ContentHash => {
+                Some(crate::hex::to_hex(&payload_sha256(message.body())))
+            }
         };
         let id = id.ok_or(InvalidMessageId::Missing)?;
         validate_message_id(&id)?;
@@ -78,54 +78,5 @@ impl fmt::Debug for MessageIdSource {
             MessageIdSource::Custom(_) => f.write_str("Custom(..)"),
             MessageIdSource::ContentHash => f.write_str("ContentHash"),
         }
-    }
-}
-
-fn header_to_string(value: &AMQPValue) -> Option<String> {
-    match value {
-        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        AMQPValue::ByteArray(b) => String::from_utf8(b.as_slice().to_vec()).ok(),
-        AMQPValue::ShortShortInt(n) => Some(n.to_string()),
-        AMQPValue::ShortShortUInt(n) => Some(n.to_string()),
-        AMQPValue::ShortInt(n) => Some(n.to_string()),
-        AMQPValue::ShortUInt(n) => Some(n.to_string()),
-        AMQPValue::LongInt(n) => Some(n.to_string()),
-        AMQPValue::LongUInt(n) => Some(n.to_string()),
-        AMQPValue::LongLongInt(n) => Some(n.to_string()),
-        _ => None,
-    }
-}
-
-pub(crate) fn to_hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    bytes
-        .iter()
-        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-            let _ = write!(s, "{b:02x}");
-            s
-        })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hex_is_lowercase_and_padded() {
-        assert_eq!(to_hex(&[0x0a, 0xff]), "0aff");
-    }
-
-    #[test]
-    fn integer_and_string_headers_become_ids() {
-        assert_eq!(
-            header_to_string(&AMQPValue::LongLongInt(42)).as_deref(),
-            Some("42")
-        );
-        assert_eq!(
-            header_to_string(&AMQPValue::LongString("pay-1".into())).as_deref(),
-            Some("pay-1")
-        );
-        assert_eq!(header_to_string(&AMQPValue::Boolean(true)), None);
     }
 }

@@ -7,6 +7,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use sha2::{Digest, Sha256};
 
+use crate::hex::to_hex as hex;
 use crate::{Error, Result};
 
 /// Names one idempotent operation: the `Idempotency-Key` *scoped* by user,
@@ -218,16 +219,6 @@ impl fmt::Debug for StoredResponse {
 fn length_prefixed(hasher: &mut Sha256, part: &[u8]) {
     hasher.update((part.len() as u64).to_be_bytes());
     hasher.update(part);
-}
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    bytes
-        .iter()
-        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-            let _ = write!(s, "{b:02x}");
-            s
-        })
 }
 
 fn put_headers(out: &mut Vec<u8>, headers: &[(HeaderName, HeaderValue)]) {

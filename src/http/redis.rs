@@ -6,8 +6,10 @@ use std::time::Duration;
 use redis::Script;
 use redis::aio::ConnectionManager;
 
-use super::record::{Fingerprint, RecordKey, StoredResponse, hex};
+use super::record::{Fingerprint, RecordKey, StoredResponse};
 use super::store::{Attempt, Begin, FencingToken, IdempotencyStore};
+use crate::hex::to_hex as hex;
+use crate::redis_connection::px;
 use crate::{Error, Result};
 
 /// Records in Redis: per record a *lease* key (`SET NX PX`, holding the
@@ -109,14 +111,7 @@ impl RedisStore {
     /// # Errors
     /// [`Error::Redis`] when the URL is invalid or Redis cannot be reached.
     pub async fn connect(url: &str) -> Result<Self> {
-        let client = redis::Client::open(url)?;
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(2)))
-            .set_response_timeout(Some(Duration::from_secs(2)))
-            .set_number_of_retries(1);
-        Ok(Self::new(
-            ConnectionManager::new_with_config(client, config).await?,
-        ))
+        Ok(Self::new(crate::redis_connection::connect(url).await?))
     }
 
     /// Puts the keys under `prefix` instead of `idempo:http:`.
@@ -147,10 +142,6 @@ fn owner(token: FencingToken) -> String {
     format!("{}:", token.get())
 }
 
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
 const FINGERPRINT_HEX: usize = 64;
 
 impl IdempotencyStore for RedisStore {
@@ -165,7 +156,7 @@ impl IdempotencyStore for RedisStore {
             .key(&lease)
             .key(&data)
             .arg(lease_value(token, attempt.fingerprint))
-            .arg(ms(attempt.lease))
+            .arg(px(attempt.lease))
             .invoke_async(&mut self.conn.clone())
             .await?;
         match reply {
@@ -201,7 +192,7 @@ impl IdempotencyStore for RedisStore {
             .extend
             .key(&lease_key)
             .arg(owner(token))
-            .arg(ms(lease))
+            .arg(px(lease))
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(extended == 1)
@@ -222,7 +213,7 @@ impl IdempotencyStore for RedisStore {
             .key(&data_key)
             .arg(owner(token))
             .arg(response.encode())
-            .arg(ms(ttl))
+            .arg(px(ttl))
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(completed == 1)

@@ -25,7 +25,7 @@ pub fn new_key() -> String {
     }
     bytes[6] = (bytes[6] & 0x0f) | 0x40; // version 4
     bytes[8] = (bytes[8] & 0x3f) | 0x80; // RFC 4122 variant
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let hex = crate::hex::to_hex(&bytes);
     format!(
         "{}-{}-{}-{}-{}",
         &hex[0..8],

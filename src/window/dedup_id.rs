@@ -44,8 +44,7 @@ impl DedupId {
 
     /// The content-based id of `body`: its SHA-256 in lowercase hex.
     pub fn content(body: &[u8]) -> Self {
-        let digest = Sha256::digest(body);
-        DedupId(digest.iter().map(|b| format!("{b:02x}")).collect())
+        DedupId(crate::hex::to_hex(&Sha256::digest(body)))
     }
 
     /// The id.

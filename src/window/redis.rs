@@ -7,6 +7,7 @@ use redis::Script;
 use redis::aio::ConnectionManager;
 
 use super::store::{Reservation, WindowStore};
+use crate::redis_connection::px;
 use crate::{Error, Result};
 
 /// Seen ids as Redis keys that expire with the window: an insert is
@@ -52,10 +53,6 @@ end
 return 0
 ";
 
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
 impl RedisWindow {
     /// A window on an existing connection manager, keys under `idempo:window:`.
     pub fn new(conn: ConnectionManager) -> Self {
@@ -72,14 +69,7 @@ impl RedisWindow {
     /// # Errors
     /// [`Error::Redis`] when Redis cannot be reached.
     pub async fn connect(url: &str) -> Result<Self> {
-        let client = redis::Client::open(url)?;
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(2)))
-            .set_response_timeout(Some(Duration::from_secs(2)))
-            .set_number_of_retries(1);
-        Ok(Self::new(
-            ConnectionManager::new_with_config(client, config).await?,
-        ))
+        Ok(Self::new(crate::redis_connection::connect(url).await?))
     }
 
     /// Puts the keys under `prefix` instead of `idempo:window:`.
@@ -102,7 +92,7 @@ impl RedisWindow {
             .arg("NX")
             .arg("GET")
             .arg("PX")
-            .arg(ms(ttl))
+            .arg(px(ttl))
             .query_async(&mut self.conn.clone())
             .await?)
     }
@@ -140,7 +130,7 @@ impl WindowStore for RedisWindow {
             .key(self.key(key))
             .arg(format!("p{token}"))
             .arg(format!("s{value}"))
-            .arg(ms(window))
+            .arg(px(window))
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(done == 1)
