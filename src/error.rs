@@ -1,4 +1,6 @@
-//! The crate's error type.
+//! The crate's error type, and the checks that classify it.
+
+use std::error::Error as StdError;
 
 /// A specialized `Result` whose error defaults to [`enum@Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -6,7 +8,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Everything that can go wrong in idempo's own machinery.
 ///
 /// Errors raised *by handlers* are a different thing: see
-/// [`HandlerError`](crate::amqp::HandlerError).
+/// `amqp::HandlerError`. Code that must decide what to do with an error asks
+/// it: [`is_connection_error`](Error::is_connection_error),
+/// [`is_aborted_transaction`](Error::is_aborted_transaction),
+/// [`is_too_many_clients`](Error::is_too_many_clients).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -32,18 +37,13 @@ pub enum Error {
     #[error("corrupt record in the store: {0}")]
     CorruptRecord(String),
 
-    /// A bounded in-memory window is full of live ids: refusing is safer
+    /// A bounded in-memory store is full of live entries: refusing is safer
     /// than forgetting one (its duplicate would pass).
     #[error("the dedup window is full ({capacity} live ids)")]
     WindowFull {
-        /// The window's capacity.
+        /// The store's capacity.
         capacity: usize,
     },
-
-    /// A deduplication id was refused.
-    #[cfg(feature = "window")]
-    #[error(transparent)]
-    InvalidDedupId(#[from] crate::window::InvalidDedupId),
 
     /// The broker did not confirm a publish (nacked, unroutable, timed out).
     #[error("publish not confirmed: {0}")]
@@ -52,6 +52,15 @@ pub enum Error {
     /// A message id is missing, empty or too long.
     #[error(transparent)]
     InvalidMessageId(#[from] crate::inbox::InvalidMessageId),
+
+    /// The claim of a message id was no longer in the transaction at commit:
+    /// the caller ended the transaction itself (`ROLLBACK`, `COMMIT`). Nothing
+    /// was committed by [`inbox::commit`](crate::inbox::commit).
+    #[error("the claim of {message_id:?} was gone at commit: the transaction was ended by hand")]
+    ClaimLost {
+        /// The message id whose claim was checked.
+        message_id: String,
+    },
 
     /// The broker cancelled our consumer (for example: the queue was deleted).
     #[error("the broker cancelled the consumer of queue {queue:?}")]
@@ -64,8 +73,8 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
 
-    /// [`Tx::lock`](crate::Tx::lock) was called while a guard of the same
-    /// transaction was still held.
+    /// [`Tx::try_lock`](crate::Tx::try_lock) was called while a guard of the
+    /// same transaction was still held.
     #[error("the transaction is already locked: hold one guard at a time")]
     TransactionBusy,
 
@@ -79,4 +88,78 @@ impl From<sqlx::migrate::MigrateError> for Error {
     fn from(e: sqlx::migrate::MigrateError) -> Self {
         Error::Migrate(Box::new(e))
     }
+}
+
+impl Error {
+    /// Whether the database (or the connection to it) is gone, as opposed to
+    /// a problem with one statement or one message: I/O and TLS errors, pool
+    /// timeouts, SQLSTATE class 08 except 08P01, and 57P01–57P03 (a
+    /// terminated backend, a server shutting down or starting).
+    ///
+    /// A statement that fails this way may or may not have taken effect (a
+    /// `COMMIT` whose answer was lost): find out before acting on it again.
+    pub fn is_connection_error(&self) -> bool {
+        match self {
+            Error::Database(e) => sqlx_connection_error(e),
+            _ => false,
+        }
+    }
+
+    /// Whether a statement ran in a transaction that an earlier failed
+    /// statement had aborted (SQLSTATE 25P02): nothing of that transaction
+    /// can commit.
+    pub fn is_aborted_transaction(&self) -> bool {
+        self.sqlstate().as_deref() == Some("25P02")
+    }
+
+    /// Whether PostgreSQL refused a connection because it has no slot left
+    /// (`FATAL: sorry, too many clients already`, SQLSTATE 53300): the server
+    /// is up, its `max_connections` is used up.
+    pub fn is_too_many_clients(&self) -> bool {
+        self.sqlstate().as_deref() == Some("53300")
+    }
+
+    fn sqlstate(&self) -> Option<std::borrow::Cow<'_, str>> {
+        match self {
+            Error::Database(sqlx::Error::Database(e)) => e.code(),
+            _ => None,
+        }
+    }
+}
+
+/// [`Error::is_connection_error`] for a bare sqlx error.
+pub(crate) fn sqlx_connection_error(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        // Class 08: connection exception (but 08P01, protocol violation, is
+        // also what a wrong number of bind parameters gets: a bug, not an
+        // outage); 57P01-57P03: admin shutdown (pg_terminate_backend), crash
+        // shutdown, cannot connect now.
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            (code.starts_with("08") && code != "08P01")
+                || matches!(&*code, "57P01" | "57P02" | "57P03")
+        }),
+        _ => false,
+    }
+}
+
+/// Whether an error of any type (a handler's) is, or wraps, a lost database
+/// connection ([`Error::is_connection_error`]).
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+pub(crate) fn lost_connection(error: &(dyn StdError + 'static)) -> bool {
+    let mut current = Some(error);
+    while let Some(e) = current {
+        if let Some(sqlx) = e.downcast_ref::<sqlx::Error>() {
+            return sqlx_connection_error(sqlx);
+        }
+        if let Some(ours) = e.downcast_ref::<Error>() {
+            return ours.is_connection_error();
+        }
+        current = e.source();
+    }
+    false
 }

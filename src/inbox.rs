@@ -23,7 +23,9 @@
 //!         sqlx::query("UPDATE accounts SET balance = balance + 10 WHERE id = 1")
 //!             .execute(&mut *tx)
 //!             .await?;
-//!         tx.commit().await?; // effects and claim commit together
+//!         // Effects and claim commit together; an aborted transaction
+//!         // (a failed statement that was ignored) is an error, not a silent rollback.
+//!         inbox::commit(tx, "billing", id).await?;
 //!     }
 //!     Claim::Duplicate => tx.rollback().await?, // already applied: just acknowledge
 //!     Claim::Mismatch => {
@@ -34,12 +36,13 @@
 //! # Ok(()) }
 //! ```
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use sqlx::{PgPool, Postgres, Transaction};
 
-use crate::Result;
+use crate::{Error, Result};
 
 /// The longest accepted message id, in bytes.
 pub const MAX_MESSAGE_ID_LEN: usize = 255;
@@ -98,6 +101,10 @@ pub fn payload_sha256(body: &[u8]) -> [u8; 32] {
 }
 
 /// Claims `message_id` for `consumer` inside the caller's transaction.
+///
+/// `body` is the message's raw bytes: its SHA-256 is stored with the claim,
+/// so that a later message reusing the id with another body is reported as
+/// [`Claim::Mismatch`].
 ///
 /// On [`Claim::Fresh`] the claim row is written in `tx`: commit `tx` after the
 /// work, or roll it back to release the id. On [`Claim::Duplicate`] and
@@ -158,11 +165,150 @@ pub async fn claim(
             Some(Some(_)) => return Ok(Claim::Mismatch),
         }
     }
-    // Never guess "duplicate" here: that would acknowledge unprocessed work.
-    Err(
-        sqlx::Error::Protocol("the conflicting processed_messages row vanished three times".into())
-            .into(),
-    )
+    Err(vanished())
+}
+
+/// Never guess "duplicate" for a row that keeps vanishing: that would
+/// acknowledge unprocessed work.
+fn vanished() -> Error {
+    sqlx::Error::Protocol("the conflicting processed_messages row vanished three times".into())
+        .into()
+}
+
+/// Claims many message ids for `consumer` in one statement (plus one to read
+/// the stored hashes of those already there), inside the caller's
+/// transaction: [`claim`] for a batch. Returns one [`Claim`] per entry of
+/// `messages` (`(message id, body)` pairs), in order.
+///
+/// The ids are inserted in sorted order, so that two batches (or a batch and
+/// a single claim) that share ids take their row locks in the same order and
+/// cannot deadlock. An id that occurs twice in `messages` is `Fresh` for its
+/// first occurrence with the inserted body and `Duplicate` (same body) or
+/// `Mismatch` (other body) for the others, as if they had come one by one.
+///
+/// # Errors
+/// As [`claim`].
+pub async fn claim_batch(
+    tx: &mut Transaction<'_, Postgres>,
+    consumer: &str,
+    messages: &[(&str, &[u8])],
+) -> Result<Vec<Claim>> {
+    for (id, _) in messages {
+        validate_message_id(id)?;
+    }
+    let mut claims: Vec<Option<Claim>> = vec![None; messages.len()];
+    // Bounded, as in `claim`: a row we conflicted with vanishes only when
+    // retention deleted it in between; those ids are claimed again.
+    for _ in 0..3 {
+        let open: Vec<usize> = (0..messages.len()).filter(|&i| claims[i].is_none()).collect();
+        if open.is_empty() {
+            break;
+        }
+        let ids: Vec<&str> = open.iter().map(|&i| messages[i].0).collect();
+        let hashes: Vec<Vec<u8>> = open
+            .iter()
+            .map(|&i| payload_sha256(messages[i].1).to_vec())
+            .collect();
+        // Ties in the sort are broken by position, so the first copy of a
+        // repeated id is the one inserted; the others conflict with it.
+        let inserted: Vec<String> = sqlx::query_scalar(
+            "INSERT INTO processed_messages (consumer, message_id, payload_sha256) \
+             SELECT $1, id, hash FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS t(id, hash, ord) \
+             ORDER BY id, ord \
+             ON CONFLICT DO NOTHING RETURNING message_id",
+        )
+        .bind(consumer)
+        .bind(&ids)
+        .bind(&hashes)
+        .fetch_all(&mut **tx)
+        .await?;
+        let mut fresh: HashMap<String, bool> = inserted.into_iter().map(|id| (id, false)).collect();
+        let mut stored: HashMap<String, Option<Vec<u8>>> = HashMap::new();
+        if fresh.len() < ids.len() {
+            // A join with unnest, not `= ANY($2)`: the generic plan of the
+            // latter can scan the whole table. Also returns what this
+            // statement inserted, for ids that occur twice.
+            let rows: Vec<(String, Option<Vec<u8>>)> = sqlx::query_as(
+                "SELECT p.message_id, p.payload_sha256 FROM unnest($2::text[]) AS t(id) \
+                 JOIN processed_messages p ON p.consumer = $1 AND p.message_id = t.id",
+            )
+            .bind(consumer)
+            .bind(&ids)
+            .fetch_all(&mut **tx)
+            .await?;
+            stored.extend(rows);
+        }
+        for (&i, hash) in open.iter().zip(&hashes) {
+            let id = messages[i].0;
+            let stored_hash = stored.get(id);
+            if let Some(taken) = fresh.get_mut(id)
+                && !*taken
+                && stored_hash.is_none_or(|s| s.as_deref() == Some(hash.as_slice()))
+            {
+                *taken = true;
+                claims[i] = Some(Claim::Fresh);
+                continue;
+            }
+            claims[i] = match stored_hash {
+                None => None, // vanished: claimed again in the next round
+                Some(Some(s)) if s != hash => Some(Claim::Mismatch),
+                Some(_) => Some(Claim::Duplicate),
+            };
+        }
+    }
+    claims
+        .into_iter()
+        .map(|claim| claim.ok_or_else(vanished))
+        .collect()
+}
+
+/// Commits a transaction in which `message_id` was claimed, after checking
+/// that the claim is still in it, in one round trip.
+///
+/// Why not `tx.commit()`: PostgreSQL answers `COMMIT` of an *aborted*
+/// transaction (one in which a statement failed, even if the caller ignored
+/// the error) with `ROLLBACK`, and sqlx reports success. The message would
+/// then be acknowledged with its effects and its claim rolled back: lost.
+/// And if the caller ended the transaction itself (`ROLLBACK`), there is
+/// nothing left to commit. Here the check and the `COMMIT` travel in one
+/// simple-protocol message, so a failing check stops the `COMMIT`.
+///
+/// # Errors
+/// - [`Error::ClaimLost`] when the claim is no longer in the transaction;
+/// - [`Error::Database`] for which [`Error::is_aborted_transaction`] holds
+///   when a statement had failed in it;
+/// - other [`Error::Database`] errors when the `COMMIT` failed (a deferred
+///   constraint, a serialization failure): nothing was committed;
+/// - an error for which [`Error::is_connection_error`] holds: **the outcome
+///   is unknown**; a new claim of the id tells (duplicate: it committed).
+pub async fn commit(
+    mut tx: Transaction<'_, Postgres>,
+    consumer: &str,
+    message_id: &str,
+) -> Result<()> {
+    // Literals, since the simple protocol has no parameters: hex digits are
+    // all that reach the SQL text, whatever the id contains.
+    let text = |s: &str| format!("convert_from(decode('{}', 'hex'), 'UTF8')", crate::hex::to_hex(s.as_bytes()));
+    // 1/count(*) fails (22012) when the claim is gone; a statement in an
+    // aborted transaction fails (25P02). Either error skips the rest of the
+    // message. The trailing BEGIN opens an empty transaction for the handle
+    // `tx` to roll back when it drops (sqlx still counts it as open); that
+    // ROLLBACK is sent with the pool's check on release, off this path.
+    let sql = format!(
+        "SELECT 1 / count(*) FROM processed_messages WHERE consumer = {} AND message_id = {}; \
+         COMMIT; BEGIN",
+        text(consumer),
+        text(message_id)
+    );
+    match sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut *tx).await {
+        Ok(_) => Ok(()),
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22012") => {
+            Err(Error::ClaimLost {
+                message_id: message_id.to_owned(),
+            })
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Deletes `consumer`'s claims older than `age`, `batch` rows per statement,

@@ -9,11 +9,11 @@
 //! - [`amqp`] (feature `amqp`, on by default): a RabbitMQ consumer runtime on
 //!   lapin and tokio. The claim, your handler's writes and the commit share one
 //!   transaction; the delivery is acknowledged only after the commit. Around
-//!   that: broker-owned delayed retries ([`amqp::RetryPolicy`]), confirmed
+//!   that: broker-owned delayed retries ([`amqp::RedeliveryPolicy`]), confirmed
 //!   dead letters with their reason, reconnects, a gate that holds deliveries
 //!   while PostgreSQL is down, retention of old claims, [`amqp::Health`] and
 //!   `metrics` counters, graceful shutdown, and a batch mode for throughput
-//!   ([`amqp::ConsumerBuilder::batch`]).
+//!   ([`amqp::ConsumerBuilder::batch_handler`]).
 //!
 //! ## What is guaranteed
 //! Writes made **through the handler's transaction** happen exactly once per
@@ -22,7 +22,8 @@
 //!
 //! ## Hello, consumer
 //! ```no_run
-//! use idempo::amqp::{Consumer, Json};
+//! use idempo::Tx;
+//! use idempo::amqp::{Consumer, JsonBody};
 //!
 //! #[derive(serde::Deserialize)]
 //! struct Payment { account: String, amount_cents: i64 }
@@ -33,8 +34,8 @@
 //!     idempo::migrate(&pool).await?;
 //!     Consumer::builder("amqp://guest:guest@127.0.0.1:5672/%2f", pool)
 //!         .queue("payments")
-//!         .handler(|tx, Json(p): Json<Payment>| async move {
-//!             let mut tx = tx.lock()?;
+//!         .handler(|tx: Tx, JsonBody(p): JsonBody<Payment>| async move {
+//!             let mut tx = tx.try_lock()?;
 //!             sqlx::query("INSERT INTO payments (account, amount_cents) VALUES ($1, $2)")
 //!                 .bind(&p.account)
 //!                 .bind(p.amount_cents)
@@ -66,12 +67,19 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg_attr(not(any(feature = "amqp", feature = "retry")), allow(dead_code))]
+mod backoff;
 #[cfg(any(feature = "http", feature = "window"))]
 mod cleanup;
 mod error;
 mod hex;
 pub mod inbox;
 mod migrate;
+#[cfg_attr(
+    not(any(feature = "retry", feature = "window", feature = "redis")),
+    allow(dead_code)
+)]
+mod random;
 #[cfg(feature = "redis")]
 mod redis_connection;
 mod tx;
@@ -97,5 +105,9 @@ pub mod saga;
 pub mod retry;
 
 pub use error::{Error, Result};
+
+/// The request header that carries an idempotency key: read by the
+/// [`http`] layer, sent by the [`retry`] client.
+pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 pub use migrate::{MIGRATIONS_TABLE, migrate, migrator};
 pub use tx::{Tx, TxGuard};

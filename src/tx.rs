@@ -28,17 +28,16 @@ use tokio::sync::{Mutex, MutexGuard};
 /// to the transaction and locks it where it issues statements:
 ///
 /// ```
-/// # use idempo::Tx;
-/// # use idempo::amqp::{HandlerError, Json};
-/// # #[derive(serde::Deserialize)] struct Payment { account: String }
-/// let handler = |tx: Tx, Json(p): Json<Payment>| async move {
-///     let mut tx = tx.lock()?;                // a guard that derefs to PgConnection
+/// use idempo::Tx;
+///
+/// async fn record_seen(tx: Tx, account: String) -> idempo::Result<()> {
+///     let mut conn = tx.try_lock()?;          // a guard that derefs to PgConnection
 ///     sqlx::query("INSERT INTO seen (account) VALUES ($1)")
-///         .bind(&p.account)
-///         .execute(&mut *tx)                   // `&mut *tx` is an Executor
+///         .bind(&account)
+///         .execute(&mut *conn)                 // `&mut *conn` is an Executor
 ///         .await?;
-///     Ok::<_, HandlerError>(())
-/// };
+///     Ok(())
+/// }
 /// ```
 ///
 /// idempo takes the transaction back when the handler's future completes
@@ -55,6 +54,8 @@ impl fmt::Debug for Tx {
     }
 }
 
+// Only the runtimes (amqp, http) hand out transactions.
+#[cfg_attr(not(any(feature = "amqp", feature = "http")), allow(dead_code))]
 impl Tx {
     pub(crate) fn new(tx: Transaction<'static, Postgres>) -> Self {
         Tx {
@@ -62,27 +63,23 @@ impl Tx {
         }
     }
 
-    /// A handle with no transaction behind it (a handler that touches no
-    /// database): `lock()` answers [`Error::TransactionFinished`](crate::Error::TransactionFinished).
-    #[cfg(feature = "window")]
-    pub(crate) fn detached() -> Self {
-        Tx {
-            inner: Arc::new(Mutex::new(None)),
-        }
-    }
-
-    /// Locks the transaction for issuing statements; `&mut *guard` is a
-    /// `&mut PgConnection`, which sqlx accepts as an executor.
+    /// Locks the transaction for issuing statements, **without waiting**;
+    /// `&mut *guard` is a `&mut PgConnection`, which sqlx accepts as an
+    /// executor.
     ///
-    /// Hold one guard at a time (a transaction is one connection): reuse the
-    /// guard for several statements rather than locking again.
+    /// A transaction is one connection, so its statements run one after the
+    /// other: hold one guard and reuse it for several statements. Taking a
+    /// second guard while one is held fails at once instead of waiting
+    /// (waiting would deadlock a handler that still holds the first), and
+    /// so does locking from two futures polled together (`join!`): run
+    /// statements of one transaction in sequence.
     ///
     /// # Errors
     /// - [`Error::TransactionBusy`](crate::Error::TransactionBusy) when a guard
-    ///   is already held (locking twice would otherwise deadlock);
+    ///   is already held;
     /// - [`Error::TransactionFinished`](crate::Error::TransactionFinished) when
     ///   called after the handler returned.
-    pub fn lock(&self) -> crate::Result<TxGuard<'_>> {
+    pub fn try_lock(&self) -> crate::Result<TxGuard<'_>> {
         let guard = self
             .inner
             .try_lock()
@@ -116,19 +113,19 @@ impl TxGuard<'_> {
     /// The transaction itself, e.g. to pass to [`inbox::claim`](crate::inbox::claim)
     /// or to open a savepoint with `begin()`.
     pub fn transaction(&mut self) -> &mut Transaction<'static, Postgres> {
-        self.guard.as_mut().expect("checked in Tx::lock")
+        self.guard.as_mut().expect("checked in Tx::try_lock")
     }
 }
 
 impl Deref for TxGuard<'_> {
     type Target = PgConnection;
     fn deref(&self) -> &PgConnection {
-        self.guard.as_ref().expect("checked in Tx::lock")
+        self.guard.as_ref().expect("checked in Tx::try_lock")
     }
 }
 
 impl DerefMut for TxGuard<'_> {
     fn deref_mut(&mut self) -> &mut PgConnection {
-        self.guard.as_mut().expect("checked in Tx::lock")
+        self.guard.as_mut().expect("checked in Tx::try_lock")
     }
 }

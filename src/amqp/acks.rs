@@ -3,26 +3,22 @@
 use std::collections::BTreeMap;
 
 use lapin::Acker;
-use lapin::options::BasicAckOptions;
-use tokio::sync::Mutex;
-use tokio_util::sync::CancellationToken;
+use tokio::sync::{Mutex, MutexGuard};
 
-/// Tracks which delivery tags of one channel are settled, and acks them with
-/// `basic.ack(multiple = true)` once every lower tag is settled too.
+/// Tracks which delivery tags of one channel are settled, so that they can be
+/// acked with `basic.ack(multiple = true)` once every lower tag is settled too.
 ///
 /// A multiple ack acknowledges *every* outstanding tag up to its own, so it
 /// may only be sent when nothing below it is still in flight (a batch still
-/// committing, a retry still publishing). Acks go out under the lock, in
-/// increasing order: acking a tag twice would make the broker close the channel.
+/// committing, a retry still publishing). The settling code sends it while
+/// holding the lock, so multiple acks leave in increasing order: acking a tag
+/// twice would make the broker close the channel.
 pub(crate) struct AckTracker {
     state: Mutex<State<Acker>>,
-    /// Cancelled when the tracker sees a tag it cannot place: the session
-    /// must reconnect rather than risk a multiple ack over unsettled tags.
-    broken: CancellationToken,
 }
 
 /// The bookkeeping, apart from lapin so that it can be tested on its own.
-struct State<A> {
+pub(crate) struct State<A> {
     /// The lowest tag not yet settled (lapin numbers deliveries from 1).
     next: u64,
     /// Settled tags at or above `next`: `Some` waits for the multiple ack,
@@ -30,11 +26,17 @@ struct State<A> {
     settled: BTreeMap<u64, Option<A>>,
 }
 
-/// A tag reported twice, or below the watermark.
+/// A tag reported twice, or below the watermark: the session must reconnect
+/// rather than risk a multiple ack over unsettled tags.
 #[derive(Debug, PartialEq, Eq)]
-struct Misplaced(u64);
+pub(crate) struct Misplaced(pub(crate) u64);
 
 impl<A> State<A> {
+    /// The lowest tag not yet settled.
+    pub(crate) fn watermark(&self) -> u64 {
+        self.next
+    }
+
     fn new() -> Self {
         State {
             next: 1,
@@ -43,8 +45,10 @@ impl<A> State<A> {
     }
 
     /// Records settled tags; returns what to send the multiple ack with, if
-    /// the watermark passed a tag that waits for one.
-    fn record(
+    /// the watermark passed a tag that waits for one. A delivery left unacked
+    /// on purpose (abandoned at shutdown) is never recorded, so nothing above
+    /// it is ever covered by a multiple ack.
+    pub(crate) fn record(
         &mut self,
         tags: impl IntoIterator<Item = (u64, Option<A>)>,
     ) -> Result<Option<A>, Misplaced> {
@@ -68,43 +72,17 @@ impl<A> State<A> {
 impl AckTracker {
     /// One tracker per channel: its tags start at 1. (Were lapin's automatic
     /// recovery ever turned on, a recovered channel would restart its tags
-    /// under the same tracker; that is caught below.)
-    pub(crate) fn new(broken: CancellationToken) -> Self {
+    /// under the same tracker; `record` refuses them.)
+    pub(crate) fn new() -> Self {
         AckTracker {
             state: Mutex::new(State::new()),
-            broken,
         }
     }
 
-    /// Records settled tags and sends the multiple ack they make possible.
-    /// A delivery left unacked on purpose (abandoned at shutdown) is never
-    /// recorded, so nothing above it is acked by a multiple ack.
-    pub(crate) async fn settle(&self, tags: impl IntoIterator<Item = (u64, Option<Acker>)>) {
-        let mut state = self.state.lock().await;
-        let ack_with = match state.record(tags) {
-            Ok(ack_with) => ack_with,
-            Err(Misplaced(tag)) => {
-                tracing::error!(
-                    tag,
-                    next = state.next,
-                    "delivery tag reported twice or out of range; reconnecting"
-                );
-                self.broken.cancel();
-                return;
-            }
-        };
-        if let Some(acker) = ack_with {
-            match acker.ack(BasicAckOptions { multiple: true }).await {
-                Ok(true) => {}
-                // Committed work: the redeliveries will be claimed as duplicates.
-                Ok(false) => tracing::warn!(
-                    "ack not sent (channel closed); the redeliveries will be deduplicated"
-                ),
-                Err(e) => {
-                    tracing::warn!(error = %e, "ack failed; the redeliveries will be deduplicated")
-                }
-            }
-        }
+    /// The bookkeeping, locked: record tags and send the ack it allows
+    /// before letting go.
+    pub(crate) async fn lock(&self) -> MutexGuard<'_, State<Acker>> {
+        self.state.lock().await
     }
 }
 

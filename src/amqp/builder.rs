@@ -1,36 +1,48 @@
-//! [`ConsumerBuilder`]: every option of a [`Consumer`], checked once in `build`.
+//! [`ConsumerBuilder`]: every option of a [`Consumer`] and its default;
+//! the mode (see [`mode`](super::mode)) is the builder's type.
 
 use std::fmt;
-use std::future::Future;
 use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::batch::{BoxedBatchHandler, boxed_batch, per_message};
-use super::consumer::{BatchMode, Config, Consumer, ShutdownHandle};
-use super::handler::{self, BoxedHandler, HandlerError};
+use super::consumer::{Config, Consumer, ShutdownHandle};
+use super::database_gate::DatabaseGate;
+use super::handler::{EachMessage, Handler, WholeBatch};
 use super::health::Health;
 use super::message::FromMessage;
+use super::mode::{Batched, IntoDispatch, NoHandler, Parts, PerMessage};
 use super::stats::Stats;
 use super::topology::{QueueType, Topology};
-use super::{MessageIdSource, RetryPolicy};
-use crate::Tx;
+use super::{MessageIdSource, RedeliveryPolicy};
 use crate::{Error, Result};
 
 /// Configures a [`Consumer`]. Created by [`Consumer::builder`].
+///
+/// The type parameter is the consumer's [mode](super::mode): a handler
+/// method moves the builder from [`NoHandler`] into [`PerMessage`] or
+/// [`Batched`] (or, with feature `window`, a windowed mode), and `build` /
+/// `run` exist only once there is a handler.
 ///
 /// # Default
 /// - queue type: [`QueueType::Quorum`], declared durable, dead-lettering into `<queue>.dlq`;
 /// - consumer name (the scope of message ids): the queue name;
 /// - `prefetch`: 100, `concurrency`: 16;
 /// - message id: the AMQP `message_id` property ([`MessageIdSource::Property`]);
-/// - retries: [`RetryPolicy::default`] (delay queues of 1 s, 5 s, 30 s, 2 min,
-///   10 min; 10 attempts, then the DLQ);
+/// - retries: [`RedeliveryPolicy::default`] (delay queues of 1 s, 5 s, 30 s,
+///   2 min, 10 min; 10 attempts, then the DLQ);
 /// - `handler_timeout`: 5 min; `shutdown_timeout`: 30 s;
 /// - `retention` of `processed_messages` rows: 7 days, reaped every 5 min;
-/// - connection name: `idempo:<consumer>:<pid>`.
+/// - connection name: `idempo:<consumer>:<pid>`;
+/// - batch mode: batches of 100 (or the size given), `batch_linger` 5 ms.
 #[must_use]
-pub struct ConsumerBuilder {
+pub struct ConsumerBuilder<Mode = NoHandler> {
+    pub(crate) settings: Settings,
+    pub(crate) mode: Mode,
+}
+
+/// The options every mode has.
+pub(crate) struct Settings {
     amqp_url: String,
     pool: PgPool,
     queue: Option<String>,
@@ -42,246 +54,127 @@ pub struct ConsumerBuilder {
     prefetch: u16,
     concurrency: usize,
     message_id: MessageIdSource,
-    retry: RetryPolicy,
+    redelivery: RedeliveryPolicy,
     handler_timeout: Duration,
     shutdown_timeout: Duration,
     retention: Option<Duration>,
     retention_interval: Duration,
     connection_name: Option<String>,
-    handler: Option<BoxedHandler>,
-    batch_size: Option<usize>,
-    batch_linger: Duration,
-    group_header: Option<String>,
-    #[cfg(feature = "window")]
-    window: Option<std::sync::Arc<dyn crate::window::ErasedWindow>>,
-    windowed_handler: bool,
-    batch_handler: Option<BoxedBatchHandler>,
 }
 
-impl fmt::Debug for ConsumerBuilder {
+/// How long a batch waits for more deliveries after its first one.
+const DEFAULT_LINGER: Duration = Duration::from_millis(5);
+
+/// The batch size of [`ConsumerBuilder::batch_handler`] unless
+/// [`batch`](ConsumerBuilder::batch) says otherwise.
+const DEFAULT_BATCH: usize = 100;
+
+impl<Mode: fmt::Debug> fmt::Debug for ConsumerBuilder<Mode> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ConsumerBuilder")
-            .field("queue", &self.queue)
-            .field("consumer", &self.consumer)
-            .field("prefetch", &self.prefetch)
-            .field("concurrency", &self.concurrency)
+            .field("queue", &self.settings.queue)
+            .field("consumer", &self.settings.consumer)
+            .field("prefetch", &self.settings.prefetch)
+            .field("concurrency", &self.settings.concurrency)
+            .field("mode", &self.mode)
             .finish_non_exhaustive()
     }
 }
 
-impl ConsumerBuilder {
+impl ConsumerBuilder<NoHandler> {
     pub(crate) fn new(amqp_url: String, pool: PgPool) -> Self {
         ConsumerBuilder {
-            amqp_url,
-            pool,
-            queue: None,
-            consumer: None,
-            dead_letter_queue: None,
-            queue_type: QueueType::default(),
-            declare: true,
-            bindings: Vec::new(),
-            prefetch: 100,
-            concurrency: 16,
-            message_id: MessageIdSource::default(),
-            retry: RetryPolicy::default(),
-            handler_timeout: Duration::from_secs(300),
-            shutdown_timeout: Duration::from_secs(30),
-            retention: Some(Duration::from_secs(7 * 24 * 3600)),
-            retention_interval: Duration::from_secs(300),
-            connection_name: None,
-            handler: None,
-            batch_size: None,
-            batch_linger: Duration::from_millis(5),
-            group_header: None,
-            #[cfg(feature = "window")]
-            window: None,
-            windowed_handler: false,
-            batch_handler: None,
+            settings: Settings {
+                amqp_url,
+                pool,
+                queue: None,
+                consumer: None,
+                dead_letter_queue: None,
+                queue_type: QueueType::default(),
+                declare: true,
+                bindings: Vec::new(),
+                prefetch: 100,
+                concurrency: 16,
+                message_id: MessageIdSource::default(),
+                redelivery: RedeliveryPolicy::default(),
+                handler_timeout: Duration::from_secs(300),
+                shutdown_timeout: Duration::from_secs(30),
+                retention: Some(Duration::from_secs(7 * 24 * 3600)),
+                retention_interval: Duration::from_secs(300),
+                connection_name: None,
+            },
+            mode: NoHandler(()),
         }
     }
 
-    /// The queue to consume (required). Unless [`declare`](Self::declare) is
-    /// turned off, it is declared durable, dead-lettering into `<queue>.dlq`.
-    pub fn queue(mut self, queue: impl Into<String>) -> Self {
-        self.queue = Some(queue.into());
-        self
-    }
-
-    /// The name that scopes message ids in `processed_messages` (default: the
-    /// queue name). Two consumers of one message (fan-out) must have different
-    /// names to each process it once; replicas of one consumer share a name.
-    pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
-        self.consumer = Some(name.into());
-        self
-    }
-
-    /// The dead-letter queue (default: `<queue>.dlq`).
-    pub fn dead_letter_queue(mut self, queue: impl Into<String>) -> Self {
-        self.dead_letter_queue = Some(queue.into());
-        self
-    }
-
-    /// The type of the queues the runtime declares (default: quorum).
-    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
-        self.queue_type = queue_type;
-        self
-    }
-
-    /// Whether to declare the queues (default: `true`). Turn it off when the
-    /// topology is managed elsewhere; the dead-letter queue must then exist.
-    pub fn declare(mut self, declare: bool) -> Self {
-        self.declare = declare;
-        self
-    }
-
-    /// Binds the queue to an existing exchange with a routing key, at start.
-    pub fn bind(mut self, exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
-        self.bindings.push((exchange.into(), routing_key.into()));
-        self
-    }
-
-    /// How many unacknowledged deliveries the broker may send ahead (default: 100).
-    /// Must be at least [`concurrency`](Self::concurrency).
-    pub fn prefetch(mut self, prefetch: u16) -> Self {
-        self.prefetch = prefetch;
-        self
-    }
-
-    /// How many handlers run at once (default: 16). Each holds a database
-    /// connection from the pool while it runs.
-    pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency;
-        self
-    }
-
-    /// Where the message id comes from (default: the AMQP `message_id` property).
-    pub fn message_id(mut self, source: MessageIdSource) -> Self {
-        self.message_id = source;
-        self
-    }
-
-    /// How transient failures are retried (default: [`RetryPolicy::default`]).
-    pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.retry = policy;
-        self
-    }
-
-    /// How long `processed_messages` rows of this consumer are kept (default:
-    /// 7 days). A redelivery that arrives after its row was deleted is
-    /// processed again, so keep rows longer than a message can take to come
-    /// back: the retry schedule plus the broker's `consumer_timeout` (a
-    /// warning is logged at start otherwise).
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = Some(retention);
-        self
-    }
-
-    /// Keep `processed_messages` rows forever (or delete them yourself, e.g.
-    /// with [`inbox::delete_processed_before`](crate::inbox::delete_processed_before)).
-    pub fn without_retention(mut self) -> Self {
-        self.retention = None;
-        self
-    }
-
-    /// How often the retention reaper runs (default: 5 min).
-    pub fn retention_interval(mut self, interval: Duration) -> Self {
-        self.retention_interval = interval;
-        self
-    }
-
-    /// How long one handler may run (default: 5 min). A handler that takes
-    /// longer is dropped, its transaction rolls back, and the delivery is
-    /// retried: a hung call must not hold a connection and the claim's row
-    /// lock forever. Keep it below the broker's `consumer_timeout` (30 min by
-    /// default), after which RabbitMQ closes the channel.
-    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
-        self.handler_timeout = timeout;
-        self
-    }
-
-    /// How long a shutdown waits for handlers in flight (default: 30 s).
-    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
-        self.shutdown_timeout = timeout;
-        self
-    }
-
-    /// The connection name shown in RabbitMQ's management UI and `rabbitmqctl`
-    /// (default: `idempo:<consumer>:<pid>`).
-    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
-        self.connection_name = Some(name.into());
-        self
-    }
-
-    /// The handler (required): a closure or async fn
-    /// `(Tx, M) -> impl Future<Output = Result<(), HandlerError>>` where `M` is
-    /// [`Json<T>`](super::Json), [`Message`](super::Message) or another
-    /// [`FromMessage`] type. It runs in the transaction that claimed the
-    /// message id; it must not commit or roll back (the runtime commits after
-    /// `Ok`, then acks). State goes into the closure (an `Arc`, a pool, ...).
-    pub fn handler<M, F, Fut>(mut self, handler: F) -> Self
-    where
-        M: FromMessage,
-        F: Fn(Tx, M) -> Fut + Clone + Send + Sync + 'static,
-        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
-    {
-        self.handler = Some(handler::boxed(handler));
-        self.windowed_handler = false;
-        self
-    }
-
-    /// Deduplicates with a [`DedupWindow`](crate::window::DedupWindow) instead
-    /// of the PostgreSQL inbox (feature `window`), for handlers that touch no
-    /// database; set the handler with [`window_handler`](Self::window_handler).
+    /// Per-message mode with this handler (see [`Handler`]): a closure or
+    /// async fn `(Tx, M) -> impl Future<Output = Result<(), HandlerError>>`
+    /// where `M` is [`JsonBody<T>`](super::JsonBody), [`Message`](super::Message)
+    /// or another [`FromMessage`] type. It runs in the transaction that
+    /// claimed the message id; it must not commit or roll back (the runtime
+    /// commits after `Ok`, then acks). State goes into the closure (a pool, a
+    /// client, ...); it is shared by every delivery, not copied.
     ///
-    /// The guarantee is weaker, and only this: a copy of a message id that
-    /// arrives **within the window** after the first copy was processed is
-    /// acked without running the handler. The id is reserved while the
-    /// handler runs (a concurrent copy waits) and recorded after it
-    /// succeeded, so a failed attempt does not hide its retry; but recording
-    /// is not transactional with the handler's effects (a crash between the
-    /// two runs the redelivery again), and copies after the window pass.
-    /// Message groups scope ids per group. The body's hash is recorded with
-    /// the id, so an id reused with another body is dead-lettered, as with
-    /// the inbox. A store that fails is a transient failure: the delivery is
-    /// retried through the delay queues and uses an attempt (unlike a
-    /// database outage with the inbox, which waits at the gate).
-    #[cfg(feature = "window")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
-    pub fn dedup_window<S>(mut self, window: crate::window::DedupWindow<S>) -> Self
-    where
-        S: crate::window::WindowStore + fmt::Debug,
-    {
-        self.window = Some(std::sync::Arc::new(window));
-        self
-    }
-
-    /// The handler of a consumer with a [`dedup_window`](Self::dedup_window):
-    /// `(M) -> impl Future<Output = Result<(), HandlerError>>`, with no
-    /// transaction. Errors, retries and dead letters work as with
-    /// [`handler`](Self::handler).
-    pub fn window_handler<M, F, Fut>(mut self, handler: F) -> Self
+    /// [`HandlerError`]: super::HandlerError
+    pub fn handler<M, H>(self, handler: H) -> ConsumerBuilder<PerMessage>
     where
         M: FromMessage,
-        F: Fn(M) -> Fut + Clone + Send + Sync + 'static,
-        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+        H: Handler<M>,
     {
-        self.handler = Some(handler::boxed(move |_tx: Tx, message: M| handler(message)));
-        self.windowed_handler = true;
-        self
+        self.into_mode(PerMessage {
+            handler: std::sync::Arc::new(EachMessage::new(handler)),
+            groups: None,
+        })
     }
 
-    /// Turns on batch mode with batches of up to `size` deliveries (see the
-    /// [batch mode](super#batch-mode) docs). With a per-message
-    /// [`handler`](Self::handler), it runs over each fresh message of a batch
-    /// in one transaction; with a [`batch_handler`](Self::batch_handler), it
-    /// gets them all at once, which is where bulk statements pay off.
-    /// Set `prefetch` to about three times the batch size: two batches in
-    /// flight hold their deliveries unacked while the next one is collected.
-    pub fn batch(mut self, size: usize) -> Self {
-        self.batch_size = Some(size);
-        self
+    /// Batch mode with a handler for a whole batch: a [`Handler`] of
+    /// `Vec<M>`, called once per batch with the fresh (not yet processed)
+    /// messages, in delivery order. Batches of 100 unless
+    /// [`batch`](ConsumerBuilder::batch) says otherwise. When it fails, the
+    /// batch rolls back and each delivery is handled on its own (the handler
+    /// is called with a batch of one), so only the failing message takes the
+    /// failure path.
+    ///
+    /// # Example
+    /// ```no_run
+    /// # use idempo::Tx;
+    /// # use idempo::amqp::{Consumer, JsonBody, Message};
+    /// # #[derive(serde::Deserialize)] struct Payment { account: String, amount_cents: i64 }
+    /// # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
+    /// Consumer::builder("amqp://127.0.0.1", pool)
+    ///     .queue("payments")
+    ///     .prefetch(1500)
+    ///     .batch_handler(|tx: Tx, batch: Vec<(JsonBody<Payment>, Message)>| async move {
+    ///         let ids: Vec<&str> = batch.iter().map(|(_, m)| m.id()).collect();
+    ///         let accounts: Vec<&str> = batch.iter().map(|(p, _)| p.0.account.as_str()).collect();
+    ///         let amounts: Vec<i64> = batch.iter().map(|(p, _)| p.0.amount_cents).collect();
+    ///         let mut tx = tx.try_lock()?;
+    ///         sqlx::query("INSERT INTO payments (message_id, account, amount_cents) \
+    ///                      SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])")
+    ///             .bind(&ids).bind(&accounts).bind(&amounts)
+    ///             .execute(&mut *tx)
+    ///             .await?;
+    ///         Ok(())
+    ///     })
+    ///     .batch(500)
+    ///     .run_until_signal()
+    ///     .await
+    /// # }
+    /// ```
+    pub fn batch_handler<M, H>(self, handler: H) -> ConsumerBuilder<Batched>
+    where
+        M: FromMessage,
+        H: Handler<Vec<M>>,
+    {
+        self.into_mode(Batched {
+            handler: std::sync::Arc::new(WholeBatch::new(handler)),
+            size: DEFAULT_BATCH,
+            linger: DEFAULT_LINGER,
+        })
     }
+}
 
+impl ConsumerBuilder<PerMessage> {
     /// Turns on message groups (SQS FIFO's `MessageGroupId`): deliveries
     /// whose header `x-group-id` holds the same value are processed one at a
     /// time, in the order they arrived; different groups (and deliveries
@@ -292,8 +185,7 @@ impl ConsumerBuilder {
     /// SQS). A delivery takes a concurrency slot only once its predecessor is
     /// done, so a busy group cannot starve the others. If a predecessor is
     /// abandoned (shutdown, a lost channel), the rest of its group is left
-    /// unacked too and comes back in order with the redelivery. Not
-    /// available with [`batch`](Self::batch).
+    /// unacked too and comes back in order with the redelivery.
     pub fn message_groups(self) -> Self {
         self.message_groups_by("x-group-id")
     }
@@ -301,191 +193,277 @@ impl ConsumerBuilder {
     /// [`message_groups`](Self::message_groups) with the group id in another
     /// header.
     pub fn message_groups_by(mut self, header: impl Into<String>) -> Self {
-        self.group_header = Some(header.into());
+        self.mode.groups = Some(header.into());
+        self
+    }
+
+    /// Batch mode with this per-message handler: batches of up to `size`
+    /// deliveries share one transaction, and the handler runs over each fresh
+    /// message of a batch in turn (see the [batch mode](super#batch-mode)
+    /// docs). A [`batch_handler`](ConsumerBuilder::batch_handler) gets them
+    /// all at once, which is where bulk statements pay off. Set `prefetch` to
+    /// about three times the batch size: two batches in flight hold their
+    /// deliveries unacked while the next one is collected.
+    pub fn batch(self, size: usize) -> ConsumerBuilder<Batched> {
+        let handler = self.mode.handler.clone();
+        self.into_mode(Batched {
+            handler,
+            size,
+            linger: DEFAULT_LINGER,
+        })
+    }
+}
+
+impl ConsumerBuilder<Batched> {
+    /// Batches of up to `size` deliveries (default: 100). Set `prefetch` to
+    /// about three times the batch size.
+    pub fn batch(mut self, size: usize) -> Self {
+        self.mode.size = size;
         self
     }
 
     /// How long a batch waits for more deliveries after its first one
     /// (default: 5 ms).
     pub fn batch_linger(mut self, linger: Duration) -> Self {
-        self.batch_linger = linger;
+        self.mode.linger = linger;
+        self
+    }
+}
+
+impl<Mode> ConsumerBuilder<Mode> {
+    pub(crate) fn into_mode<Next>(self, mode: Next) -> ConsumerBuilder<Next> {
+        ConsumerBuilder {
+            settings: self.settings,
+            mode,
+        }
+    }
+
+    /// The queue to consume (required). Unless [`declare`](Self::declare) is
+    /// turned off, it is declared durable, dead-lettering into `<queue>.dlq`.
+    pub fn queue(mut self, queue: impl Into<String>) -> Self {
+        self.settings.queue = Some(queue.into());
         self
     }
 
-    /// A handler for a whole batch: `(Tx, Vec<M>) -> Result<(), HandlerError>`,
-    /// called once per batch with the fresh (not yet processed) messages, in
-    /// delivery order. Turns on batch mode (batches of 100 unless
-    /// [`batch`](Self::batch) says otherwise). When it fails, the batch rolls
-    /// back and each delivery is handled on its own (the handler is called with
-    /// a batch of one), so only the failing message takes the failure path.
-    ///
-    /// # Example
-    /// ```no_run
-    /// # use idempo::amqp::{Consumer, Json, Message};
-    /// # #[derive(serde::Deserialize)] struct Payment { account: String, amount_cents: i64 }
-    /// # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
-    /// Consumer::builder("amqp://127.0.0.1", pool)
-    ///     .queue("payments")
-    ///     .prefetch(1500)
-    ///     .batch(500)
-    ///     .batch_handler(|tx, batch: Vec<(Json<Payment>, Message)>| async move {
-    ///         let ids: Vec<&str> = batch.iter().map(|(_, m)| m.id()).collect();
-    ///         let accounts: Vec<&str> = batch.iter().map(|(p, _)| p.0.account.as_str()).collect();
-    ///         let amounts: Vec<i64> = batch.iter().map(|(p, _)| p.0.amount_cents).collect();
-    ///         let mut tx = tx.lock()?;
-    ///         sqlx::query("INSERT INTO payments (message_id, account, amount_cents) \
-    ///                      SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])")
-    ///             .bind(&ids).bind(&accounts).bind(&amounts)
-    ///             .execute(&mut *tx)
-    ///             .await?;
-    ///         Ok(())
-    ///     })
-    ///     .run_until_signal()
-    ///     .await
-    /// # }
-    /// ```
-    pub fn batch_handler<M, F, Fut>(mut self, handler: F) -> Self
-    where
-        M: FromMessage,
-        F: Fn(Tx, Vec<M>) -> Fut + Clone + Send + Sync + 'static,
-        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
-    {
-        let (batch, one) = boxed_batch(handler);
-        self.batch_handler = Some(batch);
-        self.handler = Some(one);
-        self.batch_size.get_or_insert(100);
+    /// The name that scopes message ids in `processed_messages` (default: the
+    /// queue name). Two consumers of one message (fan-out) must have different
+    /// names to each process it once; replicas of one consumer share a name.
+    pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
+        self.settings.consumer = Some(name.into());
         self
     }
 
-    /// Checks the configuration and builds the consumer.
-    ///
-    /// # Errors
-    /// [`Error::Config`] when the queue or handler is missing, `concurrency`
-    /// is 0, or `prefetch` is below `concurrency`.
-    pub fn build(self) -> Result<Consumer> {
-        let queue = self
-            .queue
-            .ok_or_else(|| Error::Config("a queue is required: call .queue(name)".into()))?;
-        let handler = self
-            .handler
-            .ok_or_else(|| Error::Config("a handler is required: call .handler(f)".into()))?;
-        if self.concurrency == 0 {
-            return Err(Error::Config("concurrency must be at least 1".into()));
-        }
-        if usize::from(self.prefetch) < self.concurrency {
-            return Err(Error::Config(format!(
-                "prefetch ({}) must be at least concurrency ({}): handlers beyond the prefetch would never get a delivery",
-                self.prefetch, self.concurrency
-            )));
-        }
-        let consumer = self.consumer.unwrap_or_else(|| queue.clone());
-        if consumer.is_empty() {
-            return Err(Error::Config("the consumer name must not be empty".into()));
-        }
-        self.retry.validate().map_err(Error::Config)?;
-        if self.retention.is_some_and(|r| r.is_zero()) || self.retention_interval.is_zero() {
-            return Err(Error::Config(
-                "retention and retention_interval must be positive".into(),
-            ));
-        }
-        let dead_letter_queue = self
-            .dead_letter_queue
-            .unwrap_or_else(|| format!("{queue}.dlq"));
-        let connection_name = self
-            .connection_name
-            .unwrap_or_else(|| format!("idempo:{consumer}:{}", std::process::id()));
-        let stats = Stats::new(&consumer);
-        #[cfg(feature = "window")]
-        let window = self.window;
-        #[cfg(not(feature = "window"))]
-        let window: Option<()> = None;
-        match (window.is_some(), self.windowed_handler) {
-            (true, false) => {
-                return Err(Error::Config(
-                    "a consumer with a dedup window needs .window_handler(..): its handler gets no transaction".into(),
-                ));
+    /// The dead-letter queue (default: `<queue>.dlq`).
+    pub fn dead_letter_queue(mut self, queue: impl Into<String>) -> Self {
+        self.settings.dead_letter_queue = Some(queue.into());
+        self
+    }
+
+    /// The type of the queues the runtime declares (default: quorum).
+    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
+        self.settings.queue_type = queue_type;
+        self
+    }
+
+    /// Whether to declare the queues (default: `true`). Turn it off when the
+    /// topology is managed elsewhere; the dead-letter queue must then exist.
+    pub fn declare(mut self, declare: bool) -> Self {
+        self.settings.declare = declare;
+        self
+    }
+
+    /// Binds the queue to an existing exchange with a routing key, at start.
+    pub fn bind(mut self, exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
+        self.settings.bindings.push((exchange.into(), routing_key.into()));
+        self
+    }
+
+    /// How many unacknowledged deliveries the broker may send ahead (default: 100).
+    /// Must be at least [`concurrency`](Self::concurrency).
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.settings.prefetch = prefetch;
+        self
+    }
+
+    /// How many handlers run at once (default: 16). Each holds a database
+    /// connection from the pool while it runs.
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.settings.concurrency = concurrency;
+        self
+    }
+
+    /// Where the message id comes from (default: the AMQP `message_id` property).
+    pub fn message_id(mut self, source: MessageIdSource) -> Self {
+        self.settings.message_id = source;
+        self
+    }
+
+    /// How transient failures are retried (default: [`RedeliveryPolicy::default`]).
+    pub fn retry(mut self, policy: RedeliveryPolicy) -> Self {
+        self.settings.redelivery = policy;
+        self
+    }
+
+    /// How long `processed_messages` rows of this consumer are kept (default:
+    /// 7 days). A redelivery that arrives after its row was deleted is
+    /// processed again, so keep rows longer than a message can take to come
+    /// back: the retry schedule plus the broker's `consumer_timeout` (a
+    /// warning is logged at start otherwise).
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.settings.retention = Some(retention);
+        self
+    }
+
+    /// Keep `processed_messages` rows forever (or delete them yourself, e.g.
+    /// with [`inbox::delete_processed_before`](crate::inbox::delete_processed_before)).
+    pub fn without_retention(mut self) -> Self {
+        self.settings.retention = None;
+        self
+    }
+
+    /// How often the retention reaper runs (default: 5 min).
+    pub fn retention_interval(mut self, interval: Duration) -> Self {
+        self.settings.retention_interval = interval;
+        self
+    }
+
+    /// How long one handler may run (default: 5 min). A handler that takes
+    /// longer is dropped, its transaction rolls back, and the delivery is
+    /// retried: a hung call must not hold a connection and the claim's row
+    /// lock forever. Keep it below the broker's `consumer_timeout` (30 min by
+    /// default), after which RabbitMQ closes the channel.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.handler_timeout = timeout;
+        self
+    }
+
+    /// How long a shutdown waits for handlers in flight (default: 30 s).
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.shutdown_timeout = timeout;
+        self
+    }
+
+    /// The connection name shown in RabbitMQ's management UI and `rabbitmqctl`
+    /// (default: `idempo:<consumer>:<pid>`).
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.settings.connection_name = Some(name.into());
+        self
+    }
+
+}
+
+/// `build`, `run` and `run_until_signal`, for each mode that has a handler.
+macro_rules! runnable {
+    ($mode:ty) => {
+        impl $crate::amqp::ConsumerBuilder<$mode> {
+            /// Checks the configuration and builds the consumer.
+            ///
+            /// # Errors
+            /// [`Error::Config`](crate::Error::Config) when the queue is
+            /// missing, `concurrency` is 0, `prefetch` is below `concurrency`
+            /// (or, in batch mode, below the batch size), the consumer name
+            /// is empty, or the retry policy or retention is impossible.
+            pub fn build(self) -> $crate::Result<$crate::amqp::Consumer> {
+                $crate::amqp::builder::finish(self)
             }
-            (false, true) => {
-                return Err(Error::Config(
-                    ".window_handler(..) needs .dedup_window(..) (feature `window`)".into(),
-                ));
+
+            /// Builds and [runs](crate::amqp::Consumer::run) the consumer.
+            ///
+            /// # Errors
+            /// As [`build`](Self::build) and [`Consumer::run`](crate::amqp::Consumer::run).
+            pub async fn run(self) -> $crate::Result<()> {
+                self.build()?.run().await
             }
-            _ => {}
-        }
-        if window.is_some() && self.batch_size.is_some() {
-            return Err(Error::Config(
-                "a dedup window needs per-message mode: drop .batch(..)".into(),
-            ));
-        }
-        if self.batch_size.is_some() && self.group_header.is_some() {
-            return Err(Error::Config(
-                "message groups need per-message mode: drop .batch(..) or .message_groups()".into(),
-            ));
-        }
-        let batch = match self.batch_size {
-            None => None,
-            Some(0) => return Err(Error::Config("the batch size must be at least 1".into())),
-            Some(size) if usize::from(self.prefetch) < size => {
-                return Err(Error::Config(format!(
-                    "prefetch ({}) must be at least the batch size ({size}); twice is better",
-                    self.prefetch
-                )));
+
+            /// Builds and [runs until a signal](crate::amqp::Consumer::run_until_signal).
+            ///
+            /// # Errors
+            /// As [`build`](Self::build) and [`Consumer::run`](crate::amqp::Consumer::run).
+            pub async fn run_until_signal(self) -> $crate::Result<()> {
+                self.build()?.run_until_signal().await
             }
-            Some(size) => Some(BatchMode {
-                size,
-                linger: self.batch_linger,
-                handler: self
-                    .batch_handler
-                    .unwrap_or_else(|| per_message(handler.clone())),
-            }),
-        };
-        Ok(Consumer {
-            config: Config {
-                amqp_url: self.amqp_url,
-                pool: self.pool,
-                consumer,
-                topology: Topology {
-                    queue,
-                    dead_letter_queue,
-                    queue_type: self.queue_type,
-                    bindings: self.bindings,
-                    retry_delays: self.retry.delays().to_vec(),
-                },
-                declare: self.declare,
-                prefetch: self.prefetch,
-                concurrency: self.concurrency,
-                message_id: self.message_id,
-                retry: self.retry,
-                handler_timeout: self.handler_timeout,
-                shutdown_timeout: self.shutdown_timeout,
-                retention: self.retention,
-                retention_interval: self.retention_interval,
-                connection_name,
-                batch,
-                group_header: self.group_header,
-                #[cfg(feature = "window")]
-                window,
+        }
+    };
+}
+pub(crate) use runnable;
+
+runnable!(PerMessage);
+runnable!(Batched);
+
+/// Checks the settings, then the mode, and builds the consumer.
+pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Result<Consumer> {
+    let ConsumerBuilder { settings: s, mode } = builder;
+    let queue = s
+        .queue
+        .ok_or_else(|| Error::Config("a queue is required: call .queue(name)".into()))?;
+    if s.concurrency == 0 {
+        return Err(Error::Config("concurrency must be at least 1".into()));
+    }
+    if usize::from(s.prefetch) < s.concurrency {
+        return Err(Error::Config(format!(
+            "prefetch ({}) must be at least concurrency ({}): handlers beyond the prefetch would never get a delivery",
+            s.prefetch, s.concurrency
+        )));
+    }
+    let consumer = s.consumer.unwrap_or_else(|| queue.clone());
+    if consumer.is_empty() {
+        return Err(Error::Config("the consumer name must not be empty".into()));
+    }
+    s.redelivery.validate().map_err(Error::Config)?;
+    if s.retention.is_some_and(|r| r.is_zero()) || s.retention_interval.is_zero() {
+        return Err(Error::Config(
+            "retention and retention_interval must be positive".into(),
+        ));
+    }
+    let dead_letter_queue = s
+        .dead_letter_queue
+        .unwrap_or_else(|| format!("{queue}.dlq"));
+    let connection_name = s
+        .connection_name
+        .unwrap_or_else(|| format!("idempo:{consumer}:{}", std::process::id()));
+    let stats = Stats::new(&consumer);
+    let health = Health::default();
+    let shutdown = ShutdownHandle::default();
+    let gate = DatabaseGate::new(
+        s.pool.clone(),
+        health.clone(),
+        stats.clone(),
+        shutdown.graceful_token(),
+    );
+    let dispatch = mode.into_dispatch(&Parts {
+        consumer: &consumer,
+        queue: &queue,
+        pool: &s.pool,
+        prefetch: s.prefetch,
+        handler_timeout: s.handler_timeout,
+        gate: &gate,
+        stats: &stats,
+    })?;
+    Ok(Consumer {
+        config: Config {
+            amqp_url: s.amqp_url,
+            pool: s.pool,
+            consumer,
+            topology: Topology {
+                queue,
+                dead_letter_queue,
+                queue_type: s.queue_type,
+                bindings: s.bindings,
+                retry_delays: s.redelivery.delays().to_vec(),
             },
-            handler,
-            shutdown: ShutdownHandle::default(),
-            stats,
-            health: Health::default(),
-        })
-    }
-
-    /// Builds and [runs](Consumer::run) the consumer.
-    ///
-    /// # Errors
-    /// As [`build`](Self::build) and [`Consumer::run`].
-    pub async fn run(self) -> Result<()> {
-        self.build()?.run().await
-    }
-
-    /// Builds and [runs until a signal](Consumer::run_until_signal).
-    ///
-    /// # Errors
-    /// As [`build`](Self::build) and [`Consumer::run`].
-    pub async fn run_until_signal(self) -> Result<()> {
-        self.build()?.run_until_signal().await
-    }
+            declare: s.declare,
+            prefetch: s.prefetch,
+            concurrency: s.concurrency,
+            message_id: s.message_id,
+            redelivery: s.redelivery,
+            shutdown_timeout: s.shutdown_timeout,
+            retention: s.retention,
+            retention_interval: s.retention_interval,
+            connection_name,
+        },
+        dispatch,
+        shutdown,
+        stats,
+        health,
+    })
 }

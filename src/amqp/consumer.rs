@@ -19,18 +19,16 @@ use tokio_util::sync::CancellationToken;
 
 use super::MessageIdSource;
 use super::acks::AckTracker;
-use super::backoff::Backoff;
-use super::batch::BoxedBatchHandler;
 use super::builder::ConsumerBuilder;
-use super::database_gate::DatabaseGate;
-use super::delivery::Pipeline;
-use super::handler::BoxedHandler;
+use super::delivery::{Pipeline, Settled};
 use super::health::{Health, RuntimeState};
+use super::mode::{Dispatch, NoHandler};
+use super::redelivery::RedeliveryPolicy;
 use super::republish::Republisher;
 use super::retention;
-use super::retry::RetryPolicy;
 use super::stats::{Counter, Stats};
 use super::topology::Topology;
+use crate::backoff::Backoff;
 use crate::{Error, Result};
 
 /// Batches processed at once in batch mode (each on its own connection).
@@ -51,7 +49,8 @@ const BROKER_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 ///
 /// # Example
 /// ```no_run
-/// use idempo::amqp::{Consumer, Json};
+/// use idempo::Tx;
+/// use idempo::amqp::{Consumer, JsonBody};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Payment { account: String, amount_cents: i64 }
@@ -63,8 +62,8 @@ const BROKER_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 ///     .queue("payments")
 ///     .prefetch(100)
 ///     .concurrency(16)
-///     .handler(|tx, Json(p): Json<Payment>| async move {
-///         let mut tx = tx.lock()?;
+///     .handler(|tx: Tx, JsonBody(p): JsonBody<Payment>| async move {
+///         let mut tx = tx.try_lock()?;
 ///         sqlx::query("UPDATE balances SET cents = cents + $2 WHERE account = $1")
 ///             .bind(&p.account)
 ///             .bind(p.amount_cents)
@@ -100,7 +99,7 @@ const BROKER_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// deliveries are redelivered.
 pub struct Consumer {
     pub(crate) config: Config,
-    pub(crate) handler: BoxedHandler,
+    pub(crate) dispatch: Dispatch,
     pub(crate) shutdown: ShutdownHandle,
     pub(crate) stats: Stats,
     pub(crate) health: Health,
@@ -124,35 +123,11 @@ pub(crate) struct Config {
     pub(crate) prefetch: u16,
     pub(crate) concurrency: usize,
     pub(crate) message_id: MessageIdSource,
-    pub(crate) retry: RetryPolicy,
-    pub(crate) handler_timeout: Duration,
+    pub(crate) redelivery: RedeliveryPolicy,
     pub(crate) shutdown_timeout: Duration,
     pub(crate) retention: Option<Duration>,
     pub(crate) retention_interval: Duration,
     pub(crate) connection_name: String,
-    pub(crate) batch: Option<BatchMode>,
-    /// The header whose value orders deliveries into groups.
-    pub(crate) group_header: Option<String>,
-    /// Deduplicate with this window instead of the inbox.
-    #[cfg(feature = "window")]
-    pub(crate) window: Option<Arc<dyn crate::window::ErasedWindow>>,
-}
-
-/// Batch mode's settings (see [`ConsumerBuilder::batch`]).
-#[derive(Clone)]
-pub(crate) struct BatchMode {
-    pub(crate) size: usize,
-    pub(crate) linger: Duration,
-    pub(crate) handler: BoxedBatchHandler,
-}
-
-impl fmt::Debug for BatchMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BatchMode")
-            .field("size", &self.size)
-            .field("linger", &self.linger)
-            .finish_non_exhaustive()
-    }
 }
 
 /// Stops a running [`Consumer`] from another task. Cheap to clone.
@@ -180,6 +155,11 @@ impl ShutdownHandle {
     pub fn is_shutdown(&self) -> bool {
         self.graceful.is_cancelled()
     }
+
+    /// Fired when a graceful shutdown begins.
+    pub(crate) fn graceful_token(&self) -> CancellationToken {
+        self.graceful.clone()
+    }
 }
 
 impl Consumer {
@@ -188,7 +168,7 @@ impl Consumer {
     ///
     /// Size the pool to at least [`concurrency`](ConsumerBuilder::concurrency)
     /// connections: each running handler holds one.
-    pub fn builder(amqp_url: impl Into<String>, pool: PgPool) -> ConsumerBuilder {
+    pub fn builder(amqp_url: impl Into<String>, pool: PgPool) -> ConsumerBuilder<NoHandler> {
         ConsumerBuilder::new(amqp_url.into(), pool)
     }
 
@@ -244,7 +224,7 @@ impl Consumer {
     pub async fn run(self) -> Result<()> {
         let Consumer {
             config,
-            handler,
+            dispatch,
             shutdown,
             stats,
             health,
@@ -260,22 +240,16 @@ impl Consumer {
             ))
         });
         let mut runtime = Runtime {
-            gate: DatabaseGate::new(
-                config.pool.clone(),
-                health.clone(),
-                stats.clone(),
-                shutdown.graceful.clone(),
-            ),
             // In batch mode the slots are batches in flight: one committing
             // while the next is collected and claimed.
-            permits: Arc::new(Semaphore::new(match &config.batch {
+            permits: Arc::new(Semaphore::new(match &dispatch.batch {
                 Some(_) => BATCHES_IN_FLIGHT,
                 None => config.concurrency,
             })),
             tasks: JoinSet::new(),
             groups: GroupChains::default(),
             config,
-            handler,
+            dispatch,
             shutdown,
             stats,
             health,
@@ -292,11 +266,10 @@ impl Consumer {
 /// across a reconnect (their ack may fail; the redelivery is deduplicated).
 struct Runtime {
     config: Config,
-    handler: BoxedHandler,
+    dispatch: Dispatch,
     shutdown: ShutdownHandle,
     stats: Stats,
     health: Health,
-    gate: Arc<DatabaseGate>,
     permits: Arc<Semaphore>,
     tasks: JoinSet<()>,
     groups: GroupChains,
@@ -427,22 +400,16 @@ impl Runtime {
             consumer: config.consumer.clone(),
             queue: config.topology.queue.clone(),
             dead_letter_queue: config.topology.dead_letter_queue.clone(),
-            pool: config.pool.clone(),
-            handler: self.handler.clone(),
             message_id: config.message_id.clone(),
-            retry: config.retry.clone(),
-            handler_timeout: config.handler_timeout,
-            #[cfg(feature = "window")]
-            group_header: config.group_header.clone(),
-            #[cfg(feature = "window")]
-            window: config.window.clone(),
-            gate: self.gate.clone(),
+            decide: self.dispatch.decide.clone(),
+            redelivery: config.redelivery.clone(),
             republisher,
+            // Batch mode acks processed deliveries with multiple acks.
+            coalesced: self.dispatch.batch.map(|_| AckTracker::new()),
             broken: broken.clone(),
             shutdown: self.shutdown.graceful.clone(),
             health: self.health.clone(),
             stats: self.stats.clone(),
-            acks: AckTracker::new(broken.clone()),
         });
         Ok((channel, deliveries, pipeline, broken))
     }
@@ -462,7 +429,7 @@ impl Runtime {
             queue = %config.topology.queue,
             prefetch = config.prefetch,
             concurrency = config.concurrency,
-            batch = config.batch.as_ref().map(|b| b.size),
+            batch = self.dispatch.batch.map(|(size, _)| size),
             "consuming"
         );
         let mut feed = Feed {
@@ -483,14 +450,14 @@ impl Runtime {
                 Next::End(end) => break end,
                 Next::Deadline => continue,
             };
-            let batch = match &config.batch {
-                None => Work::One(first),
-                Some(mode) => {
+            let unit = match self.dispatch.batch {
+                None => vec![*first],
+                Some((size, linger)) => {
                     // Collect up to `size`, or what arrives within the linger.
-                    let deadline = tokio::time::Instant::now() + mode.linger;
+                    let deadline = tokio::time::Instant::now() + linger;
                     let mut batch = vec![*first];
                     let mut ended = None;
-                    while batch.len() < mode.size {
+                    while batch.len() < size {
                         match feed.next(Some(deadline)).await {
                             Next::Delivery(delivery) => batch.push(*delivery),
                             Next::Deadline => break,
@@ -505,12 +472,12 @@ impl Runtime {
                     if let Some(end) = ended {
                         break end;
                     }
-                    Work::Batch(mode.handler.clone(), batch)
+                    batch
                 }
             };
             // In a group, wait for the delivery that arrived before this one.
-            let (predecessor, done) = match (&batch, &config.group_header) {
-                (Work::One(delivery), Some(header)) => match group_of(delivery, header) {
+            let (predecessor, done) = match (unit.as_slice(), &self.dispatch.groups) {
+                ([delivery], Some(header)) => match group_of(delivery, header) {
                     Some(group) => {
                         let (predecessor, done) = self.groups.enqueue(group);
                         (predecessor, Some(done))
@@ -555,23 +522,15 @@ impl Runtime {
                     };
                     permit = Some(slot);
                 }
-                let work = async {
-                    match batch {
-                        Work::One(delivery) => pipeline.clone().run(*delivery).await,
-                        Work::Batch(handler, deliveries) => {
-                            pipeline.clone().run_batch(&handler, deliveries).await;
-                            "batch"
-                        }
-                    }
-                };
+                let work = pipeline.clone().run(unit);
                 // A panic outside the handler (a message-id function, a
                 // FromMessage impl) leaves deliveries unsettled; in batch mode
                 // it would also stall the coalesced acks. Reconnecting hands
                 // them all back.
                 match AssertUnwindSafe(work).catch_unwind().await {
-                    Ok(outcome) => {
+                    Ok(settled) => {
                         if let Some(done) = done {
-                            let _ = done.send(outcome != "abandoned");
+                            let _ = done.send(!settled.contains(&Settled::Abandoned));
                         }
                     }
                     Err(_) => {
@@ -663,12 +622,6 @@ fn group_of(delivery: &lapin::message::Delivery, header: &str) -> Option<String>
     super::headers::string_header(delivery.properties.headers().as_ref(), header)
 }
 
-/// What one spawned task processes.
-enum Work {
-    One(Box<lapin::message::Delivery>),
-    Batch(BoxedBatchHandler, Vec<lapin::message::Delivery>),
-}
-
 /// What the delivery stream gave.
 enum Next {
     Delivery(Box<lapin::message::Delivery>),
@@ -730,7 +683,7 @@ fn warn_if_retention_too_short(config: &Config) {
     let Some(retention) = config.retention else {
         return;
     };
-    let longest = config.retry.total_delay() + BROKER_CONSUMER_TIMEOUT;
+    let longest = config.redelivery.total_delay() + BROKER_CONSUMER_TIMEOUT;
     if retention < longest {
         tracing::warn!(
             ?retention,

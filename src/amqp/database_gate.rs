@@ -11,10 +11,9 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 use tokio::sync::watch;
-
 use tokio_util::sync::CancellationToken;
 
-use super::backoff::Backoff;
+use crate::backoff::Backoff;
 use super::health::Health;
 use super::stats::{Counter, Stats};
 
@@ -81,40 +80,4 @@ impl DatabaseGate {
             }
         }
     }
-}
-
-/// Whether `error` means "the database (or the connection to it) is gone",
-/// as opposed to a problem with this statement or this message.
-pub(crate) fn is_connection_error(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        // Class 08: connection exception (but 08P01, protocol violation, is
-        // also what a wrong number of bind parameters gets: a bug, not an
-        // outage); 57P01-57P03: admin shutdown (pg_terminate_backend), crash
-        // shutdown, cannot connect now.
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            (code.starts_with("08") && code != "08P01")
-                || matches!(&*code, "57P01" | "57P02" | "57P03")
-        }),
-        _ => false,
-    }
-}
-
-/// [`is_connection_error`] for an error of any type that may wrap a sqlx error.
-pub(crate) fn is_connection_failure(error: &(dyn std::error::Error + 'static)) -> bool {
-    let mut current = Some(error);
-    while let Some(e) = current {
-        if let Some(sqlx) = e.downcast_ref::<sqlx::Error>() {
-            return is_connection_error(sqlx);
-        }
-        if let Some(crate::Error::Database(sqlx)) = e.downcast_ref::<crate::Error>() {
-            return is_connection_error(sqlx);
-        }
-        current = e.source();
-    }
-    false
 }

@@ -1,18 +1,26 @@
-//! The per-delivery state machine; the only code that acks, nacks or dead-letters.
+//! The per-delivery state machine, for per-message and batch mode alike; and
+//! `settle`, the only code that acks, nacks, retries or dead-letters.
+//!
+//! A *unit* is one delivery (per-message mode) or a batch of them. Each unit
+//! goes through the same steps; a batch that fails as a whole is split into
+//! units of one, which go through them again:
 //!
 //! ```text
-//! received ─► id ─► decode ─► BEGIN ─► claim ─┬─ Fresh ─► handler ─┬─ Ok ─► claim still ours? ─► COMMIT ─┬─ ok ─► ack
-//!              │       │                      │                    │                                     └─ failed/unknown ─► RETRY
-//!              │       │                      ├─ Duplicate ─► ROLLBACK ─► ack
-//!              │       │                      └─ Mismatch ──► ROLLBACK ─► DEAD-LETTER ─► ack
-//!              │       └─ undecodable ─► DEAD-LETTER ─► ack  ├─ transient error / panic / timeout ─► ROLLBACK ─► RETRY
-//!              └─ missing/invalid ─► DEAD-LETTER ─► ack      └─ permanent error ─► ROLLBACK ─► DEAD-LETTER ─► ack
+//! received ─► id ─► Decode ─► Begin ─► Claim ─┬─ all Duplicate/Mismatch ─► ROLLBACK ─► decided
+//!              │       │                      └─ Fresh ─► Handle ─┬─ Ok ─► Commit (claim check + COMMIT, one round trip) ─► Processed
+//!              │       └─ undecodable ─► DeadLetter                └─ error / panic / timeout ─► ROLLBACK ─► Failed
+//!              └─ missing/invalid ─► DeadLetter
 //!
-//! RETRY       = attempts left: publish to <queue>.retry.<delay> (confirmed) ─► ack
-//!               none left: DEAD-LETTER; policy "requeue": pause ─► nack(requeue)
-//! DEAD-LETTER = publish to <queue>.dlq (confirmed) ─► ack
-//! a publish that is not confirmed ─► pause ─► nack(requeue): never acked
-//! database unreachable anywhere ─► ROLLBACK ─► wait at the database gate ─► run again from BEGIN
+//! Failed         = one delivery: its outcome (Retry, or DeadLetter for a permanent error)
+//!                  a batch: Split ─► each delivery alone, from Decode
+//! AwaitDatabase  = a connection-level error at any step ─► ROLLBACK ─► wait at the gate ─► Decode again
+//!                  (shutdown or a closed channel: Abandoned; after 5 passes: Failed)
+//! settle         = Processed, Duplicate ─► ack (batch mode: one multiple ack over settled tags)
+//!                  DeadLetter ─► publish to <queue>.dlq (confirmed) ─► ack
+//!                  Retry ─► publish to <queue>.retry.<delay> (confirmed) ─► ack; attempts used up: DeadLetter;
+//!                           requeue policy: pause ─► nack(requeue)
+//!                  a copy that is not confirmed ─► pause ─► nack(requeue): never acked
+//!                  Abandoned ─► nothing: the delivery returns when its channel closes
 //! ```
 //!
 //! Dropping the future (shutdown timeout) at any `.await` is safe: before the
@@ -21,11 +29,13 @@
 //! the redelivery is claimed as a duplicate and acknowledged.
 
 use std::any::Any;
+use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt;
+use futures::future::BoxFuture;
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::AMQPValue;
@@ -33,58 +43,31 @@ use sqlx::{PgPool, Postgres, Transaction};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, field};
 
-use super::acks::AckTracker;
-use super::database_gate::{DatabaseGate, is_connection_error, is_connection_failure};
+use super::acks::{AckTracker, Misplaced};
+use super::database_gate::DatabaseGate;
 use super::dead_letter::DeadLetterReason;
-use super::handler::{BoxedHandler, HandlerError, PreparedCall};
+use super::handler::{Call, HandlerError, Prepare};
 use super::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER,
     ROUTING_KEY_HEADER, original_routing_key,
 };
 use super::health::Health;
+use super::redelivery::{Mode, RedeliveryPolicy, delay_queue};
 use super::republish::Republisher;
-use super::retry::{Mode, RetryPolicy, delay_queue};
 use super::stats::{Counter, Stats};
 use super::{DecodeError, Message, MessageIdSource};
-use crate::Tx;
+use crate::error::lost_connection;
 use crate::inbox::{self, Claim, InvalidMessageId};
+use crate::{Error, Tx};
 
 /// The claim relies on READ COMMITTED (a duplicate's follow-up read must see
 /// the row another transaction just committed), whatever the database default.
-pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
-
-/// Everything a delivery task needs, shared by all tasks of one consumer.
-pub(crate) struct Pipeline {
-    pub(crate) consumer: String,
-    pub(crate) queue: String,
-    pub(crate) dead_letter_queue: String,
-    pub(crate) pool: PgPool,
-    pub(crate) handler: BoxedHandler,
-    pub(crate) message_id: MessageIdSource,
-    pub(crate) retry: RetryPolicy,
-    pub(crate) handler_timeout: Duration,
-    /// The header of message groups (ids in a window count per group).
-    #[cfg(feature = "window")]
-    pub(crate) group_header: Option<String>,
-    #[cfg(feature = "window")]
-    pub(crate) window: Option<Arc<dyn crate::window::ErasedWindow>>,
-    pub(crate) gate: Arc<DatabaseGate>,
-    /// Copies to delay queues and to the DLQ, confirmed before the ack.
-    pub(crate) republisher: Republisher,
-    /// Fired when the republishing channels are gone: the session must end.
-    pub(crate) broken: CancellationToken,
-    /// Fired on shutdown: deliveries waiting for the database give up.
-    pub(crate) shutdown: CancellationToken,
-    pub(crate) health: Health,
-    pub(crate) stats: Stats,
-    /// Batch mode's coalesced acks for this session's channel.
-    pub(crate) acks: AckTracker,
-}
+const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 /// Passes that end in a connection error although the database answered in
-/// between: after this many, the error is the message's (a statement that
-/// kills its own connection, a second pool) and it is retried like any other.
-pub(crate) const MAX_DATABASE_PASSES: u32 = 5;
+/// between: after this many, the error is the unit's (a statement that kills
+/// its own connection, a second pool) and it fails like any other error.
+const MAX_DATABASE_PASSES: u32 = 5;
 
 /// Error texts in headers are cut to this: a frame carries the headers whole.
 const MAX_ERROR_HEADER: usize = 4096;
@@ -93,8 +76,8 @@ const MAX_ERROR_HEADER: usize = 4096;
 /// republish was possible, so a failing broker path is not hammered.
 const FALLBACK_PAUSE: Duration = Duration::from_secs(1);
 
-/// What the claim, the handler and the commit decided.
-#[derive(Debug)]
+/// How a delivery is to end: decided by the steps, carried out by `settle`.
+#[derive(Debug, Clone)]
 pub(crate) enum Outcome {
     /// The handler ran and its transaction committed: ack.
     Processed,
@@ -105,14 +88,135 @@ pub(crate) enum Outcome {
         reason: DeadLetterReason,
         error: String,
     },
-    /// Shutdown came while the delivery waited for the database: leave it
-    /// unacked; it returns to the queue when the channel closes.
-    Abandoned,
     /// Might succeed later: retry per the policy.
     Retry {
         error: String,
         requested_delay: Option<Duration>,
     },
+    /// Shutdown came, or the channel closed, while the delivery waited: leave
+    /// it unacked; it returns to the queue when the channel closes.
+    Abandoned,
+}
+
+/// How a delivery was settled: the `outcome` field of its span.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    Processed,
+    Duplicate,
+    DeadLettered,
+    /// Republished to a delay queue, or handed back with nack.
+    Retried,
+    /// Left unacked on purpose.
+    Abandoned,
+}
+
+impl Settled {
+    fn as_str(self) -> &'static str {
+        match self {
+            Settled::Processed => "processed",
+            Settled::Duplicate => "duplicate",
+            Settled::DeadLettered => "dead_lettered",
+            Settled::Retried => "retried",
+            Settled::Abandoned => "abandoned",
+        }
+    }
+}
+
+/// What decides the outcome of the deliveries of a unit: the inbox steps
+/// below, or (feature `window`) the dedup window of `amqp::window`.
+pub(crate) trait Decide: Send + Sync + 'static {
+    /// One outcome per message, in order. Every message has its id.
+    fn decide<'a>(
+        &'a self,
+        messages: &'a [Message],
+        abandon: &'a Abandon,
+    ) -> BoxFuture<'a, Vec<Outcome>>;
+}
+
+/// What makes a waiting delivery give up: shutdown, or its channel closing
+/// (a reconnect, the broker's consumer timeout), after which the broker
+/// redelivers it anyway.
+pub(crate) struct Abandon {
+    pub(crate) shutdown: CancellationToken,
+    /// A delivery of the unit: its channel is the unit's.
+    pub(crate) channel: Option<Acker>,
+}
+
+impl Abandon {
+    /// Resolves when waiting is pointless.
+    pub(crate) async fn wait(&self) {
+        let closed = async {
+            match &self.channel {
+                // lapin poisons every acker of a channel that closed.
+                Some(acker) => {
+                    while !acker.poisoned() {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = self.shutdown.cancelled() => {}
+            () = closed => {}
+        }
+    }
+}
+
+/// The steps of one unit through the inbox: BEGIN, claim, handler, commit.
+pub(crate) struct InboxSteps {
+    pub(crate) consumer: String,
+    pub(crate) pool: PgPool,
+    pub(crate) handler: Arc<dyn Prepare>,
+    pub(crate) handler_timeout: Duration,
+    pub(crate) gate: Arc<DatabaseGate>,
+    pub(crate) stats: Stats,
+}
+
+/// Deliveries that go through the steps together: indexes into the messages.
+struct Unit {
+    members: Vec<usize>,
+    /// Passes that ended at the database gate.
+    passes: u32,
+}
+
+impl Unit {
+    fn new(members: Vec<usize>) -> Self {
+        Unit { members, passes: 0 }
+    }
+
+    fn ids<'m>(&self, messages: &'m [Message]) -> Vec<(&'m str, &'m [u8])> {
+        self.members
+            .iter()
+            .map(|&m| (messages[m].id(), messages[m].body()))
+            .collect()
+    }
+
+    fn messages(&self, messages: &[Message]) -> Vec<Message> {
+        self.members.iter().map(|&m| messages[m].clone()).collect()
+    }
+}
+
+/// Where a unit stands.
+enum Step {
+    /// Decode the bodies; one that does not decode leaves the unit, dead-lettered.
+    Decode(Unit),
+    Begin(Unit, Call),
+    /// Claim every id of the unit in the transaction.
+    Claim(Unit, Call, Transaction<'static, Postgres>),
+    /// Run the handler over the unit, now only fresh messages.
+    Handle(Unit, Call, Transaction<'static, Postgres>),
+    /// Check that the claims are still in the transaction, and COMMIT.
+    Commit(Unit, Transaction<'static, Postgres>),
+    /// A connection-level database error: wait at the gate, then decode again.
+    AwaitDatabase(Unit, String),
+    /// The unit failed: the outcome a delivery on its own gets; a batch is
+    /// split instead.
+    Failed(Unit, Outcome),
+    /// Every member of the unit ends this way.
+    Decided(Unit, Outcome),
+    /// Every member's outcome is recorded.
+    Done,
 }
 
 /// How a handler call ended.
@@ -123,425 +227,490 @@ pub(crate) enum HandlerRun {
     TimedOut,
 }
 
-/// One pass through claim, handler and commit.
-enum Pass {
-    Done(Outcome),
-    /// The database connection failed: nothing of this pass survived (or the
-    /// commit's outcome is unknown, which a new pass resolves through the claim).
-    DatabaseDown(String),
+impl Decide for InboxSteps {
+    fn decide<'a>(
+        &'a self,
+        messages: &'a [Message],
+        abandon: &'a Abandon,
+    ) -> BoxFuture<'a, Vec<Outcome>> {
+        Box::pin(self.run(messages, abandon))
+    }
+}
+
+impl InboxSteps {
+    /// Drives every unit to its end: the state machine.
+    async fn run(&self, messages: &[Message], abandon: &Abandon) -> Vec<Outcome> {
+        let mut decided: Vec<Option<Outcome>> = vec![None; messages.len()];
+        let mut units = VecDeque::from([Unit::new((0..messages.len()).collect())]);
+        while let Some(unit) = units.pop_front() {
+            let mut step = Step::Decode(unit);
+            loop {
+                step = match step {
+                    Step::Decode(unit) => self.decode(unit, messages, &mut decided),
+                    Step::Begin(unit, call) => match self.pool.begin_with(BEGIN).await {
+                        Ok(tx) => Step::Claim(unit, call, tx),
+                        Err(e) => database_error(unit, "cannot begin a transaction", e.into()),
+                    },
+                    Step::Claim(unit, call, tx) => {
+                        self.claim(unit, call, tx, messages, &mut decided).await
+                    }
+                    Step::Handle(unit, call, tx) => self.handle(unit, call, tx).await,
+                    Step::Commit(unit, tx) => self.commit(unit, tx, messages).await,
+                    Step::AwaitDatabase(unit, error) => {
+                        self.await_database(unit, error, abandon).await
+                    }
+                    Step::Failed(unit, outcome) if unit.members.len() == 1 => {
+                        Step::Decided(unit, outcome)
+                    }
+                    Step::Failed(unit, outcome) => {
+                        // Something failed that may concern one delivery only:
+                        // each goes through the steps on its own, in order.
+                        let reason = match &outcome {
+                            Outcome::DeadLetter { error, .. } | Outcome::Retry { error, .. } => {
+                                error.as_str()
+                            }
+                            _ => "",
+                        };
+                        tracing::warn!(error = %reason, size = unit.members.len(), "batch failed; processing its deliveries one by one");
+                        for &member in unit.members.iter().rev() {
+                            units.push_front(Unit::new(vec![member]));
+                        }
+                        Step::Done
+                    }
+                    Step::Decided(unit, outcome) => {
+                        for &member in &unit.members {
+                            decided[member] = Some(outcome.clone());
+                        }
+                        Step::Done
+                    }
+                    Step::Done => break,
+                };
+            }
+        }
+        // Every member is decided above; a gap would be a bug, and leaving
+        // that delivery unacked (redelivered) is the safe way to survive it.
+        decided
+            .into_iter()
+            .map(|o| o.unwrap_or(Outcome::Abandoned))
+            .collect()
+    }
+
+    fn decode(&self, mut unit: Unit, messages: &[Message], decided: &mut [Option<Outcome>]) -> Step {
+        loop {
+            if unit.members.is_empty() {
+                return Step::Done;
+            }
+            match self.handler.prepare(&unit.messages(messages)) {
+                Ok(call) => return Step::Begin(unit, call),
+                Err((i, e)) => {
+                    let member = unit.members.remove(i);
+                    decided[member] = Some(undecodable(&e));
+                }
+            }
+        }
+    }
+
+    async fn claim(
+        &self,
+        unit: Unit,
+        call: Call,
+        mut tx: Transaction<'static, Postgres>,
+        messages: &[Message],
+        decided: &mut [Option<Outcome>],
+    ) -> Step {
+        let ids = unit.ids(messages);
+        let claims = match ids.as_slice() {
+            [(id, body)] => inbox::claim(&mut tx, &self.consumer, id, body)
+                .await
+                .map(|claim| vec![claim]),
+            _ => inbox::claim_batch(&mut tx, &self.consumer, &ids).await,
+        };
+        let claims = match claims {
+            Ok(claims) => claims,
+            Err(e) => return database_error(unit, "claim failed", e),
+        };
+        let mut fresh = Vec::with_capacity(claims.len());
+        for (&member, claim) in unit.members.iter().zip(claims) {
+            match claim {
+                Claim::Fresh => fresh.push(member),
+                Claim::Duplicate => decided[member] = Some(Outcome::Duplicate),
+                Claim::Mismatch => decided[member] = Some(self.mismatch(&messages[member])),
+            }
+        }
+        if fresh.is_empty() {
+            rollback(tx).await;
+            return Step::Done;
+        }
+        let all_fresh = fresh.len() == unit.members.len();
+        let unit = Unit {
+            members: fresh,
+            passes: unit.passes,
+        };
+        // The usual case: the call decoded for the whole unit serves.
+        if all_fresh {
+            return Step::Handle(unit, call, tx);
+        }
+        match self.handler.prepare(&unit.messages(messages)) {
+            Ok(call) => Step::Handle(unit, call, tx),
+            // Decoded once already: a type that decodes differently the
+            // second time fails the unit.
+            Err((_, e)) => {
+                rollback(tx).await;
+                Step::Failed(unit, undecodable(&e))
+            }
+        }
+    }
+
+    async fn handle(&self, unit: Unit, call: Call, tx: Transaction<'static, Postgres>) -> Step {
+        let tx = Tx::new(tx);
+        let run = guarded(|| call(tx.clone()), self.handler_timeout, &self.stats).await;
+        let Some(tx) = tx.take() else {
+            // The guard lives on in a task the handler spawned; the
+            // transaction rolls back when that guard is dropped.
+            return Step::Failed(
+                unit,
+                retry(
+                    "handler finished while a task it spawned still holds the transaction",
+                    "rolled back",
+                ),
+            );
+        };
+        match run {
+            HandlerRun::Done => Step::Commit(unit, tx),
+            HandlerRun::Failed(e) => {
+                rollback(tx).await;
+                if lost_connection(e.source()) {
+                    return Step::AwaitDatabase(unit, format!("handler lost its connection: {e}"));
+                }
+                Step::Failed(unit, handler_failed(e))
+            }
+            HandlerRun::Panicked(panic) => {
+                rollback(tx).await;
+                Step::Failed(unit, retry("handler panicked", panic))
+            }
+            HandlerRun::TimedOut => {
+                rollback(tx).await;
+                Step::Failed(unit, timed_out(self.handler_timeout))
+            }
+        }
+    }
+
+    async fn commit(
+        &self,
+        unit: Unit,
+        tx: Transaction<'static, Postgres>,
+        messages: &[Message],
+    ) -> Step {
+        // One claim tells for the whole unit: a statement fails in an aborted
+        // transaction, and a ROLLBACK took every claim.
+        let id = messages[unit.members[0]].id();
+        match inbox::commit(tx, &self.consumer, id).await {
+            Ok(()) => Step::Decided(unit, Outcome::Processed),
+            Err(e) if e.is_connection_error() => {
+                // Maybe committed, maybe not: never ack. The next pass (or
+                // the redelivery) is either claimed as a duplicate or runs afresh.
+                self.stats.incr(Counter::CommitFailures);
+                Step::AwaitDatabase(unit, format!("commit outcome unknown: {e}"))
+            }
+            Err(Error::ClaimLost { .. }) => Step::Failed(
+                unit,
+                retry(
+                    "the handler ended the transaction itself",
+                    "its writes and the claim are gone",
+                ),
+            ),
+            Err(e) if e.is_aborted_transaction() => Step::Failed(
+                unit,
+                retry(
+                    "the handler left the transaction aborted (did it ignore a failed statement?)",
+                    e,
+                ),
+            ),
+            Err(e) => {
+                self.stats.incr(Counter::CommitFailures);
+                Step::Failed(unit, retry("commit failed", e))
+            }
+        }
+    }
+
+    async fn await_database(&self, mut unit: Unit, error: String, abandon: &Abandon) -> Step {
+        unit.passes += 1;
+        if unit.passes >= MAX_DATABASE_PASSES {
+            return Step::Failed(
+                unit,
+                retry("connection errors although the database answers", error),
+            );
+        }
+        self.gate.report_down(&error);
+        tokio::select! {
+            () = self.gate.wait_available() => Step::Decode(unit),
+            () = abandon.wait() => Step::Decided(unit, Outcome::Abandoned),
+        }
+    }
+
+    fn mismatch(&self, message: &Message) -> Outcome {
+        mismatch(&self.consumer, &self.stats, message)
+    }
+}
+
+/// A reused id: counted, logged, and dead-lettered.
+pub(crate) fn mismatch(consumer: &str, stats: &Stats, message: &Message) -> Outcome {
+    let id = message.id();
+    stats.incr(Counter::PayloadMismatches);
+    tracing::warn!(message_id = %id, "message id reused with a different payload");
+    Outcome::DeadLetter {
+        reason: DeadLetterReason::PayloadMismatch,
+        error: format!(
+            "message id {id:?} was already processed by {consumer:?} with a different body"
+        ),
+    }
+}
+
+/// Runs user code (the call that makes the handler's future, and the future)
+/// bounded by `timeout`, with panics caught.
+pub(crate) async fn guarded<F, Fut>(make: F, timeout: Duration, stats: &Stats) -> HandlerRun
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = Result<(), HandlerError>>,
+{
+    let started = std::time::Instant::now();
+    let result = tokio::time::timeout(
+        timeout,
+        AssertUnwindSafe(async { make().await }).catch_unwind(),
+    )
+    .await;
+    stats.handler_duration(started.elapsed());
+    match result {
+        Ok(Ok(Ok(()))) => HandlerRun::Done,
+        Ok(Ok(Err(e))) => HandlerRun::Failed(e),
+        Ok(Err(panic)) => HandlerRun::Panicked(panic_message(&*panic).to_owned()),
+        Err(_) => HandlerRun::TimedOut,
+    }
+}
+
+/// A connection error goes to the gate; anything else fails the unit.
+fn database_error(unit: Unit, context: &str, e: Error) -> Step {
+    if e.is_connection_error() {
+        Step::AwaitDatabase(unit, format!("{context}: {e}"))
+    } else {
+        Step::Failed(unit, retry(context, e))
+    }
+}
+
+/// Everything a session's delivery tasks share.
+pub(crate) struct Pipeline {
+    pub(crate) consumer: String,
+    pub(crate) queue: String,
+    pub(crate) dead_letter_queue: String,
+    pub(crate) message_id: MessageIdSource,
+    pub(crate) decide: Arc<dyn Decide>,
+    pub(crate) redelivery: RedeliveryPolicy,
+    /// Copies to delay queues and to the DLQ, confirmed before the ack.
+    pub(crate) republisher: Republisher,
+    /// Batch mode: coalesced acks for this session's channel.
+    pub(crate) coalesced: Option<AckTracker>,
+    /// Fired when the session must end (republishing channels gone, a tag
+    /// the ack bookkeeping cannot place).
+    pub(crate) broken: CancellationToken,
+    /// Fired on shutdown: deliveries waiting for the database give up.
+    pub(crate) shutdown: CancellationToken,
+    pub(crate) health: Health,
+    pub(crate) stats: Stats,
+}
+
+/// One delivery on its way: the message and what settles it.
+struct Item {
+    message: Message,
+    acker: Acker,
 }
 
 impl Pipeline {
-    /// Processes one delivery to its end, inside a span that records its outcome.
-    /// Returns how it was settled (`"abandoned"` when it was left unacked).
-    pub(crate) async fn run(self: Arc<Self>, delivery: lapin::message::Delivery) -> &'static str {
-        self.stats.incr(Counter::Deliveries);
-        let acker = delivery.acker.clone();
-        let message = Message::from_delivery(delivery);
-        self.run_message(acker, message).await
-    }
-
-    /// The per-message path for a delivery already received (also a batch's
-    /// fallback when the batch as a whole failed).
-    pub(crate) async fn run_message(
-        self: Arc<Self>,
-        acker: Acker,
-        mut message: Message,
-    ) -> &'static str {
-        let span = tracing::info_span!(
-            "delivery",
-            consumer = %self.consumer,
-            message_id = field::Empty,
-            delivery_tag = message.delivery_tag(),
-            redelivered = message.redelivered(),
-            outcome = field::Empty,
-        );
+    /// Takes a unit of deliveries (one, or a batch) through the steps and
+    /// settles each, inside a span that records the outcome.
+    pub(crate) async fn run(self: Arc<Self>, deliveries: Vec<lapin::message::Delivery>) -> Vec<Settled> {
+        let span = match deliveries.as_slice() {
+            [one] => tracing::info_span!(
+                "delivery",
+                consumer = %self.consumer,
+                message_id = field::Empty,
+                delivery_tag = one.delivery_tag,
+                redelivered = one.redelivered,
+                outcome = field::Empty,
+            ),
+            many => tracing::info_span!("batch", consumer = %self.consumer, size = many.len()),
+        };
         async {
-            // A batch's fallback hands over messages whose id is already known.
-            let id = match message.id() {
-                "" => self.message_id.extract(&message),
-                known => Ok(known.to_owned()),
-            };
-            let outcome = match id {
-                Ok(id) => {
-                    Span::current().record("message_id", id.as_str());
-                    if message.id().is_empty() {
-                        message.set_id(id);
+            let mut items: Vec<Item> = deliveries
+                .into_iter()
+                .map(|delivery| {
+                    self.stats.incr(Counter::Deliveries);
+                    Item {
+                        acker: delivery.acker.clone(),
+                        message: Message::from_delivery(delivery),
                     }
-                    self.decide(&message, &acker).await
+                })
+                .collect();
+            // Ids first: a delivery without a usable id is final at once.
+            let mut outcomes: Vec<Option<Outcome>> = vec![None; items.len()];
+            for (item, outcome) in items.iter_mut().zip(&mut outcomes) {
+                match self.message_id.extract(&item.message) {
+                    Ok(id) => item.message.set_id(id),
+                    Err(e) => *outcome = Some(invalid_id(e)),
                 }
-                Err(e) => invalid_id(e),
-            };
-            let settled = self.settle(&acker, &message, outcome).await;
-            Span::current().record("outcome", settled);
+            }
+            if let [item] = items.as_slice() {
+                Span::current().record("message_id", item.message.id());
+            }
+            let pending: Vec<usize> = (0..items.len()).filter(|&i| outcomes[i].is_none()).collect();
+            if !pending.is_empty() {
+                let messages: Vec<Message> = pending.iter().map(|&i| items[i].message.clone()).collect();
+                let abandon = Abandon {
+                    shutdown: self.shutdown.clone(),
+                    channel: Some(items[pending[0]].acker.clone()),
+                };
+                let decided = self.decide.decide(&messages, &abandon).await;
+                for (i, outcome) in pending.into_iter().zip(decided) {
+                    outcomes[i] = Some(outcome);
+                }
+            }
+            let outcomes = outcomes
+                .into_iter()
+                .map(|o| o.unwrap_or(Outcome::Abandoned))
+                .collect();
+            let settled = self.settle(items, outcomes).await;
+            if let [one] = settled.as_slice() {
+                Span::current().record("outcome", one.as_str());
+            }
             settled
         }
         .instrument(span)
         .await
     }
 
-    /// Decodes, then claims, runs the handler and commits, as many passes as
-    /// database outages need; says how to settle the delivery.
-    async fn decide(&self, message: &Message, acker: &Acker) -> Outcome {
-        for _ in 1..MAX_DATABASE_PASSES {
-            match self.pass(message, acker).await {
-                Pass::Done(outcome) => return outcome,
-                Pass::DatabaseDown(error) => {
-                    self.gate.report_down(&error);
-                    tokio::select! {
-                        () = self.gate.wait_available() => {}
-                        () = self.shutdown.cancelled() => return Outcome::Abandoned,
-                        // The channel died meanwhile (reconnect, broker
-                        // consumer timeout): the broker redelivers; stop here.
-                        () = channel_closed(acker) => return Outcome::Abandoned,
+    /// Acks, dead-letters or retries each delivery, and says which it did.
+    /// Nothing is acked before its effects, its retry copy or its dead letter
+    /// are durable. In batch mode, processed and duplicate deliveries are
+    /// acked together with one multiple ack, once every lower tag is settled.
+    async fn settle(&self, items: Vec<Item>, outcomes: Vec<Outcome>) -> Vec<Settled> {
+        let mut settled = Vec::with_capacity(items.len());
+        let mut tags: Vec<(u64, Option<Acker>)> = Vec::with_capacity(items.len());
+        for (item, outcome) in items.into_iter().zip(outcomes) {
+            let tag = item.message.delivery_tag();
+            let done = match outcome {
+                Outcome::Processed | Outcome::Duplicate => {
+                    let (counter, done) = match outcome {
+                        Outcome::Processed => (Counter::Processed, Settled::Processed),
+                        _ => {
+                            tracing::debug!("duplicate acknowledged without running the handler");
+                            (Counter::Duplicates, Settled::Duplicate)
+                        }
+                    };
+                    self.stats.incr(counter);
+                    if self.coalesced.is_some() {
+                        tags.push((tag, Some(item.acker)));
+                    } else {
+                        ack(&item.acker, false).await;
                     }
+                    settled.push(done);
+                    continue;
+                }
+                Outcome::DeadLetter { reason, error } => {
+                    let failures = Failures::record(&item.message);
+                    self.dead_letter(&item, reason, &error, failures).await
+                }
+                Outcome::Retry {
+                    error,
+                    requested_delay,
+                } => self.retry(&item, &error, requested_delay).await,
+                // Never recorded: no multiple ack may cover it.
+                Outcome::Abandoned => {
+                    settled.push(Settled::Abandoned);
+                    continue;
+                }
+            };
+            tags.push((tag, None));
+            settled.push(done);
+        }
+        if let Some(tracker) = &self.coalesced {
+            let mut acks = tracker.lock().await;
+            match acks.record(tags) {
+                // Sent under the lock: multiple acks leave in increasing order.
+                Ok(Some(acker)) => ack(&acker, true).await,
+                Ok(None) => {}
+                Err(Misplaced(tag)) => {
+                    tracing::error!(
+                        tag,
+                        watermark = acks.watermark(),
+                        "delivery tag reported twice or out of range; reconnecting"
+                    );
+                    self.broken.cancel();
                 }
             }
         }
-        match self.pass(message, acker).await {
-            Pass::Done(outcome) => outcome,
-            Pass::DatabaseDown(error) => {
-                retry("connection errors although the database answers", error)
-            }
-        }
+        settled
     }
 
-    #[cfg_attr(not(feature = "window"), allow(unused_variables))]
-    async fn pass(&self, message: &Message, acker: &Acker) -> Pass {
-        // Decode before touching the database: a bad body is final.
-        let call = match (self.handler)(message.clone()) {
-            Ok(call) => call,
-            Err(e) => return Pass::Done(undecodable(&e)),
-        };
-        #[cfg(feature = "window")]
-        if let Some(window) = &self.window {
-            return Pass::Done(self.window_pass(&**window, call, message, acker).await);
-        }
-        let id = message.id();
-        let mut tx = match self.pool.begin_with(BEGIN).await {
-            Ok(tx) => tx,
-            Err(e) => return database_error("cannot begin a transaction", e),
-        };
-        match inbox::claim(&mut tx, &self.consumer, id, message.body()).await {
-            Err(crate::Error::Database(e)) => return database_error("claim failed", e),
-            Err(e) => return Pass::Done(retry("claim failed", e)),
-            Ok(Claim::Duplicate) => {
-                rollback(tx).await;
-                return Pass::Done(Outcome::Duplicate);
-            }
-            Ok(Claim::Mismatch) => {
-                rollback(tx).await;
-                return Pass::Done(self.mismatch(message));
-            }
-            Ok(Claim::Fresh) => {}
-        }
-
-        let (run, tx) = self.call_handler(call, tx).await;
-        let Some(tx) = tx else {
-            // The guard lives on in a task the handler spawned; the
-            // transaction rolls back when that guard is dropped.
-            return Pass::Done(retry(
-                "handler finished while a task it spawned still holds the transaction",
-                "rolled back",
-            ));
-        };
-        match run {
-            HandlerRun::Done => self.commit(tx, id).await,
-            HandlerRun::Failed(e) => {
-                rollback(tx).await;
-                if is_connection_failure(e.source()) {
-                    return Pass::DatabaseDown(format!("handler lost its connection: {e}"));
-                }
-                Pass::Done(handler_failed(e))
-            }
-            HandlerRun::Panicked(panic) => {
-                rollback(tx).await;
-                Pass::Done(retry("handler panicked", panic))
-            }
-            HandlerRun::TimedOut => {
-                rollback(tx).await;
-                Pass::Done(retry(
-                    "handler timed out after",
-                    format!("{:?}", self.handler_timeout),
-                ))
-            }
-        }
-    }
-
-    /// Runs a handler call on `tx`, bounded by the handler timeout, with
-    /// panics caught; then takes the transaction back (`None` if a guard
-    /// outlived the call in a task it spawned).
-    pub(crate) async fn call_handler(
-        &self,
-        call: PreparedCall,
-        tx: Transaction<'static, Postgres>,
-    ) -> (HandlerRun, Option<Transaction<'static, Postgres>>) {
-        let tx = Tx::new(tx);
-        let run = self.run_call(call, tx.clone()).await;
-        (run, tx.take())
-    }
-
-    /// Runs a handler call with `tx`, bounded by the handler timeout, with
-    /// panics caught.
-    async fn run_call(&self, call: PreparedCall, tx: Tx) -> HandlerRun {
-        let started = std::time::Instant::now();
-        let result = tokio::time::timeout(
-            self.handler_timeout,
-            // The call itself inside the guard: user code runs before it
-            // returns its future too.
-            AssertUnwindSafe(async { call(tx.clone()).await }).catch_unwind(),
-        )
-        .await;
-        self.stats.handler_duration(started.elapsed());
-        match result {
-            Ok(Ok(Ok(()))) => HandlerRun::Done,
-            Ok(Ok(Err(e))) => HandlerRun::Failed(e),
-            Ok(Err(panic)) => HandlerRun::Panicked(panic_message(&*panic).to_owned()),
-            Err(_) => HandlerRun::TimedOut,
-        }
-    }
-
-    /// Window mode: reserve the id in the window, run the handler without a
-    /// transaction, record the id after success or release it after a failure.
-    #[cfg(feature = "window")]
-    async fn window_pass(
-        &self,
-        window: &dyn crate::window::ErasedWindow,
-        call: PreparedCall,
-        message: &Message,
-        acker: &Acker,
-    ) -> Outcome {
-        use crate::window::{Reservation, Scope};
-        let group = self
-            .group_header
-            .as_deref()
-            .and_then(|h| super::headers::string_header(message.headers(), h));
-        let scope = match group {
-            Some(group) => Scope::group(&self.queue, &group),
-            None => Scope::queue(&self.queue),
-        };
-        let key = scope.key_of(message.id());
-        // Recorded with the id, so a reused id with another body is caught.
-        let body_hash = crate::window::DedupId::content(message.body());
-        // The reservation outlives the longest handler run (bounded, so that
-        // a huge handler timeout cannot overflow the clock).
-        let lease = self
-            .handler_timeout
-            .saturating_add(Duration::from_secs(5))
-            .min(Duration::from_secs(24 * 60 * 60));
-        let deadline = tokio::time::Instant::now() + lease;
-        let token = loop {
-            match window.reserve(&key, lease).await {
-                Err(e) => return retry("the dedup window failed", e),
-                Ok(Reservation::Seen(seen)) if seen == body_hash.as_str() => {
-                    return Outcome::Duplicate;
-                }
-                Ok(Reservation::Seen(_)) => return self.mismatch(message),
-                Ok(Reservation::Reserved { token }) => break token,
-                // A copy is being processed right now: wait for its outcome.
-                Ok(_) if tokio::time::Instant::now() < deadline => {
-                    tokio::select! {
-                        () = tokio::time::sleep(Duration::from_millis(25)) => {}
-                        () = self.shutdown.cancelled() => return Outcome::Abandoned,
-                        () = channel_closed(acker) => return Outcome::Abandoned,
-                    }
-                }
-                Ok(_) => return retry("the id stayed reserved by another copy", "in the window"),
-            }
-        };
-        let run = self.run_call(call, Tx::detached()).await;
-        let failed = !matches!(run, HandlerRun::Done);
-        if failed && let Err(e) = window.release(&key, token).await {
-            tracing::warn!(error = %e, "could not release the id in the dedup window");
-        }
-        match run {
-            HandlerRun::Done => {
-                match window.record(&key, token, body_hash.as_str()).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        tracing::warn!("the window reservation expired before it was recorded")
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "could not record the id in the dedup window")
-                    }
-                }
-                Outcome::Processed
-            }
-            HandlerRun::Failed(e) => handler_failed(e),
-            HandlerRun::Panicked(panic) => retry("handler panicked", panic),
-            HandlerRun::TimedOut => retry(
-                "handler timed out after",
-                format!("{:?}", self.handler_timeout),
-            ),
-        }
-    }
-
-    async fn commit(&self, mut tx: Transaction<'static, Postgres>, id: &str) -> Pass {
-        // COMMIT of an aborted transaction (a handler that ignored a failed
-        // statement) reports success while it rolls back; a handler that ran
-        // ROLLBACK itself leaves nothing to commit. Check the claim is still ours.
-        let ours =
-            sqlx::query("SELECT 1 FROM processed_messages WHERE consumer = $1 AND message_id = $2")
-                .bind(&self.consumer)
-                .bind(id)
-                .fetch_optional(&mut *tx)
-                .await;
-        match ours {
-            Ok(Some(_)) => {}
-            Ok(None) => {
-                rollback(tx).await;
-                return Pass::Done(retry(
-                    "the handler ended the transaction itself",
-                    "its writes and the claim are gone",
-                ));
-            }
-            Err(e) if is_connection_error(&e) => {
-                return database_error("lost the connection before commit", e);
-            }
-            Err(e) => {
-                rollback(tx).await;
-                return Pass::Done(retry(
-                    "the handler left the transaction aborted (did it ignore a failed statement?)",
-                    e,
-                ));
-            }
-        }
-        match tx.commit().await {
-            Ok(()) => Pass::Done(Outcome::Processed),
-            Err(e) => {
-                // Maybe committed, maybe not: never ack. The next pass (or
-                // redelivery) is either claimed as a duplicate or runs afresh.
-                self.stats.incr(Counter::CommitFailures);
-                if is_connection_error(&e) {
-                    database_error("commit outcome unknown", e)
-                } else {
-                    Pass::Done(retry("commit failed", e))
-                }
-            }
-        }
-    }
-
-    /// Acks, dead-letters or retries, and says which it did. Nothing is acked
-    /// before its effects, its retry copy or its dead letter are durable.
-    /// A reused id: counted, logged, and dead-lettered.
-    pub(crate) fn mismatch(&self, message: &Message) -> Outcome {
-        let id = message.id();
-        self.stats.incr(Counter::PayloadMismatches);
-        tracing::warn!(message_id = %id, "message id reused with a different payload");
-        Outcome::DeadLetter {
-            reason: DeadLetterReason::PayloadMismatch,
-            error: format!(
-                "message id {id:?} was already processed by {:?} with a different body",
-                self.consumer
-            ),
-        }
-    }
-
-    pub(crate) async fn settle(
-        &self,
-        acker: &Acker,
-        message: &Message,
-        outcome: Outcome,
-    ) -> &'static str {
-        match outcome {
-            Outcome::Processed => {
-                self.stats.incr(Counter::Processed);
-                ack(acker).await;
-                "processed"
-            }
-            Outcome::Duplicate => {
-                self.stats.incr(Counter::Duplicates);
-                tracing::debug!("duplicate acknowledged without running the handler");
-                ack(acker).await;
-                "duplicate"
-            }
-            Outcome::DeadLetter { reason, error } => {
-                self.dead_letter(acker, message, reason, &error, Failures::record(message))
-                    .await
-            }
-            Outcome::Retry {
-                error,
-                requested_delay,
-            } => self.retry(acker, message, &error, requested_delay).await,
-            Outcome::Abandoned => "abandoned",
-        }
-    }
-
-    async fn retry(
-        &self,
-        acker: &Acker,
-        message: &Message,
-        error: &str,
-        requested_delay: Option<Duration>,
-    ) -> &'static str {
-        let failures = Failures::record(message);
-        match &self.retry.mode {
+    async fn retry(&self, item: &Item, error: &str, requested_delay: Option<Duration>) -> Settled {
+        let failures = Failures::record(&item.message);
+        match &self.redelivery.mode {
             Mode::Requeue(pause) => {
                 tracing::warn!(%error, "transient failure; requeueing");
                 self.stats.incr(Counter::Retried);
-                nack_after(acker, *pause).await;
-                "retried"
+                nack_after(&item.acker, *pause).await;
+                Settled::Retried
             }
-            Mode::Delayed(_) if failures.attempts >= self.retry.max_attempts => {
+            Mode::Delayed(_) if failures.attempts >= self.redelivery.max_attempts => {
                 let error = format!("{} attempts failed; the last: {error}", failures.attempts);
-                self.dead_letter(
-                    acker,
-                    message,
-                    DeadLetterReason::AttemptsExhausted,
-                    &error,
-                    failures,
-                )
-                .await
+                self.dead_letter(item, DeadLetterReason::AttemptsExhausted, &error, failures)
+                    .await
             }
             Mode::Delayed(_) => {
-                let delay = self.retry.delay_for(failures.attempts, requested_delay);
+                let delay = self.redelivery.delay_for(failures.attempts, requested_delay);
                 let queue = delay_queue(&self.queue, delay);
-                let headers = self.failure_headers(message, error, &failures);
-                match self.republisher.publish(&queue, message, headers).await {
+                let headers = self.failure_headers(&item.message, error, &failures);
+                match self.republisher.publish(&queue, &item.message, headers).await {
                     Ok(()) => {
                         tracing::warn!(%error, attempts = failures.attempts, ?delay, "transient failure; retrying later");
                         self.stats.incr(Counter::Retried);
-                        ack(acker).await;
-                        "retried"
+                        ack(&item.acker, false).await;
                     }
                     Err(e) => {
                         let error = format!("cannot publish the retry to {queue:?}: {e}");
-                        self.publish_failed(acker, error).await;
-                        "retried"
+                        self.publish_failed(&item.acker, error).await;
                     }
                 }
+                Settled::Retried
             }
         }
     }
 
     async fn dead_letter(
         &self,
-        acker: &Acker,
-        message: &Message,
+        item: &Item,
         reason: DeadLetterReason,
         error: &str,
         failures: Failures,
-    ) -> &'static str {
-        let mut headers = self.failure_headers(message, error, &failures);
+    ) -> Settled {
+        let mut headers = self.failure_headers(&item.message, error, &failures);
         headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
         match self
             .republisher
-            .publish(&self.dead_letter_queue, message, headers)
+            .publish(&self.dead_letter_queue, &item.message, headers)
             .await
         {
             Ok(()) => {
                 self.stats.incr(Counter::DeadLettered);
                 tracing::warn!(%reason, %error, "dead-lettered");
-                ack(acker).await;
-                "dead_lettered"
+                ack(&item.acker, false).await;
+                Settled::DeadLettered
             }
             Err(e) => {
                 let error = format!(
                     "cannot dead-letter ({reason}) to {:?}: {e}",
                     self.dead_letter_queue
                 );
-                self.publish_failed(acker, error).await;
-                "retried"
+                self.publish_failed(&item.acker, error).await;
+                Settled::Retried
             }
         }
     }
@@ -593,9 +762,9 @@ async fn nack_after(acker: &Acker, pause: Duration) {
     }
 }
 
-async fn ack(acker: &Acker) {
+async fn ack(acker: &Acker, multiple: bool) {
     // Either way the work is durable; the redelivery will be claimed as a duplicate.
-    match acker.ack(BasicAckOptions::default()).await {
+    match acker.ack(BasicAckOptions { multiple }).await {
         Ok(true) => {}
         Ok(false) => {
             tracing::warn!("ack not sent (channel closed); the redelivery will be deduplicated")
@@ -613,7 +782,8 @@ async fn rollback(tx: Transaction<'static, Postgres>) {
     }
 }
 
-fn handler_failed(e: HandlerError) -> Outcome {
+/// The outcome of a handler's error.
+pub(crate) fn handler_failed(e: HandlerError) -> Outcome {
     // `msg.json()?` inside a handler: a body that cannot decode never will,
     // whatever kind the `?` conversion gave the error.
     if let Some(decode) = e.source().downcast_ref::<DecodeError>() {
@@ -631,6 +801,10 @@ fn handler_failed(e: HandlerError) -> Outcome {
     }
 }
 
+pub(crate) fn timed_out(timeout: Duration) -> Outcome {
+    retry("handler timed out after", format!("{timeout:?}"))
+}
+
 pub(crate) fn undecodable(e: &DecodeError) -> Outcome {
     Outcome::DeadLetter {
         reason: DeadLetterReason::UndecodableBody,
@@ -638,7 +812,7 @@ pub(crate) fn undecodable(e: &DecodeError) -> Outcome {
     }
 }
 
-pub(crate) fn invalid_id(e: InvalidMessageId) -> Outcome {
+fn invalid_id(e: InvalidMessageId) -> Outcome {
     let reason = match e {
         InvalidMessageId::Missing => DeadLetterReason::MissingMessageId,
         _ => DeadLetterReason::InvalidMessageId,
@@ -649,27 +823,10 @@ pub(crate) fn invalid_id(e: InvalidMessageId) -> Outcome {
     }
 }
 
-fn retry(context: &str, e: impl std::fmt::Display) -> Outcome {
+pub(crate) fn retry(context: &str, e: impl std::fmt::Display) -> Outcome {
     Outcome::Retry {
         error: format!("{context}: {e}"),
         requested_delay: None,
-    }
-}
-
-/// A database error before or at commit: a connection failure goes to the
-/// gate, anything else is retried like a handler error.
-fn database_error(context: &str, e: sqlx::Error) -> Pass {
-    if is_connection_error(&e) {
-        Pass::DatabaseDown(format!("{context}: {e}"))
-    } else {
-        Pass::Done(retry(context, e))
-    }
-}
-
-/// Resolves once the delivery's channel is closed (its acker poisoned).
-pub(crate) async fn channel_closed(acker: &Acker) {
-    while !acker.poisoned() {
-        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

@@ -1,17 +1,83 @@
-//! Handlers: closures that get the open transaction ([`Tx`]) and a typed message.
+//! Handlers: the [`Handler`] trait (a blanket impl covers closures and async
+//! fns taking the open transaction ([`Tx`]) and a typed message), and
+//! [`HandlerError`].
 
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use super::message::{DecodeError, FromMessage, Message};
+use super::message::{DecodeError, FromMessage, Message, decode};
 use crate::Tx;
 
 type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+
+/// What the runtime calls for each fresh message (or, as `Handler<Vec<M>>`,
+/// for each batch): it runs in the transaction that claimed the message id,
+/// and must not commit or roll back itself (the runtime commits after `Ok`,
+/// then acks).
+///
+/// Closures and async fns `Fn(Tx, M) -> impl Future<Output = Result<(),
+/// HandlerError>>` implement it (annotate the closure's arguments, as with
+/// any trait-bounded closure: `|tx: Tx, JsonBody(p): JsonBody<Payment>|`).
+/// Implement it by hand for a handler type that carries its own state. The
+/// runtime keeps one handler behind an `Arc` and calls it through `&self`:
+/// captured state is shared by every delivery, never copied per message.
+///
+/// # Example
+/// ```
+/// use idempo::Tx;
+/// use idempo::amqp::{Handler, HandlerError, JsonBody};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Payment { account: String, amount_cents: i64 }
+///
+/// /// A handler with a setting of its own.
+/// struct Credit { table: &'static str }
+///
+/// impl Handler<JsonBody<Payment>> for Credit {
+///     fn call(&self, tx: Tx, JsonBody(p): JsonBody<Payment>)
+///         -> impl Future<Output = Result<(), HandlerError>> + Send + 'static
+///     {
+///         let sql = format!("UPDATE {} SET cents = cents + $2 WHERE account = $1", self.table);
+///         async move {
+///             let mut tx = tx.try_lock()?;
+///             sqlx::query(sqlx::AssertSqlSafe(sql))
+///                 .bind(&p.account)
+///                 .bind(p.amount_cents)
+///                 .execute(&mut *tx)
+///                 .await?;
+///             Ok(())
+///         }
+///     }
+/// }
+/// ```
+pub trait Handler<M>: Send + Sync + 'static {
+    /// Handles `message` in the transaction `tx`.
+    fn call(
+        &self,
+        tx: Tx,
+        message: M,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send + 'static;
+}
+
+impl<M, F, Fut> Handler<M> for F
+where
+    F: Fn(Tx, M) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    fn call(
+        &self,
+        tx: Tx,
+        message: M,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send + 'static {
+        self(tx, message)
+    }
+}
 
 /// Whether a failed delivery should be tried again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,9 +92,13 @@ pub enum ErrorKind {
 /// A handler's failure. Either way the transaction rolls back: neither the
 /// handler's writes nor the claim survive.
 ///
-/// `?` converts any `std::error::Error` into a **transient** error, so a lost
-/// database connection is retried. Mark errors that retrying cannot fix with
-/// [`HandlerError::permanent`] or [`ResultExt::permanent`].
+/// `?` converts any type that implements `std::error::Error` (sqlx's,
+/// serde's, `std::io::Error`, [`idempo::Error`](crate::Error), your own
+/// thiserror types) into a **transient** error, so a lost database connection
+/// is retried. Error types that do not implement it, such as `anyhow::Error`
+/// or `Box<dyn Error>`, convert with [`ResultExt::transient`] or
+/// `map_err(HandlerError::transient)`. Mark errors that retrying cannot fix
+/// with [`HandlerError::permanent`] or [`ResultExt::permanent`].
 pub struct HandlerError {
     kind: ErrorKind,
     source: BoxError,
@@ -139,27 +209,83 @@ impl<T, E: Into<BoxError>> ResultExt<T> for Result<T, E> {
     }
 }
 
-/// A handler with its message type erased, as the runtime stores it: decoding
-/// is a separate step, so an undecodable body is refused before any database
-/// work (and even while the database is down).
-pub(crate) type BoxedHandler =
-    Arc<dyn Fn(Message) -> Result<PreparedCall, DecodeError> + Send + Sync>;
+/// A unit's messages decoded and bound to the user's handler, waiting for
+/// the transaction.
+pub(crate) type Call = Box<dyn FnOnce(Tx) -> BoxFuture<'static, Result<(), HandlerError>> + Send>;
 
-/// A decoded message bound to its handler, waiting for the transaction.
-pub(crate) type PreparedCall =
-    Box<dyn FnOnce(Tx) -> BoxFuture<'static, Result<(), HandlerError>> + Send>;
+/// The user's handler with its message type erased, as the runtime keeps it:
+/// decoding is a step of its own, so an undecodable body is refused before
+/// any database work (even while the database is down).
+pub(crate) trait Prepare: Send + Sync + 'static {
+    /// Decodes every message of a unit and binds the handler to them, or says
+    /// which one (by index) does not decode.
+    fn prepare(&self, messages: &[Message]) -> Result<Call, (usize, DecodeError)>;
+}
 
-pub(crate) fn boxed<M, F, Fut>(handler: F) -> BoxedHandler
-where
-    M: FromMessage,
-    F: Fn(Tx, M) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
-{
-    Arc::new(move |message| {
-        let message = super::message::decode::<M>(message)?;
-        let handler = handler.clone();
-        Ok(Box::new(move |tx| Box::pin(handler(tx, message))))
-    })
+fn decode_all<M: FromMessage>(messages: &[Message]) -> Result<Vec<M>, (usize, DecodeError)> {
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| decode::<M>(m.clone()).map_err(|e| (i, e)))
+        .collect()
+}
+
+/// A per-message handler: called once per message, in order, on the unit's
+/// transaction (a unit is one delivery, or a batch in batch mode).
+pub(crate) struct EachMessage<H, M> {
+    handler: Arc<H>,
+    message: PhantomData<fn() -> M>,
+}
+
+impl<H, M> EachMessage<H, M> {
+    pub(crate) fn new(handler: H) -> Self {
+        EachMessage {
+            handler: Arc::new(handler),
+            message: PhantomData,
+        }
+    }
+}
+
+impl<H: Handler<M>, M: FromMessage> Prepare for EachMessage<H, M> {
+    fn prepare(&self, messages: &[Message]) -> Result<Call, (usize, DecodeError)> {
+        let mut decoded = decode_all::<M>(messages)?;
+        let handler = self.handler.clone();
+        if decoded.len() == 1 {
+            let message = decoded.pop().expect("one message");
+            return Ok(Box::new(move |tx| Box::pin(handler.call(tx, message))));
+        }
+        Ok(Box::new(move |tx: Tx| {
+            Box::pin(async move {
+                for message in decoded {
+                    handler.call(tx.clone(), message).await?;
+                }
+                Ok(())
+            })
+        }))
+    }
+}
+
+/// A batch handler: called once with every message of the unit.
+pub(crate) struct WholeBatch<H, M> {
+    handler: Arc<H>,
+    message: PhantomData<fn() -> M>,
+}
+
+impl<H, M> WholeBatch<H, M> {
+    pub(crate) fn new(handler: H) -> Self {
+        WholeBatch {
+            handler: Arc::new(handler),
+            message: PhantomData,
+        }
+    }
+}
+
+impl<H: Handler<Vec<M>>, M: FromMessage> Prepare for WholeBatch<H, M> {
+    fn prepare(&self, messages: &[Message]) -> Result<Call, (usize, DecodeError)> {
+        let decoded = decode_all::<M>(messages)?;
+        let handler = self.handler.clone();
+        Ok(Box::new(move |tx| Box::pin(handler.call(tx, decoded))))
+    }
 }
 
 #[cfg(test)]
@@ -175,6 +301,11 @@ mod tests {
         let e = f().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Transient);
         assert_eq!(e.to_string(), "timeout");
+    }
+
+    #[test]
+    fn prepare_is_object_safe() {
+        fn _obj_safe(_: Arc<dyn Prepare>) {}
     }
 
     #[test]

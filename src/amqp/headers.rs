@@ -51,7 +51,7 @@ impl Failures {
             .unwrap_or(0);
         let first_failure = message
             .header(FIRST_FAILURE_HEADER)
-            .and_then(as_string)
+            .and_then(header_text)
             .unwrap_or_else(|| now.clone());
         Failures {
             attempts: previous.saturating_add(1),
@@ -84,7 +84,7 @@ impl Failures {
 pub(crate) fn original_routing_key(message: &Message) -> String {
     message
         .header(ROUTING_KEY_HEADER)
-        .and_then(as_string)
+        .and_then(header_text)
         .unwrap_or_else(|| message.routing_key().to_owned())
 }
 
@@ -100,14 +100,6 @@ fn as_u32(value: &AMQPValue) -> Option<u32> {
         _ => return None,
     };
     u32::try_from(n).ok()
-}
-
-fn as_string(value: &AMQPValue) -> Option<String> {
-    match value {
-        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        _ => None,
-    }
 }
 
 /// `2026-12-01T02:19:47.123Z`. Hand-rolled to keep a date crate out of the

@@ -1,4 +1,4 @@
-//! What a handler receives: the raw [`Message`] and typed extractors such as [`Json`].
+//! What a handler receives: the raw [`Message`] and typed extractors such as [`JsonBody`].
 
 use std::fmt;
 use std::sync::Arc;
@@ -41,6 +41,25 @@ impl Message {
                 received_at: std::time::Instant::now(),
             }),
         }
+    }
+
+    /// A message that no broker delivered, for the runtime's unit tests.
+    #[cfg(test)]
+    pub(crate) fn for_test(id: &str, body: &[u8]) -> Self {
+        let mut message = Message {
+            inner: Arc::new(Inner {
+                id: String::new(),
+                body: body.to_vec(),
+                properties: BasicProperties::default(),
+                exchange: String::new(),
+                routing_key: "test".into(),
+                redelivered: false,
+                delivery_tag: 1,
+                received_at: std::time::Instant::now(),
+            }),
+        };
+        message.set_id(id.to_owned());
+        message
     }
 
     /// Records the id the runtime deduplicates on; called before the message
@@ -148,8 +167,8 @@ pub struct DecodeError(pub String);
 
 /// Types a handler can take as its message argument.
 ///
-/// Implemented for [`Message`] (everything, raw), [`Json<T>`], and pairs of
-/// them: `(Json<Payment>, Message)` gives the typed body and the raw delivery
+/// Implemented for [`Message`] (everything, raw), [`JsonBody<T>`], and pairs of
+/// them: `(JsonBody<Payment>, Message)` gives the typed body and the raw delivery
 /// (its [`id`](Message::id), headers). Implement it for your own formats
 /// (protobuf, ...). Decoding runs before any database work, so an undecodable
 /// body is dead-lettered even while the database is down.
@@ -175,19 +194,21 @@ impl FromMessage for Message {
 }
 
 /// A JSON body, deserialized with serde. An undecodable body is dead-lettered.
+/// (Named apart from `axum::Json`, so that a service using both imports both.)
 ///
 /// A handler that needs the typed value *and* the headers takes [`Message`]
 /// and calls [`Message::json`].
 ///
 /// # Example
 /// ```
-/// use idempo::amqp::{HandlerError, Json, Tx};
+/// use idempo::Tx;
+/// use idempo::amqp::{HandlerError, JsonBody};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Payment { account: String, amount_cents: i64 }
 ///
-/// async fn handle(tx: Tx, Json(p): Json<Payment>) -> Result<(), HandlerError> {
-///     let mut tx = tx.lock()?;
+/// async fn handle(tx: Tx, JsonBody(p): JsonBody<Payment>) -> Result<(), HandlerError> {
+///     let mut tx = tx.try_lock()?;
 ///     sqlx::query("INSERT INTO payments (account, amount_cents) VALUES ($1, $2)")
 ///         .bind(&p.account)
 ///         .bind(p.amount_cents)
@@ -197,18 +218,18 @@ impl FromMessage for Message {
 /// }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Json<T>(pub T);
+pub struct JsonBody<T>(pub T);
 
-impl<T> Json<T> {
+impl<T> JsonBody<T> {
     /// The decoded value.
     pub fn into_inner(self) -> T {
         self.0
     }
 }
 
-impl<T: DeserializeOwned + Send + 'static> FromMessage for Json<T> {
+impl<T: DeserializeOwned + Send + 'static> FromMessage for JsonBody<T> {
     fn from_message(message: Message) -> Result<Self, DecodeError> {
-        message.json().map(Json)
+        message.json().map(JsonBody)
     }
 }
 

@@ -12,7 +12,7 @@
 //!
 //! | failure | outcome |
 //! |---|---|
-//! | handler returns a transient error, panics or times out | rollback; republished to a delay queue per the [`RetryPolicy`], then acked |
+//! | handler returns a transient error, panics or times out | rollback; republished to a delay queue per the [`RedeliveryPolicy`], then acked |
 //! | transient failures use up `max_attempts` | dead-lettered with reason `max attempts exceeded` |
 //! | handler returns a permanent error | rollback; published to the DLQ with header `x-idempo-reason`, then acked |
 //! | undecodable body, missing/empty/over-255-byte id | published to the DLQ with its reason, then acked |
@@ -24,11 +24,13 @@
 //!
 //! # Batch mode
 //!
-//! Per-message mode (the default) runs one transaction per delivery: the
-//! lowest latency. [`ConsumerBuilder::batch`] trades a few milliseconds for
-//! throughput: up to `size` deliveries (or those that arrived within
+//! Per-message mode ([`ConsumerBuilder::handler`]) runs one transaction per
+//! delivery: the lowest latency. Batch mode ([`ConsumerBuilder::batch_handler`],
+//! or `.handler(h).batch(n)`) trades a few milliseconds for throughput: up to
+//! `size` deliveries (or those that arrived within
 //! [`batch_linger`](ConsumerBuilder::batch_linger), 5 ms by default) share one
-//! transaction. All their ids are claimed in one statement, sorted so that
+//! transaction. Both go through the same steps (`src/amqp/delivery.rs`): a
+//! batch is one *unit*, a delivery on its own is a unit of one. All their ids are claimed in one statement, sorted so that
 //! concurrent batches cannot deadlock; the handler runs once (a
 //! [`batch_handler`](ConsumerBuilder::batch_handler) gets all fresh messages,
 //! so it can write them with bulk statements) or once per fresh message (a
@@ -44,8 +46,6 @@
 //! See <https://www.rabbitmq.com/docs/confirms> for RabbitMQ's acknowledgement semantics.
 
 mod acks;
-mod backoff;
-mod batch;
 mod builder;
 mod consumer;
 mod database_gate;
@@ -56,25 +56,29 @@ mod headers;
 mod health;
 mod message;
 mod message_id;
+pub mod mode;
+mod publish;
+mod redelivery;
 mod republish;
 mod retention;
-mod retry;
 mod stats;
 mod topology;
+#[cfg(feature = "window")]
+#[cfg_attr(docsrs, doc(cfg(feature = "window")))]
+pub mod window;
 
-pub use crate::tx::{Tx, TxGuard};
 pub use builder::ConsumerBuilder;
 pub use consumer::{Consumer, ShutdownHandle};
 pub use dead_letter::DeadLetterReason;
-pub use handler::{ErrorKind, HandlerError, ResultExt};
+pub use handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
     MESSAGE_ID_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER,
 };
 pub use health::{Health, HealthSnapshot, RuntimeState};
-pub use message::{DecodeError, FromMessage, Json, Message};
+pub use message::{DecodeError, FromMessage, JsonBody, Message};
 pub use message_id::{IdFn, MessageIdSource};
-pub use retry::RetryPolicy;
+pub use redelivery::RedeliveryPolicy;
 pub use stats::{Stats, StatsSnapshot};
 pub use topology::QueueType;
 

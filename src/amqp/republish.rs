@@ -4,56 +4,34 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Connection};
-use tokio::sync::Mutex;
+use lapin::{BasicProperties, Connection};
 
 use super::Message;
 use super::headers::ORIGINAL_EXPIRATION_HEADER;
+use super::publish::{ConfirmChannel, PublishError};
 
-/// Why a republish failed; the original is then handed back, not acked.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum PublishError {
-    #[error(transparent)]
-    Amqp(#[from] lapin::Error),
-    #[error("the broker refused the message (nack)")]
-    Nacked,
-    #[error("the message was unroutable (is queue {0:?} declared?)")]
-    Returned(String),
-    #[error("no publisher confirm within {0:?}")]
-    Timeout(Duration),
-}
+/// How long a copy may wait for its confirm before the original is handed back.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Publishes copies of deliveries through the default exchange, `mandatory`
-/// and persistent, on channels in confirm mode, and waits for each confirm.
-///
-/// Each channel carries one publish at a time, because lapin hands a returned
-/// (unroutable) message to whichever pending confirm resolves next: with
-/// several publishes in flight on one channel, an unroutable copy could be
-/// credited with another's clean confirm, and its original acked. A few
-/// channels side by side keep retries from queueing behind each other.
+/// and persistent, on a few [`ConfirmChannel`]s side by side (each carries
+/// one publish at a time), so that retries do not queue behind each other.
 pub(crate) struct Republisher {
-    channels: Vec<Mutex<Channel>>,
+    channels: Vec<ConfirmChannel>,
     next: AtomicUsize,
-    confirm_timeout: Duration,
 }
 
 impl Republisher {
-    /// Opens `channels` channels on `connection`, in confirm mode.
+    /// Opens `channels` confirm-mode channels on `connection`.
     pub(crate) async fn open(connection: &Connection, channels: usize) -> lapin::Result<Self> {
         let mut opened = Vec::with_capacity(channels);
         for _ in 0..channels.max(1) {
-            let channel = connection.create_channel().await?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await?;
-            opened.push(Mutex::new(channel));
+            opened.push(ConfirmChannel::open(connection, CONFIRM_TIMEOUT).await?);
         }
         Ok(Republisher {
             channels: opened,
             next: AtomicUsize::new(0),
-            confirm_timeout: Duration::from_secs(30),
         })
     }
 
@@ -67,45 +45,15 @@ impl Republisher {
     ) -> Result<(), PublishError> {
         let properties = copy_properties(message, headers);
         let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.channels.len();
-        let channel = self.channels[slot].lock().await;
-        let confirm = async {
-            channel
-                .basic_publish(
-                    "".into(),
-                    queue.into(),
-                    // mandatory: an unroutable copy comes back instead of vanishing.
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..BasicPublishOptions::default()
-                    },
-                    message.body(),
-                    properties,
-                )
-                .await?
-                .await
-        };
-        let confirm = match tokio::time::timeout(self.confirm_timeout, confirm).await {
-            Ok(confirm) => confirm?,
-            Err(_) => {
-                // A late confirm (or return) could be credited to the next
-                // publish: retire the channel instead of reusing it.
-                let _ = channel
-                    .close(200, "publisher confirm timed out".into())
-                    .await;
-                return Err(PublishError::Timeout(self.confirm_timeout));
-            }
-        };
-        match confirm {
-            lapin::Confirmation::Ack(None) => Ok(()),
-            lapin::Confirmation::Ack(Some(_)) => Err(PublishError::Returned(queue.to_owned())),
-            _ => Err(PublishError::Nacked),
-        }
+        self.channels[slot]
+            .publish("", queue, message.body(), properties)
+            .await
     }
 
     /// Whether every channel can still publish.
     pub(crate) async fn is_open(&self) -> bool {
         for channel in &self.channels {
-            if !channel.lock().await.status().connected() {
+            if !channel.is_open().await {
                 return false;
             }
         }

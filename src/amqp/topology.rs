@@ -6,7 +6,7 @@ use lapin::Channel;
 use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
-use super::retry::delay_queue;
+use super::redelivery::delay_queue;
 use crate::Result;
 
 /// The kind of RabbitMQ queue to declare.

@@ -4,8 +4,8 @@ use std::fmt;
 
 use http::{HeaderMap, HeaderName};
 
-/// `Idempotency-Key`: the request header that names an operation.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+/// [`crate::IDEMPOTENCY_KEY`], as a header name (lowercase, as `http` wants it).
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// `Idempotent-Replayed: true` marks a response that was replayed from the
 /// store rather than produced by the handler.

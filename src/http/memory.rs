@@ -1,14 +1,14 @@
 //! An in-process idempotency store, for tests and single-process apps.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::record::{Fingerprint, RecordKey, StoredResponse};
-use super::store::{Attempt, Begin, FencingToken, IdempotencyStore};
+use super::store::{Begin, FencingToken, IdempotencyStore, Operation};
 use crate::Result;
 
 /// Records in a `HashMap` behind a mutex.
@@ -18,10 +18,13 @@ use crate::Result;
 /// per instance. Use [`PostgresStore`](super::PostgresStore) or `RedisStore`
 /// for that. Expired records are dropped by [`run_cleanup`](super::run_cleanup)
 /// (or when their key is used again).
-#[derive(Debug, Default)]
+///
+/// Cloning is cheap and shares the records: give a clone to each layer (and
+/// to [`run_cleanup`](super::run_cleanup)) that must see the same keys.
+#[derive(Debug, Default, Clone)]
 pub struct MemoryStore {
-    records: Mutex<HashMap<[u8; 32], Record>>,
-    next_token: AtomicI64,
+    records: Arc<Mutex<HashMap<[u8; 32], Record>>>,
+    next_token: Arc<AtomicI64>,
 }
 
 #[derive(Debug)]
@@ -79,13 +82,13 @@ fn owned<'a>(
 }
 
 impl IdempotencyStore for MemoryStore {
-    async fn begin(&self, attempt: Attempt<'_>) -> Result<Begin> {
+    async fn begin(&self, operation: Operation<'_>) -> Result<Begin> {
         let now = Instant::now();
         let mut records = self.lock();
-        if let Some(record) = records.get_mut(attempt.key.digest())
+        if let Some(record) = records.get_mut(operation.key.digest())
             && record.expires_at > now
         {
-            if record.fingerprint != *attempt.fingerprint {
+            if record.fingerprint != *operation.fingerprint {
                 return Ok(Begin::Mismatch);
             }
             match &record.state {
@@ -98,13 +101,13 @@ impl IdempotencyStore for MemoryStore {
         }
         let token = self.token();
         records.insert(
-            *attempt.key.digest(),
+            *operation.key.digest(),
             Record {
-                fingerprint: *attempt.fingerprint,
-                expires_at: now + attempt.ttl.max(attempt.lease),
+                fingerprint: *operation.fingerprint,
+                expires_at: now + operation.ttl.max(operation.lease),
                 state: State::InProgress {
                     token,
-                    locked_until: now + attempt.lease,
+                    locked_until: now + operation.lease,
                 },
             },
         );

@@ -91,7 +91,7 @@
 //!
 //! | `type` fragment | status | when |
 //! |---|---|---|
-//! | `#missing-key` | 400 | the route requires a key and none was sent |
+//! | `#missing-key` | 400 | the route requires a key and none was sent, or a handler takes `Tx` and the request has no key |
 //! | `#invalid-key` | 400 | empty, over 255 characters, not visible ASCII, badly quoted, repeated |
 //! | `#body-too-large` | 413 | the body exceeds [`IdempotencyLayer::max_request_body`] |
 //! | `#body-unreadable` | 400 | the request body failed while being read |
@@ -101,7 +101,9 @@
 //! | `#response-too-large` | 500 | atomic phase: the response could not be stored, writes rolled back |
 //! | `#lease-lost` | 409 | atomic phase: another request took the key over, writes rolled back |
 //! | `#commit-failed` | 503 | atomic phase: the commit failed |
-//! | `#no-transaction` | 500 | a handler asked for `Tx` where the layer cannot give one |
+//! | `#no-transaction` | 500 | a handler asked for `Tx` on a route without the layer on a store with the atomic phase |
+//! | `#database-unavailable` | 503 | a handler returned an [`idempo::Error`](crate::Error) that says the database is unreachable (never stored) |
+//! | `#handler-failed` | 500 | a handler returned another [`idempo::Error`](crate::Error) (never stored) |
 
 mod key;
 mod layer;
@@ -115,7 +117,7 @@ mod service;
 mod store;
 mod transaction;
 
-pub use key::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use key::{IDEMPOTENT_REPLAYED, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{ANONYMOUS, IdempotencyLayer, MAX_TTL, MIN_LEASE, stores_status_by_default};
 pub use memory::MemoryStore;
 pub use postgres::PostgresStore;
@@ -125,5 +127,5 @@ pub use record::{Fingerprint, RecordKey, StoredResponse};
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisStore;
 pub use service::Idempotency;
-pub use store::{Attempt, Begin, FencingToken, IdempotencyStore, run_cleanup};
+pub use store::{AtomicStore, Begin, FencingToken, IdempotencyStore, Operation, run_cleanup};
 pub use transaction::TxRejection;

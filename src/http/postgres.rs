@@ -2,11 +2,12 @@
 
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use http::StatusCode;
 use sqlx::{PgConnection, PgPool, Row};
 
 use super::record::{Fingerprint, RecordKey, StoredResponse};
-use super::store::{Attempt, Begin, FencingToken, IdempotencyStore};
+use super::store::{AtomicStore, Begin, FencingToken, IdempotencyStore, Operation};
 use crate::{Error, Result};
 
 /// Records in the `idempotency_keys` table (created by [`migrate`](crate::migrate)).
@@ -45,8 +46,8 @@ fn millis(d: Duration) -> i64 {
 const BEGIN_PASSES: usize = 4;
 
 impl IdempotencyStore for PostgresStore {
-    async fn begin(&self, attempt: Attempt<'_>) -> Result<Begin> {
-        let key = attempt.key;
+    async fn begin(&self, operation: Operation<'_>) -> Result<Begin> {
+        let key = operation.key;
         for _ in 0..BEGIN_PASSES {
             // Insert, or take over a record that expired or whose lease ran
             // out with the same fingerprint. When the WHERE fails, nothing is
@@ -77,9 +78,9 @@ impl IdempotencyStore for PostgresStore {
             .bind(key.user())
             .bind(key.method())
             .bind(key.path())
-            .bind(&attempt.fingerprint.as_bytes()[..])
-            .bind(millis(attempt.lease))
-            .bind(millis(attempt.ttl))
+            .bind(&operation.fingerprint.as_bytes()[..])
+            .bind(millis(operation.lease))
+            .bind(millis(operation.ttl))
             .fetch_optional(&self.pool)
             .await?;
             if let Some(token) = started {
@@ -99,7 +100,7 @@ impl IdempotencyStore for PostgresStore {
             if row.get::<bool, _>("expired") {
                 continue;
             }
-            if Fingerprint::from_slice(row.get("request_hash"))? != *attempt.fingerprint {
+            if Fingerprint::from_slice(row.get("request_hash"))? != *operation.fingerprint {
                 return Ok(Begin::Mismatch);
             }
             match row.get::<&str, _>("state") {
@@ -176,15 +177,32 @@ impl IdempotencyStore for PostgresStore {
         Ok(done.rows_affected())
     }
 
-    fn transactional(&self) -> Option<&PgPool> {
-        Some(&self.pool)
+    fn atomic(&self) -> Option<&dyn AtomicStore> {
+        Some(self)
+    }
+}
+
+impl AtomicStore for PostgresStore {
+    fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn complete_in<'a>(
+        &'a self,
+        tx: &'a mut PgConnection,
+        key: &'a RecordKey,
+        token: FencingToken,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(complete_on(tx, key, token, response, ttl))
     }
 }
 
 /// Completes a record on `conn`: through the pool, or inside the handler's
 /// transaction (the atomic phase), where a stale token makes the caller roll
 /// back the handler's writes.
-pub(crate) async fn complete_on(
+async fn complete_on(
     conn: &mut PgConnection,
     key: &RecordKey,
     token: FencingToken,

@@ -22,6 +22,8 @@ pub(crate) enum Problem {
     LeaseLost,
     CommitFailed,
     NoTransaction,
+    DatabaseUnavailable,
+    HandlerFailed,
 }
 
 /// Marks a response the layer made itself (in a response's extensions), so
@@ -43,8 +45,10 @@ impl Problem {
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Problem::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Problem::InProgress { .. } | Problem::LeaseLost => StatusCode::CONFLICT,
-            Problem::StoreUnavailable | Problem::CommitFailed => StatusCode::SERVICE_UNAVAILABLE,
-            Problem::ResponseTooLarge { .. } | Problem::NoTransaction => {
+            Problem::StoreUnavailable | Problem::CommitFailed | Problem::DatabaseUnavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            Problem::ResponseTooLarge { .. } | Problem::NoTransaction | Problem::HandlerFailed => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
         }
@@ -63,6 +67,8 @@ impl Problem {
             Problem::LeaseLost => "lease-lost",
             Problem::CommitFailed => "commit-failed",
             Problem::NoTransaction => "no-transaction",
+            Problem::DatabaseUnavailable => "database-unavailable",
+            Problem::HandlerFailed => "handler-failed",
         }
     }
 
@@ -79,6 +85,8 @@ impl Problem {
             Problem::LeaseLost => "Idempotency-Key taken over by another request",
             Problem::CommitFailed => "Could not commit",
             Problem::NoTransaction => "No idempotent transaction for this request",
+            Problem::DatabaseUnavailable => "Database unavailable",
+            Problem::HandlerFailed => "The request failed",
         }
     }
 
@@ -111,8 +119,14 @@ impl Problem {
                 "the transaction could not be committed and nothing was stored; retry".into()
             }
             Problem::NoTransaction => "the Tx extractor needs the idempotency layer with a \
-                PostgreSQL store on this route and a request with an Idempotency-Key"
+                PostgreSQL store on this route"
                 .into(),
+            Problem::DatabaseUnavailable => {
+                "the database could not be reached; nothing was stored; retry later".into()
+            }
+            Problem::HandlerFailed => {
+                "the handler failed with an internal error; nothing was stored; retry".into()
+            }
         }
     }
 
@@ -138,5 +152,21 @@ impl Problem {
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         response
+    }
+}
+
+/// `?` on idempo's (and, through it, sqlx's) errors in an axum handler: a
+/// problem answer that the idempotency layer never stores, so the key is
+/// released and a retry runs the request again. 503 when the database is
+/// unreachable (or out of connections), 500 otherwise; the error itself is
+/// logged, not sent.
+impl axum_core::response::IntoResponse for crate::Error {
+    fn into_response(self) -> axum_core::response::Response {
+        tracing::warn!(error = %self, "request failed");
+        if self.is_connection_error() || self.is_too_many_clients() {
+            Problem::DatabaseUnavailable.into_response()
+        } else {
+            Problem::HandlerFailed.into_response()
+        }
     }
 }

@@ -7,7 +7,7 @@ use redis::Script;
 use redis::aio::ConnectionManager;
 
 use super::record::{Fingerprint, RecordKey, StoredResponse};
-use super::store::{Attempt, Begin, FencingToken, IdempotencyStore};
+use super::store::{Begin, FencingToken, IdempotencyStore, Operation};
 use crate::hex::to_hex as hex;
 use crate::redis_connection::px;
 use crate::{Error, Result};
@@ -145,24 +145,24 @@ fn owner(token: FencingToken) -> String {
 const FINGERPRINT_HEX: usize = 64;
 
 impl IdempotencyStore for RedisStore {
-    async fn begin(&self, attempt: Attempt<'_>) -> Result<Begin> {
-        let (lease, data) = self.keys(attempt.key);
+    async fn begin(&self, operation: Operation<'_>) -> Result<Begin> {
+        let (lease, data) = self.keys(operation.key);
         // Random tokens: unique with overwhelming probability, and unlike a
         // counter they need no key of their own that could expire and restart.
-        let token = FencingToken::new(fastrand::i64(1..));
+        let token = FencingToken::new(crate::random::token());
         let reply: (i64, Vec<u8>) = self
             .scripts
             .begin
             .key(&lease)
             .key(&data)
-            .arg(lease_value(token, attempt.fingerprint))
-            .arg(px(attempt.lease))
+            .arg(lease_value(token, operation.fingerprint))
+            .arg(px(operation.lease))
             .invoke_async(&mut self.conn.clone())
             .await?;
         match reply {
             (0, _) => Ok(Begin::Started(token)),
             (1, stored) => {
-                let expected = hex(attempt.fingerprint.as_bytes());
+                let expected = hex(operation.fingerprint.as_bytes());
                 let Some((fingerprint, response)) = stored.split_at_checked(FINGERPRINT_HEX) else {
                     return Err(Error::CorruptRecord("stored record is truncated".into()));
                 };
@@ -172,7 +172,7 @@ impl IdempotencyStore for RedisStore {
                 Ok(Begin::Completed(StoredResponse::decode(response)?))
             }
             (2, holder) => {
-                let expected = hex(attempt.fingerprint.as_bytes());
+                let expected = hex(operation.fingerprint.as_bytes());
                 if holder.ends_with(expected.as_bytes()) {
                     Ok(Begin::InProgress)
                 } else {

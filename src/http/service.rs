@@ -19,11 +19,10 @@ use tower_service::Service;
 
 use super::key::{IDEMPOTENT_REPLAYED, IdempotencyKey};
 use super::layer::{ANONYMOUS, Config};
-use super::postgres::complete_on;
 use super::problem::{LayerAnswer, Problem};
 use super::record::{Fingerprint, RecordKey, StoredResponse};
-use super::store::{Attempt, Begin, FencingToken, IdempotencyStore};
-use super::transaction::AtomicPhase;
+use super::store::{AtomicStore, Begin, FencingToken, IdempotencyStore, Operation};
+use super::transaction::{AtomicPhase, WithoutKey};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -127,7 +126,13 @@ where
     let key = match IdempotencyKey::from_headers(request.headers()) {
         Ok(Some(key)) => key,
         Ok(None) if config.require_key => return Ok(Problem::MissingKey.into_response()),
-        Ok(None) => return pass(&mut inner, request).await,
+        Ok(None) => {
+            // A handler that asks for `Tx` then answers 400 (the client left
+            // the key out), not 500.
+            let mut request = request;
+            request.extensions_mut().insert(WithoutKey);
+            return pass(&mut inner, request).await;
+        }
         Err(e) => return Ok(Problem::InvalidKey(e).into_response()),
     };
 
@@ -145,13 +150,13 @@ where
     let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let fingerprint = Fingerprint::of_request(parts.method.as_str(), path_and_query, &body);
 
-    let attempt = Attempt {
+    let operation = Operation {
         key: &record,
         fingerprint: &fingerprint,
         lease: config.lease,
         ttl: config.ttl,
     };
-    let token = match store.begin(attempt).await {
+    let token = match store.begin(operation).await {
         Ok(Begin::Started(token)) => token,
         Ok(Begin::Completed(stored)) => return Ok(replay(stored)),
         Ok(Begin::InProgress) => {
@@ -175,8 +180,8 @@ where
         record,
         token,
     };
-    let phase = owner.store.transactional().map(|pool| {
-        let phase = AtomicPhase::new(pool.clone());
+    let phase = owner.store.atomic().map(|atomic| {
+        let phase = AtomicPhase::new(atomic.pool().clone());
         parts.extensions.insert(phase.clone());
         phase
     });
@@ -293,13 +298,20 @@ impl<St: IdempotencyStore> Owner<St> {
             }
         };
         let stored = self.stored(&parts, body.clone());
-        let answer = match tx {
-            HandlerTx::Open(tx) => self.complete_atomically(tx, &stored).await,
-            HandlerTx::Stuck => {
+        let answer = match (tx, self.store.atomic()) {
+            (HandlerTx::Open(tx), Some(atomic)) => {
+                self.complete_atomically(atomic, tx, &stored).await
+            }
+            // A transaction is only handed out by a store that has the capability.
+            (HandlerTx::Open(_), None) => {
                 self.release().await;
                 Err(Problem::CommitFailed)
             }
-            HandlerTx::Unused => {
+            (HandlerTx::Stuck, _) => {
+                self.release().await;
+                Err(Problem::CommitFailed)
+            }
+            (HandlerTx::Unused, _) => {
                 self.complete(&stored).await;
                 Ok(())
             }
@@ -376,11 +388,15 @@ impl<St: IdempotencyStore> Owner<St> {
     /// transaction, then commit both.
     async fn complete_atomically(
         &self,
+        atomic: &dyn AtomicStore,
         mut tx: Transaction<'static, Postgres>,
         stored: &StoredResponse,
     ) -> Result<(), Problem> {
         let ttl = self.config.ttl;
-        match complete_on(&mut tx, &self.record, self.token, stored, ttl).await {
+        match atomic
+            .complete_in(&mut tx, &self.record, self.token, stored, ttl)
+            .await
+        {
             Ok(true) => match tx.commit().await {
                 Ok(()) => Ok(()),
                 Err(error) => {
@@ -391,7 +407,7 @@ impl<St: IdempotencyStore> Owner<St> {
             },
             // Fenced out: another request owns the key; these writes must not land.
             Ok(false) => Err(Problem::LeaseLost),
-            Err(error) if is_aborted_transaction(&error) => {
+            Err(error) if error.is_aborted_transaction() => {
                 // The handler answered after a statement failed (say, a unique
                 // violation it turned into a 4xx): its writes are gone. Store
                 // an error answer on its own; a success would be a lie.
@@ -454,11 +470,6 @@ async fn handler_tx(phase: Option<AtomicPhase>) -> HandlerTx {
         None => HandlerTx::Unused,
         Some(tx) => tx.take().map_or(HandlerTx::Stuck, HandlerTx::Open),
     }
-}
-
-/// SQLSTATE 25P02: a statement failed earlier in this transaction.
-fn is_aborted_transaction(error: &crate::Error) -> bool {
-    matches!(error, crate::Error::Database(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02"))
 }
 
 enum Capped<B> {

@@ -3,6 +3,9 @@
 use std::future::Future;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
+use sqlx::{PgConnection, PgPool};
+
 use super::record::{Fingerprint, RecordKey, StoredResponse};
 use crate::Result;
 
@@ -43,9 +46,9 @@ pub enum Begin {
     Mismatch,
 }
 
-/// One attempt to start an operation.
+/// A request that wants to start the operation its key names.
 #[derive(Debug, Clone, Copy)]
-pub struct Attempt<'a> {
+pub struct Operation<'a> {
     /// The record.
     pub key: &'a RecordKey,
     /// The request's fingerprint.
@@ -70,7 +73,7 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// Creates the record in progress, or takes over one whose lease (or TTL)
     /// ran out and whose fingerprint matches; otherwise reports what is
     /// there. A live record with another fingerprint is a [`Begin::Mismatch`].
-    fn begin(&self, attempt: Attempt<'_>) -> impl Future<Output = Result<Begin>> + Send;
+    fn begin(&self, operation: Operation<'_>) -> impl Future<Output = Result<Begin>> + Send;
 
     /// Renews the lease of an in-progress record. `Ok(false)` if the record
     /// is no longer the caller's.
@@ -104,12 +107,34 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// records expire by themselves (Redis) return 0.
     fn delete_expired(&self, limit: usize) -> impl Future<Output = Result<u64>> + Send;
 
-    /// The pool of a store that lives in PostgreSQL. When it is `Some`, a
-    /// handler can take the request's [`Tx`](crate::Tx) and its writes commit
-    /// in the same transaction that completes the record.
-    fn transactional(&self) -> Option<&sqlx::PgPool> {
+    /// The store's [`AtomicStore`] capability, if it has one: then a handler
+    /// can take the request's [`Tx`](crate::Tx), and its writes commit in the
+    /// same transaction that completes the record.
+    fn atomic(&self) -> Option<&dyn AtomicStore> {
         None
     }
+}
+
+/// The capability behind the *atomic phase*: a store whose records live in
+/// the same PostgreSQL database as the handler's writes can complete a
+/// record inside the handler's transaction. Implemented by
+/// [`PostgresStore`](super::PostgresStore); a store offers it through
+/// [`IdempotencyStore::atomic`].
+pub trait AtomicStore: Send + Sync {
+    /// The pool the handler's transaction is begun on.
+    fn pool(&self) -> &PgPool;
+
+    /// [`IdempotencyStore::complete`], as a statement in the caller's
+    /// transaction `tx`: `Ok(false)` (nothing written) if the record is no
+    /// longer the caller's, and the caller then rolls its writes back.
+    fn complete_in<'a>(
+        &'a self,
+        tx: &'a mut PgConnection,
+        key: &'a RecordKey,
+        token: FencingToken,
+        response: &'a StoredResponse,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool>>;
 }
 
 /// Deletes expired records every `every`, in batches of 1,000, forever.
@@ -135,8 +160,8 @@ pub async fn run_cleanup<St: IdempotencyStore>(store: St, every: Duration) {
 }
 
 impl<T: IdempotencyStore> IdempotencyStore for std::sync::Arc<T> {
-    fn begin(&self, attempt: Attempt<'_>) -> impl Future<Output = Result<Begin>> + Send {
-        (**self).begin(attempt)
+    fn begin(&self, operation: Operation<'_>) -> impl Future<Output = Result<Begin>> + Send {
+        (**self).begin(operation)
     }
 
     fn extend(
@@ -170,7 +195,15 @@ impl<T: IdempotencyStore> IdempotencyStore for std::sync::Arc<T> {
         (**self).delete_expired(limit)
     }
 
-    fn transactional(&self) -> Option<&sqlx::PgPool> {
-        (**self).transactional()
+    fn atomic(&self) -> Option<&dyn AtomicStore> {
+        (**self).atomic()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn atomic_store_is_object_safe() {
+        fn _obj_safe(_: &dyn super::AtomicStore) {}
     }
 }

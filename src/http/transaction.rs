@@ -13,6 +13,11 @@ use tokio::sync::Mutex;
 use super::problem::Problem;
 use crate::Tx;
 
+/// Put in the request's extensions by the layer when it passes a request
+/// through because it carries no `Idempotency-Key`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WithoutKey;
+
 /// Put in the request's extensions by the layer when its store lives in
 /// PostgreSQL: the pool to begin the handler's transaction on, and the slot
 /// the layer takes it back from.
@@ -56,29 +61,39 @@ impl AtomicPhase {
 /// the response is not stored (a status such as 429, an error, a panic, a
 /// response over the size limit) or the lease was lost, the writes roll back.
 ///
+/// `?` works on idempo's and sqlx's errors: a handler can return
+/// `Result<_, idempo::Error>`, whose error answers `application/problem+json`
+/// (503 when the database is unreachable, 500 otherwise) and is never
+/// stored, so the key is released and the client may retry.
+///
 /// ```no_run
 /// use axum::{Json, http::StatusCode};
 /// use idempo::Tx;
 ///
-/// async fn create_payment(tx: Tx, Json(amount): Json<i64>) -> Result<StatusCode, StatusCode> {
-///     let mut conn = tx.lock().map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+/// async fn create_payment(tx: Tx, Json(amount): Json<i64>) -> idempo::Result<StatusCode> {
+///     let mut conn = tx.try_lock()?;
 ///     sqlx::query("INSERT INTO payments (amount_cents) VALUES ($1)")
 ///         .bind(amount)
 ///         .execute(&mut *conn)
-///         .await
-///         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///         .await?;
 ///     Ok(StatusCode::CREATED) // committed by the layer, with the stored 201
 /// }
 /// ```
+///
+/// A request without an `Idempotency-Key` on a route where the key is
+/// optional gets 400 (`#missing-key`) from this extractor: the handler needs
+/// the key's transaction. Take `Option<Tx>` to serve such requests too.
 impl<S: Send + Sync> FromRequestParts<S> for Tx {
     type Rejection = TxRejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        let phase = parts
-            .extensions
-            .get::<AtomicPhase>()
-            .ok_or(TxRejection::NotIdempotent)?;
-        phase.transaction().await.map_err(TxRejection::Begin)
+        match parts.extensions.get::<AtomicPhase>() {
+            Some(phase) => phase.transaction().await.map_err(TxRejection::Begin),
+            None if parts.extensions.get::<WithoutKey>().is_some() => {
+                Err(TxRejection::MissingKey)
+            }
+            None => Err(TxRejection::NotIdempotent),
+        }
     }
 }
 
@@ -107,9 +122,10 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for Tx {
 /// Why the [`Tx`] extractor failed.
 #[non_exhaustive]
 pub enum TxRejection {
-    /// The route has no idempotency layer on a PostgreSQL store, or the
-    /// request carried no `Idempotency-Key` (500: a server configuration
-    /// error).
+    /// The request carried no `Idempotency-Key` (400: the client must send one).
+    MissingKey,
+    /// The route has no idempotency layer on a store with the atomic phase
+    /// (500: a server configuration error).
     NotIdempotent,
     /// The transaction could not be begun (503).
     Begin(sqlx::Error),
@@ -118,6 +134,7 @@ pub enum TxRejection {
 impl fmt::Debug for TxRejection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            TxRejection::MissingKey => f.write_str("MissingKey"),
             TxRejection::NotIdempotent => f.write_str("NotIdempotent"),
             TxRejection::Begin(e) => f.debug_tuple("Begin").field(e).finish(),
         }
@@ -127,6 +144,7 @@ impl fmt::Debug for TxRejection {
 impl IntoResponse for TxRejection {
     fn into_response(self) -> Response {
         match self {
+            TxRejection::MissingKey => Problem::MissingKey.into_response(),
             TxRejection::NotIdempotent => Problem::NoTransaction.into_response(),
             TxRejection::Begin(error) => {
                 tracing::warn!(%error, "could not begin the handler's transaction");

@@ -9,31 +9,13 @@ use reqwest::{Client, Request, Response};
 use super::policy::{RetryPolicy, parse_retry_after};
 use super::run::{Attempt, RetryError, retry_with};
 
-/// The header the key travels in.
-pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+use crate::IDEMPOTENCY_KEY;
 
 /// A fresh random (version 4) UUID, e.g. for an `Idempotency-Key`: 122 bits
 /// from the operating system's generator, so keys of different clients do
 /// not collide (a collision would replay another request's answer).
 pub fn new_key() -> String {
-    let mut bytes = [0u8; 16];
-    if getrandom::fill(&mut bytes).is_err() {
-        // No OS randomness (never seen on supported targets): fall back to
-        // two independent draws rather than fail the request.
-        bytes[..8].copy_from_slice(&fastrand::u64(..).to_be_bytes());
-        bytes[8..].copy_from_slice(&fastrand::u64(..).to_be_bytes());
-    }
-    bytes[6] = (bytes[6] & 0x0f) | 0x40; // version 4
-    bytes[8] = (bytes[8] & 0x3f) | 0x80; // RFC 4122 variant
-    let hex = crate::hex::to_hex(&bytes);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    )
+    crate::random::uuid_v4()
 }
 
 /// A response after retries.

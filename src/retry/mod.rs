@@ -10,13 +10,13 @@
 //!   or yours) sent on **every** attempt, so an idempotent server (such as
 //!   [`IdempotencyLayer`](crate#feature-flags)) executes the request once.
 //!
-//! Not to be confused with [`amqp::RetryPolicy`](crate#feature-flags), the
-//! consumer's broker-side delay tiers.
+//! The header is [`crate::IDEMPOTENCY_KEY`]. (The consumer's broker-side
+//! delay tiers are a different thing, `amqp::RedeliveryPolicy`.)
 
 mod client;
 mod policy;
 mod run;
 
-pub use client::{IDEMPOTENCY_KEY, Retried, RetryingClient, SendError, new_key};
+pub use client::{Retried, RetryingClient, SendError, new_key};
 pub use policy::{RetryPolicy, parse_retry_after};
 pub use run::{Attempt, RetryError, retry, retry_with};

@@ -95,8 +95,7 @@ impl RetryPolicy {
 
     /// The most the wait before retry `retry` (1-based) can be.
     pub fn ceiling(&self, retry: u32) -> Duration {
-        let factor = 2u32.saturating_pow(retry.saturating_sub(1));
-        self.base_delay.saturating_mul(factor).min(self.max_delay)
+        crate::backoff::ceiling(self.base_delay, self.max_delay, retry)
     }
 
     /// The wait before retry `retry`: full jitter under [`ceiling`](Self::ceiling),
@@ -104,10 +103,7 @@ impl RetryPolicy {
     pub fn delay(&self, retry: u32, retry_after: Option<Duration>) -> Duration {
         match retry_after {
             Some(asked) => asked.min(self.max_delay),
-            None => {
-                let ceiling = self.ceiling(retry).as_nanos().min(u64::MAX as u128) as u64;
-                Duration::from_nanos(fastrand::u64(0..=ceiling))
-            }
+            None => crate::backoff::full_jitter(self.ceiling(retry)),
         }
     }
 }

@@ -101,7 +101,7 @@ impl WindowStore for MemoryWindow {
     }
 
     async fn reserve(&self, key: &str, lease: Duration) -> Result<Reservation> {
-        let token = fastrand::i64(1..);
+        let token = crate::random::token();
         let entry = Entry {
             expires_at: Instant::now() + lease,
             state: State::Pending(token),

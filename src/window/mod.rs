@@ -9,9 +9,10 @@
 //! - [`DedupWindow`]: "insert this id unless it was seen within the window",
 //!   atomically, over a [`WindowStore`]: [`MemoryWindow`] (bounded),
 //!   [`PostgresWindow`] or `RedisWindow` (feature `redis`).
-//! - `DedupPublisher` (with feature `amqp`): a publisher that sends a
-//!   duplicate id only once within the window, recording the id only after
-//!   the broker confirmed the first publish.
+//! - With feature `amqp`, `amqp::window` joins the two: a `DedupPublisher`
+//!   that sends a duplicate id only once within the window (recording the id
+//!   only after the broker confirmed the first publish), and a consumer mode
+//!   that deduplicates on a window instead of the inbox.
 //!
 //! # How it compares with the inbox
 //! The [inbox](crate::inbox) remembers every processed id until retention
@@ -26,21 +27,14 @@ mod dedup_id;
 mod dedup_window;
 mod memory;
 mod postgres;
-#[cfg(feature = "amqp")]
-mod publisher;
 #[cfg(feature = "redis")]
 mod redis;
 mod store;
 
 pub use dedup_id::{DedupId, InvalidDedupId, MAX_DEDUP_ID_LEN, Scope};
-#[cfg(feature = "amqp")]
-pub(crate) use dedup_window::ErasedWindow;
 pub use dedup_window::{DEFAULT_WINDOW, DedupWindow};
 pub use memory::MemoryWindow;
 pub use postgres::PostgresWindow;
-#[cfg(feature = "amqp")]
-#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
-pub use publisher::{DEDUP_ID_HEADER, DedupPublisher, GROUP_ID_HEADER, Outgoing, Published};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisWindow;

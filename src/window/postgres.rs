@@ -58,7 +58,7 @@ impl WindowStore for PostgresWindow {
     }
 
     async fn reserve(&self, key: &str, lease: Duration) -> Result<Reservation> {
-        let token = fastrand::i64(1..);
+        let token = crate::random::token();
         for _ in 0..RESERVE_PASSES {
             let reserved: Option<bool> = sqlx::query_scalar(UPSERT)
                 .bind(key)

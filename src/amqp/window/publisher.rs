@@ -3,14 +3,11 @@
 use std::fmt;
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ShortString};
-use lapin::{BasicProperties, Channel, Connection};
-use tokio::sync::Mutex;
+use lapin::{BasicProperties, Connection};
 
-use super::dedup_id::{DedupId, Scope};
-use super::dedup_window::DedupWindow;
-use super::store::{Reservation, WindowStore};
+use crate::amqp::publish::{ConfirmChannel, PublishError};
+use crate::window::{DedupId, DedupWindow, Reservation, Scope, WindowStore};
 use crate::{Error, Result};
 
 /// The header that carries a message's dedup id.
@@ -56,7 +53,7 @@ impl Outgoing {
     }
 
     /// The AMQP properties (a `message_id` set here is kept; otherwise a
-    /// random one is assigned).
+    /// random UUID is assigned).
     #[must_use]
     pub fn properties(mut self, properties: BasicProperties) -> Self {
         self.properties = properties;
@@ -87,7 +84,7 @@ pub struct Published {
 /// publish whose confirm never came (the broker may hold it): it returns an
 /// error but keeps the id reserved for the lease.
 pub struct DedupPublisher<S> {
-    channel: Mutex<Channel>,
+    channel: ConfirmChannel,
     window: DedupWindow<S>,
     lease: Duration,
     confirm_timeout: Duration,
@@ -107,17 +104,14 @@ impl<S: WindowStore> DedupPublisher<S> {
     /// # Errors
     /// [`Error::Amqp`] when the channel cannot be opened.
     pub async fn new(connection: &Connection, window: DedupWindow<S>) -> Result<Self> {
-        let channel = connection.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let confirm_timeout = Duration::from_secs(30);
         Ok(DedupPublisher {
-            channel: Mutex::new(channel),
+            channel: ConfirmChannel::open(connection, confirm_timeout).await?,
             window,
             // Outlasts the slowest path from reserving to recording: the wait
             // for the channel and the confirm are both inside confirm_timeout.
             lease: Duration::from_secs(70),
-            confirm_timeout: Duration::from_secs(30),
+            confirm_timeout,
         })
     }
 
@@ -216,7 +210,7 @@ impl<S: WindowStore> DedupPublisher<S> {
     ) -> std::result::Result<String, Sent> {
         let message_id = match &message.properties.message_id() {
             Some(known) => known.to_string(),
-            None => format!("{:032x}", fastrand::u128(..)),
+            None => crate::random::uuid_v4(),
         };
         let mut headers = message.properties.headers().clone().unwrap_or_default();
         headers.insert(
@@ -234,40 +228,24 @@ impl<S: WindowStore> DedupPublisher<S> {
             .clone()
             .with_message_id(ShortString::from(message_id.clone()))
             .with_headers(headers);
-        let confirm = async {
-            let channel = self.channel.lock().await;
-            channel
-                .basic_publish(
-                    exchange.into(),
-                    routing_key.into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..BasicPublishOptions::default()
-                    },
-                    &message.body,
-                    properties,
-                )
-                .await?
-                .await
-        };
-        let confirm = match tokio::time::timeout(self.confirm_timeout, confirm).await {
-            Ok(Ok(confirm)) => confirm,
-            Ok(Err(e)) => return Err(Sent::Unknown(e.into())),
-            Err(_) => {
-                return Err(Sent::Unknown(Error::PublishNotConfirmed(format!(
-                    "no confirm within {:?}; the outcome is unknown and the id stays reserved for its lease",
-                    self.confirm_timeout
-                ))));
+        match self
+            .channel
+            .publish(exchange, routing_key, &message.body, properties)
+            .await
+        {
+            Ok(()) => Ok(message_id),
+            Err(e) => {
+                let certain = e.certainly_not_sent();
+                let error = match e {
+                    PublishError::Amqp(e) => Error::Amqp(e),
+                    PublishError::Timeout(_) => Error::PublishNotConfirmed(format!(
+                        "no confirm within {:?}; the outcome is unknown and the id stays reserved for its lease",
+                        self.confirm_timeout
+                    )),
+                    other => Error::PublishNotConfirmed(other.to_string()),
+                };
+                Err(if certain { Sent::No(error) } else { Sent::Unknown(error) })
             }
-        };
-        match confirm {
-            lapin::Confirmation::Ack(None) => Ok(message_id),
-            lapin::Confirmation::Ack(Some(_)) => Err(Sent::No(Error::PublishNotConfirmed(
-                format!("unroutable: no queue bound for {routing_key:?} on {exchange:?}"),
-            ))),
-            _ => Err(Sent::No(Error::PublishNotConfirmed(
-                "nacked by the broker".into(),
-            ))),
         }
     }
 }

@@ -1,4 +1,5 @@
-//! What happens to a delivery after a transient failure: [`RetryPolicy`].
+//! What happens to a delivery after a transient failure: [`RedeliveryPolicy`]
+//! (delay queues, or nack-requeue).
 
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ use std::time::Duration;
 /// none is), since delay queues are per tier, not per message.
 ///
 /// # Requeue
-/// [`RetryPolicy::requeue`] hands the delivery back with
+/// [`RedeliveryPolicy::requeue`] hands the delivery back with
 /// `basic.nack(requeue = true)` after a pause instead. Attempts are not
 /// counted, so a message that always fails transiently is retried forever
 /// (unless a broker-side delivery limit intervenes).
@@ -31,7 +32,7 @@ use std::time::Duration;
 /// attempts: the last retry comes about 53 min after the first failure (90
 /// min at worst, if every retry asks for the longest delay).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RetryPolicy {
+pub struct RedeliveryPolicy {
     pub(crate) mode: Mode,
     pub(crate) max_attempts: u32,
 }
@@ -45,9 +46,9 @@ pub(crate) enum Mode {
 /// RabbitMQ's `x-message-ttl` is a non-negative 32-bit count of milliseconds.
 const MAX_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
 
-impl Default for RetryPolicy {
+impl Default for RedeliveryPolicy {
     fn default() -> Self {
-        RetryPolicy::delayed([
+        RedeliveryPolicy::delayed([
             Duration::from_secs(1),
             Duration::from_secs(5),
             Duration::from_secs(30),
@@ -57,13 +58,13 @@ impl Default for RetryPolicy {
     }
 }
 
-impl RetryPolicy {
+impl RedeliveryPolicy {
     /// Broker-owned delayed retries with these delay tiers (one delay queue
     /// each), and the default of 10 attempts.
     pub fn delayed(delays: impl IntoIterator<Item = Duration>) -> Self {
         let mut delays: Vec<Duration> = delays.into_iter().collect();
         delays.dedup();
-        RetryPolicy {
+        RedeliveryPolicy {
             mode: Mode::Delayed(delays),
             max_attempts: 10,
         }
@@ -71,7 +72,7 @@ impl RetryPolicy {
 
     /// `basic.nack(requeue = true)` after `pause`; attempts are not counted.
     pub fn requeue(pause: Duration) -> Self {
-        RetryPolicy {
+        RedeliveryPolicy {
             mode: Mode::Requeue(pause),
             max_attempts: u32::MAX,
         }
@@ -165,14 +166,14 @@ mod tests {
 
     #[test]
     fn retries_walk_the_tiers_and_repeat_the_last() {
-        let p = RetryPolicy::default();
+        let p = RedeliveryPolicy::default();
         let got: Vec<_> = (1..=7).map(|n| p.delay_for(n, None)).collect();
         assert_eq!(got, [1, 5, 30, 120, 600, 600, 600].map(secs));
     }
 
     #[test]
     fn a_requested_delay_rounds_up_to_a_tier() {
-        let p = RetryPolicy::default();
+        let p = RedeliveryPolicy::default();
         assert_eq!(p.delay_for(1, Some(secs(10))), secs(30));
         assert_eq!(p.delay_for(1, Some(secs(5))), secs(5));
         assert_eq!(
@@ -185,8 +186,8 @@ mod tests {
     #[test]
     fn the_worst_case_wait_is_every_retry_at_the_longest_delay() {
         // 9 retries of 10 minutes.
-        assert_eq!(RetryPolicy::default().total_delay(), secs(5400));
-        assert_eq!(RetryPolicy::requeue(secs(1)).total_delay(), Duration::ZERO);
+        assert_eq!(RedeliveryPolicy::default().total_delay(), secs(5400));
+        assert_eq!(RedeliveryPolicy::requeue(secs(1)).total_delay(), Duration::ZERO);
     }
 
     #[test]
@@ -202,14 +203,14 @@ mod tests {
 
     #[test]
     fn impossible_policies_are_refused() {
-        assert!(RetryPolicy::delayed([]).validate().is_err());
-        assert!(RetryPolicy::delayed([Duration::ZERO]).validate().is_err());
+        assert!(RedeliveryPolicy::delayed([]).validate().is_err());
+        assert!(RedeliveryPolicy::delayed([Duration::ZERO]).validate().is_err());
         assert!(
-            RetryPolicy::delayed([Duration::from_micros(1500)])
+            RedeliveryPolicy::delayed([Duration::from_micros(1500)])
                 .validate()
                 .is_err()
         );
-        assert!(RetryPolicy::default().max_attempts(0).validate().is_err());
-        assert!(RetryPolicy::default().validate().is_ok());
+        assert!(RedeliveryPolicy::default().max_attempts(0).validate().is_err());
+        assert!(RedeliveryPolicy::default().validate().is_ok());
     }
 }

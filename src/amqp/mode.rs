@@ -1,0 +1,129 @@
+//! The consumer's modes, as the state of a [`ConsumerBuilder`]: each handler
+//! method moves the builder into its mode, and only the options that make
+//! sense there exist on it. A combination that cannot run (a batch handler
+//! with message groups, two handlers, no handler) does not compile.
+//!
+//! | mode | entered with | options of its own |
+//! |---|---|---|
+//! | [`PerMessage`] | [`handler`](ConsumerBuilder::handler) | [`message_groups`](ConsumerBuilder::message_groups), [`batch`](ConsumerBuilder::batch) (→ [`Batched`]) |
+//! | [`Batched`] | [`batch_handler`](ConsumerBuilder::batch_handler), or `.handler(h).batch(n)` | [`batch`](ConsumerBuilder::batch), [`batch_linger`](ConsumerBuilder::batch_linger) |
+//! | `Windowed` (features `amqp` + `window`) | `dedup_window(w).window_handler(h)` | `message_groups` |
+//!
+//! [`ConsumerBuilder`]: super::ConsumerBuilder
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+use super::database_gate::DatabaseGate;
+use super::delivery::{Decide, InboxSteps};
+use super::handler::Prepare;
+use super::stats::Stats;
+#[cfg(doc)]
+use super::ConsumerBuilder;
+use crate::Result;
+
+/// The builder's state before a handler is set: only the common options,
+/// and the methods that choose a mode.
+#[derive(Debug)]
+pub struct NoHandler(pub(crate) ());
+
+/// Per-message mode: one transaction per delivery, up to `concurrency` at once.
+pub struct PerMessage {
+    pub(crate) handler: Arc<dyn Prepare>,
+    pub(crate) groups: Option<String>,
+}
+
+/// Batch mode: up to `size` deliveries per transaction (see the
+/// [batch mode](super#batch-mode) docs).
+pub struct Batched {
+    pub(crate) handler: Arc<dyn Prepare>,
+    pub(crate) size: usize,
+    pub(crate) linger: Duration,
+}
+
+impl fmt::Debug for PerMessage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PerMessage")
+            .field("groups", &self.groups)
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for Batched {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Batched")
+            .field("size", &self.size)
+            .field("linger", &self.linger)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a mode needs from the rest of the configuration to become runnable.
+pub(crate) struct Parts<'a> {
+    pub(crate) consumer: &'a str,
+    pub(crate) queue: &'a str,
+    pub(crate) pool: &'a PgPool,
+    pub(crate) prefetch: u16,
+    pub(crate) handler_timeout: Duration,
+    pub(crate) gate: &'a Arc<DatabaseGate>,
+    pub(crate) stats: &'a Stats,
+}
+
+/// A mode, ready to run: how deliveries are decided and dispatched.
+pub(crate) struct Dispatch {
+    pub(crate) decide: Arc<dyn Decide>,
+    /// Batch mode: up to this many deliveries per unit, collected within the linger.
+    pub(crate) batch: Option<(usize, Duration)>,
+    /// Message groups: the header that names a delivery's group.
+    pub(crate) groups: Option<String>,
+}
+
+/// Turns a mode into its [`Dispatch`], checking what only it can check.
+pub(crate) trait IntoDispatch {
+    fn into_dispatch(self, parts: &Parts<'_>) -> Result<Dispatch>;
+}
+
+fn inbox(handler: Arc<dyn Prepare>, parts: &Parts<'_>) -> Arc<dyn Decide> {
+    Arc::new(InboxSteps {
+        consumer: parts.consumer.to_owned(),
+        pool: parts.pool.clone(),
+        handler,
+        handler_timeout: parts.handler_timeout,
+        gate: parts.gate.clone(),
+        stats: parts.stats.clone(),
+    })
+}
+
+impl IntoDispatch for PerMessage {
+    fn into_dispatch(self, parts: &Parts<'_>) -> Result<Dispatch> {
+        Ok(Dispatch {
+            decide: inbox(self.handler, parts),
+            batch: None,
+            groups: self.groups,
+        })
+    }
+}
+
+impl IntoDispatch for Batched {
+    fn into_dispatch(self, parts: &Parts<'_>) -> Result<Dispatch> {
+        if self.size == 0 {
+            return Err(crate::Error::Config(
+                "the batch size must be at least 1".into(),
+            ));
+        }
+        if usize::from(parts.prefetch) < self.size {
+            return Err(crate::Error::Config(format!(
+                "prefetch ({}) must be at least the batch size ({}); three times is better",
+                parts.prefetch, self.size
+            )));
+        }
+        Ok(Dispatch {
+            decide: inbox(self.handler, parts),
+            batch: Some((self.size, self.linger)),
+            groups: None,
+        })
+    }
+}

@@ -1,0 +1,55 @@
+//! Random ids and tokens from the operating system's generator: the one
+//! source for everything that must not collide across processes (UUIDs for
+//! `Idempotency-Key`s and message ids, fencing and reservation tokens).
+
+/// `N` bytes from the OS generator. Should that ever fail (never seen on
+/// supported targets), independent `fastrand` draws stand in rather than
+/// failing the caller.
+fn bytes<const N: usize>() -> [u8; N] {
+    let mut bytes = [0u8; N];
+    if getrandom::fill(&mut bytes).is_err() {
+        bytes.iter_mut().for_each(|b| *b = fastrand::u8(..));
+    }
+    bytes
+}
+
+/// A random (version 4) UUID in its hyphenated lowercase form: 122 random bits.
+#[cfg_attr(not(any(feature = "retry", feature = "amqp")), allow(dead_code))]
+pub(crate) fn uuid_v4() -> String {
+    let mut b = bytes::<16>();
+    b[6] = (b[6] & 0x0f) | 0x40; // version 4
+    b[8] = (b[8] & 0x3f) | 0x80; // RFC 4122 variant
+    let hex = crate::hex::to_hex(&b);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// A random positive token (63 bits), for proving ownership of a lease.
+pub(crate) fn token() -> i64 {
+    (u64::from_be_bytes(bytes::<8>()) >> 1).max(1) as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuids_are_version_4_and_distinct() {
+        let (a, b) = (uuid_v4(), uuid_v4());
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 36);
+        assert_eq!(&a[14..15], "4");
+        assert!(matches!(&a[19..20], "8" | "9" | "a" | "b"));
+    }
+
+    #[test]
+    fn tokens_are_positive() {
+        assert!((0..1000).all(|_| token() > 0));
+    }
+}
