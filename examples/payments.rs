@@ -28,7 +28,7 @@ mod payments;
 use std::time::Duration;
 
 use anyhow::Context;
-use idempo::amqp::{Consumer, RetryPolicy};
+use idempo::amqp::{Consumer, RedeliveryPolicy};
 use sqlx::postgres::PgPoolOptions;
 
 fn env_or(name: &str, default: &str) -> String {
@@ -90,12 +90,12 @@ async fn main() -> anyhow::Result<()> {
     let batch: usize = env_parse("PAYMENTS_BATCH", 0)?;
     let prefetch: u16 = env_parse("PAYMENTS_PREFETCH", (batch * 3).clamp(100, 65_535) as u16)?;
     let retry = match std::env::var("PAYMENTS_RETRY_DELAYS") {
-        Ok(list) => RetryPolicy::delayed(
+        Ok(list) => RedeliveryPolicy::delayed(
             list.split(',')
                 .map(parse_delay)
                 .collect::<anyhow::Result<Vec<_>>>()?,
         ),
-        Err(_) => RetryPolicy::default(),
+        Err(_) => RedeliveryPolicy::default(),
     }
     .max_attempts(env_parse("PAYMENTS_MAX_ATTEMPTS", 10)?);
 
@@ -124,14 +124,18 @@ async fn main() -> anyhow::Result<()> {
         .prefetch(prefetch.max(concurrency as u16))
         .concurrency(concurrency)
         .retry(retry);
-    let consumer = if batch > 0 {
+    if batch > 0 {
         consumer
-            .batch(batch)
             .batch_handler(move |tx, batch| payments::handle_batch(tx, batch, fail_rate))
+            .batch(batch)
+            .run_until_signal()
+            .await?;
     } else {
-        consumer.handler(move |tx, message| payments::handle(tx, message, fail_rate))
-    };
-    consumer.run_until_signal().await?;
+        consumer
+            .handler(move |tx, message| payments::handle(tx, message, fail_rate))
+            .run_until_signal()
+            .await?;
+    }
     tracing::info!("drained; bye");
     Ok(())
 }

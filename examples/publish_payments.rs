@@ -7,8 +7,10 @@
 //! The argument is the number of distinct payments (default 1000); about 10 %
 //! of them are published a second time with the same message id. Start the
 //! `payments` example first: it declares the queue. At the end this prints the
-//! balances the consumer must reach; compare with
-//! `SELECT * FROM account_balances ORDER BY account`.
+//! balances the consumer must reach (the balances in `DATABASE_URL` before
+//! publishing, plus these payments once each); compare with
+//! `SELECT * FROM account_balances ORDER BY account`. Reads `AMQP_URL`,
+//! `DATABASE_URL` and `PAYMENTS_QUEUE` like the consumer.
 
 use std::collections::BTreeMap;
 
@@ -23,6 +25,8 @@ async fn main() -> anyhow::Result<()> {
     let amqp_url = std::env::var("AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
     let queue = std::env::var("PAYMENTS_QUEUE").unwrap_or_else(|_| "payments".to_owned());
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
     let count: usize = match std::env::args().nth(1) {
         Some(n) => n
             .parse()
@@ -50,8 +54,21 @@ async fn main() -> anyhow::Result<()> {
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
 
+    // The balances now: the consumer must reach them plus these payments.
+    // Read before publishing, so that nothing published here is counted twice.
+    let pool = sqlx::PgPool::connect(&database_url)
+        .await
+        .with_context(|| format!("cannot connect to PostgreSQL at {database_url}"))?;
+    let mut expected: BTreeMap<String, i64> =
+        sqlx::query_as("SELECT account, balance_cents FROM account_balances")
+            .fetch_all(&pool)
+            .await
+            .context("cannot read account_balances: start the payments example first (it creates it)")?
+            .into_iter()
+            .collect();
+    pool.close().await;
+
     let mut rng = rand::rng();
-    let mut expected: BTreeMap<String, i64> = BTreeMap::new();
     let mut published = 0usize;
     for _ in 0..count {
         let id = format!("pay-{:016x}", rng.random::<u64>());
@@ -80,7 +97,7 @@ async fn main() -> anyhow::Result<()> {
     }
     channel.wait_for_confirms().await?;
     println!("published {published} messages for {count} distinct payments to {queue:?}");
-    println!("expected balance increases:");
+    println!("balances once the consumer has caught up (account_balances):");
     for (account, cents) in &expected {
         println!("  {account}: {cents}");
     }

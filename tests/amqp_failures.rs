@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use idempo::amqp::{
     ATTEMPTS_HEADER, Consumer, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    QUEUE_HEADER, ROUTING_KEY_HEADER, RetryPolicy, RuntimeState,
+    QUEUE_HEADER, ROUTING_KEY_HEADER, RedeliveryPolicy, RuntimeState,
 };
-use support::consumer::{Running, WAIT, counting_payments, payments_consumer, payments_then};
+use support::consumer::{Running, WAIT, consumer_for, counting_payments, payments_consumer, payments_then};
 use support::{Broker, TcpProxy, eventually, payments, unique};
 
 #[tokio::test]
@@ -17,7 +17,7 @@ async fn a_transient_failure_is_retried_through_a_delay_queue_counting_attempts(
     let (db, broker, queue) = support::setup().await;
     broker.publish_payment(&queue, "pay-retry", "ann", 12).await;
     let (seen, handler) = counting_payments(2, None);
-    let consumer = Running::start(payments_consumer(&db, &queue).handler(handler));
+    let consumer = Running::start(consumer_for(&db, &queue).handler(handler));
     let stats = consumer.finish(1).await;
 
     let headers = seen.lock().unwrap().headers.clone();
@@ -53,9 +53,9 @@ async fn after_max_attempts_the_delivery_is_dead_lettered_with_its_history() {
         Some(format!("{}/{}", m.message_id_property()?, expiration?))
     };
     let consumer = Running::start(
-        payments_consumer(&db, &queue)
+        consumer_for(&db, &queue)
             .message_id(idempo::amqp::MessageIdSource::custom(id_of))
-            .retry(RetryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
+            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
             .handler(handler),
     );
     let stats = consumer.finish(1).await;
@@ -96,8 +96,8 @@ async fn a_handler_can_ask_for_a_longer_delay() {
     broker.publish_payment(&queue, "pay-later", "cyd", 1).await;
     let (seen, handler) = counting_payments(1, Some(Duration::from_millis(800)));
     let consumer = Running::start(
-        payments_consumer(&db, &queue)
-            .retry(RetryPolicy::delayed([
+        consumer_for(&db, &queue)
+            .retry(RedeliveryPolicy::delayed([
                 support::RETRY_DELAY,
                 Duration::from_secs(1),
             ]))
@@ -122,8 +122,8 @@ async fn the_requeue_policy_retries_without_delay_queues() {
         .await;
     let (seen, handler) = counting_payments(1, None);
     let consumer = Running::start(
-        payments_consumer(&db, &queue)
-            .retry(RetryPolicy::requeue(support::RETRY_DELAY))
+        consumer_for(&db, &queue)
+            .retry(RedeliveryPolicy::requeue(support::RETRY_DELAY))
             .handler(handler),
     );
     let stats = consumer.finish(1).await;
@@ -155,7 +155,7 @@ async fn a_failed_commit_is_not_acked_and_the_redelivery_applies_once() {
     let (_, guarded) = payments_then(|attempt, tx| async move {
         // The first attempt breaks the deferred constraint; the next ones do not.
         let rows = if attempt == 0 { 2 } else { 1 };
-        let mut tx = tx.lock()?;
+        let mut tx = tx.try_lock()?;
         for _ in 0..rows {
             sqlx::query("INSERT INTO commit_guard VALUES (1)")
                 .execute(&mut *tx)
@@ -163,7 +163,7 @@ async fn a_failed_commit_is_not_acked_and_the_redelivery_applies_once() {
         }
         Ok(())
     });
-    let consumer = Running::start(payments_consumer(&db, &queue).handler(guarded));
+    let consumer = Running::start(consumer_for(&db, &queue).handler(guarded));
     let stats = consumer.finish(1).await;
 
     assert_eq!(
@@ -220,7 +220,7 @@ async fn a_crash_between_commit_and_ack_is_redelivered_and_acked_as_a_duplicate(
         }
     });
     let consumer = Running::start(
-        payments_consumer(&db, &queue)
+        consumer_for(&db, &queue)
             .connection_name(&connection)
             .handler(cutting),
     );
@@ -302,14 +302,14 @@ async fn a_backend_killed_mid_transaction_reruns_the_delivery_once() {
     broker.publish_payment(&queue, "pay-killed", "ida", 7).await;
     let (attempts, killing) = payments_then(|attempt, tx| async move {
         if attempt == 0 {
-            let mut tx = tx.lock()?;
+            let mut tx = tx.try_lock()?;
             sqlx::query("SELECT pg_terminate_backend(pg_backend_pid())")
                 .execute(&mut *tx)
                 .await?;
         }
         Ok(())
     });
-    let consumer = Running::start(payments_consumer(&db, &queue).handler(killing));
+    let consumer = Running::start(consumer_for(&db, &queue).handler(killing));
     let stats = consumer.finish(1).await;
 
     assert_eq!(attempts.load(std::sync::atomic::Ordering::SeqCst), 2);
@@ -330,7 +330,7 @@ async fn a_database_outage_holds_deliveries_until_it_returns() {
     let consumer = Running::start(
         Consumer::builder(support::amqp_url(), pool)
             .queue(&queue)
-            .retry(RetryPolicy::delayed([support::RETRY_DELAY]))
+            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
             .handler(|tx, message| payments::handle(tx, message, 0.0)),
     );
     consumer.health.wait_for(|h| h.is_consuming()).await;
@@ -376,7 +376,7 @@ async fn poison_is_dead_lettered_even_while_the_database_is_unreachable() {
     let consumer = Running::start(
         Consumer::builder(support::amqp_url(), dead_pool)
             .queue(&queue)
-            .retry(RetryPolicy::delayed([support::RETRY_DELAY]))
+            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
             .handler(|tx, message| payments::handle(tx, message, 0.0)),
     );
     consumer.settled(1).await;

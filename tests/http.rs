@@ -18,7 +18,7 @@ use axum::routing::post;
 use bytes::Bytes;
 use idempo::Tx;
 use idempo::http::{
-    Attempt, Begin, Fingerprint, IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore,
+    Begin, Fingerprint, IdempotencyLayer, IdempotencyStore, MemoryStore, Operation, PostgresStore,
     RecordKey, RedisStore, StoredResponse,
 };
 use support::{Db, TcpProxy, pool_through, unique};
@@ -114,7 +114,7 @@ async fn payments(
     }
     if let Some(status) = abort {
         let tx = tx.expect("x-abort-then needs the atomic phase");
-        let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx.lock()?).await;
+        let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx.try_lock()?).await;
         assert!(failed.is_err());
         return Ok(StatusCode::from_u16(status).unwrap().into_response());
     }
@@ -471,7 +471,7 @@ async fn an_expired_lease_is_taken_over_and_the_stale_token_is_fenced<St: TestSt
     let (app, store) = app::<St>(|l| l.lease(lease)).await;
     let body = payment("acc-1", 5);
     let fingerprint = Fingerprint::of_request("POST", "/payments", &body);
-    let attempt = |record| Attempt {
+    let attempt = |record| Operation {
         key: record,
         fingerprint: &fingerprint,
         lease,
@@ -571,7 +571,7 @@ async fn an_oversize_response_is_not_stored<St: TestStore>() {
     let first = app
         .post(Some(b"big-answer"), "alice", payment("acc-1", 5), &pad)
         .await;
-    if store.transactional().is_some() {
+    if store.atomic().is_some() {
         // Atomic phase: an effect whose answer cannot be replayed is rolled back.
         assert_eq!(first.status, 500, "{first:?}");
         assert_eq!(first.problem(), "response-too-large");
@@ -640,7 +640,7 @@ async fn a_store_that_is_down_fails_closed<St: TestStore>() {
 
 async fn unstored_statuses_errors_and_panics_release_the_key<St: TestStore>() {
     let (app, store) = app::<St>(|l| l).await;
-    let atomic = store.transactional().is_some();
+    let atomic = store.atomic().is_some();
     let body = || payment("acc-1", 5);
     // Both fail after the handler inserted its row.
     let busy = app

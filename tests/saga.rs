@@ -23,7 +23,7 @@ async fn db_with_log() -> Db {
 
 /// Appends `entry` to the log through the step's transaction.
 async fn log(tx: &Tx, entry: String) -> Result<(), BoxError> {
-    let mut conn = tx.lock()?;
+    let mut conn = tx.try_lock()?;
     sqlx::query("INSERT INTO log (entry) VALUES ($1)")
         .bind(entry)
         .execute(&mut *conn)

@@ -6,10 +6,12 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempo::amqp::{Consumer, Message, RetryPolicy};
+use idempo::Tx;
+use idempo::amqp::window::{DedupPublisher, Outgoing};
+use idempo::amqp::{Consumer, Message, RedeliveryPolicy};
 use idempo::window::{
-    DedupId, DedupPublisher, DedupWindow, InvalidDedupId, MemoryWindow, Outgoing, PostgresWindow,
-    RedisWindow, Reservation, Scope, WindowStore,
+    DedupId, DedupWindow, InvalidDedupId, MemoryWindow, PostgresWindow, RedisWindow, Reservation,
+    Scope, WindowStore,
 };
 use support::consumer::Running;
 use support::{Broker, Db, amqp_url, unique};
@@ -355,8 +357,8 @@ async fn processing_order(groups: bool) -> (Vec<(String, i64)>, usize) {
         .message_id(idempo::amqp::MessageIdSource::ContentHash)
         .concurrency(16)
         .prefetch(100)
-        .retry(RetryPolicy::delayed([support::RETRY_DELAY]))
-        .handler(move |tx, message: Message| {
+        .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
+        .handler(move |tx: Tx, message: Message| {
             let (now, peak) = (now.clone(), peak.clone());
             async move {
                 let text = String::from_utf8(message.body().to_vec()).unwrap();
@@ -364,7 +366,7 @@ async fn processing_order(groups: bool) -> (Vec<(String, i64)>, usize) {
                 peak.fetch_max(now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(fastrand::u64(0..8))).await;
                 now.fetch_sub(1, Ordering::SeqCst);
-                let mut tx = tx.lock()?;
+                let mut tx = tx.try_lock()?;
                 sqlx::query("INSERT INTO handled (grp, seq) VALUES ($1, $2)")
                     .bind(group)
                     .bind(seq.parse::<i64>().unwrap())
@@ -424,18 +426,6 @@ async fn without_groups_the_same_load_is_reordered() {
 }
 
 #[tokio::test]
-async fn message_groups_and_batch_mode_are_refused_together() {
-    let db = Db::empty().await;
-    let built = Consumer::builder(amqp_url(), db.pool.clone())
-        .queue("q")
-        .batch(10)
-        .message_groups()
-        .handler(|_tx, _m: Message| async { Ok(()) })
-        .build();
-    assert!(matches!(built, Err(idempo::Error::Config(_))), "{built:?}");
-}
-
-#[tokio::test]
 async fn a_consumer_with_a_window_runs_each_id_once_within_the_window() {
     use std::collections::HashMap;
     use std::sync::Mutex;
@@ -446,7 +436,7 @@ async fn a_consumer_with_a_window_runs_each_id_once_within_the_window() {
     let builder = Consumer::builder(amqp_url(), db.pool.clone())
         .queue(&queue)
         .concurrency(8)
-        .retry(RetryPolicy::delayed([support::RETRY_DELAY]))
+        .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
         .dedup_window(window)
         .window_handler(move |message: Message| {
             let seen = seen.clone();
@@ -500,13 +490,3 @@ async fn a_consumer_with_a_window_runs_each_id_once_within_the_window() {
     assert_eq!(broker.drain(&format!("{queue}.dlq")).await.len(), 1);
 }
 
-#[tokio::test]
-async fn a_window_needs_a_window_handler() {
-    let db = Db::empty().await;
-    let built = Consumer::builder(amqp_url(), db.pool.clone())
-        .queue("q")
-        .dedup_window(DedupWindow::new(MemoryWindow::new(10)))
-        .handler(|_tx, _m: Message| async { Ok(()) })
-        .build();
-    assert!(matches!(built, Err(idempo::Error::Config(_))), "{built:?}");
-}

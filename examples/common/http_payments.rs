@@ -121,7 +121,7 @@ pub async fn create(
 ) -> Result<Response, Failure> {
     let user = validate(&headers, &payment)?;
     let payment_id = match tx {
-        Some(tx) => insert_payment(&mut *tx.lock()?, &user, &payment).await?,
+        Some(tx) => insert_payment(&mut *tx.try_lock()?, &user, &payment).await?,
         None => insert_payment(&mut *pool.acquire().await?, &user, &payment).await?,
     };
     Ok(created(payment_id))

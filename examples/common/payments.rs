@@ -1,7 +1,8 @@
 //! The payments domain shared by the `payments` example and the test suite:
 //! its tables, its message and its handler.
 
-use idempo::amqp::{HandlerError, Json, Message, Tx};
+use idempo::Tx;
+use idempo::amqp::{HandlerError, JsonBody, Message};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -54,7 +55,7 @@ pub async fn apply(
             payment.amount_cents
         )));
     }
-    let mut tx = tx.lock()?;
+    let mut tx = tx.try_lock()?;
     sqlx::query("INSERT INTO payments (message_id, account, amount_cents) VALUES ($1, $2, $3)")
         .bind(message_id)
         .bind(&payment.account)
@@ -78,7 +79,7 @@ pub async fn apply(
 /// [`apply`] runs under the message's id.
 pub async fn handle(
     tx: Tx,
-    (Json(payment), message): (Json<Payment>, Message),
+    (JsonBody(payment), message): (JsonBody<Payment>, Message),
     fail_rate: f64,
 ) -> Result<(), HandlerError> {
     apply(tx, message.id(), &payment, fail_rate).await
@@ -90,10 +91,10 @@ pub async fn handle(
 /// writes are batched too.
 pub async fn handle_batch(
     tx: Tx,
-    batch: Vec<(Json<Payment>, Message)>,
+    batch: Vec<(JsonBody<Payment>, Message)>,
     fail_rate: f64,
 ) -> Result<(), HandlerError> {
-    if let Some((Json(p), _)) = batch.iter().find(|(Json(p), _)| p.amount_cents < 0) {
+    if let Some((JsonBody(p), _)) = batch.iter().find(|(JsonBody(p), _)| p.amount_cents < 0) {
         // The batch falls back to one message at a time; this one is then
         // dead-lettered alone.
         return Err(HandlerError::permanent(format!(
@@ -104,10 +105,10 @@ pub async fn handle_batch(
     let ids: Vec<&str> = batch.iter().map(|(_, m)| m.id()).collect();
     let accounts: Vec<&str> = batch
         .iter()
-        .map(|(Json(p), _)| p.account.as_str())
+        .map(|(JsonBody(p), _)| p.account.as_str())
         .collect();
-    let amounts: Vec<i64> = batch.iter().map(|(Json(p), _)| p.amount_cents).collect();
-    let mut tx = tx.lock()?;
+    let amounts: Vec<i64> = batch.iter().map(|(JsonBody(p), _)| p.amount_cents).collect();
+    let mut tx = tx.try_lock()?;
     sqlx::query(
         "INSERT INTO payments (message_id, account, amount_cents) \
          SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])",

@@ -385,6 +385,7 @@ macro_rules! runnable {
         }
     };
 }
+#[cfg(feature = "window")]
 pub(crate) use runnable;
 
 runnable!(PerMessage);

@@ -64,6 +64,7 @@ impl fmt::Debug for Batched {
 /// What a mode needs from the rest of the configuration to become runnable.
 pub(crate) struct Parts<'a> {
     pub(crate) consumer: &'a str,
+    #[cfg_attr(not(feature = "window"), allow(dead_code))]
     pub(crate) queue: &'a str,
     pub(crate) pool: &'a PgPool,
     pub(crate) prefetch: u16,

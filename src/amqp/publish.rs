@@ -30,6 +30,7 @@ pub(crate) enum PublishError {
 impl PublishError {
     /// Whether the broker certainly does not hold the message (so that a
     /// dedup id reserved for it can be released).
+    #[cfg_attr(not(feature = "window"), allow(dead_code))]
     pub(crate) fn certainly_not_sent(&self) -> bool {
         matches!(
             self,

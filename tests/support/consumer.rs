@@ -6,9 +6,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use idempo::Tx;
+use idempo::amqp::mode::{Batched, NoHandler, PerMessage};
 use idempo::amqp::{
-    Consumer, ConsumerBuilder, HandlerError, Health, Message, RetryPolicy, ShutdownHandle, Stats,
-    StatsSnapshot, Tx,
+    Consumer, ConsumerBuilder, HandlerError, Health, Message, RedeliveryPolicy, ShutdownHandle,
+    Stats, StatsSnapshot,
 };
 use tokio::task::JoinHandle;
 
@@ -24,8 +26,32 @@ pub struct Running {
     pub task: JoinHandle<idempo::Result<()>>,
 }
 
+/// A builder in a mode that can be built.
+pub trait Build {
+    fn build(self) -> idempo::Result<Consumer>;
+}
+
+impl Build for ConsumerBuilder<PerMessage> {
+    fn build(self) -> idempo::Result<Consumer> {
+        ConsumerBuilder::<PerMessage>::build(self)
+    }
+}
+
+impl Build for ConsumerBuilder<Batched> {
+    fn build(self) -> idempo::Result<Consumer> {
+        ConsumerBuilder::<Batched>::build(self)
+    }
+}
+
+#[cfg(feature = "window")]
+impl Build for ConsumerBuilder<idempo::amqp::window::Windowed> {
+    fn build(self) -> idempo::Result<Consumer> {
+        ConsumerBuilder::<idempo::amqp::window::Windowed>::build(self)
+    }
+}
+
 impl Running {
-    pub fn start(builder: ConsumerBuilder) -> Running {
+    pub fn start(builder: impl Build) -> Running {
         let consumer = builder.build().expect("valid configuration");
         let shutdown = consumer.shutdown_handle();
         let stats = consumer.stats();
@@ -70,12 +96,16 @@ impl Running {
     }
 }
 
-/// The payments consumer of `queue`, retrying quickly.
-pub fn payments_consumer(db: &Db, queue: &str) -> ConsumerBuilder {
+/// A consumer of `queue`, retrying quickly, still without a handler.
+pub fn consumer_for(db: &Db, queue: &str) -> ConsumerBuilder<NoHandler> {
     Consumer::builder(super::amqp_url(), db.pool.clone())
         .queue(queue)
-        .retry(RetryPolicy::delayed([super::RETRY_DELAY]))
-        .handler(|tx, message| payments::handle(tx, message, 0.0))
+        .retry(RedeliveryPolicy::delayed([super::RETRY_DELAY]))
+}
+
+/// The payments consumer of `queue`, retrying quickly.
+pub fn payments_consumer(db: &Db, queue: &str) -> ConsumerBuilder<PerMessage> {
+    consumer_for(db, queue).handler(|tx, message| payments::handle(tx, message, 0.0))
 }
 
 pub type HandlerFuture = BoxFuture<'static, Result<(), HandlerError>>;
