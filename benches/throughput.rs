@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
-use idempo::amqp::{Consumer, QueueType, RetryPolicy};
+use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -375,7 +375,7 @@ async fn run_idempo(
         let builder = Consumer::builder(bench.amqp_url.clone(), bench.pool.clone())
             .queue(bench.queue.clone())
             .queue_type(bench.queue_type)
-            .retry(RetryPolicy::default())
+            .retry(RedeliveryPolicy::default())
             .prefetch(
                 (concurrency as u16 * 2)
                     .max(100)
@@ -383,40 +383,44 @@ async fn run_idempo(
             )
             .concurrency(concurrency);
         match batch {
-            Some(size) => builder.batch(size).batch_handler(
-                move |tx,
-                      batch: Vec<(
-                    idempo::amqp::Json<payments::Payment>,
-                    idempo::amqp::Message,
-                )>| {
-                    let latencies = latencies.clone();
-                    async move {
-                        let received: Vec<Instant> =
-                            batch.iter().map(|(_, m)| m.received_at()).collect();
-                        payments::handle_batch(tx, batch, 0.0).await?;
-                        for r in received {
-                            Bench::record_latency(&latencies, r).await;
+            Some(size) => builder
+                .batch_handler(
+                    move |tx,
+                          batch: Vec<(
+                        idempo::amqp::JsonBody<payments::Payment>,
+                        idempo::amqp::Message,
+                    )>| {
+                        let latencies = latencies.clone();
+                        async move {
+                            let received: Vec<Instant> =
+                                batch.iter().map(|(_, m)| m.received_at()).collect();
+                            payments::handle_batch(tx, batch, 0.0).await?;
+                            for r in received {
+                                Bench::record_latency(&latencies, r).await;
+                            }
+                            Ok(())
                         }
-                        Ok(())
-                    }
-                },
-            ),
-            None => builder.handler(
-                move |tx,
-                      (payment, message): (
-                    idempo::amqp::Json<payments::Payment>,
-                    idempo::amqp::Message,
-                )| {
-                    let latencies = latencies.clone();
-                    async move {
-                        payments::apply(tx, message.id(), &payment.0, 0.0).await?;
-                        Bench::record_latency(&latencies, message.received_at()).await;
-                        Ok(())
-                    }
-                },
-            ),
+                    },
+                )
+                .batch(size)
+                .build(),
+            None => builder
+                .handler(
+                    move |tx,
+                          (payment, message): (
+                        idempo::amqp::JsonBody<payments::Payment>,
+                        idempo::amqp::Message,
+                    )| {
+                        let latencies = latencies.clone();
+                        async move {
+                            payments::apply(tx, message.id(), &payment.0, 0.0).await?;
+                            Bench::record_latency(&latencies, message.received_at()).await;
+                            Ok(())
+                        }
+                    },
+                )
+                .build(),
         }
-        .build()
     };
 
     // Let the runtime declare its topology once, then fill the queue.

@@ -63,7 +63,9 @@ async fn main() -> anyhow::Result<()> {
         sqlx::query_as("SELECT account, balance_cents FROM account_balances")
             .fetch_all(&pool)
             .await
-            .context("cannot read account_balances: start the payments example first (it creates it)")?
+            .context(
+                "cannot read account_balances: start the payments example first (it creates it)",
+            )?
             .into_iter()
             .collect();
     pool.close().await;

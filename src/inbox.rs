@@ -200,7 +200,9 @@ pub async fn claim_batch(
     // Bounded, as in `claim`: a row we conflicted with vanishes only when
     // retention deleted it in between; those ids are claimed again.
     for _ in 0..3 {
-        let open: Vec<usize> = (0..messages.len()).filter(|&i| claims[i].is_none()).collect();
+        let open: Vec<usize> = (0..messages.len())
+            .filter(|&i| claims[i].is_none())
+            .collect();
         if open.is_empty() {
             break;
         }
@@ -288,7 +290,12 @@ pub async fn commit(
 ) -> Result<()> {
     // Literals, since the simple protocol has no parameters: hex digits are
     // all that reach the SQL text, whatever the id contains.
-    let text = |s: &str| format!("convert_from(decode('{}', 'hex'), 'UTF8')", crate::hex::to_hex(s.as_bytes()));
+    let text = |s: &str| {
+        format!(
+            "convert_from(decode('{}', 'hex'), 'UTF8')",
+            crate::hex::to_hex(s.as_bytes())
+        )
+    };
     // 1/count(*) fails (22012) when the claim is gone; a statement in an
     // aborted transaction fails (25P02). Either error skips the rest of the
     // message. The trailing BEGIN opens an empty transaction for the handle
@@ -300,7 +307,10 @@ pub async fn commit(
         text(consumer),
         text(message_id)
     );
-    match sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut *tx).await {
+    match sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&mut *tx)
+        .await
+    {
         Ok(_) => Ok(()),
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22012") => {
             Err(Error::ClaimLost {

@@ -12,7 +12,9 @@ use idempo::amqp::{Consumer, HandlerError, Message, MessageIdSource, QueueType};
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, ExchangeKind};
-use support::consumer::{Running, WAIT, consumer_for, payments_consumer, payments_then, slow_payments};
+use support::consumer::{
+    Running, WAIT, consumer_for, payments_consumer, payments_then, slow_payments,
+};
 use support::{Broker, Db, eventually, payments, unique};
 
 #[tokio::test]
@@ -124,11 +126,7 @@ async fn a_panicking_handler_is_rolled_back_and_retried_and_the_runtime_keeps_ru
         }
         Ok(())
     });
-    let consumer = Running::start(
-        consumer_for(&db, &queue)
-            .concurrency(1)
-            .handler(panicky),
-    );
+    let consumer = Running::start(consumer_for(&db, &queue).concurrency(1).handler(panicky));
     consumer.settled(1).await;
     broker.publish_payment(&queue, "pay-after", "erin", 5).await;
     let stats = consumer.finish(2).await;

@@ -9,7 +9,9 @@ use idempo::amqp::{
     ATTEMPTS_HEADER, Consumer, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
     QUEUE_HEADER, ROUTING_KEY_HEADER, RedeliveryPolicy, RuntimeState,
 };
-use support::consumer::{Running, WAIT, consumer_for, counting_payments, payments_consumer, payments_then};
+use support::consumer::{
+    Running, WAIT, consumer_for, counting_payments, payments_consumer, payments_then,
+};
 use support::{Broker, TcpProxy, eventually, payments, unique};
 
 #[tokio::test]

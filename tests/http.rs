@@ -114,7 +114,9 @@ async fn payments(
     }
     if let Some(status) = abort {
         let tx = tx.expect("x-abort-then needs the atomic phase");
-        let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx.try_lock()?).await;
+        let failed = sqlx::query("SELECT 1 / 0")
+            .execute(&mut *tx.try_lock()?)
+            .await;
         assert!(failed.is_err());
         return Ok(StatusCode::from_u16(status).unwrap().into_response());
     }

@@ -489,4 +489,3 @@ async fn a_consumer_with_a_window_runs_each_id_once_within_the_window() {
     assert_eq!(stats.duplicates, 3, "{stats:?}");
     assert_eq!(broker.drain(&format!("{queue}.dlq")).await.len(), 1);
 }
-

@@ -107,7 +107,10 @@ pub async fn handle_batch(
         .iter()
         .map(|(JsonBody(p), _)| p.account.as_str())
         .collect();
-    let amounts: Vec<i64> = batch.iter().map(|(JsonBody(p), _)| p.amount_cents).collect();
+    let amounts: Vec<i64> = batch
+        .iter()
+        .map(|(JsonBody(p), _)| p.amount_cents)
+        .collect();
     let mut tx = tx.try_lock()?;
     sqlx::query(
         "INSERT INTO payments (message_id, account, amount_cents) \

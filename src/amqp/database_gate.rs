@@ -13,9 +13,9 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
 use super::health::Health;
 use super::stats::{Counter, Stats};
+use crate::backoff::Backoff;
 
 pub(crate) struct DatabaseGate {
     pool: PgPool,
@@ -54,6 +54,12 @@ impl DatabaseGate {
             let gate = self.clone();
             tokio::spawn(async move { gate.probe().await });
         }
+    }
+
+    /// Whether the database is believed reachable.
+    #[cfg(test)]
+    pub(crate) fn is_available(&self) -> bool {
+        *self.available.borrow()
     }
 
     /// Returns once the database is believed reachable.

@@ -295,7 +295,12 @@ impl InboxSteps {
             .collect()
     }
 
-    fn decode(&self, mut unit: Unit, messages: &[Message], decided: &mut [Option<Outcome>]) -> Step {
+    fn decode(
+        &self,
+        mut unit: Unit,
+        messages: &[Message],
+        decided: &mut [Option<Outcome>],
+    ) -> Step {
         loop {
             if unit.members.is_empty() {
                 return Step::Done;
@@ -451,6 +456,11 @@ impl InboxSteps {
     fn mismatch(&self, message: &Message) -> Outcome {
         mismatch(&self.consumer, &self.stats, message)
     }
+
+    #[cfg(test)]
+    fn gate_is_open(&self) -> bool {
+        self.gate.is_available()
+    }
 }
 
 /// A reused id: counted, logged, and dead-lettered.
@@ -527,7 +537,10 @@ struct Item {
 impl Pipeline {
     /// Takes a unit of deliveries (one, or a batch) through the steps and
     /// settles each, inside a span that records the outcome.
-    pub(crate) async fn run(self: Arc<Self>, deliveries: Vec<lapin::message::Delivery>) -> Vec<Settled> {
+    pub(crate) async fn run(
+        self: Arc<Self>,
+        deliveries: Vec<lapin::message::Delivery>,
+    ) -> Vec<Settled> {
         let span = match deliveries.as_slice() {
             [one] => tracing::info_span!(
                 "delivery",
@@ -561,9 +574,12 @@ impl Pipeline {
             if let [item] = items.as_slice() {
                 Span::current().record("message_id", item.message.id());
             }
-            let pending: Vec<usize> = (0..items.len()).filter(|&i| outcomes[i].is_none()).collect();
+            let pending: Vec<usize> = (0..items.len())
+                .filter(|&i| outcomes[i].is_none())
+                .collect();
             if !pending.is_empty() {
-                let messages: Vec<Message> = pending.iter().map(|&i| items[i].message.clone()).collect();
+                let messages: Vec<Message> =
+                    pending.iter().map(|&i| items[i].message.clone()).collect();
                 let abandon = Abandon {
                     shutdown: self.shutdown.clone(),
                     channel: Some(items[pending[0]].acker.clone()),
@@ -665,10 +681,16 @@ impl Pipeline {
                     .await
             }
             Mode::Delayed(_) => {
-                let delay = self.redelivery.delay_for(failures.attempts, requested_delay);
+                let delay = self
+                    .redelivery
+                    .delay_for(failures.attempts, requested_delay);
                 let queue = delay_queue(&self.queue, delay);
                 let headers = self.failure_headers(&item.message, error, &failures);
-                match self.republisher.publish(&queue, &item.message, headers).await {
+                match self
+                    .republisher
+                    .publish(&queue, &item.message, headers)
+                    .await
+                {
                     Ok(()) => {
                         tracing::warn!(%error, attempts = failures.attempts, ?delay, "transient failure; retrying later");
                         self.stats.incr(Counter::Retried);
@@ -849,5 +871,294 @@ fn panic_message(panic: &(dyn Any + Send)) -> &str {
         s
     } else {
         "non-string panic payload"
+    }
+}
+
+/// The state machine against the real PostgreSQL, without a broker: each test
+/// decides synthetic messages and checks the outcomes and what committed.
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+    use super::*;
+    use crate::amqp::JsonBody;
+    use crate::amqp::handler::{EachMessage, WholeBatch};
+    use crate::amqp::health::Health;
+
+    /// A schema of its own (named like the integration tests' schemas, so
+    /// that their cleanup also removes leftovers), migrated; 3 connections.
+    struct TestDb {
+        pool: PgPool,
+        admin: PgPool,
+        schema: String,
+    }
+
+    impl TestDb {
+        async fn new() -> TestDb {
+            let url = std::env::var("DATABASE_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+            let admin = PgPoolOptions::new()
+                .max_connections(1)
+                .connect(&url)
+                .await
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "PostgreSQL is not reachable at {url}: {e}\nstart it with \
+                         `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`"
+                    )
+                });
+            let secs = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            let schema = format!("idempo_test_db_{secs}_unit_{}", crate::random::token());
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "CREATE SCHEMA {schema}; CREATE TABLE {schema}.effects (id text NOT NULL)"
+            )))
+            .execute(&admin)
+            .await
+            .expect("create the test schema");
+            let options = PgConnectOptions::from_str(&url)
+                .unwrap()
+                .options([("search_path", schema.as_str())]);
+            let pool = PgPoolOptions::new()
+                .max_connections(3)
+                .connect_with(options)
+                .await
+                .expect("connect to the test schema");
+            crate::migrate(&pool).await.expect("migrate");
+            TestDb {
+                pool,
+                admin,
+                schema,
+            }
+        }
+
+        async fn effects(&self) -> Vec<String> {
+            sqlx::query_scalar("SELECT id FROM effects ORDER BY id")
+                .fetch_all(&self.pool)
+                .await
+                .unwrap()
+        }
+
+        async fn claims(&self) -> i64 {
+            sqlx::query_scalar("SELECT count(*) FROM processed_messages")
+                .fetch_one(&self.pool)
+                .await
+                .unwrap()
+        }
+
+        async fn drop(self) {
+            self.pool.close().await;
+            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "DROP SCHEMA {} CASCADE",
+                self.schema
+            )))
+            .execute(&self.admin)
+            .await;
+        }
+    }
+
+    fn steps(pool: &PgPool, handler: Arc<dyn Prepare>) -> InboxSteps {
+        let stats = Stats::new("unit");
+        let gate = DatabaseGate::new(
+            pool.clone(),
+            Health::default(),
+            stats.clone(),
+            CancellationToken::new(),
+        );
+        InboxSteps {
+            consumer: "unit".into(),
+            pool: pool.clone(),
+            handler,
+            handler_timeout: Duration::from_secs(5),
+            gate,
+            stats,
+        }
+    }
+
+    fn nobody_leaves() -> Abandon {
+        Abandon {
+            shutdown: CancellationToken::new(),
+            channel: None,
+        }
+    }
+
+    /// Records the message id in `effects`; ids starting with `fail` fail
+    /// transiently after writing, `bad` fail permanently, `swallow` ignore a
+    /// failed statement, `rollback` end the transaction themselves.
+    async fn effect(tx: Tx, message: Message) -> Result<(), HandlerError> {
+        let id = message.id().to_owned();
+        let mut conn = tx.try_lock()?;
+        sqlx::query("INSERT INTO effects (id) VALUES ($1)")
+            .bind(&id)
+            .execute(&mut *conn)
+            .await?;
+        if id.starts_with("fail") {
+            return Err(HandlerError::transient("injected"));
+        }
+        if id.starts_with("bad") {
+            return Err(HandlerError::permanent("a business rule"));
+        }
+        if id.starts_with("swallow") {
+            let _ = sqlx::query("SELECT 1 / 0").execute(&mut *conn).await;
+        }
+        if id.starts_with("rollback") {
+            sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+        }
+        Ok(())
+    }
+
+    fn each() -> Arc<dyn Prepare> {
+        Arc::new(EachMessage::new(effect))
+    }
+
+    fn kinds(outcomes: &[Outcome]) -> Vec<String> {
+        outcomes
+            .iter()
+            .map(|o| match o {
+                Outcome::Processed => "processed".to_owned(),
+                Outcome::Duplicate => "duplicate".to_owned(),
+                Outcome::DeadLetter { reason, .. } => format!("dead letter: {reason}"),
+                Outcome::Retry { .. } => "retry".to_owned(),
+                Outcome::Abandoned => "abandoned".to_owned(),
+            })
+            .collect()
+    }
+
+    async fn decide(steps: &InboxSteps, messages: &[Message]) -> Vec<String> {
+        kinds(&steps.run(messages, &nobody_leaves()).await)
+    }
+
+    #[tokio::test]
+    async fn a_fresh_message_commits_once_and_its_copies_are_duplicates_or_mismatches() {
+        let db = TestDb::new().await;
+        let steps = steps(&db.pool, each());
+        let first = Message::for_test("pay-1", b"100");
+        assert_eq!(decide(&steps, &[first.clone()]).await, ["processed"]);
+        assert_eq!(decide(&steps, &[first]).await, ["duplicate"]);
+        let reused = Message::for_test("pay-1", b"999");
+        assert_eq!(
+            decide(&steps, &[reused]).await,
+            ["dead letter: message id reused with a different payload"]
+        );
+        assert_eq!(db.effects().await, ["pay-1"], "one effect");
+        db.drop().await;
+    }
+
+    #[tokio::test]
+    async fn failing_handlers_commit_nothing_and_say_how_to_settle() {
+        let db = TestDb::new().await;
+        let steps = steps(&db.pool, each());
+        for (id, expected) in [
+            ("fail-1", "retry"),
+            ("bad-1", "dead letter: permanent handler error"),
+            ("swallow-1", "retry"),
+            ("rollback-1", "retry"),
+        ] {
+            let outcome = decide(&steps, &[Message::for_test(id, b"{}")]).await;
+            assert_eq!(outcome, [expected], "{id}");
+        }
+        assert!(db.effects().await.is_empty(), "every write rolled back");
+        assert_eq!(db.claims().await, 0, "and every claim");
+        db.drop().await;
+    }
+
+    #[tokio::test]
+    async fn an_undecodable_body_is_dead_lettered_before_any_database_work() {
+        let db = TestDb::new().await;
+        let typed = |_tx: Tx, JsonBody(_n): JsonBody<i64>| async { Ok(()) };
+        let steps = steps(&db.pool, Arc::new(EachMessage::new(typed)));
+        let outcome = decide(&steps, &[Message::for_test("pay-x", b"not json")]).await;
+        assert_eq!(outcome, ["dead letter: undecodable body"]);
+        assert_eq!(db.claims().await, 0);
+        db.drop().await;
+    }
+
+    #[tokio::test]
+    async fn a_batch_claims_once_and_a_failure_splits_it_into_single_deliveries() {
+        let db = TestDb::new().await;
+        let steps = steps(&db.pool, each());
+        assert_eq!(
+            decide(&steps, &[Message::for_test("b-0", b"0")]).await,
+            ["processed"]
+        );
+        let batch = [
+            Message::for_test("b-1", b"1"),
+            Message::for_test("b-0", b"0"), // processed before: duplicate
+            Message::for_test("b-0", b"zzz"), // reused with another body
+            Message::for_test("b-2", b"2"),
+            Message::for_test("b-1", b"1"), // twice in the batch: the first wins
+            Message::for_test("fail-b", b"3"), // fails the batch: split
+        ];
+        assert_eq!(
+            decide(&steps, &batch).await,
+            [
+                "processed",
+                "duplicate",
+                "dead letter: message id reused with a different payload",
+                "processed",
+                "duplicate",
+                "retry",
+            ]
+        );
+        assert_eq!(db.effects().await, ["b-0", "b-1", "b-2"]);
+        db.drop().await;
+    }
+
+    #[tokio::test]
+    async fn a_batch_handler_gets_the_fresh_messages_of_a_batch_at_once() {
+        let db = TestDb::new().await;
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = calls.clone();
+        let batch_handler = move |tx: Tx, batch: Vec<Message>| {
+            seen.lock().unwrap().push(batch.len());
+            async move {
+                for message in batch {
+                    effect(tx.clone(), message).await?;
+                }
+                Ok(())
+            }
+        };
+        let steps = steps(&db.pool, Arc::new(WholeBatch::new(batch_handler)));
+        let first = [
+            Message::for_test("w-1", b"1"),
+            Message::for_test("w-2", b"2"),
+        ];
+        assert_eq!(decide(&steps, &first).await, ["processed", "processed"]);
+        let again = [
+            Message::for_test("w-1", b"1"),
+            Message::for_test("w-3", b"3"),
+            Message::for_test("w-4", b"4"),
+        ];
+        assert_eq!(
+            decide(&steps, &again).await,
+            ["duplicate", "processed", "processed"]
+        );
+        assert_eq!(
+            *calls.lock().unwrap(),
+            [2, 2],
+            "one call per batch, fresh only"
+        );
+        db.drop().await;
+    }
+
+    #[tokio::test]
+    async fn a_delivery_waiting_for_the_database_is_abandoned_at_shutdown() {
+        // A pool on a port where nothing listens: every BEGIN fails to connect.
+        let pool = PgPoolOptions::new()
+            .acquire_timeout(Duration::from_millis(200))
+            .connect_lazy("postgres://postgres@127.0.0.1:9/none")
+            .unwrap();
+        let steps = steps(&pool, each());
+        let abandon = nobody_leaves();
+        abandon.shutdown.cancel();
+        let outcomes = steps
+            .run(&[Message::for_test("pay-1", b"1")], &abandon)
+            .await;
+        assert_eq!(kinds(&outcomes), ["abandoned"], "left unacked, not retried");
+        assert!(!steps.gate_is_open(), "the gate knows the database is down");
     }
 }

@@ -10,6 +10,59 @@
 //! | `Windowed` (features `amqp` + `window`) | `dedup_window(w).window_handler(h)` | `message_groups` |
 //!
 //! [`ConsumerBuilder`]: super::ConsumerBuilder
+//!
+//! # What does not compile
+//! No handler, no `build`:
+//! ```compile_fail
+//! # async fn doc(pool: sqlx::PgPool) {
+//! idempo::amqp::Consumer::builder("amqp://127.0.0.1", pool).queue("q").build();
+//! # }
+//! ```
+//! One handler per consumer:
+//! ```compile_fail
+//! # use idempo::{Tx, amqp::{Consumer, HandlerError, Message}};
+//! # async fn h(_: Tx, _: Message) -> Result<(), HandlerError> { Ok(()) }
+//! # async fn b(_: Tx, _: Vec<Message>) -> Result<(), HandlerError> { Ok(()) }
+//! # async fn doc(pool: sqlx::PgPool) {
+//! Consumer::builder("amqp://127.0.0.1", pool).batch_handler(b).handler(h);
+//! # }
+//! ```
+//! Message groups need per-message mode:
+//! ```compile_fail
+//! # use idempo::{Tx, amqp::{Consumer, HandlerError, Message}};
+//! # async fn h(_: Tx, _: Message) -> Result<(), HandlerError> { Ok(()) }
+//! # async fn doc(pool: sqlx::PgPool) {
+//! Consumer::builder("amqp://127.0.0.1", pool).handler(h).batch(10).message_groups();
+//! # }
+//! ```
+//! A dedup window takes a handler without a transaction:
+//! ```compile_fail
+//! # use idempo::{Tx, amqp::{Consumer, HandlerError, Message}};
+//! # use idempo::window::{DedupWindow, MemoryWindow};
+//! # async fn h(_: Tx, _: Message) -> Result<(), HandlerError> { Ok(()) }
+//! # async fn doc(pool: sqlx::PgPool) {
+//! Consumer::builder("amqp://127.0.0.1", pool)
+//!     .dedup_window(DedupWindow::new(MemoryWindow::new(10)))
+//!     .handler(h);
+//! # }
+//! ```
+//! And the same calls in a valid order compile:
+//! ```
+//! # use idempo::{Tx, amqp::{Consumer, HandlerError, Message}};
+//! # async fn h(_: Tx, _: Message) -> Result<(), HandlerError> { Ok(()) }
+//! # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
+//! let per_message = Consumer::builder("amqp://127.0.0.1", pool.clone())
+//!     .queue("q")
+//!     .handler(h)
+//!     .message_groups()
+//!     .build()?;
+//! let batched = Consumer::builder("amqp://127.0.0.1", pool)
+//!     .queue("q")
+//!     .handler(h)
+//!     .batch(10)
+//!     .build()?;
+//! # Ok(()) }
+//! ```
 
 use std::fmt;
 use std::sync::Arc;
@@ -17,12 +70,12 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
+#[cfg(doc)]
+use super::ConsumerBuilder;
 use super::database_gate::DatabaseGate;
 use super::delivery::{Decide, InboxSteps};
 use super::handler::Prepare;
 use super::stats::Stats;
-#[cfg(doc)]
-use super::ConsumerBuilder;
 use crate::Result;
 
 /// The builder's state before a handler is set: only the common options,

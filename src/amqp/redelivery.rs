@@ -187,7 +187,10 @@ mod tests {
     fn the_worst_case_wait_is_every_retry_at_the_longest_delay() {
         // 9 retries of 10 minutes.
         assert_eq!(RedeliveryPolicy::default().total_delay(), secs(5400));
-        assert_eq!(RedeliveryPolicy::requeue(secs(1)).total_delay(), Duration::ZERO);
+        assert_eq!(
+            RedeliveryPolicy::requeue(secs(1)).total_delay(),
+            Duration::ZERO
+        );
     }
 
     #[test]
@@ -204,13 +207,22 @@ mod tests {
     #[test]
     fn impossible_policies_are_refused() {
         assert!(RedeliveryPolicy::delayed([]).validate().is_err());
-        assert!(RedeliveryPolicy::delayed([Duration::ZERO]).validate().is_err());
+        assert!(
+            RedeliveryPolicy::delayed([Duration::ZERO])
+                .validate()
+                .is_err()
+        );
         assert!(
             RedeliveryPolicy::delayed([Duration::from_micros(1500)])
                 .validate()
                 .is_err()
         );
-        assert!(RedeliveryPolicy::default().max_attempts(0).validate().is_err());
+        assert!(
+            RedeliveryPolicy::default()
+                .max_attempts(0)
+                .validate()
+                .is_err()
+        );
         assert!(RedeliveryPolicy::default().validate().is_ok());
     }
 }

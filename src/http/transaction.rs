@@ -89,9 +89,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Tx {
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         match parts.extensions.get::<AtomicPhase>() {
             Some(phase) => phase.transaction().await.map_err(TxRejection::Begin),
-            None if parts.extensions.get::<WithoutKey>().is_some() => {
-                Err(TxRejection::MissingKey)
-            }
+            None if parts.extensions.get::<WithoutKey>().is_some() => Err(TxRejection::MissingKey),
             None => Err(TxRejection::NotIdempotent),
         }
     }

@@ -144,7 +144,12 @@ impl IntoDispatch for Windowed {
 /// A window with its store type erased, as the consumer keeps it.
 trait ErasedWindow: Send + Sync {
     fn reserve<'a>(&'a self, key: &'a str, lease: Duration) -> BoxFuture<'a, Result<Reservation>>;
-    fn record<'a>(&'a self, key: &'a str, token: i64, value: &'a str) -> BoxFuture<'a, Result<bool>>;
+    fn record<'a>(
+        &'a self,
+        key: &'a str,
+        token: i64,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<bool>>;
     fn release<'a>(&'a self, key: &'a str, token: i64) -> BoxFuture<'a, Result<bool>>;
 }
 
@@ -152,7 +157,12 @@ impl<S: WindowStore> ErasedWindow for DedupWindow<S> {
     fn reserve<'a>(&'a self, key: &'a str, lease: Duration) -> BoxFuture<'a, Result<Reservation>> {
         Box::pin(self.store().reserve(key, lease))
     }
-    fn record<'a>(&'a self, key: &'a str, token: i64, value: &'a str) -> BoxFuture<'a, Result<bool>> {
+    fn record<'a>(
+        &'a self,
+        key: &'a str,
+        token: i64,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(self.store().record(key, token, value, self.length()))
     }
     fn release<'a>(&'a self, key: &'a str, token: i64) -> BoxFuture<'a, Result<bool>> {
@@ -164,7 +174,10 @@ type AloneFuture = BoxFuture<'static, std::result::Result<(), HandlerError>>;
 
 /// A window handler with its message type erased: decodes, then makes the future.
 trait PrepareAlone: Send + Sync {
-    fn prepare(&self, message: &Message) -> std::result::Result<Box<dyn FnOnce() -> AloneFuture + Send>, DecodeError>;
+    fn prepare(
+        &self,
+        message: &Message,
+    ) -> std::result::Result<Box<dyn FnOnce() -> AloneFuture + Send>, DecodeError>;
 }
 
 struct Alone<F, M> {
@@ -178,7 +191,10 @@ where
     F: Fn(M) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
 {
-    fn prepare(&self, message: &Message) -> std::result::Result<Box<dyn FnOnce() -> AloneFuture + Send>, DecodeError> {
+    fn prepare(
+        &self,
+        message: &Message,
+    ) -> std::result::Result<Box<dyn FnOnce() -> AloneFuture + Send>, DecodeError> {
         let decoded = decode::<M>(message.clone())?;
         let handler = self.handler.clone();
         Ok(Box::new(move || Box::pin(handler(decoded))))

@@ -244,7 +244,11 @@ impl<S: WindowStore> DedupPublisher<S> {
                     )),
                     other => Error::PublishNotConfirmed(other.to_string()),
                 };
-                Err(if certain { Sent::No(error) } else { Sent::Unknown(error) })
+                Err(if certain {
+                    Sent::No(error)
+                } else {
+                    Sent::Unknown(error)
+                })
             }
         }
     }
