@@ -93,8 +93,9 @@ impl From<sqlx::migrate::MigrateError> for Error {
 impl Error {
     /// Whether the database (or the connection to it) is gone, as opposed to
     /// a problem with one statement or one message: I/O and TLS errors, pool
-    /// timeouts, SQLSTATE class 08 except 08P01, and 57P01–57P03 (a
-    /// terminated backend, a server shutting down or starting).
+    /// timeouts, SQLSTATE class 08 except 08P01, 57P01–57P03 (a terminated
+    /// backend, a server shutting down or starting) and 53300 (no connection
+    /// slot left: [`is_too_many_clients`](Error::is_too_many_clients)).
     ///
     /// A statement that fails this way may or may not have taken effect (a
     /// `COMMIT` whose answer was lost): find out before acting on it again.
@@ -138,10 +139,11 @@ pub(crate) fn sqlx_connection_error(error: &sqlx::Error) -> bool {
         // Class 08: connection exception (but 08P01, protocol violation, is
         // also what a wrong number of bind parameters gets: a bug, not an
         // outage); 57P01-57P03: admin shutdown (pg_terminate_backend), crash
-        // shutdown, cannot connect now.
+        // shutdown, cannot connect now; 53300: too many clients (the server is
+        // up, but has no connection for us: an outage for this process).
         sqlx::Error::Database(db) => db.code().is_some_and(|code| {
             (code.starts_with("08") && code != "08P01")
-                || matches!(&*code, "57P01" | "57P02" | "57P03")
+                || matches!(&*code, "57P01" | "57P02" | "57P03" | "53300")
         }),
         _ => false,
     }

@@ -106,6 +106,20 @@ pub mod retry;
 
 pub use error::{Error, Result};
 
+/// The README's examples, compiled as doctests so that they cannot drift
+/// from the code (`cargo test --all-features`).
+#[cfg(all(
+    doctest,
+    feature = "amqp",
+    feature = "http",
+    feature = "redis",
+    feature = "window",
+    feature = "saga",
+    feature = "retry"
+))]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
 /// The request header that carries an idempotency key: read by the
 /// [`http`] layer, sent by the [`retry`] client.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";

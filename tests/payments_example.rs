@@ -76,6 +76,8 @@ fn spawn_example(database_url: &str, queue: &str, env: &[(&str, &str)]) -> Examp
             format!("{}ms", support::RETRY_DELAY.as_millis()),
         )
         .env("RUST_LOG", "error")
+        // Within the suite's connection budget: a pool of 6.
+        .env("PAYMENTS_CONCURRENCY", "4")
         .stdout(Stdio::null());
     for (name, value) in env {
         command.env(name, value);

@@ -1,4 +1,4 @@
-//! Coalesced acknowledgements for batch mode: one `multiple` ack per run of settled tags.
+//! The bookkeeping behind batch mode's coalesced acks: which delivery tags are settled, and how far one `multiple` ack may reach.
 
 use std::collections::BTreeMap;
 

@@ -61,6 +61,26 @@ pub fn unique(what: &str) -> String {
     )
 }
 
+/// Connections one test's pool may open. With two tests at once per binary
+/// (`RUST_TEST_THREADS=2`, set in `.cargo/config.toml`) and at most one
+/// more pool or child process of about this size per test, the suite stays
+/// within 40 PostgreSQL connections at once.
+pub const POOL_SIZE: u32 = 8;
+
+/// Fails the test with what went wrong: PostgreSQL out of connection slots
+/// is not PostgreSQL being down.
+fn unreachable_postgres(url: &str, e: sqlx::Error) -> ! {
+    let error = idempo::Error::from(e);
+    if error.is_too_many_clients() {
+        panic!(
+            "PostgreSQL at {url} is up but refused the connection: {error}. Its max_connections \
+             is used up; this suite needs at most 40 connections at once (see README): \
+             stop what else holds connections (`SELECT * FROM pg_stat_activity`)"
+        )
+    }
+    panic!("PostgreSQL is not reachable at {url}: {error}\n{START_PG}")
+}
+
 /// Drops test schemas created more than an hour ago (by runs that failed or
 /// were killed); the creation time is part of the name.
 async fn drop_stale_schemas(admin: &PgPool) {
@@ -107,16 +127,18 @@ impl Db {
         db
     }
 
-    /// Creates a fresh, empty schema.
+    /// Creates a fresh, empty schema, with a pool of [`POOL_SIZE`].
     pub async fn empty() -> Db {
-        Db::with_pool_size(20).await
+        Db::with_pool_size(POOL_SIZE).await
     }
 
     pub async fn with_pool_size(size: u32) -> Db {
         let base = database_url();
-        let admin = PgPool::connect(&base)
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&base)
             .await
-            .unwrap_or_else(|e| panic!("PostgreSQL is not reachable at {base}: {e}\n{START_PG}"));
+            .unwrap_or_else(|e| unreachable_postgres(&base, e));
         drop_stale_schemas(&admin).await;
         let schema = unique("db");
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
@@ -131,7 +153,7 @@ impl Db {
             .max_connections(size)
             .connect_with(options)
             .await
-            .expect("connect with search_path");
+            .unwrap_or_else(|e| unreachable_postgres(&base, e));
         let sep = if base.contains('?') { '&' } else { '?' };
         let url = format!("{base}{sep}options[search_path]={schema}");
         Db { pool, schema, url }
@@ -716,7 +738,7 @@ pub async fn pool_through(proxy: &TcpProxy, db: &Db) -> PgPool {
         .port(proxy.addr.port())
         .options([("search_path", db.schema.as_str())]);
     PgPoolOptions::new()
-        .max_connections(20)
+        .max_connections(POOL_SIZE / 2)
         .acquire_timeout(Duration::from_millis(500))
         .connect_with(options)
         .await
