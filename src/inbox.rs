@@ -78,19 +78,25 @@ pub enum InvalidMessageId {
         /// The id's length in bytes.
         len: usize,
     },
+    /// The id contains a NUL character, which PostgreSQL text cannot hold.
+    #[error("message id contains a NUL character")]
+    ContainsNul,
     /// A user function that derives the id panicked on this message.
     #[error("the message-id function panicked")]
     FunctionPanicked,
 }
 
-/// Checks that `id` is usable as a message id: 1 to [`MAX_MESSAGE_ID_LEN`] bytes.
+/// Checks that `id` is usable as a message id: 1 to [`MAX_MESSAGE_ID_LEN`]
+/// bytes, without NUL (which PostgreSQL text cannot hold).
 ///
 /// # Errors
-/// [`InvalidMessageId::Empty`] or [`InvalidMessageId::TooLong`].
+/// [`InvalidMessageId::Empty`], [`InvalidMessageId::TooLong`] or
+/// [`InvalidMessageId::ContainsNul`].
 pub fn validate_message_id(id: &str) -> Result<(), InvalidMessageId> {
     match id.len() {
         0 => Err(InvalidMessageId::Empty),
         len if len > MAX_MESSAGE_ID_LEN => Err(InvalidMessageId::TooLong { len }),
+        _ if id.contains('\0') => Err(InvalidMessageId::ContainsNul),
         _ => Ok(()),
     }
 }
@@ -265,15 +271,17 @@ pub async fn claim_batch(
 }
 
 /// Commits a transaction in which `message_id` was claimed, after checking
-/// that the claim is still in it, in one round trip.
+/// that the claim is still in it.
 ///
-/// Why not `tx.commit()`: PostgreSQL answers `COMMIT` of an *aborted*
+/// Why not just `tx.commit()`: PostgreSQL answers `COMMIT` of an *aborted*
 /// transaction (one in which a statement failed, even if the caller ignored
 /// the error) with `ROLLBACK`, and sqlx reports success. The message would
 /// then be acknowledged with its effects and its claim rolled back: lost.
 /// And if the caller ended the transaction itself (`ROLLBACK`), there is
-/// nothing left to commit. Here the check and the `COMMIT` travel in one
-/// simple-protocol message, so a failing check stops the `COMMIT`.
+/// nothing left to commit. The check is a primary-key lookup on the same
+/// connection: it fails in an aborted transaction and finds nothing after a
+/// `ROLLBACK`. It costs one round trip (see BENCHMARKS.md for why it is not
+/// folded into the `COMMIT`).
 ///
 /// # Errors
 /// - [`Error::ClaimLost`] when the claim is no longer in the transaction;
@@ -282,43 +290,26 @@ pub async fn claim_batch(
 /// - other [`Error::Database`] errors when the `COMMIT` failed (a deferred
 ///   constraint, a serialization failure): nothing was committed;
 /// - an error for which [`Error::is_connection_error`] holds: **the outcome
-///   is unknown**; a new claim of the id tells (duplicate: it committed).
+///   is unknown** if it came from the `COMMIT`; a new claim of the id tells
+///   (duplicate: it committed).
 pub async fn commit(
     mut tx: Transaction<'_, Postgres>,
     consumer: &str,
     message_id: &str,
 ) -> Result<()> {
-    // Literals, since the simple protocol has no parameters: hex digits are
-    // all that reach the SQL text, whatever the id contains.
-    let text = |s: &str| {
-        format!(
-            "convert_from(decode('{}', 'hex'), 'UTF8')",
-            crate::hex::to_hex(s.as_bytes())
-        )
-    };
-    // 1/count(*) fails (22012) when the claim is gone; a statement in an
-    // aborted transaction fails (25P02). Either error skips the rest of the
-    // message. The trailing BEGIN opens an empty transaction for the handle
-    // `tx` to roll back when it drops (sqlx still counts it as open); that
-    // ROLLBACK is sent with the pool's check on release, off this path.
-    let sql = format!(
-        "SELECT 1 / count(*) FROM processed_messages WHERE consumer = {} AND message_id = {}; \
-         COMMIT; BEGIN",
-        text(consumer),
-        text(message_id)
-    );
-    match sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-        .execute(&mut *tx)
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22012") => {
-            Err(Error::ClaimLost {
-                message_id: message_id.to_owned(),
-            })
-        }
-        Err(e) => Err(e.into()),
+    let ours: Option<i32> =
+        sqlx::query_scalar("SELECT 1 FROM processed_messages WHERE consumer = $1 AND message_id = $2")
+            .bind(consumer)
+            .bind(message_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    if ours.is_none() {
+        return Err(Error::ClaimLost {
+            message_id: message_id.to_owned(),
+        });
     }
+    tx.commit().await?;
+    Ok(())
 }
 
 /// Deletes `consumer`'s claims older than `age`, `batch` rows per statement,
@@ -379,6 +370,10 @@ mod tests {
         assert_eq!(
             validate_message_id(&"é".repeat(128)),
             Err(InvalidMessageId::TooLong { len: 256 })
+        );
+        assert_eq!(
+            validate_message_id("pay\01"),
+            Err(InvalidMessageId::ContainsNul)
         );
     }
 

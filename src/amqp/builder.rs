@@ -408,8 +408,10 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
         )));
     }
     let consumer = s.consumer.unwrap_or_else(|| queue.clone());
-    if consumer.is_empty() {
-        return Err(Error::Config("the consumer name must not be empty".into()));
+    if consumer.is_empty() || consumer.contains('\0') {
+        return Err(Error::Config(
+            "the consumer name must not be empty or contain NUL".into(),
+        ));
     }
     s.redelivery.validate().map_err(Error::Config)?;
     if s.retention.is_some_and(|r| r.is_zero()) || s.retention_interval.is_zero() {
