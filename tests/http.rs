@@ -827,3 +827,93 @@ async fn atomic_phase_a_handler_answering_from_an_aborted_transaction() {
     assert!(!retry.replayed());
     assert_eq!(app.effects().await, 1);
 }
+
+/// A server with the given routes on an ephemeral port; returns its base URL.
+async fn serve(router: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    base
+}
+
+#[tokio::test]
+async fn a_handler_taking_tx_answers_400_to_a_request_without_a_key() {
+    let db = Db::new().await;
+    let handler = |tx: Tx| async move {
+        sqlx::query("SELECT 1").execute(&mut *tx.try_lock()?).await?;
+        Ok::<_, idempo::Error>(StatusCode::CREATED)
+    };
+    // The key is optional on this route: a keyless request reaches the handler.
+    let layer = IdempotencyLayer::new(PostgresStore::new(db.pool.clone()));
+    let base = serve(
+        Router::new()
+            .route("/optional", post(handler).layer(layer))
+            .route("/bare", post(handler)),
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let send = |path: &str, key: Option<&str>| {
+        let mut request = client.post(format!("{base}{path}"));
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        async move {
+            let response = request.send().await.unwrap();
+            let status = response.status().as_u16();
+            let body: serde_json::Value = response.json().await.unwrap_or_default();
+            (status, body["type"].as_str().unwrap_or("").to_owned())
+        }
+    };
+    let (status, kind) = send("/optional", None).await;
+    assert_eq!(status, 400, "the client left the key out");
+    assert!(kind.ends_with("#missing-key"), "{kind}");
+    assert_eq!(send("/optional", Some("k-1")).await.0, 201);
+    let (status, kind) = send("/bare", Some("k-1")).await;
+    assert_eq!(status, 500, "no layer on the route: the server's mistake");
+    assert!(kind.ends_with("#no-transaction"), "{kind}");
+}
+
+#[tokio::test]
+async fn an_idempo_error_from_a_handler_is_a_problem_that_releases_the_key() {
+    let db = Db::new().await;
+    http_payments::create_table(&db.pool).await.unwrap();
+    // `?` on sqlx's and idempo's errors: the first attempt fails in the
+    // database, the retry with the same key succeeds.
+    let handler = |tx: Tx, headers: HeaderMap| async move {
+        let mut conn = tx.try_lock()?;
+        if headers.contains_key("x-fail") {
+            sqlx::query("SELECT 1 / 0").execute(&mut *conn).await?;
+        }
+        sqlx::query("INSERT INTO http_payments (user_id, account, amount_cents) VALUES ('u', 'a', 1)")
+            .execute(&mut *conn)
+            .await?;
+        Ok::<_, idempo::Error>(StatusCode::CREATED)
+    };
+    let layer = IdempotencyLayer::new(PostgresStore::new(db.pool.clone())).require_key();
+    let base = serve(Router::new().route("/pay", post(handler).layer(layer))).await;
+    let client = reqwest::Client::new();
+    let failed = client
+        .post(format!("{base}/pay"))
+        .header("idempotency-key", "same")
+        .header("x-fail", "1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(failed.status(), 500);
+    assert_eq!(failed.headers()["content-type"], "application/problem+json");
+    let problem: serde_json::Value = failed.json().await.unwrap();
+    assert!(problem["type"].as_str().unwrap().ends_with("#handler-failed"));
+    let retried = client
+        .post(format!("{base}/pay"))
+        .header("idempotency-key", "same")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(retried.status(), 201, "the failure was not stored");
+    assert!(retried.headers().get("idempotent-replayed").is_none());
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM http_payments")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "one effect");
+}

@@ -92,13 +92,13 @@ pub enum SagaOutcome {
 ///     .step(
 ///         "reserve",
 ///         |tx, _ctx| async move {
-///             let mut conn = tx.lock()?;
+///             let mut conn = tx.try_lock()?;
 ///             sqlx::query("UPDATE stock SET reserved = reserved + 1 WHERE sku = 'x'")
 ///                 .execute(&mut *conn).await?;
 ///             Ok(1_i64)
 ///         },
 ///         |tx, _reserved: i64| async move {
-///             let mut conn = tx.lock()?;
+///             let mut conn = tx.try_lock()?;
 ///             sqlx::query("UPDATE stock SET reserved = reserved - 1 WHERE sku = 'x'")
 ///                 .execute(&mut *conn).await?;
 ///             Ok(())

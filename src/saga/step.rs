@@ -105,7 +105,7 @@ async fn lock_step(
 /// ```no_run
 /// # async fn doc(pool: sqlx::PgPool) -> Result<(), idempo::saga::StepError> {
 /// let reservation: i64 = idempo::saga::execute(&pool, "order-17", "reserve-stock", |tx| async move {
-///     let mut conn = tx.lock()?;
+///     let mut conn = tx.try_lock()?;
 ///     let id: i64 = sqlx::query_scalar("INSERT INTO reservations (sku) VALUES ('x') RETURNING id")
 ///         .fetch_one(&mut *conn)
 ///         .await?;
