@@ -297,12 +297,13 @@ pub async fn commit(
     consumer: &str,
     message_id: &str,
 ) -> Result<()> {
-    let ours: Option<i32> =
-        sqlx::query_scalar("SELECT 1 FROM processed_messages WHERE consumer = $1 AND message_id = $2")
-            .bind(consumer)
-            .bind(message_id)
-            .fetch_optional(&mut *tx)
-            .await?;
+    let ours: Option<i32> = sqlx::query_scalar(
+        "SELECT 1 FROM processed_messages WHERE consumer = $1 AND message_id = $2",
+    )
+    .bind(consumer)
+    .bind(message_id)
+    .fetch_optional(&mut *tx)
+    .await?;
     if ours.is_none() {
         return Err(Error::ClaimLost {
             message_id: message_id.to_owned(),
@@ -372,7 +373,7 @@ mod tests {
             Err(InvalidMessageId::TooLong { len: 256 })
         );
         assert_eq!(
-            validate_message_id("pay\01"),
+            validate_message_id("pay\0-1"),
             Err(InvalidMessageId::ContainsNul)
         );
     }

@@ -840,7 +840,9 @@ async fn serve(router: Router) -> String {
 async fn a_handler_taking_tx_answers_400_to_a_request_without_a_key() {
     let db = Db::new().await;
     let handler = |tx: Tx| async move {
-        sqlx::query("SELECT 1").execute(&mut *tx.try_lock()?).await?;
+        sqlx::query("SELECT 1")
+            .execute(&mut *tx.try_lock()?)
+            .await?;
         Ok::<_, idempo::Error>(StatusCode::CREATED)
     };
     // The key is optional on this route: a keyless request reaches the handler.
@@ -884,9 +886,11 @@ async fn an_idempo_error_from_a_handler_is_a_problem_that_releases_the_key() {
         if headers.contains_key("x-fail") {
             sqlx::query("SELECT 1 / 0").execute(&mut *conn).await?;
         }
-        sqlx::query("INSERT INTO http_payments (user_id, account, amount_cents) VALUES ('u', 'a', 1)")
-            .execute(&mut *conn)
-            .await?;
+        sqlx::query(
+            "INSERT INTO http_payments (user_id, account, amount_cents) VALUES ('u', 'a', 1)",
+        )
+        .execute(&mut *conn)
+        .await?;
         Ok::<_, idempo::Error>(StatusCode::CREATED)
     };
     let layer = IdempotencyLayer::new(PostgresStore::new(db.pool.clone())).require_key();
@@ -902,7 +906,12 @@ async fn an_idempo_error_from_a_handler_is_a_problem_that_releases_the_key() {
     assert_eq!(failed.status(), 500);
     assert_eq!(failed.headers()["content-type"], "application/problem+json");
     let problem: serde_json::Value = failed.json().await.unwrap();
-    assert!(problem["type"].as_str().unwrap().ends_with("#handler-failed"));
+    assert!(
+        problem["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("#handler-failed")
+    );
     let retried = client
         .post(format!("{base}/pay"))
         .header("idempotency-key", "same")

@@ -15,7 +15,7 @@ pub const DEFAULT_WINDOW: Duration = Duration::from_secs(5 * 60);
 /// the same id is new again.
 ///
 /// ```
-/// # async fn doc() -> idempo::Result<()> {
+/// # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
 /// use idempo::window::{DedupId, DedupWindow, MemoryWindow, Scope};
 ///
 /// let window = DedupWindow::new(MemoryWindow::new(100_000));
