@@ -91,11 +91,13 @@ impl From<sqlx::migrate::MigrateError> for Error {
 }
 
 impl Error {
-    /// Whether the database (or the connection to it) is gone, as opposed to
-    /// a problem with one statement or one message: I/O and TLS errors, pool
-    /// timeouts, SQLSTATE class 08 except 08P01, 57P01–57P03 (a terminated
-    /// backend, a server shutting down or starting) and 53300 (no connection
-    /// slot left: [`is_too_many_clients`](Error::is_too_many_clients)).
+    /// Whether the database (or the connection to it) is gone or refuses us,
+    /// as opposed to a problem with one statement or one message: I/O and
+    /// TLS errors, pool timeouts, every error PostgreSQL reports as `FATAL`
+    /// (a refused login, 28000; a database in maintenance that does not
+    /// accept connections, 55000; a terminated backend, 57P01; ...), SQLSTATE
+    /// class 08 except 08P01, 57P01–57P03 and 53300 (no connection slot left:
+    /// [`is_too_many_clients`](Error::is_too_many_clients)).
     ///
     /// A statement that fails this way may or may not have taken effect (a
     /// `COMMIT` whose answer was lost): find out before acting on it again.
@@ -136,15 +138,29 @@ pub(crate) fn sqlx_connection_error(error: &sqlx::Error) -> bool {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => true,
-        // Class 08: connection exception (but 08P01, protocol violation, is
-        // also what a wrong number of bind parameters gets: a bug, not an
-        // outage); 57P01-57P03: admin shutdown (pg_terminate_backend), crash
-        // shutdown, cannot connect now; 53300: too many clients (the server is
-        // up, but has no connection for us: an outage for this process).
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            (code.starts_with("08") && code != "08P01")
-                || matches!(&*code, "57P01" | "57P02" | "57P03" | "53300")
-        }),
+        sqlx::Error::Database(db) => {
+            // FATAL (or PANIC) ends the session: every error that refuses or
+            // drops a connection is one (28000 a role that may not log in,
+            // 55000 a database not accepting connections, 3D000, 53300, 57P01
+            // a terminated backend, ...), whatever its SQLSTATE.
+            let fatal = db
+                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                .is_some_and(|pg| {
+                    matches!(
+                        pg.severity(),
+                        sqlx::postgres::PgSeverity::Fatal | sqlx::postgres::PgSeverity::Panic
+                    )
+                });
+            // Class 08: connection exception (but 08P01, protocol violation, is
+            // also what a wrong number of bind parameters gets: a bug, not an
+            // outage); 57P01-57P03: admin shutdown, crash shutdown, cannot
+            // connect now; 53300: too many clients.
+            fatal
+                || db.code().is_some_and(|code| {
+                    (code.starts_with("08") && code != "08P01")
+                        || matches!(&*code, "57P01" | "57P02" | "57P03" | "53300")
+                })
+        }
         _ => false,
     }
 }

@@ -316,6 +316,28 @@ async fn an_oversized_message_id_is_dead_lettered() {
 }
 
 #[tokio::test]
+async fn a_message_id_with_a_nul_is_dead_lettered_at_once() {
+    // PostgreSQL text cannot hold NUL: such an id must never reach the claim
+    // (where it would fail, be retried, and end as "max attempts exceeded").
+    let (db, broker, queue) = support::setup().await;
+    let properties = lapin::BasicProperties::default().with_message_id("pay\0-1".into());
+    broker
+        .publish_props(&queue, properties, &support::payment_body("kim", 2))
+        .await;
+    let consumer = Running::start(payments_consumer(&db, &queue));
+    let stats = consumer.finish(1).await;
+
+    assert_eq!((stats.retried, stats.dead_lettered), (0, 1));
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead[0].reason(), "invalid message id");
+    assert_eq!(
+        dead[0].headers[idempo::amqp::ERROR_HEADER],
+        "message id contains a NUL character"
+    );
+    assert_eq!(db.claims().await, 0);
+}
+
+#[tokio::test]
 async fn content_hash_mode_treats_equal_bodies_as_one_message() {
     let (db, broker, queue) = support::setup().await;
     broker

@@ -433,3 +433,63 @@ async fn a_commit_whose_connection_dies_is_resolved_through_the_claim() {
     assert_eq!(db.payments_for("pay-unknown").await, 1, "one effect");
     assert_eq!(db.balances().await["kim"], 9);
 }
+
+/// The database refuses connections in each way a maintenance window does:
+/// not accepting connections (55000), the role may not log in (28000), no
+/// connection slot for the role (53300). Each is the database being down: the
+/// deliveries wait at the gate, none uses an attempt, none is dead-lettered.
+#[tokio::test]
+async fn a_database_in_maintenance_dead_letters_nothing() {
+    for batch in [None, Some(10)] {
+        let iso = support::IsolatedDb::new().await;
+        let broker = Broker::connect().await;
+        let queue = unique("maint");
+        broker.declare(&queue).await;
+        let base = Consumer::builder(support::amqp_url(), iso.db.pool.clone())
+            .queue(&queue)
+            // Few attempts: a refusal taken for the message's failure would
+            // dead-letter it within a second.
+            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(2));
+        let consumer = match batch {
+            None => Running::start(base.handler(|tx, m| payments::handle(tx, m, 0.0))),
+            Some(size) => Running::start(
+                base.handler(|tx, m| payments::handle(tx, m, 0.0))
+                    .prefetch(30)
+                    .batch(size),
+            ),
+        };
+        let mut published = 0;
+        for (close, reopen) in [
+            (
+                "ALTER DATABASE {name} ALLOW_CONNECTIONS false",
+                "ALTER DATABASE {name} ALLOW_CONNECTIONS true",
+            ),
+            ("ALTER ROLE {name} NOLOGIN", "ALTER ROLE {name} LOGIN"),
+            (
+                "ALTER ROLE {name} CONNECTION LIMIT 0",
+                "ALTER ROLE {name} CONNECTION LIMIT -1",
+            ),
+        ] {
+            iso.admin(close).await;
+            iso.kick().await;
+            for _ in 0..10 {
+                published += 1;
+                broker
+                    .publish_payment(&queue, &format!("pay-{published}"), "mo", 1)
+                    .await;
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            iso.admin(reopen).await;
+        }
+        let stats = consumer.finish(published).await;
+        assert_eq!(
+            (stats.processed, stats.dead_lettered),
+            (published, 0),
+            "{batch:?}: {stats:?}"
+        );
+        assert!(stats.database_outages >= 1, "{stats:?}");
+        assert_eq!(broker.ready(&format!("{queue}.dlq")).await, 0);
+        assert_eq!(iso.db.balances().await["mo"], published as i64);
+        iso.drop().await;
+    }
+}

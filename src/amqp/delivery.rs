@@ -1037,7 +1037,10 @@ mod tests {
         let db = TestDb::new().await;
         let steps = steps(&db.pool, each());
         let first = Message::for_test("pay-1", b"100");
-        assert_eq!(decide(&steps, std::slice::from_ref(&first)).await, ["processed"]);
+        assert_eq!(
+            decide(&steps, std::slice::from_ref(&first)).await,
+            ["processed"]
+        );
         assert_eq!(decide(&steps, &[first]).await, ["duplicate"]);
         let reused = Message::for_test("pay-1", b"999");
         assert_eq!(

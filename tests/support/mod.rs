@@ -744,3 +744,112 @@ pub async fn pool_through(proxy: &TcpProxy, db: &Db) -> PgPool {
         .await
         .expect("connect through the proxy")
 }
+
+/// A database and a login role of their own, for tests that take "the"
+/// database offline (`ALLOW_CONNECTIONS false`, `NOLOGIN`, `CONNECTION LIMIT
+/// 0`) without touching what other tests use. Dropped by [`IsolatedDb::drop`]
+/// (and, if a run died, by the next one: names carry their creation time).
+pub struct IsolatedDb {
+    pub db: Db,
+    pub name: String,
+    admin: PgPool,
+}
+
+impl IsolatedDb {
+    pub async fn new() -> IsolatedDb {
+        let base = database_url();
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&base)
+            .await
+            .unwrap_or_else(|e| unreachable_postgres(&base, e));
+        let stale: Vec<String> = sqlx::query_scalar(
+            "SELECT datname::text FROM pg_database WHERE starts_with(datname, $1)",
+        )
+        .bind(format!("{TEST_PREFIX}iso_"))
+        .fetch_all(&admin)
+        .await
+        .unwrap();
+        let cutoff = unix_secs().saturating_sub(3600);
+        for name in stale {
+            let created = name
+                .trim_start_matches(TEST_PREFIX)
+                .trim_start_matches("iso_")
+                .split('_')
+                .next()
+                .and_then(|t| t.parse::<u64>().ok());
+            if created.is_some_and(|t| t < cutoff) {
+                Self::remove(&admin, &name).await;
+            }
+        }
+        let name = unique("iso");
+        for sql in [
+            format!("CREATE ROLE {name} LOGIN"),
+            format!("CREATE DATABASE {name} OWNER {name}"),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(&admin)
+                .await
+                .expect("create the isolated database");
+        }
+        let options = PgConnectOptions::from_str(&base)
+            .unwrap()
+            .username(&name)
+            .database(&name);
+        let pool = PgPoolOptions::new()
+            .max_connections(POOL_SIZE)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_with(options)
+            .await
+            .unwrap_or_else(|e| unreachable_postgres(&base, e));
+        idempo::migrate(&pool).await.expect("idempo::migrate");
+        payments::create_tables(&pool)
+            .await
+            .expect("payments tables");
+        let url = format!("postgres://{name}@127.0.0.1:5432/{name}");
+        IsolatedDb {
+            db: Db {
+                pool,
+                schema: "public".into(),
+                url,
+            },
+            name,
+            admin,
+        }
+    }
+
+    /// Runs `sql` as the administrator (`{name}` stands for the database and role).
+    pub async fn admin(&self, sql: &str) {
+        let sql = sql.replace("{name}", &self.name);
+        sqlx::query(sqlx::AssertSqlSafe(sql.clone()))
+            .execute(&self.admin)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    /// Terminates every backend connected to the database.
+    pub async fn kick(&self) {
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = $1 AND pid <> pg_backend_pid()",
+        )
+        .bind(&self.name)
+        .execute(&self.admin)
+        .await
+        .unwrap();
+    }
+
+    async fn remove(admin: &PgPool, name: &str) {
+        for sql in [
+            format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+            format!("DROP ROLE IF EXISTS {name}"),
+        ] {
+            let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(admin).await;
+        }
+    }
+
+    pub async fn drop(self) {
+        self.db.pool.close().await;
+        Self::remove(&self.admin, &self.name).await;
+    }
+}
