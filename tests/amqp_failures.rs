@@ -493,3 +493,86 @@ async fn a_database_in_maintenance_dead_letters_nothing() {
         iso.drop().await;
     }
 }
+
+/// `?` on a database error that the same data will raise again (here a
+/// division by zero, 22012) dead-letters at once; a statement timeout
+/// (57014) is retried; the handler's explicit kind overrides the default.
+#[tokio::test]
+async fn deterministic_database_errors_are_dead_lettered_at_once_and_timeouts_retried() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (db, broker, queue) = support::setup().await;
+    for id in ["pay-zero", "pay-timeout", "pay-forced"] {
+        broker.publish_payment(&queue, id, "una", 1).await;
+    }
+    let timeouts = std::sync::Arc::new(AtomicUsize::new(0));
+    let handler = move |tx: idempo::Tx, message: idempo::amqp::Message| {
+        let timeouts = timeouts.clone();
+        async move {
+            let mut conn = tx.try_lock()?;
+            match message.id() {
+                "pay-zero" => {
+                    sqlx::query("SELECT 1 / 0").execute(&mut *conn).await?;
+                }
+                "pay-timeout" if timeouts.fetch_add(1, Ordering::SeqCst) == 0 => {
+                    sqlx::query("SET LOCAL statement_timeout = 1")
+                        .execute(&mut *conn)
+                        .await?;
+                    sqlx::query("SELECT pg_sleep(1)").execute(&mut *conn).await?;
+                }
+                "pay-forced" => {
+                    // Permanent by default; this handler says otherwise.
+                    sqlx::query("SELECT 1 / 0")
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(idempo::amqp::HandlerError::transient)?;
+                }
+                _ => {}
+            }
+            Ok(())
+        }
+    };
+    let consumer = Running::start(
+        consumer_for(&db, &queue)
+            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
+            .handler(handler),
+    );
+    let stats = consumer.finish(3).await;
+
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    let find = |id: &str| {
+        dead.iter()
+            .find(|d| d.message_id.as_deref() == Some(id))
+            .unwrap_or_else(|| panic!("{id} is not in the DLQ: {dead:?}"))
+    };
+    let zero = find("pay-zero");
+    assert_eq!(zero.reason(), "permanent handler error");
+    assert!(zero.headers[ERROR_HEADER].contains("division by zero"), "{zero:?}");
+    assert_eq!(zero.headers[ATTEMPTS_HEADER], "1", "no retry");
+    assert_eq!(find("pay-forced").reason(), "max attempts exceeded");
+    assert_eq!(dead.len(), 2, "pay-timeout was retried, then applied");
+    assert_eq!(stats.processed, 1, "{stats:?}");
+    assert_eq!(stats.retried, 1 + 2, "one timeout, two forced retries");
+}
+
+#[tokio::test]
+async fn payments_that_can_never_apply_are_dead_lettered_and_the_account_keeps_working() {
+    let (db, broker, queue) = support::setup().await;
+    let cases = [
+        ("pay-huge", support::payment_body("vic", i64::MAX)),
+        ("pay-long", support::payment_body(&"v".repeat(3000), 1)),
+        ("pay-nul", support::payment_body("v\0ic", 1)),
+        ("pay-ok", support::payment_body("vic", 7)),
+    ];
+    let messages: Vec<(String, Vec<u8>)> = cases
+        .iter()
+        .map(|(id, body)| (id.to_string(), body.clone()))
+        .collect();
+    broker.publish_many(&queue, &messages).await;
+    let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1));
+    let stats = consumer.finish(4).await;
+
+    assert_eq!((stats.processed, stats.dead_lettered, stats.retried), (1, 3, 0));
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert!(dead.iter().all(|d| d.reason() == "permanent handler error"), "{dead:?}");
+    assert_eq!(db.balances().await["vic"], 7);
+}

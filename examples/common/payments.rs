@@ -8,10 +8,44 @@ use sqlx::PgPool;
 
 /// A payment message: `{"account": "...", "amount_cents": 123}`. The AMQP
 /// `message_id` property carries the payment id.
+///
+/// Refused (dead-lettered as a permanent error, since no retry can fix them):
+/// a negative amount, one above [`MAX_AMOUNT_CENTS`], an account name that is
+/// empty, longer than [`MAX_ACCOUNT_LEN`] characters or holds control
+/// characters (NUL included).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Payment {
     pub account: String,
     pub amount_cents: i64,
+}
+
+/// The largest amount accepted: a balance of many such payments stays far
+/// from `bigint`'s limit.
+pub const MAX_AMOUNT_CENTS: i64 = 1_000_000_000_000;
+
+/// The longest account name accepted, in characters.
+pub const MAX_ACCOUNT_LEN: usize = 64;
+
+impl Payment {
+    /// Why this payment can never be applied, if it cannot.
+    pub fn invalid(&self) -> Option<String> {
+        if self.amount_cents < 0 {
+            return Some(format!("negative amount: {}", self.amount_cents));
+        }
+        if self.amount_cents > MAX_AMOUNT_CENTS {
+            return Some(format!(
+                "amount {} is above the limit of {MAX_AMOUNT_CENTS}",
+                self.amount_cents
+            ));
+        }
+        let len = self.account.chars().count();
+        if len == 0 || len > MAX_ACCOUNT_LEN || self.account.chars().any(char::is_control) {
+            return Some(format!(
+                "account name must be 1 to {MAX_ACCOUNT_LEN} characters without control characters, got {len}"
+            ));
+        }
+        None
+    }
 }
 
 /// Creates the example's tables if missing. `payments` has NO unique key on
@@ -49,12 +83,11 @@ pub async fn apply(
     payment: &Payment,
     fail_rate: f64,
 ) -> Result<(), HandlerError> {
-    if payment.amount_cents < 0 {
-        return Err(HandlerError::permanent(format!(
-            "negative amount: {}",
-            payment.amount_cents
-        )));
+    if let Some(why) = payment.invalid() {
+        return Err(HandlerError::permanent(why));
     }
+    // A database error that no retry can fix (out of range, a constraint) is
+    // permanent through `?` (ErrorKind::of); the rest are retried.
     let mut tx = tx.try_lock()?;
     sqlx::query("INSERT INTO payments (message_id, account, amount_cents) VALUES ($1, $2, $3)")
         .bind(message_id)
@@ -94,13 +127,10 @@ pub async fn handle_batch(
     batch: Vec<(JsonBody<Payment>, Message)>,
     fail_rate: f64,
 ) -> Result<(), HandlerError> {
-    if let Some((JsonBody(p), _)) = batch.iter().find(|(JsonBody(p), _)| p.amount_cents < 0) {
+    if let Some(why) = batch.iter().find_map(|(JsonBody(p), _)| p.invalid()) {
         // The batch falls back to one message at a time; this one is then
         // dead-lettered alone.
-        return Err(HandlerError::permanent(format!(
-            "negative amount: {}",
-            p.amount_cents
-        )));
+        return Err(HandlerError::permanent(why));
     }
     let ids: Vec<&str> = batch.iter().map(|(_, m)| m.id()).collect();
     let accounts: Vec<&str> = batch

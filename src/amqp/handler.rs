@@ -89,16 +89,54 @@ pub enum ErrorKind {
     Permanent,
 }
 
+impl ErrorKind {
+    /// The kind `?` gives an error in a handler: looks through its source
+    /// chain for a PostgreSQL error (sqlx's, or one inside an
+    /// [`idempo::Error`](crate::Error)) and classifies it by SQLSTATE class.
+    ///
+    /// | SQLSTATE | meaning | kind |
+    /// |---|---|---|
+    /// | `22xxx` | data exception (out of range, invalid text, NUL, division by zero) | permanent |
+    /// | `23xxx` | integrity constraint (unique, foreign key, check, not null) | permanent |
+    /// | `42xxx` | syntax error or access rule (undefined table or column, permission) | permanent |
+    /// | `40001`, `40P01`, `55P03`, `57014` | serialization failure, deadlock, lock not available, statement timeout | transient |
+    /// | connection errors ([`idempo::Error::is_connection_error`](crate::Error::is_connection_error)) | the database is down | transient (and the delivery waits at the gate) |
+    /// | anything else, and errors that are not database errors | | transient |
+    pub fn of(error: &(dyn StdError + 'static)) -> ErrorKind {
+        let mut current = Some(error);
+        while let Some(e) = current {
+            let database = match e.downcast_ref::<sqlx::Error>() {
+                Some(sqlx::Error::Database(db)) => Some(db),
+                _ => match e.downcast_ref::<crate::Error>() {
+                    Some(crate::Error::Database(sqlx::Error::Database(db))) => Some(db),
+                    _ => None,
+                },
+            };
+            if let Some(db) = database {
+                return match db.code().as_deref().map(|code| code.get(..2)) {
+                    Some(Some("22" | "23" | "42")) => ErrorKind::Permanent,
+                    _ => ErrorKind::Transient,
+                };
+            }
+            current = e.source();
+        }
+        ErrorKind::Transient
+    }
+}
+
 /// A handler's failure. Either way the transaction rolls back: neither the
 /// handler's writes nor the claim survive.
 ///
 /// `?` converts any type that implements `std::error::Error` (sqlx's,
 /// serde's, `std::io::Error`, [`idempo::Error`](crate::Error), your own
-/// thiserror types) into a **transient** error, so a lost database connection
-/// is retried. Error types that do not implement it, such as `anyhow::Error`
-/// or `Box<dyn Error>`, convert with [`ResultExt::transient`] or
-/// `map_err(HandlerError::transient)`. Mark errors that retrying cannot fix
-/// with [`HandlerError::permanent`] or [`ResultExt::permanent`].
+/// thiserror types), with the kind [`ErrorKind::of`] gives it: **transient**
+/// (retried), except database errors that the same statement on the same data
+/// will raise again, which are **permanent** (dead-lettered at once, with the
+/// database's message). Error types that do not implement `std::error::Error`,
+/// such as `anyhow::Error` or `Box<dyn Error>`, convert with
+/// [`ResultExt::transient`] or `map_err(HandlerError::transient)`. Choose the
+/// kind yourself with [`HandlerError::permanent`] / [`HandlerError::transient`]
+/// or [`ResultExt`]: that overrides the default.
 pub struct HandlerError {
     kind: ErrorKind,
     source: BoxError,
@@ -178,9 +216,15 @@ impl fmt::Display for HandlerError {
 
 // Deliberately no `impl std::error::Error for HandlerError`: it would conflict
 // with this blanket conversion, which is what makes `?` work in handlers.
+// The kind comes from the error (a deterministic database error is
+// permanent); HandlerError::transient/permanent choose it explicitly.
 impl<E: StdError + Send + Sync + 'static> From<E> for HandlerError {
     fn from(error: E) -> Self {
-        HandlerError::transient(error)
+        HandlerError {
+            kind: ErrorKind::of(&error),
+            source: error.into(),
+            retry_after: None,
+        }
     }
 }
 
