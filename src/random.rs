@@ -5,7 +5,7 @@
 /// `N` bytes from the OS generator. Should that ever fail (never seen on
 /// supported targets), independent `fastrand` draws stand in rather than
 /// failing the caller.
-fn bytes<const N: usize>() -> [u8; N] {
+pub(crate) fn bytes<const N: usize>() -> [u8; N] {
     let mut bytes = [0u8; N];
     if getrandom::fill(&mut bytes).is_err() {
         bytes.iter_mut().for_each(|b| *b = fastrand::u8(..));

@@ -8,7 +8,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use idempo::Tx;
-use idempo::amqp::{Consumer, HandlerError, Message, MessageIdSource, QueueType};
+use idempo::amqp::{
+    Consumer, HandlerError, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, Message, MessageIdSource,
+    QueueType,
+};
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, ExchangeKind};
@@ -335,6 +338,83 @@ async fn a_message_id_with_a_nul_is_dead_lettered_at_once() {
         "message id contains a NUL character"
     );
     assert_eq!(db.claims().await, 0);
+}
+
+#[tokio::test]
+async fn a_forged_copy_header_does_not_make_a_new_payment_a_duplicate() {
+    use lapin::types::{AMQPValue, FieldTable};
+    let (db, broker, queue) = support::setup().await;
+    let body = support::payment_body("wes", 10);
+    broker.publish_payment(&queue, "pay-A", "wes", 10).await;
+    // Another publisher claims that pay-B is an idempo copy of pay-A, with a
+    // made-up seal; and a message claims an empty carried id.
+    let mut forged = FieldTable::default();
+    forged.insert(
+        MESSAGE_ID_HEADER.into(),
+        AMQPValue::LongString("pay-A".into()),
+    );
+    forged.insert(
+        MESSAGE_ID_SEAL_HEADER.into(),
+        AMQPValue::LongString("00".repeat(32).into()),
+    );
+    let properties = lapin::BasicProperties::default()
+        .with_message_id("pay-B".into())
+        .with_headers(forged);
+    broker.publish_props(&queue, properties, &body).await;
+    let mut empty = FieldTable::default();
+    empty.insert(MESSAGE_ID_HEADER.into(), AMQPValue::LongString("".into()));
+    let properties = lapin::BasicProperties::default()
+        .with_message_id("pay-C".into())
+        .with_headers(empty);
+    broker.publish_props(&queue, properties, &body).await;
+    let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1));
+    let stats = consumer.finish(3).await;
+
+    assert_eq!((stats.processed, stats.duplicates), (3, 0), "{stats:?}");
+    for id in ["pay-A", "pay-B", "pay-C"] {
+        assert_eq!(db.payments_for(id).await, 1, "{id}");
+    }
+}
+
+#[tokio::test]
+async fn a_dead_letter_carries_its_sealed_id_and_one_without_an_id_carries_none() {
+    let (db, broker, queue) = support::setup().await;
+    broker
+        .publish_props(
+            &queue,
+            lapin::BasicProperties::default(),
+            &support::payment_body("xia", 1),
+        )
+        .await;
+    broker.publish_payment(&queue, "pay-neg", "xia", -5).await;
+    let consumer = Running::start(payments_consumer(&db, &queue));
+    consumer.finish(2).await;
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    let idless = dead
+        .iter()
+        .find(|d| d.reason() == "missing message id")
+        .unwrap();
+    assert!(
+        !idless.headers.contains_key(MESSAGE_ID_HEADER),
+        "{idless:?}"
+    );
+    let negative = dead
+        .iter()
+        .find(|d| d.reason() == "permanent handler error")
+        .unwrap();
+    assert_eq!(negative.headers[MESSAGE_ID_HEADER], "pay-neg");
+    assert!(negative.headers.contains_key(MESSAGE_ID_SEAL_HEADER));
+    // An operator replays both, giving the id-less one an id of its own.
+    broker
+        .publish_props(
+            &queue,
+            lapin::BasicProperties::default().with_message_id("pay-fixed".into()),
+            &idless.body,
+        )
+        .await;
+    let consumer = Running::start(payments_consumer(&db, &queue));
+    consumer.finish(1).await;
+    assert_eq!(db.payments_for("pay-fixed").await, 1);
 }
 
 #[tokio::test]

@@ -517,7 +517,9 @@ async fn deterministic_database_errors_are_dead_lettered_at_once_and_timeouts_re
                     sqlx::query("SET LOCAL statement_timeout = 1")
                         .execute(&mut *conn)
                         .await?;
-                    sqlx::query("SELECT pg_sleep(1)").execute(&mut *conn).await?;
+                    sqlx::query("SELECT pg_sleep(1)")
+                        .execute(&mut *conn)
+                        .await?;
                 }
                 "pay-forced" => {
                     // Permanent by default; this handler says otherwise.
@@ -546,7 +548,10 @@ async fn deterministic_database_errors_are_dead_lettered_at_once_and_timeouts_re
     };
     let zero = find("pay-zero");
     assert_eq!(zero.reason(), "permanent handler error");
-    assert!(zero.headers[ERROR_HEADER].contains("division by zero"), "{zero:?}");
+    assert!(
+        zero.headers[ERROR_HEADER].contains("division by zero"),
+        "{zero:?}"
+    );
     assert_eq!(zero.headers[ATTEMPTS_HEADER], "1", "no retry");
     assert_eq!(find("pay-forced").reason(), "max attempts exceeded");
     assert_eq!(dead.len(), 2, "pay-timeout was retried, then applied");
@@ -571,8 +576,14 @@ async fn payments_that_can_never_apply_are_dead_lettered_and_the_account_keeps_w
     let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1));
     let stats = consumer.finish(4).await;
 
-    assert_eq!((stats.processed, stats.dead_lettered, stats.retried), (1, 3, 0));
+    assert_eq!(
+        (stats.processed, stats.dead_lettered, stats.retried),
+        (1, 3, 0)
+    );
     let dead = broker.drain(&format!("{queue}.dlq")).await;
-    assert!(dead.iter().all(|d| d.reason() == "permanent handler error"), "{dead:?}");
+    assert!(
+        dead.iter().all(|d| d.reason() == "permanent handler error"),
+        "{dead:?}"
+    );
     assert_eq!(db.balances().await["vic"], 7);
 }

@@ -26,6 +26,7 @@ use super::mode::{Dispatch, NoHandler};
 use super::redelivery::RedeliveryPolicy;
 use super::republish::Republisher;
 use super::retention;
+use super::seal::Keyring;
 use super::stats::{Counter, Stats};
 use super::topology::Topology;
 use crate::backoff::Backoff;
@@ -248,13 +249,22 @@ impl Consumer {
             })),
             tasks: JoinSet::new(),
             groups: GroupChains::default(),
+            keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
             config,
             dispatch,
             shutdown,
             stats,
             health,
         };
+        // Load the key for the ids on copies now, so that the first copies
+        // are sealed; deliveries that need it wait for it anyway.
+        let keys = runtime.keys.clone();
+        let stop = runtime.shutdown.graceful.clone();
+        let loader = tokio::spawn(async move {
+            keys.wait(stop.cancelled()).await;
+        });
         runtime.run().await;
+        loader.abort();
         if let Some(reaper) = reaper {
             reaper.abort();
         }
@@ -273,6 +283,8 @@ struct Runtime {
     permits: Arc<Semaphore>,
     tasks: JoinSet<()>,
     groups: GroupChains,
+    /// The consumer's key for the ids its copies carry (loaded on first use).
+    keys: Arc<Keyring>,
 }
 
 /// How a broker session ended.
@@ -350,7 +362,8 @@ impl Runtime {
             },
             () = self.shutdown.graceful.cancelled() => return SessionEnd::Shutdown,
         };
-        let subscribed = tokio::time::timeout(SETUP_TIMEOUT, self.subscribe(&connection)).await;
+        let subscribed =
+            tokio::time::timeout(SETUP_TIMEOUT, self.subscribe(&connection)).await;
         let end = match subscribed {
             Ok(Ok((channel, deliveries, pipeline, broken))) => {
                 self.dispatch(&connection, channel, deliveries, pipeline, broken)
@@ -401,6 +414,7 @@ impl Runtime {
             queue: config.topology.queue.clone(),
             dead_letter_queue: config.topology.dead_letter_queue.clone(),
             message_id: config.message_id.clone(),
+            keys: self.keys.clone(),
             decide: self.dispatch.decide.clone(),
             redelivery: config.redelivery.clone(),
             republisher,

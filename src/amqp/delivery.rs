@@ -48,12 +48,13 @@ use super::database_gate::DatabaseGate;
 use super::dead_letter::DeadLetterReason;
 use super::handler::{Call, HandlerError, Prepare};
 use super::headers::{
-    CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER,
-    ROUTING_KEY_HEADER, original_routing_key,
+    CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
+    QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, original_routing_key,
 };
 use super::health::Health;
 use super::redelivery::{Mode, RedeliveryPolicy, delay_queue};
 use super::republish::Republisher;
+use super::seal::{Keyring, claimed_id};
 use super::stats::{Counter, Stats};
 use super::{DecodeError, Message, MessageIdSource};
 use crate::error::lost_connection;
@@ -75,6 +76,9 @@ const MAX_ERROR_HEADER: usize = 4096;
 /// A pause before handing a delivery back with nack when no confirmed
 /// republish was possible, so a failing broker path is not hammered.
 const FALLBACK_PAUSE: Duration = Duration::from_secs(1);
+
+/// How long a copy waits for the consumer's key before it goes out unsealed.
+const KEY_WAIT: Duration = Duration::from_millis(500);
 
 /// How a delivery is to end: decided by the steps, carried out by `settle`.
 #[derive(Debug, Clone)]
@@ -513,6 +517,8 @@ pub(crate) struct Pipeline {
     pub(crate) queue: String,
     pub(crate) dead_letter_queue: String,
     pub(crate) message_id: MessageIdSource,
+    /// Seals the ids idempo's copies carry forward, and checks them.
+    pub(crate) keys: Arc<Keyring>,
     pub(crate) decide: Arc<dyn Decide>,
     pub(crate) redelivery: RedeliveryPolicy,
     /// Copies to delay queues and to the DLQ, confirmed before the ack.
@@ -564,11 +570,15 @@ impl Pipeline {
                 })
                 .collect();
             // Ids first: a delivery without a usable id is final at once.
+            let abandon = Abandon {
+                shutdown: self.shutdown.clone(),
+                channel: items.first().map(|item| item.acker.clone()),
+            };
             let mut outcomes: Vec<Option<Outcome>> = vec![None; items.len()];
             for (item, outcome) in items.iter_mut().zip(&mut outcomes) {
-                match self.message_id.extract(&item.message) {
+                match self.identify(&item.message, &abandon).await {
                     Ok(id) => item.message.set_id(id),
-                    Err(e) => *outcome = Some(invalid_id(e)),
+                    Err(settle) => *outcome = Some(settle),
                 }
             }
             if let [item] = items.as_slice() {
@@ -601,6 +611,24 @@ impl Pipeline {
         }
         .instrument(span)
         .await
+    }
+
+    /// The id to deduplicate `message` on: the one an idempo copy carries
+    /// forward under a valid seal, else the configured source's. A copy's
+    /// seal needs the consumer's key: while the database cannot give it, the
+    /// delivery waits (and is abandoned at shutdown).
+    async fn identify(&self, message: &Message, abandon: &Abandon) -> Result<String, Outcome> {
+        if claimed_id(message).is_some() {
+            let Some(seal) = self.keys.wait(abandon.wait()).await else {
+                return Err(Outcome::Abandoned);
+            };
+            if let Some(id) = seal.carried_id(message) {
+                return crate::inbox::validate_message_id(&id)
+                    .map(|()| id)
+                    .map_err(invalid_id);
+            }
+        }
+        self.message_id.extract(message).map_err(invalid_id)
     }
 
     /// Acks, dead-letters or retries each delivery, and says which it did.
@@ -685,7 +713,7 @@ impl Pipeline {
                     .redelivery
                     .delay_for(failures.attempts, requested_delay);
                 let queue = delay_queue(&self.queue, delay);
-                let headers = self.failure_headers(&item.message, error, &failures);
+                let headers = self.failure_headers(&item.message, error, &failures).await;
                 match self
                     .republisher
                     .publish(&queue, &item.message, headers)
@@ -713,7 +741,7 @@ impl Pipeline {
         error: &str,
         failures: Failures,
     ) -> Settled {
-        let mut headers = self.failure_headers(&item.message, error, &failures);
+        let mut headers = self.failure_headers(&item.message, error, &failures).await;
         headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
         match self
             .republisher
@@ -737,7 +765,7 @@ impl Pipeline {
         }
     }
 
-    fn failure_headers(
+    async fn failure_headers(
         &self,
         message: &Message,
         error: &str,
@@ -745,12 +773,34 @@ impl Pipeline {
     ) -> Vec<(&'static str, AMQPValue)> {
         let text = |s: &str| AMQPValue::LongString(s.into());
         let mut headers = vec![
-            (MESSAGE_ID_HEADER, text(message.id())),
             (ERROR_HEADER, text(truncate(error, MAX_ERROR_HEADER))),
             (CONSUMER_HEADER, text(&self.consumer)),
             (QUEUE_HEADER, text(&self.queue)),
             (ROUTING_KEY_HEADER, text(&original_routing_key(message))),
         ];
+        // An id-less original has nothing to carry forward (an empty header
+        // would only get in the way of an operator who adds one to replay it).
+        if !message.id().is_empty() {
+            headers.push((MESSAGE_ID_HEADER, text(message.id())));
+            // Without the key (the database down since the start), the copy
+            // goes out unsealed: its id is then taken from its properties
+            // again. Waited for briefly only: poison is dead-lettered while
+            // the database is down.
+            let seal = match self.keys.loaded() {
+                Some(seal) => Some(seal),
+                None => tokio::time::timeout(KEY_WAIT, self.keys.get())
+                    .await
+                    .ok()
+                    .and_then(|loaded| loaded.ok()),
+            };
+            match seal {
+                Some(seal) => {
+                    let seal = seal.seal(message.id(), message);
+                    headers.push((MESSAGE_ID_SEAL_HEADER, text(&seal)));
+                }
+                None => tracing::debug!("copy sent without a seal: the key is not loaded yet"),
+            }
+        }
         headers.extend(failures.headers());
         headers
     }

@@ -19,10 +19,15 @@ pub const ROUTING_KEY_HEADER: &str = "x-idempo-original-routing-key";
 /// The original per-message TTL, which republished copies drop (a dead letter
 /// must not expire out of the DLQ, a retry must not expire in its delay queue).
 pub const ORIGINAL_EXPIRATION_HEADER: &str = "x-idempo-original-expiration";
-/// The id idempo deduplicated the original on, written on every copy: a
-/// copy's properties differ from the original's (routing key, expiration),
-/// so an id derived from them must not be derived again.
+/// The id idempo deduplicated the original on, written on every copy (with
+/// [`MESSAGE_ID_SEAL_HEADER`]): a copy's properties differ from the
+/// original's (routing key, expiration), so an id derived from them must not
+/// be derived again. Not written when the original had no usable id.
 pub const MESSAGE_ID_HEADER: &str = "x-idempo-message-id";
+/// The seal of [`MESSAGE_ID_HEADER`]: an HMAC-SHA256 (hex) of the consumer,
+/// the id and the body's hash under a per-consumer secret. Only an id with a
+/// valid seal is carried forward; a header without one is ignored.
+pub const MESSAGE_ID_SEAL_HEADER: &str = "x-idempo-message-id-seal";
 /// How many attempts have failed so far (an integer).
 pub const ATTEMPTS_HEADER: &str = "x-idempo-attempts";
 /// When the first attempt failed (RFC 3339, UTC).

@@ -62,6 +62,16 @@ impl Message {
         message
     }
 
+    /// A message with application headers, for the runtime's unit tests.
+    #[cfg(test)]
+    pub(crate) fn for_test_with_headers(body: &[u8], headers: FieldTable) -> Self {
+        let mut message = Message::for_test("", body);
+        Arc::get_mut(&mut message.inner)
+            .expect("not shared yet")
+            .properties = BasicProperties::default().with_headers(headers);
+        message
+    }
+
     /// Records the id the runtime deduplicates on; called before the message
     /// is shared with a handler.
     pub(crate) fn set_id(&mut self, id: String) {

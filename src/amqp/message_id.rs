@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::Message;
-use super::headers::{MESSAGE_ID_HEADER, header_text};
+use super::headers::header_text;
 use crate::inbox::{InvalidMessageId, payload_sha256, validate_message_id};
 
 /// A user function that finds a delivery's id; `None` means "no id".
@@ -39,18 +39,17 @@ impl MessageIdSource {
         MessageIdSource::Custom(Arc::new(f))
     }
 
-    /// Extracts and validates the id of `message`. A copy that idempo
-    /// republished (a retry) carries its id in the `x-idempo-message-id`
-    /// header, which takes precedence over the source.
+    /// Extracts and validates the id of `message` from this source.
+    ///
+    /// (The runtime first looks for the id an idempo copy carries forward in
+    /// [`MESSAGE_ID_HEADER`](super::MESSAGE_ID_HEADER), sealed under the
+    /// consumer's key; a header without a valid seal is ignored, and then
+    /// this source decides.)
     ///
     /// # Errors
-    /// [`InvalidMessageId`] when it is missing, empty or over 255 bytes.
+    /// [`InvalidMessageId`] when it is missing, empty, over 255 bytes or
+    /// holds a NUL.
     pub fn extract(&self, message: &Message) -> Result<String, InvalidMessageId> {
-        // A retried copy carries the id its original was deduplicated on.
-        if let Some(id) = message.header(MESSAGE_ID_HEADER).and_then(header_text) {
-            validate_message_id(&id)?;
-            return Ok(id);
-        }
         let id = match self {
             MessageIdSource::Property => message.message_id_property().map(str::to_owned),
             MessageIdSource::Header(name) => message.header(name).and_then(header_text),

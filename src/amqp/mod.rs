@@ -61,6 +61,7 @@ mod publish;
 mod redelivery;
 mod republish;
 mod retention;
+mod seal;
 mod stats;
 mod topology;
 #[cfg(feature = "window")]
@@ -73,7 +74,8 @@ pub use dead_letter::DeadLetterReason;
 pub use handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    MESSAGE_ID_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER,
+    MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER,
+    REASON_HEADER, ROUTING_KEY_HEADER,
 };
 pub use health::{Health, HealthSnapshot, RuntimeState};
 pub use message::{DecodeError, FromMessage, JsonBody, Message};

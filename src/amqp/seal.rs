@@ -1,0 +1,241 @@
+//! The seal on the message id that idempo's own copies carry forward.
+//!
+//! A retried or dead-lettered copy keeps the id its original was
+//! deduplicated on in `x-idempo-message-id`, because a copy's properties
+//! (routing key, expiration) differ from the original's and an id derived
+//! from them must not be derived again. Any publisher can write that header,
+//! though: a new payment with a forged header naming an old one would be
+//! acked as its duplicate. So the copy also carries
+//! `x-idempo-message-id-seal`, an HMAC-SHA256 of (consumer, id, body hash)
+//! under a per-consumer secret kept in PostgreSQL (`idempo_consumer_keys`,
+//! shared by the consumer's replicas). A header without a valid seal, or an
+//! empty one, is ignored: the message's own id decides.
+
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+use tokio::sync::OnceCell;
+
+use super::Message;
+use super::headers::{MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, header_text};
+use crate::Result;
+use crate::inbox::payload_sha256;
+
+/// Where a consumer's [`Seal`] comes from: loaded (or created) on first
+/// use, so that a consumer whose database is down still starts, consumes and
+/// dead-letters poison; only a copy that carries an id needs the key.
+pub(crate) struct Keyring {
+    pool: PgPool,
+    consumer: String,
+    seal: OnceCell<Seal>,
+}
+
+impl Keyring {
+    pub(crate) fn new(pool: PgPool, consumer: String) -> Self {
+        Keyring {
+            pool,
+            consumer,
+            seal: OnceCell::new(),
+        }
+    }
+
+    /// The key, if it is loaded already.
+    pub(crate) fn loaded(&self) -> Option<&Seal> {
+        self.seal.get()
+    }
+
+    /// The key, loading it if needed.
+    pub(crate) async fn get(&self) -> Result<&Seal> {
+        self.seal
+            .get_or_try_init(|| Seal::load(&self.pool, &self.consumer))
+            .await
+    }
+
+    /// The key, waiting (with backoff) while the database cannot give it;
+    /// `None` if `give_up` resolves first.
+    pub(crate) async fn wait(&self, give_up: impl Future<Output = ()>) -> Option<&Seal> {
+        let mut backoff =
+            crate::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
+        tokio::pin!(give_up);
+        loop {
+            match self.get().await {
+                Ok(seal) => return Some(seal),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot load the consumer's key; waiting");
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff.next_delay()) => {}
+                        () = &mut give_up => return None,
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A consumer's key for sealing the ids on its copies.
+#[derive(Clone)]
+pub(crate) struct Seal {
+    consumer: String,
+    key: [u8; 32],
+}
+
+impl std::fmt::Debug for Seal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Seal")
+            .field("consumer", &self.consumer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Seal {
+    /// The consumer's key, created on first use (replicas racing to create it
+    /// agree on whichever insert won).
+    pub(crate) async fn load(pool: &PgPool, consumer: &str) -> Result<Seal> {
+        let fresh: [u8; 32] = crate::random::bytes();
+        let secret: Vec<u8> = sqlx::query_scalar(
+            "WITH created AS (
+                 INSERT INTO idempo_consumer_keys (consumer, secret) VALUES ($1, $2)
+                 ON CONFLICT (consumer) DO NOTHING RETURNING secret)
+             SELECT secret FROM created
+             UNION ALL
+             SELECT secret FROM idempo_consumer_keys WHERE consumer = $1
+             LIMIT 1",
+        )
+        .bind(consumer)
+        .bind(&fresh[..])
+        .fetch_one(pool)
+        .await?;
+        let key = secret
+            .try_into()
+            .map_err(|_| crate::Error::CorruptRecord("a consumer key is not 32 bytes".into()))?;
+        Ok(Seal {
+            consumer: consumer.to_owned(),
+            key,
+        })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn for_test(consumer: &str, key: [u8; 32]) -> Seal {
+        Seal {
+            consumer: consumer.to_owned(),
+            key,
+        }
+    }
+
+    /// The seal of `id` on a copy of `message`, as lowercase hex.
+    pub(crate) fn seal(&self, id: &str, message: &Message) -> String {
+        crate::hex::to_hex(&self.mac(id, message))
+    }
+
+    /// The id an idempo copy carries forward, if `message` is one: the
+    /// header is there, not empty, and its seal is valid.
+    pub(crate) fn carried_id(&self, message: &Message) -> Option<String> {
+        let id = claimed_id(message)?;
+        let seal = message.header(MESSAGE_ID_SEAL_HEADER).and_then(header_text);
+        let expected = self.seal(&id, message);
+        match seal {
+            Some(seal) if constant_time_eq(seal.as_bytes(), expected.as_bytes()) => Some(id),
+            _ => {
+                tracing::warn!(
+                    header = MESSAGE_ID_HEADER,
+                    "ignoring a message id header without a valid seal (not an idempo copy)"
+                );
+                None
+            }
+        }
+    }
+
+    fn mac(&self, id: &str, message: &Message) -> [u8; 32] {
+        let body = payload_sha256(message.body());
+        hmac_sha256(&self.key, &[self.consumer.as_bytes(), id.as_bytes(), &body])
+    }
+}
+
+/// The id a message claims to carry forward (not yet checked): a non-empty
+/// [`MESSAGE_ID_HEADER`].
+pub(crate) fn claimed_id(message: &Message) -> Option<String> {
+    message
+        .header(MESSAGE_ID_HEADER)
+        .and_then(header_text)
+        .filter(|id| !id.is_empty())
+}
+
+/// HMAC-SHA256 (RFC 2104) of the length-prefixed `parts`, so that no two
+/// different tuples hash alike.
+fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut block = [0u8; 64];
+    if key.len() > 64 {
+        block[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        block[..key.len()].copy_from_slice(key);
+    }
+    let pad = |byte: u8| block.map(|b| b ^ byte);
+    let mut inner = Sha256::new();
+    inner.update(pad(0x36));
+    for part in parts {
+        if parts.len() > 1 {
+            inner.update((part.len() as u64).to_be_bytes());
+        }
+        inner.update(part);
+    }
+    let mut outer = Sha256::new();
+    outer.update(pad(0x5c));
+    outer.update(inner.finalize());
+    outer.finalize().into()
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hmac_matches_rfc_4231() {
+        // Test case 2: key "Jefe".
+        let mac = hmac_sha256(b"Jefe", &[b"what do ya want for nothing?"]);
+        assert_eq!(
+            crate::hex::to_hex(&mac),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+    }
+
+    #[test]
+    fn only_a_valid_seal_carries_an_id_forward() {
+        let seal = Seal::for_test("payments", [7; 32]);
+        let body = br#"{"account":"a","amount_cents":1}"#;
+        let message = |headers: &[(&str, &str)]| {
+            let table: std::collections::BTreeMap<_, _> = headers
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        lapin::types::ShortString::from(*k),
+                        lapin::types::AMQPValue::LongString((*v).into()),
+                    )
+                })
+                .collect();
+            Message::for_test_with_headers(body, table.into())
+        };
+        let sealed = seal.seal("pay-A", &message(&[]));
+        let genuine = message(&[
+            (MESSAGE_ID_HEADER, "pay-A"),
+            (MESSAGE_ID_SEAL_HEADER, &sealed),
+        ]);
+        assert_eq!(seal.carried_id(&genuine).as_deref(), Some("pay-A"));
+        // Forged: no seal, a wrong seal, another consumer's key, an empty id.
+        let forged = message(&[(MESSAGE_ID_HEADER, "pay-A")]);
+        assert_eq!(seal.carried_id(&forged), None);
+        let wrong = message(&[
+            (MESSAGE_ID_HEADER, "pay-B"),
+            (MESSAGE_ID_SEAL_HEADER, &sealed),
+        ]);
+        assert_eq!(seal.carried_id(&wrong), None);
+        let other = Seal::for_test("payments", [8; 32]);
+        assert_eq!(other.carried_id(&genuine), None);
+        let empty = message(&[(MESSAGE_ID_HEADER, ""), (MESSAGE_ID_SEAL_HEADER, &sealed)]);
+        assert_eq!(seal.carried_id(&empty), None);
+    }
+}
