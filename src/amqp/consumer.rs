@@ -306,7 +306,7 @@ const STABLE_SESSION: Duration = Duration::from_secs(30);
 /// Bounds on broker round trips during setup and teardown, so a half-open
 /// broker cannot hang a reconnect or a shutdown.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Runtime {
     async fn run(&mut self) {
@@ -362,8 +362,7 @@ impl Runtime {
             },
             () = self.shutdown.graceful.cancelled() => return SessionEnd::Shutdown,
         };
-        let subscribed =
-            tokio::time::timeout(SETUP_TIMEOUT, self.subscribe(&connection)).await;
+        let subscribed = tokio::time::timeout(SETUP_TIMEOUT, self.subscribe(&connection)).await;
         let end = match subscribed {
             Ok(Ok((channel, deliveries, pipeline, broken))) => {
                 self.dispatch(&connection, channel, deliveries, pipeline, broken)
@@ -374,12 +373,25 @@ impl Runtime {
                 "setting up the subscription took over {SETUP_TIMEOUT:?}"
             )),
         };
-        // Closing the connection hands every unacked delivery back to the broker.
+        // Closing the connection hands every unacked delivery back to the
+        // broker (so does dropping it, if the broker does not answer).
         if connection.status().connected() {
             let close = connection.close(200, "idempo consumer stopped".into());
-            let _ = tokio::time::timeout(CLOSE_TIMEOUT, close).await;
+            let _ = self.bounded(close).await;
         }
         end
+    }
+
+    /// A broker round trip of the shutdown path: at most `CLOSE_TIMEOUT`, and
+    /// none at all once `shutdown_now` (or a second signal) fired.
+    async fn bounded<F: Future>(&self, call: F) -> Option<F::Output> {
+        if self.shutdown.now.is_cancelled() {
+            return None;
+        }
+        tokio::select! {
+            done = tokio::time::timeout(CLOSE_TIMEOUT, call) => done.ok(),
+            () = self.shutdown.now.cancelled() => None,
+        }
     }
 
     async fn subscribe(
@@ -558,19 +570,22 @@ impl Runtime {
 
         if let SessionEnd::Shutdown = end {
             self.health.set_state(RuntimeState::Stopping);
-            // Stop new deliveries first, so that nothing arrives while we drain.
-            if channel.status().connected()
-                && let Err(e) = channel
-                    .basic_cancel(deliveries.tag(), BasicCancelOptions::default())
-                    .await
-            {
-                tracing::debug!(error = %e, "basic.cancel failed");
+            // Stop new deliveries first, so that nothing arrives while we
+            // drain. Bounded: a broker in a resource alarm stops reading a
+            // connection that published, and would never answer.
+            if channel.status().connected() {
+                let cancel = channel.basic_cancel(deliveries.tag(), BasicCancelOptions::default());
+                match self.bounded(cancel).await {
+                    Some(Ok(())) => {}
+                    Some(Err(e)) => tracing::debug!(error = %e, "basic.cancel failed"),
+                    None => tracing::warn!("basic.cancel unanswered; draining anyway"),
+                }
             }
             self.drain().await;
         }
         if channel.status().connected() {
             let close = channel.close(200, "idempo consumer stopped".into());
-            let _ = tokio::time::timeout(CLOSE_TIMEOUT, close).await;
+            let _ = self.bounded(close).await;
         }
         end
     }

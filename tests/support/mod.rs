@@ -557,7 +557,7 @@ pub fn init_tracing() {
 
 /// `rabbitmqctl`, or the command in `RABBITMQCTL` (e.g.
 /// `docker compose exec -T rabbitmq rabbitmqctl` when the broker runs in compose).
-fn rabbitmqctl() -> std::process::Command {
+pub fn rabbitmqctl() -> std::process::Command {
     let line = std::env::var("RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
     let mut words = line.split_whitespace();
     let mut command = std::process::Command::new(words.next().expect("RABBITMQCTL is empty"));
