@@ -587,3 +587,56 @@ async fn payments_that_can_never_apply_are_dead_lettered_and_the_account_keeps_w
     );
     assert_eq!(db.balances().await["vic"], 7);
 }
+
+#[tokio::test]
+async fn a_deleted_delay_queue_or_dead_letter_queue_is_declared_again() {
+    let (db, broker, queue) = support::setup().await;
+    let (_, handler) = counting_payments(1, None);
+    let consumer = Running::start(consumer_for(&db, &queue).handler(handler));
+    tokio::time::timeout(WAIT, consumer.health.wait_for(|h| h.is_consuming()))
+        .await
+        .expect("consuming");
+    // An operator deletes the delay queue and the DLQ.
+    let (delay, dlq) = (format!("{queue}.retry.50ms"), format!("{queue}.dlq"));
+    broker.delete(&delay).await;
+    broker.delete(&dlq).await;
+    broker.publish_payment(&queue, "pay-back", "zed", 3).await;
+    broker.publish(&queue, Some("poison-back"), b"not json").await;
+    eventually("the payment applied after its retry", WAIT, || async {
+        db.payments_for("pay-back").await == 1
+    })
+    .await;
+    broker.track(&dlq);
+    eventually("the poison in the DLQ declared again", WAIT, || async {
+        broker.ready(&dlq).await == 1
+    })
+    .await;
+    let stats = consumer.stats();
+    consumer.stop().await.unwrap();
+    assert!(stats.reconnects >= 1, "a new session declared them: {stats:?}");
+    assert_eq!(broker.drain(&dlq).await[0].reason(), "undecodable body");
+}
+
+#[tokio::test]
+async fn without_declaring_a_missing_delay_queue_still_runs_out_of_attempts() {
+    let (db, broker, queue) = support::setup().await; // the work queue and the DLQ only
+    let (seen, handler) = counting_payments(usize::MAX, None);
+    let consumer = Running::start(
+        consumer_for(&db, &queue)
+            .declare(false)
+            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
+            .handler(handler),
+    );
+    broker.publish_payment(&queue, "pay-nodelay", "zoe", 3).await;
+    consumer.settled(1).await;
+    let health = consumer.health.snapshot();
+    consumer.stop().await.unwrap();
+
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason(), "max attempts exceeded");
+    assert_eq!(dead[0].headers[ATTEMPTS_HEADER], "3");
+    assert_eq!(seen.lock().unwrap().headers.len(), 3, "three attempts, counted");
+    let error = health.last_error.unwrap_or_default();
+    assert!(error.contains("does not exist"), "{error}");
+}

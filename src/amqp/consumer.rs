@@ -429,6 +429,7 @@ impl Runtime {
             keys: self.keys.clone(),
             decide: self.dispatch.decide.clone(),
             redelivery: config.redelivery.clone(),
+            declare: config.declare,
             republisher,
             // Batch mode acks processed deliveries with multiple acks.
             coalesced: self.dispatch.batch.map(|_| AckTracker::new()),
@@ -436,6 +437,7 @@ impl Runtime {
             shutdown: self.shutdown.graceful.clone(),
             health: self.health.clone(),
             stats: self.stats.clone(),
+            log_limit: Default::default(),
         });
         Ok((channel, deliveries, pipeline, broken))
     }

@@ -53,6 +53,7 @@ use super::headers::{
 };
 use super::health::Health;
 use super::redelivery::{Mode, RedeliveryPolicy, delay_queue};
+use super::publish::PublishError;
 use super::republish::Republisher;
 use super::seal::{Keyring, claimed_id};
 use super::stats::{Counter, Stats};
@@ -521,6 +522,9 @@ pub(crate) struct Pipeline {
     pub(crate) keys: Arc<Keyring>,
     pub(crate) decide: Arc<dyn Decide>,
     pub(crate) redelivery: RedeliveryPolicy,
+    /// Whether the runtime declares its queues (and so may declare a missing
+    /// one again).
+    pub(crate) declare: bool,
     /// Copies to delay queues and to the DLQ, confirmed before the ack.
     pub(crate) republisher: Republisher,
     /// Batch mode: coalesced acks for this session's channel.
@@ -532,6 +536,29 @@ pub(crate) struct Pipeline {
     pub(crate) shutdown: CancellationToken,
     pub(crate) health: Health,
     pub(crate) stats: Stats,
+    pub(crate) log_limit: LogLimit,
+}
+
+/// Lets a repeated log line through once per interval.
+#[derive(Debug, Default)]
+pub(crate) struct LogLimit {
+    last: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl LogLimit {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn allow(&self) -> bool {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let now = std::time::Instant::now();
+        match *last {
+            Some(at) if now.duration_since(at) < Self::EVERY => false,
+            _ => {
+                *last = Some(now);
+                true
+            }
+        }
+    }
 }
 
 /// One delivery on its way: the message and what settles it.
@@ -714,11 +741,23 @@ impl Pipeline {
                     .delay_for(failures.attempts, requested_delay);
                 let queue = delay_queue(&self.queue, delay);
                 let headers = self.failure_headers(&item.message, error, &failures).await;
-                match self
+                let mut published = self
                     .republisher
-                    .publish(&queue, &item.message, headers)
-                    .await
-                {
+                    .publish(&queue, &item.message, headers.clone())
+                    .await;
+                if let Err(PublishError::Returned(_)) = &published {
+                    // The delay queue is gone (deleted by hand). Retry through
+                    // the work queue itself, with the attempt counted, so
+                    // that the attempts still run out; a pause stands in for
+                    // the delay.
+                    self.missing_queue(&queue);
+                    tokio::time::sleep(FALLBACK_PAUSE).await;
+                    published = self
+                        .republisher
+                        .publish(&self.queue, &item.message, headers)
+                        .await;
+                }
+                match published {
                     Ok(()) => {
                         tracing::warn!(%error, attempts = failures.attempts, ?delay, "transient failure; retrying later");
                         self.stats.incr(Counter::Retried);
@@ -755,6 +794,9 @@ impl Pipeline {
                 Settled::DeadLettered
             }
             Err(e) => {
+                if let PublishError::Returned(_) = e {
+                    self.missing_queue(&self.dead_letter_queue);
+                }
                 let error = format!(
                     "cannot dead-letter ({reason}) to {:?}: {e}",
                     self.dead_letter_queue
@@ -805,15 +847,38 @@ impl Pipeline {
         headers
     }
 
+    /// A copy was returned as unroutable: `queue` is gone (an operator
+    /// deleted it). When the runtime declares its queues, a new session
+    /// declares them again; otherwise only a human can create it.
+    fn missing_queue(&self, queue: &str) {
+        let error = if self.declare {
+            self.broken.cancel();
+            format!("queue {queue:?} is missing; reconnecting to declare the topology again")
+        } else {
+            format!(
+                "queue {queue:?} does not exist, and this consumer does not declare queues \
+                 (declare(false)): create it"
+            )
+        };
+        tracing::warn!(%error);
+        self.health.record_error(error);
+    }
+
     /// No confirmed copy: hand the original back instead. If the publishing
     /// channels are gone, the session must reconnect.
     async fn publish_failed(&self, acker: &Acker, error: String) {
-        tracing::error!(%error, "requeueing the original instead");
+        // At ERROR once every 10 s: a missing queue fails every copy.
+        if self.log_limit.allow() {
+            tracing::error!(%error, "requeueing the original instead");
+        } else {
+            tracing::debug!(%error, "requeueing the original instead");
+        }
         self.health.record_error(error);
         if !self.republisher.is_open().await {
             self.broken.cancel();
         }
         self.stats.incr(Counter::Retried);
+        self.stats.incr(Counter::PublishFailures);
         nack_after(acker, FALLBACK_PAUSE).await;
     }
 }

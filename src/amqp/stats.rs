@@ -15,7 +15,13 @@
 //! | `idempo_commit_failures_total` | counter |
 //! | `idempo_reconnects_total` | counter |
 //! | `idempo_database_outages_total` | counter |
+//! | `idempo_publish_failures_total` | counter |
+//! | `idempo_session_failures_total` | counter |
+//! | `idempo_poison_frames_total` | counter |
 //! | `idempo_handler_duration_seconds` | histogram |
+//!
+//! Every counter's series exists (at zero) from the moment the consumer is
+//! built, so a dashboard shows a consumer that never reached consuming.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -55,6 +61,15 @@ pub struct StatsSnapshot {
     pub commit_failures: u64,
     /// Reconnections to the broker after a lost session.
     pub reconnects: u64,
+    /// Retry and dead-letter copies the broker did not confirm (the
+    /// original was handed back instead).
+    pub publish_failures: u64,
+    /// Broker sessions that ended in an error, whether or not they reached
+    /// consuming (a refused connection, a topology conflict, a lost one).
+    pub session_failures: u64,
+    /// Deliveries whose frames the AMQP client could not parse (a property
+    /// that is not valid UTF-8), moved to the dead-letter queue.
+    pub poison_frames: u64,
     /// Times the database was found unreachable (deliveries then wait).
     pub database_outages: u64,
 }
@@ -70,10 +85,13 @@ pub(crate) enum Counter {
     CommitFailures,
     Reconnects,
     DatabaseOutages,
+    PublishFailures,
+    SessionFailures,
+    PoisonFrames,
 }
 
 impl Counter {
-    const ALL: [Counter; 9] = [
+    const ALL: [Counter; 12] = [
         Counter::Deliveries,
         Counter::Processed,
         Counter::Duplicates,
@@ -83,6 +101,9 @@ impl Counter {
         Counter::CommitFailures,
         Counter::Reconnects,
         Counter::DatabaseOutages,
+        Counter::PublishFailures,
+        Counter::SessionFailures,
+        Counter::PoisonFrames,
     ];
 
     fn metric(self) -> &'static str {
@@ -96,12 +117,19 @@ impl Counter {
             Counter::CommitFailures => "idempo_commit_failures_total",
             Counter::Reconnects => "idempo_reconnects_total",
             Counter::DatabaseOutages => "idempo_database_outages_total",
+            Counter::PublishFailures => "idempo_publish_failures_total",
+            Counter::SessionFailures => "idempo_session_failures_total",
+            Counter::PoisonFrames => "idempo_poison_frames_total",
         }
     }
 }
 
 impl Stats {
     pub(crate) fn new(consumer: &str) -> Self {
+        for counter in Counter::ALL {
+            // Registers the series at zero without touching its value.
+            metrics::counter!(counter.metric(), "consumer" => consumer.to_owned()).increment(0);
+        }
         Stats {
             inner: Arc::new(Counters {
                 consumer: consumer.to_owned(),
@@ -133,6 +161,9 @@ impl Stats {
             commit_failures: get(Counter::CommitFailures),
             reconnects: get(Counter::Reconnects),
             database_outages: get(Counter::DatabaseOutages),
+            publish_failures: get(Counter::PublishFailures),
+            session_failures: get(Counter::SessionFailures),
+            poison_frames: get(Counter::PoisonFrames),
         }
     }
 }
