@@ -62,6 +62,21 @@ pub enum Error {
         message_id: String,
     },
 
+    /// The broker refused to declare a queue because it exists with other
+    /// arguments (another type, other dead-letter settings): a configuration
+    /// error, reported instead of retried.
+    #[error(
+        "the queues of {queue:?} exist with other arguments than this consumer declares \
+         ({broker}); delete them, match the builder to them (queue_type, dead_letter_queue, \
+         retry delays), or manage them yourself with declare(false)"
+    )]
+    TopologyConflict {
+        /// The consumer's work queue.
+        queue: String,
+        /// What the broker said (it names the queue and the argument).
+        broker: String,
+    },
+
     /// The broker cancelled our consumer (for example: the queue was deleted).
     #[error("the broker cancelled the consumer of queue {queue:?}")]
     ConsumerCancelled {

@@ -12,7 +12,7 @@ use idempo::amqp::{
 use support::consumer::{
     Running, WAIT, consumer_for, counting_payments, payments_consumer, payments_then,
 };
-use support::{Broker, TcpProxy, eventually, payments, unique};
+use support::{Broker, Db, TcpProxy, eventually, payments, unique};
 
 #[tokio::test]
 async fn a_transient_failure_is_retried_through_a_delay_queue_counting_attempts() {
@@ -601,7 +601,9 @@ async fn a_deleted_delay_queue_or_dead_letter_queue_is_declared_again() {
     broker.delete(&delay).await;
     broker.delete(&dlq).await;
     broker.publish_payment(&queue, "pay-back", "zed", 3).await;
-    broker.publish(&queue, Some("poison-back"), b"not json").await;
+    broker
+        .publish(&queue, Some("poison-back"), b"not json")
+        .await;
     eventually("the payment applied after its retry", WAIT, || async {
         db.payments_for("pay-back").await == 1
     })
@@ -613,7 +615,10 @@ async fn a_deleted_delay_queue_or_dead_letter_queue_is_declared_again() {
     .await;
     let stats = consumer.stats();
     consumer.stop().await.unwrap();
-    assert!(stats.reconnects >= 1, "a new session declared them: {stats:?}");
+    assert!(
+        stats.reconnects >= 1,
+        "a new session declared them: {stats:?}"
+    );
     assert_eq!(broker.drain(&dlq).await[0].reason(), "undecodable body");
 }
 
@@ -627,7 +632,9 @@ async fn without_declaring_a_missing_delay_queue_still_runs_out_of_attempts() {
             .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
             .handler(handler),
     );
-    broker.publish_payment(&queue, "pay-nodelay", "zoe", 3).await;
+    broker
+        .publish_payment(&queue, "pay-nodelay", "zoe", 3)
+        .await;
     consumer.settled(1).await;
     let health = consumer.health.snapshot();
     consumer.stop().await.unwrap();
@@ -636,7 +643,66 @@ async fn without_declaring_a_missing_delay_queue_still_runs_out_of_attempts() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].reason(), "max attempts exceeded");
     assert_eq!(dead[0].headers[ATTEMPTS_HEADER], "3");
-    assert_eq!(seen.lock().unwrap().headers.len(), 3, "three attempts, counted");
+    assert_eq!(
+        seen.lock().unwrap().headers.len(),
+        3,
+        "three attempts, counted"
+    );
     let error = health.last_error.unwrap_or_default();
     assert!(error.contains("does not exist"), "{error}");
+}
+
+#[tokio::test]
+async fn a_queue_declared_with_other_arguments_is_a_configuration_error() {
+    let (db, broker) = (Db::new().await, Broker::connect().await);
+    let queue = unique("conflict");
+    broker
+        .declare_as(&queue, "classic")
+        .await
+        .expect("a classic queue");
+    // The runtime declares quorum queues by default: run returns the error.
+    let consumer = Running::start(payments_consumer(&db, &queue));
+    let ended = tokio::time::timeout(WAIT, consumer.task)
+        .await
+        .expect("run returns instead of retrying forever")
+        .expect("no panic");
+    let error = ended.expect_err("a topology conflict");
+    assert!(
+        matches!(&error, idempo::Error::TopologyConflict { queue: q, .. } if *q == queue),
+        "{error}"
+    );
+    assert!(error.to_string().contains("x-queue-type"), "{error}");
+    assert_eq!(consumer.stats.snapshot().session_failures, 1);
+
+    // Asked to wait, it keeps trying (and counts the failures) until stopped.
+    let waiting = Running::start(payments_consumer(&db, &queue).wait_for_topology(true));
+    eventually("two failed sessions", WAIT, || async {
+        waiting.stats().session_failures >= 2
+    })
+    .await;
+    let error = waiting.health.snapshot().last_error.unwrap_or_default();
+    assert!(error.contains("exist with other arguments"), "{error}");
+    waiting.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_example_exits_non_zero_on_a_topology_conflict() {
+    let (db, broker) = (Db::new().await, Broker::connect().await);
+    let queue = unique("conflict");
+    broker.declare_as(&queue, "classic").await.unwrap();
+    let out = tokio::time::timeout(
+        WAIT,
+        tokio::process::Command::new(support::payments_example_binary())
+            .env("DATABASE_URL", &db.url)
+            .env("AMQP_URL", support::amqp_url())
+            .env("PAYMENTS_QUEUE", &queue)
+            .env("PAYMENTS_CONCURRENCY", "4")
+            .output(),
+    )
+    .await
+    .expect("the example exits")
+    .expect("run the example");
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("exist with other arguments"), "{stderr}");
 }

@@ -60,6 +60,7 @@ pub(crate) struct Settings {
     retention: Option<Duration>,
     retention_interval: Duration,
     connection_name: Option<String>,
+    wait_for_topology: bool,
 }
 
 /// How long a batch waits for more deliveries after its first one.
@@ -102,6 +103,7 @@ impl ConsumerBuilder<NoHandler> {
                 retention: Some(Duration::from_secs(7 * 24 * 3600)),
                 retention_interval: Duration::from_secs(300),
                 connection_name: None,
+                wait_for_topology: false,
             },
             mode: NoHandler(()),
         }
@@ -345,6 +347,16 @@ impl<Mode> ConsumerBuilder<Mode> {
         self
     }
 
+    /// Keep retrying (with backoff, reported in [`Health`]) when a queue
+    /// exists with other arguments than the runtime declares, for a
+    /// deployment in which someone else fixes the topology. By default that
+    /// is a configuration error: [`Consumer::run`] returns
+    /// [`Error::TopologyConflict`].
+    pub fn wait_for_topology(mut self, wait: bool) -> Self {
+        self.settings.wait_for_topology = wait;
+        self
+    }
+
     /// The connection name shown in RabbitMQ's management UI and `rabbitmqctl`
     /// (default: `idempo:<consumer>:<pid>`).
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
@@ -464,6 +476,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
             retention: s.retention,
             retention_interval: s.retention_interval,
             connection_name,
+            wait_for_topology: s.wait_for_topology,
         },
         dispatch,
         shutdown,

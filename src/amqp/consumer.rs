@@ -129,6 +129,8 @@ pub(crate) struct Config {
     pub(crate) retention: Option<Duration>,
     pub(crate) retention_interval: Duration,
     pub(crate) connection_name: String,
+    /// Keep retrying when the queues exist with other arguments.
+    pub(crate) wait_for_topology: bool,
 }
 
 /// Stops a running [`Consumer`] from another task. Cheap to clone.
@@ -220,8 +222,11 @@ impl Consumer {
     /// whenever the broker connection is lost. Also runs the retention reaper.
     ///
     /// # Errors
-    /// None today: connection failures are retried, not returned. The
-    /// `Result` is kept so that future fatal conditions can be reported.
+    /// [`Error::TopologyConflict`] when a queue exists with other arguments
+    /// than the runtime declares (unless
+    /// [`wait_for_topology`](ConsumerBuilder::wait_for_topology)): a
+    /// configuration error that no reconnect can fix. Connection failures
+    /// are retried, not returned.
     pub async fn run(self) -> Result<()> {
         let Consumer {
             config,
@@ -263,12 +268,12 @@ impl Consumer {
         let loader = tokio::spawn(async move {
             keys.wait(stop.cancelled()).await;
         });
-        runtime.run().await;
+        let result = runtime.run().await;
         loader.abort();
         if let Some(reaper) = reaper {
             reaper.abort();
         }
-        Ok(())
+        result
     }
 }
 
@@ -297,6 +302,8 @@ enum SessionEnd {
         /// How long the session had been consuming (zero if it never did).
         consumed_for: Duration,
     },
+    /// A configuration error that no reconnect can fix: `run` returns it.
+    Fatal(Error),
 }
 
 /// A session that consumed this long resets the reconnect backoff: shorter
@@ -309,12 +316,23 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Runtime {
-    async fn run(&mut self) {
+    async fn run(&mut self) -> Result<()> {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
+        let mut fatal = None;
         loop {
             self.health.set_state(RuntimeState::Connecting);
-            match self.session().await {
+            let end = self.session().await;
+            if !matches!(end, SessionEnd::Shutdown) {
+                self.stats.incr(Counter::SessionFailures);
+            }
+            match end {
                 SessionEnd::Shutdown => break,
+                SessionEnd::Fatal(error) => {
+                    tracing::error!(%error, "cannot run; stopping");
+                    self.health.record_error(error.to_string());
+                    fatal = Some(error);
+                    break;
+                }
                 SessionEnd::Lost {
                     error,
                     consumed_for,
@@ -343,6 +361,7 @@ impl Runtime {
         self.drain().await;
         self.health.set_state(RuntimeState::Stopped);
         tracing::info!(consumer = %self.config.consumer, "stopped");
+        fatal.map_or(Ok(()), Err)
     }
 
     /// One connection's life: connect, declare, subscribe, dispatch until
@@ -367,6 +386,9 @@ impl Runtime {
             Ok(Ok((channel, deliveries, pipeline, broken))) => {
                 self.dispatch(&connection, channel, deliveries, pipeline, broken)
                     .await
+            }
+            Ok(Err(e @ Error::TopologyConflict { .. })) if !self.config.wait_for_topology => {
+                SessionEnd::Fatal(e)
             }
             Ok(Err(e)) => lost(format!("cannot set up the subscription: {e}")),
             Err(_) => lost(format!(
@@ -406,7 +428,11 @@ impl Runtime {
         let config = &self.config;
         let channel = connection.create_channel().await?;
         if config.declare {
-            config.topology.declare(&channel).await?;
+            config
+                .topology
+                .declare(&channel)
+                .await
+                .map_err(|e| topology_error(&config.topology.queue, e))?;
         }
         let republisher = Republisher::open(connection, REPUBLISH_CHANNELS).await?;
         channel
@@ -705,6 +731,23 @@ impl Feed<'_> {
             }
             None => lost("the channel closed".into()),
         }
+    }
+}
+
+/// A declaration the broker refused because the queue exists with other
+/// arguments (PRECONDITION_FAILED, 406) is a configuration error.
+fn topology_error(queue: &str, error: Error) -> Error {
+    match &error {
+        Error::Amqp(e) => match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 406 => {
+                Error::TopologyConflict {
+                    queue: queue.to_owned(),
+                    broker: amqp.get_message().to_string(),
+                }
+            }
+            _ => error,
+        },
+        _ => error,
     }
 }
 

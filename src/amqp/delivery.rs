@@ -52,8 +52,8 @@ use super::headers::{
     QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, original_routing_key,
 };
 use super::health::Health;
-use super::redelivery::{Mode, RedeliveryPolicy, delay_queue};
 use super::publish::PublishError;
+use super::redelivery::{Mode, RedeliveryPolicy, delay_queue};
 use super::republish::Republisher;
 use super::seal::{Keyring, claimed_id};
 use super::stats::{Counter, Stats};
