@@ -66,6 +66,16 @@ impl Load {
 /// Starts the example on `queue` and `database_url`, retrying after
 /// 50 ms (the tests' delay queue), with `env` on top.
 fn spawn_example(database_url: &str, queue: &str, env: &[(&str, &str)]) -> Example {
+    spawn_example_to(database_url, queue, env, Stdio::null())
+}
+
+/// [`spawn_example`], with its log (stdout) going to `log`.
+fn spawn_example_to(
+    database_url: &str,
+    queue: &str,
+    env: &[(&str, &str)],
+    log: impl Into<Stdio>,
+) -> Example {
     let mut command = Command::new(support::payments_example_binary());
     command
         .env("DATABASE_URL", database_url)
@@ -78,7 +88,7 @@ fn spawn_example(database_url: &str, queue: &str, env: &[(&str, &str)]) -> Examp
         .env("RUST_LOG", "error")
         // Within the suite's connection budget: a pool of 6.
         .env("PAYMENTS_CONCURRENCY", "4")
-        .stdout(Stdio::null());
+        .stdout(log.into());
     for (name, value) in env {
         command.env(name, value);
     }
@@ -196,7 +206,11 @@ async fn sigterm_under_load_exits_0_and_leaves_each_payment_applied_once_or_queu
     // committed work was handed back unacked instead of being acked.
     let load = publish_load(&broker, &queue, 4000, false).await;
 
-    let child = spawn_example(&db.url, &queue, &[]);
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/tmp");
+    std::fs::create_dir_all(&dir).unwrap();
+    let log_path = dir.join(format!("{queue}.log"));
+    let log = std::fs::File::create(&log_path).unwrap();
+    let child = spawn_example_to(&db.url, &queue, &[("RUST_LOG", "warn")], log);
     eventually("the example applied some payments", WAIT, || async {
         db.claims().await >= 300
     })
@@ -204,6 +218,15 @@ async fn sigterm_under_load_exits_0_and_leaves_each_payment_applied_once_or_queu
     signal(&child, "-TERM");
     let status = wait_exit(child).await;
     assert_eq!(status.code(), Some(0), "a graceful shutdown exits 0");
+    // A clean shutdown is quiet: an ERROR line would page someone on every deploy.
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains("ERROR")).collect();
+    assert!(
+        errors.is_empty(),
+        "a clean shutdown logged errors:\n{}",
+        errors.join("\n")
+    );
+    let _ = std::fs::remove_file(&log_path);
 
     let applied: BTreeSet<String> = sqlx::query_scalar("SELECT message_id FROM payments")
         .fetch_all(&db.pool)

@@ -615,6 +615,9 @@ impl Runtime {
             let close = channel.close(200, "idempo consumer stopped".into());
             let _ = self.bounded(close).await;
         }
+        // Closed here rather than when the last task drops them: a channel
+        // dropped while the connection closes makes lapin log an ERROR.
+        let _ = self.bounded(pipeline.republisher.close()).await;
         end
     }
 

@@ -114,6 +114,15 @@ impl ConfirmChannel {
         }
     }
 
+    /// Closes the channel (if it is open), so that dropping it later does
+    /// not race the connection's close.
+    pub(crate) async fn close(&self) {
+        let channel = self.channel.lock().await;
+        if channel.status().connected() {
+            let _ = channel.close(200, "idempo consumer stopped".into()).await;
+        }
+    }
+
     /// Whether the channel can still publish.
     pub(crate) async fn is_open(&self) -> bool {
         self.channel.lock().await.status().connected()

@@ -50,6 +50,11 @@ impl Republisher {
             .await
     }
 
+    /// Closes every channel.
+    pub(crate) async fn close(&self) {
+        futures::future::join_all(self.channels.iter().map(ConfirmChannel::close)).await;
+    }
+
     /// Whether every channel can still publish.
     pub(crate) async fn is_open(&self) -> bool {
         for channel in &self.channels {
