@@ -706,3 +706,111 @@ async fn the_example_exits_non_zero_on_a_topology_conflict() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("exist with other arguments"), "{stderr}");
 }
+
+/// Messages whose short strings are not UTF-8 (published by a foreign
+/// client: lapin cannot even express them) used to kill every session: the
+/// queue stood still behind the first one. Now each reaches the DLQ and the
+/// good payments behind it apply, in per-message and in batch mode.
+#[tokio::test]
+async fn a_delivery_the_client_cannot_parse_is_dead_lettered_and_the_queue_moves_on() {
+    use support::pika::RawMessage;
+    for batch in [None, Some(10)] {
+        let (db, broker, queue) = support::setup().await;
+        let body = support::payment_body("ana", 1);
+        let mut messages = vec![
+            RawMessage {
+                body: body.clone(),
+                message_id: Some(b"bad-\xff\xfe".to_vec()),
+                ..Default::default()
+            },
+            RawMessage {
+                body: body.clone(),
+                message_id: Some(b"bad-content-type".to_vec()),
+                content_type: Some(b"text/\xc3\x28".to_vec()),
+                ..Default::default()
+            },
+            RawMessage {
+                body: body.clone(),
+                message_id: Some(b"bad-header".to_vec()),
+                headers: vec![(b"x-\xe2\x82".to_vec(), "v".into())],
+                ..Default::default()
+            },
+        ];
+        for i in 0..20 {
+            messages.push(RawMessage {
+                body: body.clone(),
+                message_id: Some(format!("good-{i}").into_bytes()),
+                ..Default::default()
+            });
+        }
+        support::pika::publish(&queue, &messages);
+        let consumer = match batch {
+            None => Running::start(payments_consumer(&db, &queue)),
+            Some(size) => Running::start(
+                consumer_for(&db, &queue)
+                    .prefetch(30)
+                    .handler(|tx, m| payments::handle(tx, m, 0.0))
+                    .batch(size),
+            ),
+        };
+        eventually("the good payments applied", WAIT, || async {
+            db.payments().await == 20
+        })
+        .await;
+        let stats = consumer.stats();
+        consumer.stop().await.unwrap();
+
+        assert_eq!(stats.poison_frames, 3, "{batch:?}: {stats:?}");
+        let dead = broker.drain(&format!("{queue}.dlq")).await;
+        assert_eq!(dead.len(), 3, "{dead:?}");
+        assert!(dead.iter().all(|d| d.reason() == "undecodable properties"));
+        let errors: Vec<&str> = dead
+            .iter()
+            .map(|d| d.headers[ERROR_HEADER].as_str())
+            .collect();
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("message_id is not valid UTF-8 (hex 6261642dfffe)")),
+            "{errors:?}"
+        );
+        assert!(
+            errors.iter().any(|e| e.contains("content_type")),
+            "{errors:?}"
+        );
+        assert!(
+            errors.iter().any(|e| e.contains("header name")),
+            "{errors:?}"
+        );
+        assert_eq!(db.balances().await["ana"], 20);
+        assert_eq!(broker.ready(&queue).await, 0);
+    }
+}
+
+/// When the poison cannot be moved (here the DLQ is gone and the consumer
+/// does not declare queues), Health says the queue is stuck.
+#[tokio::test]
+async fn a_delivery_that_keeps_killing_the_connection_is_reported_in_health() {
+    use support::pika::RawMessage;
+    let (db, broker, queue) = support::setup().await;
+    broker.delete(&format!("{queue}.dlq")).await;
+    support::pika::publish(
+        &queue,
+        &[RawMessage {
+            body: support::payment_body("bo", 1),
+            message_id: Some(b"bad-\xff".to_vec()),
+            ..Default::default()
+        }],
+    );
+    let consumer = Running::start(payments_consumer(&db, &queue).declare(false));
+    tokio::time::timeout(WAIT, consumer.health.wait_for(|h| h.wedged_sessions >= 3))
+        .await
+        .expect("three wedged sessions are reported");
+    let health = consumer.health.snapshot();
+    consumer.stop().await.unwrap();
+    assert!(!health.is_healthy());
+    let error = health.last_error.unwrap_or_default();
+    assert!(error.contains("stuck behind it"), "{error}");
+    // Nothing lost: the message is still there for a human.
+    support::eventually_ready(&broker, &queue, 1).await;
+}

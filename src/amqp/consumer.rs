@@ -23,6 +23,7 @@ use super::builder::ConsumerBuilder;
 use super::delivery::{Pipeline, Settled};
 use super::health::{Health, RuntimeState};
 use super::mode::{Dispatch, NoHandler};
+use super::quarantine;
 use super::redelivery::RedeliveryPolicy;
 use super::republish::Republisher;
 use super::retention;
@@ -255,6 +256,7 @@ impl Consumer {
             tasks: JoinSet::new(),
             groups: GroupChains::default(),
             keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
+            wedged: 0,
             config,
             dispatch,
             shutdown,
@@ -290,6 +292,8 @@ struct Runtime {
     groups: GroupChains,
     /// The consumer's key for the ids its copies carry (loaded on first use).
     keys: Arc<Keyring>,
+    /// Sessions in a row ended by a delivery that could not be moved away.
+    wedged: u32,
 }
 
 /// How a broker session ended.
@@ -301,6 +305,8 @@ enum SessionEnd {
         error: String,
         /// How long the session had been consuming (zero if it never did).
         consumed_for: Duration,
+        /// The client could not parse a delivery's frames.
+        unparseable: bool,
     },
     /// A configuration error that no reconnect can fix: `run` returns it.
     Fatal(Error),
@@ -336,6 +342,7 @@ impl Runtime {
                 SessionEnd::Lost {
                     error,
                     consumed_for,
+                    unparseable,
                 } => {
                     if consumed_for >= STABLE_SESSION {
                         backoff.reset();
@@ -343,6 +350,14 @@ impl Runtime {
                     let pause = backoff.next_delay();
                     tracing::error!(%error, ?pause, "broker session lost; reconnecting");
                     self.health.record_error(error);
+                    // After the loss is recorded, so that what the quarantine
+                    // found is the last word in Health.
+                    if unparseable {
+                        self.quarantine().await;
+                    } else if consumed_for >= STABLE_SESSION {
+                        self.wedged = 0;
+                        self.health.set_wedged_sessions(0);
+                    }
                     if !consumed_for.is_zero() {
                         self.health.record_reconnect();
                         self.stats.incr(Counter::Reconnects);
@@ -364,12 +379,58 @@ impl Runtime {
         fatal.map_or(Ok(()), Err)
     }
 
+    /// A delivery lapin cannot parse ended the session, and would end every
+    /// next one: move such deliveries at the head of the queue to the DLQ
+    /// with a client of our own (see `quarantine`).
+    async fn quarantine(&mut self) {
+        let config = &self.config;
+        let target = quarantine::Target {
+            url: &config.amqp_url,
+            queue: &config.topology.queue,
+            dead_letter_queue: &config.topology.dead_letter_queue,
+            consumer: &config.consumer,
+            limit: usize::from(config.prefetch) + 1,
+        };
+        let moved = tokio::select! {
+            moved = quarantine::run(&target) => moved,
+            () = self.shutdown.graceful.cancelled() => return,
+        };
+        match moved {
+            Ok(n) if n > 0 => {
+                for _ in 0..n {
+                    self.stats.incr(Counter::PoisonFrames);
+                    self.stats.incr(Counter::DeadLettered);
+                }
+                self.wedged = 0;
+                self.health.record_error(format!(
+                    "moved {n} delivery(ies) whose properties are not valid UTF-8 to {:?}",
+                    config.topology.dead_letter_queue
+                ));
+            }
+            outcome => {
+                self.wedged += 1;
+                let why = match outcome {
+                    Ok(_) => "none found at the head of the queue".to_owned(),
+                    Err(e) => e.to_string(),
+                };
+                let error = format!(
+                    "a delivery the AMQP client cannot parse ended {} session(s) in a row, and could not be moved to the DLQ ({why}); the queue is stuck behind it",
+                    self.wedged
+                );
+                tracing::error!(%error);
+                self.health.record_error(error);
+            }
+        }
+        self.health.set_wedged_sessions(self.wedged);
+    }
+
     /// One connection's life: connect, declare, subscribe, dispatch until
     /// shutdown or loss.
     async fn session(&mut self) -> SessionEnd {
         let lost = |error: String| SessionEnd::Lost {
             error,
             consumed_for: Duration::ZERO,
+            unparseable: false,
         };
         let properties = ConnectionProperties::default()
             .with_connection_name(self.config.connection_name.as_str().into());
@@ -704,10 +765,12 @@ struct Feed<'a> {
 
 impl Feed<'_> {
     async fn next(&mut self, deadline: Option<tokio::time::Instant>) -> Next {
+        let consumed_for = self.consuming_since.elapsed().max(Duration::from_nanos(1));
         let lost = |error: String| {
             Next::End(SessionEnd::Lost {
                 error,
-                consumed_for: self.consuming_since.elapsed().max(Duration::from_nanos(1)),
+                consumed_for,
+                unparseable: false,
             })
         };
         let linger = async {
@@ -725,6 +788,13 @@ impl Feed<'_> {
         };
         match next {
             Some(Ok(delivery)) => Next::Delivery(Box::new(delivery)),
+            Some(Err(e)) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => {
+                Next::End(SessionEnd::Lost {
+                    error: format!("a delivery could not be parsed: {e}"),
+                    consumed_for,
+                    unparseable: true,
+                })
+            }
             Some(Err(e)) => lost(format!("consuming failed: {e}")),
             None if self.channel.status().connected() && self.connection.status().connected() => {
                 let error = Error::ConsumerCancelled {

@@ -13,6 +13,9 @@ pub enum DeadLetterReason {
     InvalidMessageId,
     /// The body could not be decoded into the handler's type.
     UndecodableBody,
+    /// A property or header name is not valid UTF-8, so the AMQP client
+    /// could not parse the delivery at all.
+    UndecodableProperties,
     /// The id was already processed with a different body.
     PayloadMismatch,
     /// The handler returned a permanent error.
@@ -28,6 +31,7 @@ impl DeadLetterReason {
             DeadLetterReason::MissingMessageId => "missing message id",
             DeadLetterReason::InvalidMessageId => "invalid message id",
             DeadLetterReason::UndecodableBody => "undecodable body",
+            DeadLetterReason::UndecodableProperties => "undecodable properties",
             DeadLetterReason::PayloadMismatch => "message id reused with a different payload",
             DeadLetterReason::PermanentError => "permanent handler error",
             DeadLetterReason::AttemptsExhausted => "max attempts exceeded",

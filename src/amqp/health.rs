@@ -35,6 +35,10 @@ pub struct HealthSnapshot {
     pub last_error: Option<String>,
     /// How many times the runtime reconnected to the broker.
     pub reconnects: u64,
+    /// Broker sessions in a row that a delivery the AMQP client cannot parse
+    /// ended (a property that is not valid UTF-8) without the runtime moving
+    /// it to the DLQ: the queue is stuck behind it until someone removes it.
+    pub wedged_sessions: u32,
 }
 
 impl HealthSnapshot {
@@ -43,9 +47,10 @@ impl HealthSnapshot {
         self.state == RuntimeState::Consuming
     }
 
-    /// Consuming and the database reachable: the consumer is doing its job.
+    /// Consuming, the database reachable, and no delivery wedging the
+    /// queue: the consumer is doing its job.
     pub fn is_healthy(&self) -> bool {
-        self.is_consuming() && self.database_available
+        self.is_consuming() && self.database_available && self.wedged_sessions < 3
     }
 }
 
@@ -64,6 +69,7 @@ impl Default for Health {
                 database_available: true,
                 last_error: None,
                 reconnects: 0,
+                wedged_sessions: 0,
             })),
         }
     }
@@ -94,6 +100,10 @@ impl Health {
 
     pub(crate) fn record_error(&self, error: String) {
         self.inner.send_modify(|s| s.last_error = Some(error));
+    }
+
+    pub(crate) fn set_wedged_sessions(&self, n: u32) {
+        self.inner.send_modify(|s| s.wedged_sessions = n);
     }
 
     pub(crate) fn record_reconnect(&self) {

@@ -58,6 +58,7 @@ mod message;
 mod message_id;
 pub mod mode;
 mod publish;
+mod quarantine;
 mod redelivery;
 mod republish;
 mod retention;

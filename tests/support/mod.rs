@@ -8,6 +8,7 @@
 pub mod payments;
 
 pub mod consumer;
+pub mod pika;
 
 use std::collections::BTreeMap;
 use std::future::Future;
