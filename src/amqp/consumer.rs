@@ -257,6 +257,7 @@ impl Consumer {
             groups: GroupChains::default(),
             keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
             wedged: 0,
+            unresponsive: false,
             config,
             dispatch,
             shutdown,
@@ -294,6 +295,8 @@ struct Runtime {
     keys: Arc<Keyring>,
     /// Sessions in a row ended by a delivery that could not be moved away.
     wedged: u32,
+    /// The broker left a round trip of this session's shutdown unanswered.
+    unresponsive: bool,
 }
 
 /// How a broker session ended.
@@ -427,6 +430,7 @@ impl Runtime {
     /// One connection's life: connect, declare, subscribe, dispatch until
     /// shutdown or loss.
     async fn session(&mut self) -> SessionEnd {
+        self.unresponsive = false;
         let lost = |error: String| SessionEnd::Lost {
             error,
             consumed_for: Duration::ZERO,
@@ -465,16 +469,20 @@ impl Runtime {
         end
     }
 
-    /// A broker round trip of the shutdown path: at most `CLOSE_TIMEOUT`, and
-    /// none at all once `shutdown_now` (or a second signal) fired.
-    async fn bounded<F: Future>(&self, call: F) -> Option<F::Output> {
-        if self.shutdown.now.is_cancelled() {
+    /// A broker round trip of the shutdown path: at most `CLOSE_TIMEOUT`;
+    /// none at all once `shutdown_now` (or a second signal) fired, or once
+    /// the broker left one unanswered in this session (in a resource alarm it
+    /// answers none, and each would only add to the shutdown's length).
+    async fn bounded<F: Future>(&mut self, call: F) -> Option<F::Output> {
+        if self.shutdown.now.is_cancelled() || self.unresponsive {
             return None;
         }
-        tokio::select! {
+        let done = tokio::select! {
             done = tokio::time::timeout(CLOSE_TIMEOUT, call) => done.ok(),
             () = self.shutdown.now.cancelled() => None,
-        }
+        };
+        self.unresponsive |= done.is_none();
+        done
     }
 
     async fn subscribe(
