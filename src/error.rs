@@ -45,6 +45,17 @@ pub enum Error {
         capacity: usize,
     },
 
+    /// A bounded in-memory idempotency store is full of live records.
+    #[error("the idempotency store is full ({capacity} live records)")]
+    StoreFull {
+        /// The store's capacity.
+        capacity: usize,
+    },
+
+    /// A store call took longer than allowed.
+    #[error("the store did not answer within {0:?}")]
+    StoreTimeout(std::time::Duration),
+
     /// The broker did not confirm a publish (nacked, unroutable, timed out).
     #[error("publish not confirmed: {0}")]
     PublishNotConfirmed(String),

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use http::request::Parts;
 use http::{HeaderName, Method, StatusCode, header};
+use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
 use super::service::Idempotency;
@@ -21,9 +22,6 @@ pub const MIN_LEASE: Duration = Duration::from_millis(100);
 /// The longest [TTL](IdempotencyLayer::ttl): a year.
 pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
-/// The user of a request when the [`user`](IdempotencyLayer::user) function
-/// names none.
-pub const ANONYMOUS: &str = "anonymous";
 
 /// Makes POST and PATCH requests that carry an `Idempotency-Key` safe to
 /// retry: the first one runs, its response is stored, and every retry gets
@@ -34,7 +32,7 @@ pub const ANONYMOUS: &str = "anonymous";
 /// |---|---|
 /// | [`methods`](Self::methods) | POST, PATCH |
 /// | [`require_key`](Self::require_key) | no: requests without a key pass through |
-/// | [`user`](Self::user) | every request is [`ANONYMOUS`] |
+/// | [`user`](Self::user) | none: every request is "without a user" (a scope no user id can reach) |
 /// | [`max_request_body`](Self::max_request_body) | 1 MiB (larger: 413) |
 /// | [`max_response_body`](Self::max_response_body) | 1 MiB (larger: passed through, key released) |
 /// | [`lease`](Self::lease) | 30 s, renewed while the request runs |
@@ -42,12 +40,19 @@ pub const ANONYMOUS: &str = "anonymous";
 /// | [`stored_headers`](Self::stored_headers) | `Content-Type`, `Location` |
 /// | [`stores_status`](Self::stores_status) | [`stores_status_by_default`] |
 /// | [`fail_open`](Self::fail_open) | no: a store error answers 503 |
-/// | [`in_progress_retry_after`](Self::in_progress_retry_after) | 1 s |
+/// | [`store_timeout`](Self::store_timeout) | 5 s per store call (then 503) |
+/// | [`body_timeout`](Self::body_timeout) | 30 s to read the request body (then 408) |
+/// | [`in_progress_retry_after`](Self::in_progress_retry_after) | 1 s while the first request's holder renews its lease; the lease's remainder once it stopped |
 ///
 /// # Things to know
 /// - A client that disconnects does not cancel the handler: it runs to the
 ///   end in its own task and completes (or releases) the key, so the retry
-///   finds the answer.
+///   finds the answer. Those tasks outlive their connections, so a graceful
+///   shutdown must wait for them after the server stopped:
+///   [`in_flight`](Self::in_flight).
+/// - Apply the layer with `route_layer` on a method router
+///   (`post(handler).route_layer(layer)`): then a method the route does not
+///   serve gets its 405 without the layer asking for a key.
 /// - A handler that never returns holds its key (the lease is renewed) for
 ///   as long as the process lives: bound handlers with a timeout layer
 ///   *inside* this one.
@@ -91,17 +96,35 @@ pub(crate) struct Config {
     pub(crate) stores_status: StatusFn,
     pub(crate) fail_open: bool,
     pub(crate) retry_after: Duration,
+    pub(crate) store_timeout: Duration,
+    pub(crate) body_timeout: Duration,
+    /// The handler tasks, for a graceful shutdown to wait for.
+    pub(crate) tasks: TaskTracker,
 }
 
-/// The default of [`IdempotencyLayer::stores_status`]: 2xx, 4xx except 408,
-/// 409 and 429 (the client is told to retry), and 5xx. A stored 500 is
-/// replayed as it is, an indeterminate result the client must not repeat
-/// blindly, as Stripe does. 1xx and 3xx are not stored.
+/// The default of [`IdempotencyLayer::stores_status`], on one principle: a
+/// response that reports an **executed** outcome is stored and replayed; one
+/// that says the request was **not executed** is not stored, and the key is
+/// released so that the client can retry it.
+///
+/// | status | stored | why |
+/// |---|---|---|
+/// | 2xx | yes | executed |
+/// | 402 Payment Required | yes | executed: a decline is the outcome of the attempt |
+/// | 500 Internal Server Error | yes | indeterminate: it may have executed, so it is replayed rather than repeated (as Stripe does) |
+/// | 400, 401, 403, 404, 405, 406, 409, 410, 411, 413, 414, 415, 422 and the other 4xx | no | refused before executing: validation, auth, routing, conflict |
+/// | 408, 425, 429 | no | not done: too slow, too early, overloaded |
+/// | 501, 502, 503, 504 and the other 5xx | no | not done: unavailable, try again |
+/// | 1xx, 3xx | no | not an outcome |
+///
+/// What a handler must do to be safe under it: answer a status that is not
+/// stored **only when it wrote nothing** (a failed validation, a database
+/// that was down before anything committed), because the retry runs again.
+/// A handler that may fail half-way should use the
+/// [atomic phase](crate::http#the-atomic-phase) (its writes roll back with
+/// any answer that is not stored) or answer 500.
 pub fn stores_status_by_default(status: StatusCode) -> bool {
-    match status.as_u16() {
-        408 | 409 | 429 => false,
-        _ => status.is_success() || status.is_client_error() || status.is_server_error(),
-    }
+    matches!(status.as_u16(), 200..=299 | 402 | 500)
 }
 
 impl<St: IdempotencyStore> IdempotencyLayer<St> {
@@ -121,6 +144,9 @@ impl<St: IdempotencyStore> IdempotencyLayer<St> {
                 stores_status: Arc::new(stores_status_by_default),
                 fail_open: false,
                 retry_after: Duration::from_secs(1),
+                store_timeout: Duration::from_secs(5),
+                body_timeout: Duration::from_secs(30),
+                tasks: TaskTracker::new(),
             },
         }
     }
@@ -145,7 +171,11 @@ impl<St> IdempotencyLayer<St> {
 
     /// Who sent the request, e.g. from an extension your authentication
     /// middleware inserted. Keys are scoped by user: the same key from two
-    /// users names two operations. `None` is [`ANONYMOUS`].
+    /// users names two operations. `None` is a request without a user: its
+    /// own scope, which no user id can reach (not `"anonymous"`, not `""`).
+    /// Return `None` only for requests that may run without a user; reject
+    /// an unreadable or unauthenticated one in your authentication layer or
+    /// the handler (401/400: not stored).
     ///
     /// ```
     /// # use idempo::http::{IdempotencyLayer, MemoryStore};
@@ -223,11 +253,82 @@ impl<St> IdempotencyLayer<St> {
         self
     }
 
-    /// The `Retry-After` sent with 409 while the first request is running.
+    /// The `Retry-After` sent with 409 while the first request is running
+    /// and its holder renews the lease (it will answer soon). Once a renewal
+    /// is overdue (the holder probably died), the 409 says how long the lease
+    /// has left instead, so that a client waits once, not every second.
     #[must_use]
     pub fn in_progress_retry_after(mut self, delay: Duration) -> Self {
         self.config.retry_after = delay;
         self
+    }
+
+    /// How long one store call may take before the request is answered 503
+    /// (default 5 s): a pool waiting for a connection to a database that is
+    /// down must not hold the client for the pool's whole acquire timeout.
+    #[must_use]
+    pub fn store_timeout(mut self, timeout: Duration) -> Self {
+        self.config.store_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long the layer waits for the request body it buffers (default
+    /// 30 s); a slower upload is answered 408 and nothing runs. Stalled
+    /// uploads cannot hold memory longer than this.
+    #[must_use]
+    pub fn body_timeout(mut self, timeout: Duration) -> Self {
+        self.config.body_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The handlers this layer (and its clones) started, for a graceful
+    /// shutdown. A handler whose client disconnected keeps running in a task
+    /// of its own, detached from any connection, so `axum::serve(..)
+    /// .with_graceful_shutdown(..)` does not wait for it: wait for it after.
+    ///
+    /// ```no_run
+    /// # async fn doc(app: axum::Router, layer: idempo::http::IdempotencyLayer<idempo::http::MemoryStore>) -> std::io::Result<()> {
+    /// let in_flight = layer.in_flight();
+    /// let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+    /// axum::serve(listener, app)
+    ///     .with_graceful_shutdown(async { let _ = tokio::signal::ctrl_c().await; })
+    ///     .await?;
+    /// in_flight.wait(std::time::Duration::from_secs(30)).await; // complete or release every key
+    /// # Ok(()) }
+    /// ```
+    pub fn in_flight(&self) -> InFlight {
+        InFlight {
+            tasks: self.config.tasks.clone(),
+        }
+    }
+}
+
+/// The handlers of an [`IdempotencyLayer`] still running; see
+/// [`IdempotencyLayer::in_flight`].
+#[derive(Debug, Clone)]
+pub struct InFlight {
+    tasks: TaskTracker,
+}
+
+impl InFlight {
+    /// How many handlers are running.
+    pub fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// `true` when none is.
+    pub fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+
+    /// Waits until every handler has finished and completed or released its
+    /// key, for at most `timeout`; `true` if they all did.
+    pub async fn wait(&self, timeout: Duration) -> bool {
+        self.tasks.close();
+        let done = tokio::time::timeout(timeout, self.tasks.wait()).await.is_ok();
+        // New requests (a server that keeps serving) are tracked again.
+        self.tasks.reopen();
+        done
     }
 }
 

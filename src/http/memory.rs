@@ -21,10 +21,26 @@ use crate::Result;
 ///
 /// Cloning is cheap and shares the records: give a clone to each layer (and
 /// to [`run_cleanup`](super::run_cleanup)) that must see the same keys.
-#[derive(Debug, Default, Clone)]
+///
+/// Bounded: at most [`DEFAULT_CAPACITY`] records (or
+/// [`with_capacity`](Self::with_capacity)). When it is full of live records,
+/// a new key is refused with [`Error::StoreFull`](crate::Error::StoreFull)
+/// (the layer answers 503 with `Retry-After`) rather than evicting one: an
+/// evicted record's retry would run again. Expired records make room first.
+#[derive(Debug, Clone)]
 pub struct MemoryStore {
     records: Arc<Mutex<HashMap<[u8; 32], Record>>>,
     next_token: Arc<AtomicI64>,
+    capacity: usize,
+}
+
+/// The default capacity of a [`MemoryStore`].
+pub const DEFAULT_CAPACITY: usize = 100_000;
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore::with_capacity(DEFAULT_CAPACITY)
+    }
 }
 
 #[derive(Debug)]
@@ -44,9 +60,18 @@ enum State {
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store of [`DEFAULT_CAPACITY`] records.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty store of at most `capacity` records (at least 1).
+    pub fn with_capacity(capacity: usize) -> Self {
+        MemoryStore {
+            records: Arc::default(),
+            next_token: Arc::default(),
+            capacity: capacity.max(1),
+        }
     }
 
     /// How many records (live or expired) are held.
@@ -94,9 +119,19 @@ impl IdempotencyStore for MemoryStore {
             match &record.state {
                 State::Complete(response) => return Ok(Begin::Completed(response.clone())),
                 State::InProgress { locked_until, .. } if *locked_until > now => {
-                    return Ok(Begin::InProgress);
+                    return Ok(Begin::InProgress {
+                        lease_left: Some(*locked_until - now),
+                    });
                 }
                 State::InProgress { .. } => {} // the lease ran out: take it over
+            }
+        }
+        if records.len() >= self.capacity && !records.contains_key(operation.key.digest()) {
+            records.retain(|_, record| record.expires_at > now);
+            if records.len() >= self.capacity {
+                return Err(crate::Error::StoreFull {
+                    capacity: self.capacity,
+                });
             }
         }
         let token = self.token();

@@ -75,7 +75,7 @@ impl IdempotencyStore for PostgresStore {
             )
             .bind(&key.digest()[..])
             .bind(key.key())
-            .bind(key.user())
+            .bind(key.user().unwrap_or(""))
             .bind(key.method())
             .bind(key.path())
             .bind(&operation.fingerprint.as_bytes()[..])
@@ -90,7 +90,9 @@ impl IdempotencyStore for PostgresStore {
             let row = sqlx::query(
                 "SELECT request_hash, state, status_code, response_headers, response_body,
                         expires_at <= clock_timestamp() AS expired,
-                        coalesce(locked_until <= clock_timestamp(), false) AS lease_over
+                        coalesce(locked_until <= clock_timestamp(), false) AS lease_over,
+                        greatest(0, extract(epoch FROM locked_until - clock_timestamp()) * 1000)::bigint
+                            AS lease_left_ms
                  FROM idempotency_keys WHERE record_key = $1",
             )
             .bind(&key.digest()[..])
@@ -117,11 +119,17 @@ impl IdempotencyStore for PostgresStore {
                     )));
                 }
                 _ if row.get::<bool, _>("lease_over") => continue,
-                _ => return Ok(Begin::InProgress),
+                _ => {
+                    let left: Option<i64> = row.get("lease_left_ms");
+                    let lease_left = left
+                        .and_then(|ms| u64::try_from(ms).ok())
+                        .map(Duration::from_millis);
+                    return Ok(Begin::InProgress { lease_left });
+                }
             }
         }
         // The record keeps changing under us: someone else is working on it.
-        Ok(Begin::InProgress)
+        Ok(Begin::InProgress { lease_left: None })
     }
 
     async fn extend(&self, key: &RecordKey, token: FencingToken, lease: Duration) -> Result<bool> {

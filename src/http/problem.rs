@@ -15,6 +15,7 @@ pub(crate) enum Problem {
     InvalidKey(KeyError),
     BodyTooLarge { limit: usize },
     BodyUnreadable,
+    BodyTimeout { after: Duration },
     KeyMismatch,
     InProgress { retry_after: Duration },
     StoreUnavailable,
@@ -43,6 +44,7 @@ impl Problem {
                 StatusCode::BAD_REQUEST
             }
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Problem::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Problem::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Problem::InProgress { .. } | Problem::LeaseLost => StatusCode::CONFLICT,
             Problem::StoreUnavailable | Problem::CommitFailed | Problem::DatabaseUnavailable => {
@@ -60,6 +62,7 @@ impl Problem {
             Problem::InvalidKey(_) => "invalid-key",
             Problem::BodyTooLarge { .. } => "body-too-large",
             Problem::BodyUnreadable => "body-unreadable",
+            Problem::BodyTimeout { .. } => "body-timeout",
             Problem::KeyMismatch => "key-mismatch",
             Problem::InProgress { .. } => "in-progress",
             Problem::StoreUnavailable => "store-unavailable",
@@ -78,6 +81,7 @@ impl Problem {
             Problem::InvalidKey(_) => "Invalid Idempotency-Key",
             Problem::BodyTooLarge { .. } => "Request body too large",
             Problem::BodyUnreadable => "Request body could not be read",
+            Problem::BodyTimeout { .. } => "Request body too slow",
             Problem::KeyMismatch => "Idempotency-Key reused with a different request",
             Problem::InProgress { .. } => "A request with this Idempotency-Key is in progress",
             Problem::StoreUnavailable => "Idempotency store unavailable",
@@ -98,6 +102,9 @@ impl Problem {
                 format!("the body exceeds the {limit}-byte limit for idempotent requests")
             }
             Problem::BodyUnreadable => "the request body ended with an error".into(),
+            Problem::BodyTimeout { after } => format!(
+                "the request body did not arrive within {after:?}; nothing was executed"
+            ),
             Problem::KeyMismatch => "this key was already used for a request with another \
                 method, path or body; use a new key for a new request"
                 .into(),
@@ -145,7 +152,15 @@ impl Problem {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         );
-        if let Problem::InProgress { retry_after } = self {
+        let retry_after = match self {
+            Problem::InProgress { retry_after } => Some(retry_after),
+            // Nothing ran: a retry a moment later may find the store back.
+            Problem::StoreUnavailable | Problem::DatabaseUnavailable => {
+                Some(Duration::from_secs(1))
+            }
+            _ => None,
+        };
+        if let Some(retry_after) = retry_after {
             let secs = retry_after.as_secs_f64().ceil().max(1.0) as u64;
             response
                 .headers_mut()

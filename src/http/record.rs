@@ -16,26 +16,37 @@ use crate::{Error, Result};
 /// Stores index records by [`digest`](Self::digest): a SHA-256 over the four
 /// parts, each prefixed with its length. A separator could be forged (user
 /// `"a|POST"` and user `"a"` with method `"POST|..."`); a length prefix cannot,
-/// so no two distinct tuples share a record.
+/// so no two distinct tuples share a record. A request without a user is
+/// marked so in the digest by a tag no user id can produce: no user id (not
+/// `"anonymous"`, not `""`) reaches the records of requests without one.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RecordKey {
     digest: [u8; 32],
-    user: String,
+    user: Option<String>,
     method: String,
     path: String,
     key: String,
 }
 
 impl RecordKey {
-    /// The record key of `key` sent by `user` to `method path`.
-    pub fn new(user: &str, method: &str, path: &str, key: &str) -> Self {
+    /// The record key of `key` sent by `user` (`None`: a request without
+    /// one) to `method path`.
+    pub fn new(user: Option<&str>, method: &str, path: &str, key: &str) -> Self {
         let mut hasher = Sha256::new();
-        for part in [user, method, path, key] {
+        match user {
+            // The tag byte keeps "no user" apart from every user id.
+            None => hasher.update([0u8]),
+            Some(user) => {
+                hasher.update([1u8]);
+                length_prefixed(&mut hasher, user.as_bytes());
+            }
+        }
+        for part in [method, path, key] {
             length_prefixed(&mut hasher, part.as_bytes());
         }
         RecordKey {
             digest: hasher.finalize().into(),
-            user: user.to_owned(),
+            user: user.map(str::to_owned),
             method: method.to_owned(),
             path: path.to_owned(),
             key: key.to_owned(),
@@ -52,9 +63,9 @@ impl RecordKey {
         hex(&self.digest)
     }
 
-    /// The user the operation belongs to.
-    pub fn user(&self) -> &str {
-        &self.user
+    /// The user the operation belongs to (`None`: a request without one).
+    pub fn user(&self) -> Option<&str> {
+        self.user.as_deref()
     }
 
     /// The request method.
@@ -282,10 +293,19 @@ mod tests {
     #[test]
     fn length_prefixes_keep_tuples_apart() {
         // Joined with a separator these two would be the same string.
-        let a = RecordKey::new("alice|POST", "/x", "/y", "k");
-        let b = RecordKey::new("alice", "POST|/x", "/y", "k");
+        let a = RecordKey::new(Some("alice|POST"), "/x", "/y", "k");
+        let b = RecordKey::new(Some("alice"), "POST|/x", "/y", "k");
         assert_ne!(a.digest(), b.digest());
-        assert_eq!(a, RecordKey::new("alice|POST", "/x", "/y", "k"));
+        assert_eq!(a, RecordKey::new(Some("alice|POST"), "/x", "/y", "k"));
+    }
+
+    #[test]
+    fn no_user_id_reaches_the_records_of_requests_without_one() {
+        let nobody = RecordKey::new(None, "POST", "/p", "k");
+        for forged in ["", "anonymous", "\0"] {
+            assert_ne!(nobody.digest(), RecordKey::new(Some(forged), "POST", "/p", "k").digest());
+        }
+        assert_eq!(nobody.user(), None);
     }
 
     #[test]

@@ -45,13 +45,13 @@ impl fmt::Debug for RedisStore {
 }
 
 // KEYS[1] lease, KEYS[2] data; ARGV[1] "token:fingerprint", ARGV[2] lease ms.
-// Returns {1, data} when complete, {0} when started, {2, lease value} when
-// another request holds the lease.
+// Returns {1, data, 0} when complete, {0, '', 0} when started, {2, lease
+// value, lease ms left} when another request holds the lease.
 const BEGIN: &str = r"
 local data = redis.call('GET', KEYS[2])
-if data then return {1, data} end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0, ''} end
-return {2, redis.call('GET', KEYS[1]) or ''}
+if data then return {1, data, 0} end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0, '', 0} end
+return {2, redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}
 ";
 
 // The other scripts act only while the lease key still carries the caller's
@@ -150,7 +150,7 @@ impl IdempotencyStore for RedisStore {
         // Random tokens: unique with overwhelming probability, and unlike a
         // counter they need no key of their own that could expire and restart.
         let token = FencingToken::new(crate::random::token());
-        let reply: (i64, Vec<u8>) = self
+        let reply: (i64, Vec<u8>, i64) = self
             .scripts
             .begin
             .key(&lease)
@@ -160,8 +160,8 @@ impl IdempotencyStore for RedisStore {
             .invoke_async(&mut self.conn.clone())
             .await?;
         match reply {
-            (0, _) => Ok(Begin::Started(token)),
-            (1, stored) => {
+            (0, _, _) => Ok(Begin::Started(token)),
+            (1, stored, _) => {
                 let expected = hex(operation.fingerprint.as_bytes());
                 let Some((fingerprint, response)) = stored.split_at_checked(FINGERPRINT_HEX) else {
                     return Err(Error::CorruptRecord("stored record is truncated".into()));
@@ -171,15 +171,16 @@ impl IdempotencyStore for RedisStore {
                 }
                 Ok(Begin::Completed(StoredResponse::decode(response)?))
             }
-            (2, holder) => {
+            (2, holder, left_ms) => {
                 let expected = hex(operation.fingerprint.as_bytes());
                 if holder.ends_with(expected.as_bytes()) {
-                    Ok(Begin::InProgress)
+                    let lease_left = u64::try_from(left_ms).ok().map(Duration::from_millis);
+                    Ok(Begin::InProgress { lease_left })
                 } else {
                     Ok(Begin::Mismatch)
                 }
             }
-            (other, _) => Err(Error::CorruptRecord(format!(
+            (other, _, _) => Err(Error::CorruptRecord(format!(
                 "unexpected begin script reply {other}"
             ))),
         }

@@ -18,7 +18,7 @@ use sqlx::{Postgres, Transaction};
 use tower_service::Service;
 
 use super::key::{IDEMPOTENT_REPLAYED, IdempotencyKey};
-use super::layer::{ANONYMOUS, Config};
+use super::layer::Config;
 use super::problem::{LayerAnswer, Problem};
 use super::record::{Fingerprint, RecordKey, StoredResponse};
 use super::store::{AtomicStore, Begin, FencingToken, IdempotencyStore, Operation};
@@ -137,16 +137,26 @@ where
     };
 
     let (mut parts, body) = request.into_parts();
-    let body = match Limited::new(body, config.max_request_body).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+    let reading = Limited::new(body, config.max_request_body).collect();
+    let body = match tokio::time::timeout(config.body_timeout, reading).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
             let limit = config.max_request_body;
             return Ok(Problem::BodyTooLarge { limit }.into_response());
         }
-        Err(_) => return Ok(Problem::BodyUnreadable.into_response()),
+        Ok(Err(_)) => return Ok(Problem::BodyUnreadable.into_response()),
+        Err(_) => {
+            let after = config.body_timeout;
+            return Ok(Problem::BodyTimeout { after }.into_response());
+        }
     };
-    let user = (config.user)(&parts).unwrap_or_else(|| ANONYMOUS.to_owned());
-    let record = RecordKey::new(&user, parts.method.as_str(), parts.uri.path(), key.as_str());
+    let user = (config.user)(&parts);
+    let record = RecordKey::new(
+        user.as_deref(),
+        parts.method.as_str(),
+        parts.uri.path(),
+        key.as_str(),
+    );
     let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let fingerprint = Fingerprint::of_request(parts.method.as_str(), path_and_query, &body);
 
@@ -156,11 +166,11 @@ where
         lease: config.lease,
         ttl: config.ttl,
     };
-    let token = match store.begin(operation).await {
+    let token = match bounded(config.store_timeout, store.begin(operation)).await {
         Ok(Begin::Started(token)) => token,
         Ok(Begin::Completed(stored)) => return Ok(replay(stored)),
-        Ok(Begin::InProgress) => {
-            let retry_after = config.retry_after;
+        Ok(Begin::InProgress { lease_left }) => {
+            let retry_after = in_progress_retry_after(&config, lease_left);
             return Ok(Problem::InProgress { retry_after }.into_response());
         }
         Ok(Begin::Mismatch) => return Ok(Problem::KeyMismatch.into_response()),
@@ -181,7 +191,7 @@ where
         token,
     };
     let phase = owner.store.atomic().map(|atomic| {
-        let phase = AtomicPhase::new(atomic.pool().clone());
+        let phase = AtomicPhase::new(atomic.pool().clone(), owner.config.store_timeout);
         parts.extensions.insert(phase.clone());
         phase
     });
@@ -189,7 +199,9 @@ where
     // Spawned: a client that disconnects drops this future, but the handler
     // must still finish and complete or release the key. Otherwise the key
     // would stay in progress until its lease ran out and the retry ran again.
-    let task = tokio::spawn(async move {
+    // Tracked, so that a graceful shutdown can wait for it (`in_flight`).
+    let tasks = owner.config.tasks.clone();
+    let task = tasks.spawn(async move {
         let call = async move { inner.call(request).await };
         owner.execute(call, phase).await
     });
@@ -198,6 +210,38 @@ where
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         // Cancelled: the runtime is shutting down.
         Err(_) => Ok(Problem::CommitFailed.into_response()),
+    }
+}
+
+/// A store call bounded by the layer's store timeout; running out of time
+/// is a store error like any other (503, or `fail_open`).
+async fn bounded<T>(
+    timeout: std::time::Duration,
+    call: impl Future<Output = crate::Result<T>>,
+) -> crate::Result<T> {
+    tokio::time::timeout(timeout, call)
+        .await
+        .unwrap_or_else(|_| Err(crate::Error::StoreTimeout(timeout)))
+}
+
+/// How long a client should wait before retrying a key in progress: briefly
+/// while the holder renews its lease on schedule (its answer is near); the
+/// lease's remainder once a renewal is overdue (the holder is probably gone,
+/// and nothing can happen before the lease runs out).
+fn in_progress_retry_after(
+    config: &Config,
+    lease_left: Option<std::time::Duration>,
+) -> std::time::Duration {
+    let Some(left) = lease_left else {
+        return config.retry_after;
+    };
+    // Renewed every third of the lease: a live holder's lease never has
+    // less than two thirds left (a tenth of slack for the renewal's trip).
+    let renewed_on_time = left + config.lease / 10 >= config.lease * 2 / 3;
+    if renewed_on_time {
+        config.retry_after
+    } else {
+        left.max(config.retry_after)
     }
 }
 
@@ -335,11 +379,8 @@ impl<St: IdempotencyStore> Owner<St> {
             let every = self.config.lease / 3;
             loop {
                 tokio::time::sleep(every).await;
-                match self
-                    .store
-                    .extend(&self.record, self.token, self.config.lease)
-                    .await
-                {
+                let extend = self.store.extend(&self.record, self.token, self.config.lease);
+                match bounded(self.config.store_timeout, extend).await {
                     Ok(true) => {}
                     Ok(false) => {
                         tracing::warn!(key = ?self.record, "lease lost while the request ran");
@@ -356,7 +397,8 @@ impl<St: IdempotencyStore> Owner<St> {
     }
 
     async fn release(&self) {
-        if let Err(error) = self.store.release(&self.record, self.token).await {
+        let release = self.store.release(&self.record, self.token);
+        if let Err(error) = bounded(self.config.store_timeout, release).await {
             // The record stays in progress until its lease runs out; then a
             // retry takes it over.
             tracing::warn!(%error, "could not release the idempotency key");
@@ -364,23 +406,44 @@ impl<St: IdempotencyStore> Owner<St> {
     }
 
     /// Completes through the store (no atomic phase). The effect already
-    /// happened, so the handler's answer goes out whatever happens here.
+    /// happened, so the handler's answer goes out whatever happens here; but
+    /// an unstored answer means the retry after the lease runs out executes
+    /// again, so a failing store is tried again, with backoff, for as long as
+    /// the lease lasts (the fencing token makes a late completion safe: it is
+    /// refused once another request took the key over).
     async fn complete(&self, stored: &StoredResponse) {
-        match self
-            .store
-            .complete(&self.record, self.token, stored, self.config.ttl)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                key = ?self.record,
-                "the lease was taken over before the response was stored; answering without storing"
-            ),
-            Err(error) => tracing::error!(
-                %error,
-                key = ?self.record,
-                "could not store the response; a retry after the lease runs out executes again"
-            ),
+        let deadline = tokio::time::Instant::now() + self.config.lease;
+        let mut backoff = crate::backoff::Backoff::new(
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_secs(2),
+        );
+        loop {
+            let complete = self
+                .store
+                .complete(&self.record, self.token, stored, self.config.ttl);
+            let error = match bounded(self.config.store_timeout, complete).await {
+                Ok(true) => return,
+                Ok(false) => {
+                    tracing::warn!(
+                        key = ?self.record,
+                        "the lease was taken over before the response was stored; answering without storing"
+                    );
+                    return;
+                }
+                Err(error) => error,
+            };
+            let pause = backoff.next_delay();
+            if tokio::time::Instant::now() + pause >= deadline {
+                metrics::counter!("idempo_http_unstored_responses_total").increment(1);
+                tracing::error!(
+                    %error,
+                    key = ?self.record,
+                    "could not store the response within the lease; a retry after the lease runs out executes again"
+                );
+                return;
+            }
+            tracing::warn!(%error, ?pause, "could not store the response yet; trying again");
+            tokio::time::sleep(pause).await;
         }
     }
 

@@ -39,7 +39,11 @@ pub enum Begin {
     /// ran out): run the request, then complete or release.
     Started(FencingToken),
     /// Another request with this key is running and its lease is live.
-    InProgress,
+    InProgress {
+        /// How long the lease has left, when the store knows: the layer
+        /// tells clients to wait that long once the holder stopped renewing.
+        lease_left: Option<Duration>,
+    },
     /// The operation finished: replay this.
     Completed(StoredResponse),
     /// The key names a different request (another fingerprint).

@@ -24,13 +24,16 @@ pub(crate) struct WithoutKey;
 #[derive(Clone)]
 pub(crate) struct AtomicPhase {
     pool: PgPool,
+    /// Bounds the wait for a connection (the layer's store timeout).
+    timeout: std::time::Duration,
     tx: Arc<Mutex<Option<Tx>>>,
 }
 
 impl AtomicPhase {
-    pub(crate) fn new(pool: PgPool) -> Self {
+    pub(crate) fn new(pool: PgPool, timeout: std::time::Duration) -> Self {
         AtomicPhase {
             pool,
+            timeout,
             tx: Arc::new(Mutex::new(None)),
         }
     }
@@ -42,7 +45,8 @@ impl AtomicPhase {
         if let Some(tx) = &*slot {
             return Ok(tx.clone());
         }
-        let tx = Tx::new(self.pool.begin().await?);
+        let begin = tokio::time::timeout(self.timeout, self.pool.begin());
+        let tx = Tx::new(begin.await.map_err(|_| sqlx::Error::PoolTimedOut)??);
         *slot = Some(tx.clone());
         Ok(tx)
     }
