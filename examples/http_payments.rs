@@ -17,7 +17,10 @@
 //! - `REDIS_URL` (default `redis://127.0.0.1:6379`) for the `redis` store
 //!
 //! With `postgres`, the insert and the stored response commit in one
-//! transaction (the handler takes a `Tx`). Runs until SIGTERM or SIGINT.
+//! transaction (the handler takes a `Tx`). Runs until SIGTERM or SIGINT,
+//! then stops accepting, and waits (up to 30 s) for the handlers still
+//! running, those of clients that disconnected included, to complete or
+//! release their keys: none is cut off half-way.
 
 #[path = "common/http_payments.rs"]
 mod http_payments;
@@ -27,7 +30,9 @@ use std::time::Duration;
 use anyhow::Context;
 use axum::Router;
 use axum::routing::post;
-use idempo::http::{IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, RedisStore};
+use idempo::http::{
+    IdempotencyLayer, IdempotencyStore, InFlight, MemoryStore, PostgresStore, RedisStore,
+};
 use sqlx::PgPool;
 
 fn env_or(name: &str, default: &str) -> String {
@@ -35,15 +40,19 @@ fn env_or(name: &str, default: &str) -> String {
 }
 
 /// `POST /payments` behind the idempotency layer on `store`; the key is
-/// required and scoped by `X-User-Id`.
-fn app<St: IdempotencyStore + Clone>(pool: PgPool, store: St) -> Router {
+/// required and scoped by `X-User-Id`. `route_layer`: a method the route
+/// does not serve gets 405 before the layer asks for a key. Also returns
+/// the layer's handlers in flight, for the shutdown.
+fn app<St: IdempotencyStore + Clone>(pool: PgPool, store: St) -> (Router, InFlight) {
     let layer = IdempotencyLayer::new(store.clone())
         .require_key()
         .user(http_payments::user_of);
+    let in_flight = layer.in_flight();
     tokio::spawn(idempo::http::run_cleanup(store, Duration::from_secs(60)));
-    Router::new()
-        .route("/payments", post(http_payments::create).layer(layer))
-        .with_state(pool)
+    let router = Router::new()
+        .route("/payments", post(http_payments::create).route_layer(layer))
+        .with_state(pool);
+    (router, in_flight)
 }
 
 #[tokio::main]
@@ -66,7 +75,7 @@ async fn main() -> anyhow::Result<()> {
     http_payments::create_table(&pool).await?;
 
     let kind = env_or("IDEMPOTENCY_STORE", "postgres");
-    let app = match kind.as_str() {
+    let (app, in_flight) = match kind.as_str() {
         "postgres" => app(pool.clone(), PostgresStore::new(pool)),
         "redis" => {
             let url = env_or("REDIS_URL", "redis://127.0.0.1:6379");
@@ -75,7 +84,7 @@ async fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("connect to Redis at {url}"))?;
             app(pool, store)
         }
-        "memory" => app(pool, std::sync::Arc::new(MemoryStore::new())),
+        "memory" => app(pool, MemoryStore::new()),
         other => {
             anyhow::bail!("IDEMPOTENCY_STORE must be postgres, redis or memory, not {other:?}")
         }
@@ -97,5 +106,14 @@ async fn main() -> anyhow::Result<()> {
             tracing::info!("shutting down");
         })
         .await?;
+    // Handlers of clients that disconnected are not tied to a connection:
+    // let them finish and store (or release) their keys.
+    let running = in_flight.len();
+    if !in_flight.wait(Duration::from_secs(30)).await {
+        tracing::warn!(
+            running,
+            "handlers still running after 30 s; their keys stay in progress until their leases run out"
+        );
+    }
     Ok(())
 }

@@ -83,7 +83,8 @@ impl TestStore for Arc<MemoryStore> {
 /// replaces the 201's body with that many bytes; `x-abort-then` runs a failing
 /// statement in the handler's transaction (ignoring the error) and answers
 /// that status; `x-steal` moves the key to another owner (as a takeover would)
-/// before answering.
+/// before answering; `x-kill-backend` terminates the handler's database
+/// connection before it writes (a real database error: the answer is 503).
 async fn payments(
     tx: Option<Tx>,
     state: State<sqlx::PgPool>,
@@ -105,6 +106,19 @@ async fn payments(
         headers.contains_key("x-panic"),
         headers.contains_key("x-steal"),
     );
+    if headers.contains_key("x-kill-backend") {
+        // A real database error before any write: the handler's backend is
+        // terminated under it.
+        let kill = "SELECT pg_terminate_backend(pg_backend_pid())";
+        match &tx {
+            Some(tx) => sqlx::query(kill).execute(&mut *tx.try_lock()?).await?,
+            None => {
+                sqlx::query(kill)
+                    .execute(&mut *pool.acquire().await?)
+                    .await?
+            }
+        };
+    }
     let response = http_payments::create(tx.clone(), state, headers, body).await?;
     if panics {
         panic!("the handler panicked on purpose");
@@ -698,6 +712,161 @@ async fn a_client_that_disconnects_does_not_leave_the_key_stuck<St: TestStore>()
     assert_eq!(app.effects().await, 1);
 }
 
+async fn statuses_that_say_not_done_are_not_stored<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    for status in [503, 502, 504, 429, 408, 401, 403, 404, 405, 409, 415, 422] {
+        let key = format!("not-done-{status}");
+        let status_text = status.to_string();
+        let first = app
+            .post(
+                Some(key.as_bytes()),
+                "alice",
+                payment("acc-1", 5),
+                &[("x-fail", &status_text)],
+            )
+            .await;
+        assert_eq!(first.status, status);
+        let retry = app
+            .post(Some(key.as_bytes()), "alice", payment("acc-1", 5), &[])
+            .await;
+        assert_eq!(
+            (retry.status, retry.replayed()),
+            (201, false),
+            "{status}: {retry:?}"
+        );
+    }
+    for status in [402, 500] {
+        let key = format!("done-{status}");
+        let status_text = status.to_string();
+        app.post(
+            Some(key.as_bytes()),
+            "alice",
+            payment("acc-1", 5),
+            &[("x-fail", &status_text)],
+        )
+        .await;
+        let retry = app
+            .post(Some(key.as_bytes()), "alice", payment("acc-1", 5), &[])
+            .await;
+        assert_eq!(
+            (retry.status, retry.replayed()),
+            (status, true),
+            "{status}: {retry:?}"
+        );
+    }
+}
+
+async fn a_database_error_in_the_handler_does_not_block_the_key<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    let failed = app
+        .post(
+            Some(b"db"),
+            "alice",
+            payment("acc-1", 5),
+            &[("x-kill-backend", "1")],
+        )
+        .await;
+    assert_eq!(failed.status, 503, "{failed:?}");
+    let text = String::from_utf8_lossy(&failed.body).to_lowercase();
+    assert!(
+        !text.contains("terminat") && !text.contains("sqlx"),
+        "no internal detail: {text}"
+    );
+    let retry = app
+        .post(Some(b"db"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!((retry.status, retry.replayed()), (201, false), "{retry:?}");
+    assert_eq!(app.effects().await, 1);
+}
+
+async fn requests_without_a_user_cannot_reach_a_users_records<St: TestStore>() {
+    let (app, _) = app::<St>(|l| l).await;
+    let theirs = app
+        .post(Some(b"k"), "anonymous", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(theirs.status, 201);
+    // No X-User-Id, and one that is not visible ASCII: the handler refuses
+    // them (401), and neither gets the stored 201 of the user "anonymous".
+    for user in [None, Some(HeaderValue::from_bytes(b"caf\xe9").unwrap())] {
+        let mut request = app
+            .client
+            .post(format!("{}/payments", app.base))
+            .header("content-type", "application/json")
+            .header("idempotency-key", "k")
+            .body(payment("acc-1", 5));
+        if let Some(user) = user {
+            request = request.header("x-user-id", user);
+        }
+        let answer = request.send().await.unwrap();
+        assert_eq!(answer.status(), 401);
+        assert!(answer.headers().get("idempotent-replayed").is_none());
+    }
+    let replay = app
+        .post(Some(b"k"), "anonymous", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(
+        (replay.status, replay.replayed()),
+        (201, true),
+        "{replay:?}"
+    );
+    assert_eq!(app.effects().await, 1);
+}
+
+async fn retry_after_follows_the_lease_once_its_holder_stopped_renewing<St: TestStore>() {
+    let lease = Duration::from_secs(3);
+    let (app, store) = app::<St>(|l| l.lease(lease)).await;
+    // A holder that died: its record was begun and never renewed.
+    let body = payment("acc-1", 5);
+    let record = RecordKey::new(Some("alice"), "POST", "/payments", "dead");
+    let fingerprint = Fingerprint::of_request("POST", "/payments", &body);
+    let operation = Operation {
+        key: &record,
+        fingerprint: &fingerprint,
+        lease,
+        ttl: Duration::from_secs(60),
+    };
+    assert!(matches!(
+        store.begin(operation).await.unwrap(),
+        Begin::Started(_)
+    ));
+    tokio::time::sleep(Duration::from_millis(1600)).await; // a renewal is overdue
+    let waiting = app.post(Some(b"dead"), "alice", body.clone(), &[]).await;
+    assert_eq!(waiting.status, 409);
+    assert_eq!(
+        waiting.headers["retry-after"], "2",
+        "the lease's remainder, rounded up"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let taken = app.post(Some(b"dead"), "alice", body, &[]).await;
+    assert_eq!(taken.status, 201, "one wait was enough: {taken:?}");
+
+    // A live holder (renewing): its answer is near, so a short wait.
+    let slow = {
+        let client = app.client.clone();
+        let url = format!("{}/payments", app.base);
+        tokio::spawn(async move {
+            client
+                .post(url)
+                .header("content-type", "application/json")
+                .header("x-user-id", "alice")
+                .header("idempotency-key", "live")
+                .header("x-delay-ms", "1500")
+                .body(payment("acc-1", 5))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let busy = app
+        .post(Some(b"live"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(busy.status, 409);
+    assert_eq!(busy.headers["retry-after"], "1");
+    assert_eq!(slow.await.unwrap(), 201);
+}
+
 macro_rules! store_tests {
     ($module:ident, $store:ty) => {
         mod $module {
@@ -755,6 +924,23 @@ macro_rules! store_tests {
             #[tokio::test]
             async fn unstored_statuses_errors_and_panics_release_the_key() {
                 super::unstored_statuses_errors_and_panics_release_the_key::<$store>().await
+            }
+            #[tokio::test]
+            async fn statuses_that_say_not_done_are_not_stored() {
+                super::statuses_that_say_not_done_are_not_stored::<$store>().await
+            }
+            #[tokio::test]
+            async fn a_database_error_in_the_handler_does_not_block_the_key() {
+                super::a_database_error_in_the_handler_does_not_block_the_key::<$store>().await
+            }
+            #[tokio::test]
+            async fn requests_without_a_user_cannot_reach_a_users_records() {
+                super::requests_without_a_user_cannot_reach_a_users_records::<$store>().await
+            }
+            #[tokio::test]
+            async fn retry_after_follows_the_lease_once_its_holder_stopped_renewing() {
+                super::retry_after_follows_the_lease_once_its_holder_stopped_renewing::<$store>()
+                    .await
             }
         }
     };

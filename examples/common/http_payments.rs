@@ -71,15 +71,23 @@ impl IntoResponse for Failure {
     }
 }
 
+/// Database errors: logged in full, answered with a generic message (the
+/// client has no use for the database's text, and should not see it). 503,
+/// which the idempotency layer does not store: nothing was written.
 impl From<sqlx::Error> for Failure {
     fn from(e: sqlx::Error) -> Self {
-        Failure(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}"))
+        tracing::warn!(error = %e, "database error");
+        Failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the database is unavailable; retry later".into(),
+        )
     }
 }
 
 impl From<idempo::Error> for Failure {
     fn from(e: idempo::Error) -> Self {
-        Failure(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+        tracing::warn!(error = %e, "request failed");
+        Failure(StatusCode::INTERNAL_SERVER_ERROR, "internal error".into())
     }
 }
 

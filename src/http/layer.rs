@@ -22,7 +22,6 @@ pub const MIN_LEASE: Duration = Duration::from_millis(100);
 /// The longest [TTL](IdempotencyLayer::ttl): a year.
 pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
-
 /// Makes POST and PATCH requests that carry an `Idempotency-Key` safe to
 /// retry: the first one runs, its response is stored, and every retry gets
 /// that response back.
@@ -325,7 +324,9 @@ impl InFlight {
     /// key, for at most `timeout`; `true` if they all did.
     pub async fn wait(&self, timeout: Duration) -> bool {
         self.tasks.close();
-        let done = tokio::time::timeout(timeout, self.tasks.wait()).await.is_ok();
+        let done = tokio::time::timeout(timeout, self.tasks.wait())
+            .await
+            .is_ok();
         // New requests (a server that keeps serving) are tracked again.
         self.tasks.reopen();
         done

@@ -102,9 +102,9 @@ impl Problem {
                 format!("the body exceeds the {limit}-byte limit for idempotent requests")
             }
             Problem::BodyUnreadable => "the request body ended with an error".into(),
-            Problem::BodyTimeout { after } => format!(
-                "the request body did not arrive within {after:?}; nothing was executed"
-            ),
+            Problem::BodyTimeout { after } => {
+                format!("the request body did not arrive within {after:?}; nothing was executed")
+            }
             Problem::KeyMismatch => "this key was already used for a request with another \
                 method, path or body; use a new key for a new request"
                 .into(),

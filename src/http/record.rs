@@ -303,7 +303,10 @@ mod tests {
     fn no_user_id_reaches_the_records_of_requests_without_one() {
         let nobody = RecordKey::new(None, "POST", "/p", "k");
         for forged in ["", "anonymous", "\0"] {
-            assert_ne!(nobody.digest(), RecordKey::new(Some(forged), "POST", "/p", "k").digest());
+            assert_ne!(
+                nobody.digest(),
+                RecordKey::new(Some(forged), "POST", "/p", "k").digest()
+            );
         }
         assert_eq!(nobody.user(), None);
     }

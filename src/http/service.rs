@@ -379,7 +379,9 @@ impl<St: IdempotencyStore> Owner<St> {
             let every = self.config.lease / 3;
             loop {
                 tokio::time::sleep(every).await;
-                let extend = self.store.extend(&self.record, self.token, self.config.lease);
+                let extend = self
+                    .store
+                    .extend(&self.record, self.token, self.config.lease);
                 match bounded(self.config.store_timeout, extend).await {
                     Ok(true) => {}
                     Ok(false) => {
