@@ -7,6 +7,7 @@ mod support;
 #[path = "../examples/common/http_payments.rs"]
 mod http_payments;
 
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -1125,4 +1126,213 @@ async fn an_idempo_error_from_a_handler_is_a_problem_that_releases_the_key() {
         .await
         .unwrap();
     assert_eq!(rows, 1, "one effect");
+}
+
+#[tokio::test]
+async fn routing_and_media_type_refusals_are_not_stored() {
+    let db = Db::new().await;
+    http_payments::create_table(&db.pool).await.unwrap();
+    let store = MemoryStore::new();
+    let layer = || {
+        IdempotencyLayer::new(store.clone())
+            .require_key()
+            .user(http_payments::user_of)
+    };
+    let router = Router::new()
+        .route("/layer", post(payments).layer(layer()))
+        .route("/route-layer", post(payments).route_layer(layer()))
+        .with_state(db.pool.clone());
+    let base = serve(router).await;
+    let client = reqwest::Client::new();
+    let send = |method: reqwest::Method, path: &str, key: Option<&str>, json: bool| {
+        let mut request = client
+            .request(method, format!("{base}{path}"))
+            .header("x-user-id", "alice")
+            .body(payment("acc-1", 5));
+        if json {
+            request = request.header("content-type", "application/json");
+        }
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        async move {
+            let answer = request.send().await.unwrap();
+            let replayed = answer.headers().contains_key("idempotent-replayed");
+            (answer.status().as_u16(), replayed)
+        }
+    };
+    // A PATCH with a key on a POST route: 405, every time, never replayed.
+    for _ in 0..2 {
+        assert_eq!(
+            send(reqwest::Method::PATCH, "/layer", Some("p"), true).await,
+            (405, false)
+        );
+    }
+    // With route_layer, a PATCH without a key is a 405 too, not a 400.
+    assert_eq!(
+        send(reqwest::Method::PATCH, "/route-layer", None, true).await,
+        (405, false)
+    );
+    // A missing Content-Type is 415; the corrected retry (same key, same body) runs.
+    assert_eq!(
+        send(reqwest::Method::POST, "/layer", Some("m"), false).await,
+        (415, false)
+    );
+    assert_eq!(
+        send(reqwest::Method::POST, "/layer", Some("m"), true).await,
+        (201, false)
+    );
+    assert_eq!(
+        send(reqwest::Method::POST, "/layer", Some("m"), true).await,
+        (201, true)
+    );
+}
+
+#[tokio::test]
+async fn a_full_memory_store_refuses_new_keys_and_never_forgets_a_live_one() {
+    let (app, _) = app::<Arc<MemoryStore>>(|l| l).await;
+    let small = App::start(
+        Db::new().await,
+        IdempotencyLayer::new(MemoryStore::with_capacity(2)).ttl(Duration::from_secs(2)),
+    )
+    .await;
+    drop(app);
+    for key in [b"one".as_slice(), b"two"] {
+        assert_eq!(
+            small
+                .post(Some(key), "alice", payment("acc-1", 5), &[])
+                .await
+                .status,
+            201
+        );
+    }
+    let full = small
+        .post(Some(b"three"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(full.status, 503, "{full:?}");
+    assert_eq!(full.problem(), "store-unavailable");
+    assert!(full.headers.contains_key("retry-after"));
+    // The live records are still there: their retries replay.
+    let replay = small
+        .post(Some(b"one"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert!(replay.replayed());
+    // Once they expire, there is room again.
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let later = small
+        .post(Some(b"three"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(later.status, 201);
+    assert_eq!(small.effects().await, 3);
+}
+
+#[tokio::test]
+async fn a_store_that_hangs_answers_503_within_the_store_timeout() {
+    let db = Db::new().await;
+    let proxy = TcpProxy::start("127.0.0.1:5432").await;
+    // A pool as users configure it: a long acquire timeout.
+    let options = sqlx::postgres::PgConnectOptions::from_str(&support::database_url())
+        .unwrap()
+        .port(proxy.addr.port())
+        .options([("search_path", db.schema.as_str())]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options)
+        .await
+        .unwrap();
+    let app = App::start(
+        db,
+        IdempotencyLayer::new(PostgresStore::new(pool)).store_timeout(Duration::from_secs(1)),
+    )
+    .await;
+    proxy.cut();
+    let started = std::time::Instant::now();
+    let answer = app
+        .post(Some(b"slow"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(answer.status, 503, "{answer:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "answered after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(app.effects().await, 0);
+}
+
+#[tokio::test]
+async fn a_stalled_upload_is_answered_408_and_runs_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let app = App::start(
+        Db::new().await,
+        IdempotencyLayer::new(MemoryStore::new()).body_timeout(Duration::from_millis(500)),
+    )
+    .await;
+    let addr = app.base.trim_start_matches("http://").to_owned();
+    let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    // Headers announce 100 bytes; 10 arrive, then nothing.
+    socket
+        .write_all(
+            b"POST /payments HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+              X-User-Id: alice\r\nIdempotency-Key: stall\r\nContent-Length: 100\r\n\r\n{\"account\"",
+        )
+        .await
+        .unwrap();
+    let mut answer = vec![0u8; 1024];
+    let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut answer))
+        .await
+        .expect("an answer before the client gives up")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..read]);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("body-timeout"), "{answer}");
+    assert_eq!(app.effects().await, 0);
+}
+
+#[tokio::test]
+async fn a_redis_outage_while_storing_the_answer_is_ridden_out_within_the_lease() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let target = redis_url().trim_start_matches("redis://").to_owned();
+    let proxy = TcpProxy::start(&target).await;
+    let store = RedisStore::through(&proxy, &db).await.unwrap();
+    let app = App::start(db, IdempotencyLayer::new(store)).await;
+    let slow = {
+        let client = app.client.clone();
+        let url = format!("{}/payments", app.base);
+        tokio::spawn(async move {
+            client
+                .post(url)
+                .header("content-type", "application/json")
+                .header("x-user-id", "alice")
+                .header("idempotency-key", "outage")
+                .header("x-delay-ms", "600")
+                .body(payment("acc-1", 5))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    // Redis goes away while the handler runs, so storing its answer fails,
+    // and comes back a second later.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    proxy.cut();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    proxy.restore();
+    // The answer goes out once it is stored, well within the lease.
+    let status = tokio::time::timeout(Duration::from_secs(10), slow)
+        .await
+        .expect("stored within seconds of Redis coming back")
+        .unwrap();
+    assert_eq!(status, 201);
+    let retry = app
+        .post(Some(b"outage"), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (201, true),
+        "the answer was stored once Redis was back (not 409 until the lease ran out): {retry:?}"
+    );
+    assert_eq!(app.effects().await, 1);
 }

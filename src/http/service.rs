@@ -419,12 +419,18 @@ impl<St: IdempotencyStore> Owner<St> {
             std::time::Duration::from_millis(50),
             std::time::Duration::from_secs(2),
         );
+        let mut retried = false;
         loop {
             let complete = self
                 .store
                 .complete(&self.record, self.token, stored, self.config.ttl);
             let error = match bounded(self.config.store_timeout, complete).await {
                 Ok(true) => return,
+                // After a failed attempt, an earlier one may have landed after all.
+                Ok(false) if retried => {
+                    tracing::debug!(key = ?self.record, "the record is no longer ours: an earlier attempt stored it, or another request took it over");
+                    return;
+                }
                 Ok(false) => {
                     tracing::warn!(
                         key = ?self.record,
@@ -434,6 +440,7 @@ impl<St: IdempotencyStore> Owner<St> {
                 }
                 Err(error) => error,
             };
+            retried = true;
             let pause = backoff.next_delay();
             if tokio::time::Instant::now() + pause >= deadline {
                 metrics::counter!("idempo_http_unstored_responses_total").increment(1);
