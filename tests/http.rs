@@ -1336,3 +1336,109 @@ async fn a_redis_outage_while_storing_the_answer_is_ridden_out_within_the_lease(
     );
     assert_eq!(app.effects().await, 1);
 }
+
+/// The `http_payments` example as a process: SIGTERM while the handler of a
+/// client that disconnected is still running. The process waits for it, its
+/// answer is stored, and the retry after a restart is a replay: one payment.
+async fn a_graceful_shutdown_waits_for_a_disconnected_clients_handler(store: &str) {
+    use std::process::Command;
+    let db = Db::new().await;
+    http_payments::create_table(&db.pool).await.unwrap();
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    // A key of its own: the Redis store keeps records across runs.
+    let key = unique("graceful");
+    let start = || {
+        Command::new(support::example_binary("http_payments"))
+            .env("HTTP_ADDR", &addr)
+            .env("DATABASE_URL", &db.url)
+            .env("IDEMPOTENCY_STORE", store)
+            .env("REDIS_URL", redis_url())
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .expect("start the http_payments example")
+    };
+    let client = reqwest::Client::new();
+    let listening = || async {
+        support::eventually("the example listens", Duration::from_secs(30), || {
+            let (client, url) = (client.clone(), format!("http://{addr}/payments"));
+            async move { client.get(url).send().await.is_ok() }
+        })
+        .await
+    };
+    let post = |timeout: Duration| {
+        client
+            .post(format!("http://{addr}/payments"))
+            .timeout(timeout)
+            .header("content-type", "application/json")
+            .header("x-user-id", "alice")
+            .header("idempotency-key", key.as_str())
+            .body(payment("acc-1", 5))
+            .send()
+    };
+    let mut server = start();
+    listening().await;
+    // Inserts into http_payments wait behind this lock.
+    let mut lock = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE http_payments IN EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    assert!(
+        post(Duration::from_millis(500)).await.is_err(),
+        "the client gave up"
+    );
+    let kill = Command::new("kill")
+        .args(["-TERM", &server.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(
+        server.try_wait().unwrap().is_none(),
+        "the process waits for the handler in flight"
+    );
+    lock.commit().await.unwrap(); // the handler's insert proceeds
+    let status = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            if let Some(status) = server.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the example exits once its handler is done");
+    assert!(status.success(), "{status:?}");
+
+    let mut again = start();
+    listening().await;
+    let retry = post(Duration::from_secs(10)).await.unwrap();
+    let replayed = retry.headers().contains_key("idempotent-replayed");
+    let retry_status = retry.status().as_u16();
+    let _ = again.kill();
+    let _ = again.wait();
+    assert_eq!(
+        (retry_status, replayed),
+        (201, true),
+        "the answer was stored before the exit"
+    );
+    let payments: i64 = sqlx::query_scalar("SELECT count(*) FROM http_payments")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(payments, 1, "one payment");
+}
+
+#[tokio::test]
+async fn a_graceful_shutdown_waits_for_a_disconnected_clients_handler_postgres() {
+    a_graceful_shutdown_waits_for_a_disconnected_clients_handler("postgres").await
+}
+
+#[tokio::test]
+async fn a_graceful_shutdown_waits_for_a_disconnected_clients_handler_redis() {
+    a_graceful_shutdown_waits_for_a_disconnected_clients_handler("redis").await
+}
