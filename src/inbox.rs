@@ -127,8 +127,8 @@ pub fn payload_sha256(body: &[u8]) -> [u8; 32] {
 /// concurrent claim fails with a serialization error, which is safe to retry.
 ///
 /// # Errors
-/// [`Error::InvalidMessageId`](crate::Error::InvalidMessageId) for an empty or
-/// oversized id, [`Error::Database`](crate::Error::Database) when a statement
+/// [`Error::InvalidMessageId`] for an empty or
+/// oversized id, [`Error::Database`] when a statement
 /// fails.
 pub async fn claim(
     tx: &mut Transaction<'_, Postgres>,
@@ -322,7 +322,7 @@ pub async fn commit(
 /// redelivery that arrives after its claim is gone is processed again.
 ///
 /// # Errors
-/// [`Error::Database`](crate::Error::Database) when a statement fails.
+/// [`Error::Database`] when a statement fails.
 pub async fn delete_processed_before(
     pool: &PgPool,
     consumer: &str,

@@ -20,7 +20,7 @@ pub enum DeadLetterReason {
     PayloadMismatch,
     /// The handler returned a permanent error.
     PermanentError,
-    /// Transient failures used up the [`RetryPolicy`](super::RetryPolicy)'s attempts.
+    /// Transient failures used up the [`RedeliveryPolicy`](super::RedeliveryPolicy)'s attempts.
     AttemptsExhausted,
 }
 

@@ -163,7 +163,7 @@ impl HandlerError {
     }
 
     /// Asks for the retry to wait about `delay` (a transient error): the
-    /// smallest delay tier of the [`RetryPolicy`](super::RetryPolicy) that is
+    /// smallest delay tier of the [`RedeliveryPolicy`](super::RedeliveryPolicy) that is
     /// at least as long is used. For example, a downstream answered
     /// "429, Retry-After: 30".
     #[must_use]

@@ -57,9 +57,10 @@
 //! - Completing, releasing and renewing act only when the record still
 //!   carries the caller's token: a process that lost its lease cannot
 //!   overwrite the new owner's record.
-//! - Stored statuses (default: 2xx, 4xx except 408/409/429, 5xx) complete the
-//!   record; the others release it so the client can retry. A handler error
-//!   or panic releases it too.
+//! - Statuses that report an executed outcome (by default 2xx, 402 and 500:
+//!   see [`stores_status_by_default`] for the table and the principle)
+//!   complete the record; the others release it so the client can retry. A
+//!   handler error or panic releases it too.
 //!
 //! # The atomic phase
 //! With [`PostgresStore`], a handler can take a [`Tx`](crate::Tx) (an axum
@@ -95,9 +96,10 @@
 //! | `#invalid-key` | 400 | empty, over 255 characters, not visible ASCII, badly quoted, repeated |
 //! | `#body-too-large` | 413 | the body exceeds [`IdempotencyLayer::max_request_body`] |
 //! | `#body-unreadable` | 400 | the request body failed while being read |
+//! | `#body-timeout` | 408 | the request body did not arrive within [`IdempotencyLayer::body_timeout`] |
 //! | `#key-mismatch` | 422 | the key was used for a different request |
 //! | `#in-progress` | 409 | the first request is still running (with `Retry-After`) |
-//! | `#store-unavailable` | 503 | the store failed; nothing was executed |
+//! | `#store-unavailable` | 503 | the store failed, did not answer within [`IdempotencyLayer::store_timeout`], or is full; nothing was executed (with `Retry-After`) |
 //! | `#response-too-large` | 500 | atomic phase: the response could not be stored, writes rolled back |
 //! | `#lease-lost` | 409 | atomic phase: another request took the key over, writes rolled back |
 //! | `#commit-failed` | 503 | atomic phase: the commit failed |
