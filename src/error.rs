@@ -95,6 +95,17 @@ pub enum Error {
         queue: String,
     },
 
+    /// A TLS handshake was refused (a wrong CA, a host name the certificate
+    /// does not name, a port that does not speak TLS): a configuration error
+    /// that no retry can fix, reported at once.
+    #[error("TLS to {service} failed: {reason}")]
+    Tls {
+        /// The service (`RabbitMQ`, `PostgreSQL`, `Redis`).
+        service: String,
+        /// Why, per address.
+        reason: String,
+    },
+
     /// A builder was given an impossible configuration.
     #[error("invalid configuration: {0}")]
     Config(String),

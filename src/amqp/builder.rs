@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
+use super::broker::Broker;
 use super::consumer::{Config, Consumer, ShutdownHandle};
 use super::database_gate::DatabaseGate;
 use super::handler::{EachMessage, Handler, WholeBatch};
@@ -33,7 +34,10 @@ use crate::{Error, Result};
 ///   2 min, 10 min; 10 attempts, then the DLQ);
 /// - `handler_timeout`: 5 min; `shutdown_timeout`: 30 s;
 /// - `retention` of `processed_messages` rows: 7 days, reaped every 5 min;
-/// - connection name: `idempo:<consumer>:<pid>`;
+/// - broker: the URL (or comma-separated node URLs) given to
+///   [`Consumer::builder`], tried in order, 10 s connection timeout (see
+///   [`broker`](ConsumerBuilder::broker));
+/// - connection name: `idempo:<consumer>:<host>:<pid>`;
 /// - batch mode: batches of 100 (or the size given), `batch_linger` 5 ms.
 #[must_use]
 pub struct ConsumerBuilder<Mode = NoHandler> {
@@ -44,6 +48,7 @@ pub struct ConsumerBuilder<Mode = NoHandler> {
 /// The options every mode has.
 pub(crate) struct Settings {
     amqp_url: String,
+    broker: Option<Broker>,
     pool: PgPool,
     queue: Option<String>,
     consumer: Option<String>,
@@ -87,6 +92,7 @@ impl ConsumerBuilder<NoHandler> {
         ConsumerBuilder {
             settings: Settings {
                 amqp_url,
+                broker: None,
                 pool,
                 queue: None,
                 consumer: None,
@@ -347,6 +353,14 @@ impl<Mode> ConsumerBuilder<Mode> {
         self
     }
 
+    /// The broker in full: several nodes, TLS settings, timeouts (see
+    /// [`Broker`]). Replaces the URL given to [`Consumer::builder`], which
+    /// may itself be a comma-separated list of node URLs.
+    pub fn broker(mut self, broker: Broker) -> Self {
+        self.settings.broker = Some(broker);
+        self
+    }
+
     /// Keep retrying (with backoff, reported in [`Health`]) when a queue
     /// exists with other arguments than the runtime declares, for a
     /// deployment in which someone else fixes the topology. By default that
@@ -404,6 +418,18 @@ pub(crate) use runnable;
 runnable!(PerMessage);
 runnable!(Batched);
 
+/// This machine's name, for the connection name (operators find a replica's
+/// connection by it).
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .ok()
+        .map(|name| name.trim().to_owned())
+        .filter(|name| !name.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".into())
+}
+
 /// Checks the settings, then the mode, and builds the consumer.
 pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Result<Consumer> {
     let ConsumerBuilder { settings: s, mode } = builder;
@@ -434,9 +460,13 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
     let dead_letter_queue = s
         .dead_letter_queue
         .unwrap_or_else(|| format!("{queue}.dlq"));
+    let broker = match s.broker {
+        Some(broker) => broker,
+        None => Broker::new(&s.amqp_url)?,
+    };
     let connection_name = s
         .connection_name
-        .unwrap_or_else(|| format!("idempo:{consumer}:{}", std::process::id()));
+        .unwrap_or_else(|| format!("idempo:{consumer}:{}:{}", host_name(), std::process::id()));
     let stats = Stats::new(&consumer);
     let health = Health::default();
     let shutdown = ShutdownHandle::default();
@@ -457,7 +487,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
     })?;
     Ok(Consumer {
         config: Config {
-            amqp_url: s.amqp_url,
+            broker,
             pool: s.pool,
             consumer,
             topology: Topology {

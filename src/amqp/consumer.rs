@@ -8,9 +8,9 @@ use std::panic::AssertUnwindSafe;
 
 use futures::future::Shared;
 use futures::{FutureExt, StreamExt};
+use lapin::Connection;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
 use sqlx::PgPool;
 use tokio::sync::Semaphore;
 use tokio::sync::oneshot;
@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::MessageIdSource;
 use super::acks::AckTracker;
+use super::broker::Broker;
 use super::builder::ConsumerBuilder;
 use super::delivery::{Pipeline, Settled};
 use super::health::{Health, RuntimeState};
@@ -117,7 +118,7 @@ impl fmt::Debug for Consumer {
 
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
-    pub(crate) amqp_url: String,
+    pub(crate) broker: Broker,
     pub(crate) pool: PgPool,
     pub(crate) consumer: String,
     pub(crate) topology: Topology,
@@ -258,6 +259,8 @@ impl Consumer {
             keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
             wedged: 0,
             unresponsive: false,
+            node: None,
+            connected_once: false,
             config,
             dispatch,
             shutdown,
@@ -297,6 +300,10 @@ struct Runtime {
     wedged: u32,
     /// The broker left a round trip of this session's shutdown unanswered.
     unresponsive: bool,
+    /// The node of the last session: the next one starts with the node after it.
+    node: Option<usize>,
+    /// Whether a session ever connected (a TLS refusal before that is fatal).
+    connected_once: bool,
 }
 
 /// How a broker session ended.
@@ -388,7 +395,8 @@ impl Runtime {
     async fn quarantine(&mut self) {
         let config = &self.config;
         let target = quarantine::Target {
-            url: &config.amqp_url,
+            broker: &config.broker,
+            node: self.node.unwrap_or(0),
             queue: &config.topology.queue,
             dead_letter_queue: &config.topology.dead_letter_queue,
             consumer: &config.consumer,
@@ -436,12 +444,20 @@ impl Runtime {
             consumed_for: Duration::ZERO,
             unparseable: false,
         };
-        let properties = ConnectionProperties::default()
-            .with_connection_name(self.config.connection_name.as_str().into());
-        let connecting = Connection::connect(&self.config.amqp_url, properties);
+        let connecting = self
+            .config
+            .broker
+            .connect_from(self.node, &self.config.connection_name);
         let connection = tokio::select! {
             connected = connecting => match connected {
-                Ok(connection) => connection,
+                Ok((connection, node)) => {
+                    self.node = Some(node);
+                    self.connected_once = true;
+                    connection
+                }
+                // A refused TLS handshake on every node, before anything ever
+                // worked: a configuration error, not an outage.
+                Err(e @ Error::Tls { .. }) if !self.connected_once => return SessionEnd::Fatal(e),
                 Err(e) => return lost(format!("cannot connect to the broker: {e}")),
             },
             () = self.shutdown.graceful.cancelled() => return SessionEnd::Shutdown,

@@ -46,6 +46,7 @@
 //! See <https://www.rabbitmq.com/docs/confirms> for RabbitMQ's acknowledgement semantics.
 
 mod acks;
+mod broker;
 mod builder;
 mod consumer;
 mod database_gate;
@@ -69,6 +70,7 @@ mod topology;
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
 pub mod window;
 
+pub use broker::{Broker, DEFAULT_CONNECTION_TIMEOUT};
 pub use builder::ConsumerBuilder;
 pub use consumer::{Consumer, ShutdownHandle};
 pub use dead_letter::DeadLetterReason;

@@ -13,15 +13,17 @@
 //! `x-idempo-error` and reason `undecodable properties`, and acks it. The
 //! well-formed messages it read are handed back by closing the connection.
 //!
-//! This is a deliberately small AMQP 0-9-1 client: plain TCP, PLAIN
-//! authentication, one channel, `basic.get`, `basic.publish` with confirms,
-//! `basic.ack`. Every step is bounded in time.
+//! This is a deliberately small AMQP 0-9-1 client: one connection (on
+//! lapin's transport, so `amqps://` and the broker's TLS settings work as for
+//! the consumer), PLAIN authentication, one channel, `basic.get`,
+//! `basic.publish` with confirms, `basic.ack`. Every step is bounded in time.
 
-use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use futures::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use lapin::tcp::AMQPUriTcpExt;
+
+use super::broker::Broker;
 
 use super::dead_letter::DeadLetterReason;
 use super::headers::{
@@ -41,8 +43,8 @@ pub(crate) enum QuarantineError {
     Broker(String),
     #[error("unexpected frame: {0}")]
     Protocol(String),
-    #[error("{0} is not supported by the quarantine client")]
-    Unsupported(String),
+    #[error("the broker address: {0}")]
+    Address(String),
     #[error("the dead letter was not confirmed: {0}")]
     NotConfirmed(&'static str),
     #[error("took longer than {0:?}")]
@@ -53,7 +55,9 @@ type Result<T> = std::result::Result<T, QuarantineError>;
 
 /// Where to look and what to write on the dead letters.
 pub(crate) struct Target<'a> {
-    pub(crate) url: &'a str,
+    pub(crate) broker: &'a Broker,
+    /// The node whose session died.
+    pub(crate) node: usize,
     pub(crate) queue: &'a str,
     pub(crate) dead_letter_queue: &'a str,
     pub(crate) consumer: &'a str,
@@ -71,13 +75,16 @@ pub(crate) async fn run(target: &Target<'_>) -> Result<usize> {
 }
 
 async fn pass(target: &Target<'_>) -> Result<usize> {
-    let uri = lapin::uri::AMQPUri::from_str(target.url)
-        .map_err(|e| QuarantineError::Unsupported(format!("the URL ({e})")))?;
-    if uri.scheme != lapin::uri::AMQPScheme::AMQP {
-        return Err(QuarantineError::Unsupported("amqps".into()));
-    }
-    let stream = TcpStream::connect((uri.authority.host.as_str(), uri.authority.port)).await?;
-    stream.set_nodelay(true)?;
+    let uri = target
+        .broker
+        .uri(target.node)
+        .map_err(|e| QuarantineError::Address(e.to_string()))?;
+    let runtime =
+        lapin::runtime::default_runtime().map_err(|e| QuarantineError::Address(e.to_string()))?;
+    let tls = target.broker.tls();
+    let stream = uri
+        .connect_with_config_async(tls.as_ref(), &runtime)
+        .await?;
     let mut wire = Wire::new(stream);
     wire.open(
         &uri.authority.userinfo.username,
@@ -516,8 +523,8 @@ const CHANNEL: u16 = 1;
 const STEP: Duration = Duration::from_secs(10);
 
 /// One connection, one channel.
-struct Wire {
-    stream: TcpStream,
+struct Wire<S> {
+    stream: S,
     frame_max: u32,
 }
 
@@ -528,8 +535,8 @@ struct Method {
     args: Vec<u8>,
 }
 
-impl Wire {
-    fn new(stream: TcpStream) -> Self {
+impl<S: AsyncRead + AsyncWrite + Unpin> Wire<S> {
+    fn new(stream: S) -> Self {
         Wire {
             stream,
             frame_max: 131_072,
@@ -707,9 +714,12 @@ impl Wire {
         w.u8(kind).u16(channel).u32(payload.len() as u32);
         w.buf.extend_from_slice(payload);
         w.u8(FRAME_END);
-        tokio::time::timeout(STEP, self.stream.write_all(&w.buf))
-            .await
-            .map_err(|_| QuarantineError::Timeout(STEP))??;
+        tokio::time::timeout(STEP, async {
+            self.stream.write_all(&w.buf).await?;
+            self.stream.flush().await
+        })
+        .await
+        .map_err(|_| QuarantineError::Timeout(STEP))??;
         Ok(())
     }
 

@@ -1,0 +1,334 @@
+//! [`Broker`]: where RabbitMQ is (one node, or the nodes of a cluster), how
+//! to reach it (TLS, timeouts), and the connection that finds a live node.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use lapin::tcp::OwnedTLSConfig;
+use lapin::uri::{AMQPScheme, AMQPUri};
+use lapin::{Connection, ConnectionProperties};
+
+use crate::{Error, Result};
+
+/// How long a connection attempt to one node may take, by default.
+pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The broker a consumer (or a publisher) connects to: one or more node
+/// addresses, tried in order (or shuffled) until one answers; TLS settings
+/// for `amqps://` addresses; the connection timeout and heartbeat.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempo::amqp::Broker;
+///
+/// // One URL per node of the cluster; a comma-separated list works too.
+/// let broker = Broker::new("amqp://guest:guest@rabbit-1:5672/%2f")?
+///     .address("amqp://guest:guest@rabbit-2:5672/%2f")?
+///     .address("amqp://guest:guest@rabbit-3:5672/%2f")?
+///     .heartbeat(Duration::from_secs(30));
+/// assert_eq!(broker.addresses().len(), 3);
+/// # Ok::<_, idempo::Error>(())
+/// ```
+///
+/// # Default
+/// - addresses tried in the order given (see [`shuffle`](Self::shuffle)); after
+///   a lost connection, the next one is tried first;
+/// - [`DEFAULT_CONNECTION_TIMEOUT`] (10 s) per node;
+/// - heartbeat: what the broker proposes (RabbitMQ: 60 s), unless the URL's
+///   `heartbeat` query parameter or [`heartbeat`](Self::heartbeat) says otherwise;
+/// - TLS (`amqps://`, feature `tls`): the system's root certificates, no
+///   client certificate.
+#[derive(Clone)]
+pub struct Broker {
+    addresses: Vec<String>,
+    shuffle: bool,
+    heartbeat: Option<Duration>,
+    connection_timeout: Duration,
+    ca_pem: Option<String>,
+    identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl fmt::Debug for Broker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Addresses carry passwords: only their hosts are shown.
+        let hosts: Vec<String> = self.addresses.iter().map(|a| redacted(a)).collect();
+        f.debug_struct("Broker")
+            .field("addresses", &hosts)
+            .field("shuffle", &self.shuffle)
+            .field("heartbeat", &self.heartbeat)
+            .field("connection_timeout", &self.connection_timeout)
+            .field("custom_ca", &self.ca_pem.is_some())
+            .field("client_certificate", &self.identity.is_some())
+            .finish()
+    }
+}
+
+/// `scheme://host:port/vhost` of an address, without its user and password.
+pub(crate) fn redacted(address: &str) -> String {
+    match AMQPUri::from_str(address) {
+        Ok(uri) => format!(
+            "{}://{}:{}/{}",
+            if uri.scheme == AMQPScheme::AMQPS {
+                "amqps"
+            } else {
+                "amqp"
+            },
+            uri.authority.host,
+            uri.authority.port,
+            uri.vhost
+        ),
+        Err(_) => "<an address that does not parse>".into(),
+    }
+}
+
+impl Broker {
+    /// A broker at `addresses`: one AMQP URL, or several separated by commas
+    /// (one per node of a cluster).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when an address is not an AMQP URL.
+    pub fn new(addresses: &str) -> Result<Self> {
+        let mut broker = Broker {
+            addresses: Vec::new(),
+            shuffle: false,
+            heartbeat: None,
+            connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+            ca_pem: None,
+            identity: None,
+        };
+        for address in addresses
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+        {
+            broker = broker.address(address)?;
+        }
+        if broker.addresses.is_empty() {
+            return Err(Error::Config("no broker address given".into()));
+        }
+        Ok(broker)
+    }
+
+    /// Adds the address of another node.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when it is not an AMQP URL.
+    pub fn address(mut self, address: &str) -> Result<Self> {
+        AMQPUri::from_str(address).map_err(|e| {
+            Error::Config(format!("{:?} is not an AMQP URL: {e}", redacted(address)))
+        })?;
+        self.addresses.push(address.to_owned());
+        Ok(self)
+    }
+
+    /// The addresses, in the order given.
+    pub fn addresses(&self) -> &[String] {
+        &self.addresses
+    }
+
+    /// Tries the nodes in a random order (so that replicas spread over the
+    /// cluster) instead of in the order given.
+    #[must_use]
+    pub fn shuffle(mut self, shuffle: bool) -> Self {
+        self.shuffle = shuffle;
+        self
+    }
+
+    /// The heartbeat interval to propose: a dead connection is noticed after
+    /// about two of them.
+    #[must_use]
+    pub fn heartbeat(mut self, interval: Duration) -> Self {
+        self.heartbeat = Some(interval);
+        self
+    }
+
+    /// How long an attempt to reach one node may take before the next is tried.
+    #[must_use]
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Trusts this CA (PEM) for `amqps://` addresses instead of the system's
+    /// roots (feature `tls`).
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+    #[must_use]
+    pub fn ca_pem(mut self, pem: impl Into<String>) -> Self {
+        self.ca_pem = Some(pem.into());
+        self
+    }
+
+    /// Presents this client certificate and key (PEM; PKCS#8 key) to the
+    /// broker: mutual TLS (feature `tls`).
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+    #[must_use]
+    pub fn client_identity_pem(
+        mut self,
+        certificate: impl Into<Vec<u8>>,
+        key: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.identity = Some((certificate.into(), key.into()));
+        self
+    }
+
+    /// The lapin TLS configuration of these settings.
+    pub(crate) fn tls(&self) -> OwnedTLSConfig {
+        OwnedTLSConfig {
+            identity: self
+                .identity
+                .as_ref()
+                .map(|(pem, key)| lapin::tcp::OwnedIdentity::PKCS8 {
+                    pem: pem.clone(),
+                    key: key.clone(),
+                }),
+            cert_chain: self.ca_pem.clone(),
+        }
+    }
+
+    /// The address at `index`, with this broker's heartbeat and timeout
+    /// written into its query.
+    pub(crate) fn uri(&self, index: usize) -> Result<AMQPUri> {
+        let address = &self.addresses[index % self.addresses.len()];
+        let mut uri = AMQPUri::from_str(address)
+            .map_err(|e| Error::Config(format!("{:?}: {e}", redacted(address))))?;
+        if let Some(heartbeat) = self.heartbeat {
+            uri.query.heartbeat = Some(heartbeat.as_secs().clamp(1, u64::from(u16::MAX)) as u16);
+        }
+        uri.query.connection_timeout = Some(self.connection_timeout.as_millis() as u64);
+        Ok(uri)
+    }
+
+    /// The order in which to try the nodes, starting after `last` (the node
+    /// of the connection that was lost, if any).
+    pub(crate) fn order(&self, last: Option<usize>) -> Vec<usize> {
+        let n = self.addresses.len();
+        let mut order: Vec<usize> = match last {
+            Some(last) => (1..=n).map(|i| (last + i) % n).collect(),
+            None => (0..n).collect(),
+        };
+        if self.shuffle {
+            fastrand::shuffle(&mut order);
+        }
+        order
+    }
+
+    /// Connects to the first node that answers, starting after `last`.
+    /// Returns the connection and the index of its node.
+    ///
+    /// # Errors
+    /// [`Error::Tls`] when every node refused the TLS handshake (a wrong CA,
+    /// a host name the certificate does not name, a port that does not speak
+    /// TLS): retrying cannot help. [`Error::Amqp`] with the last node's error
+    /// otherwise.
+    pub(crate) async fn connect_from(
+        &self,
+        last: Option<usize>,
+        name: &str,
+    ) -> Result<(Connection, usize)> {
+        let mut tls_failures = Vec::new();
+        let mut last_error = None;
+        for index in self.order(last) {
+            let uri = self.uri(index)?;
+            let tls = uri.scheme == AMQPScheme::AMQPS;
+            let properties =
+                ConnectionProperties::default().with_connection_name(name.to_owned().into());
+            let runtime = lapin::runtime::default_runtime()?;
+            let connecting =
+                Connection::connect_uri_with_config(uri, properties, self.tls(), runtime);
+            // The URL's timeout bounds the TCP connect; this, the handshake too.
+            let outcome = tokio::time::timeout(self.connection_timeout * 2, connecting).await;
+            match outcome {
+                Ok(Ok(connection)) => return Ok((connection, index)),
+                Ok(Err(e)) => {
+                    tracing::warn!(node = %redacted(&self.addresses[index]), error = %e, "cannot connect to this node");
+                    if tls && is_tls_failure(&e) {
+                        tls_failures.push(format!("{}: {e}", redacted(&self.addresses[index])));
+                    }
+                    last_error = Some(Error::Amqp(e));
+                }
+                Err(_) => {
+                    last_error = Some(Error::Config(format!(
+                        "{} did not answer within {:?}",
+                        redacted(&self.addresses[index]),
+                        self.connection_timeout * 2
+                    )));
+                }
+            }
+        }
+        if tls_failures.len() == self.addresses.len() {
+            return Err(Error::Tls {
+                service: "RabbitMQ".into(),
+                reason: tls_failures.join("; "),
+            });
+        }
+        Err(last_error.unwrap_or_else(|| Error::Config("no broker address".into())))
+    }
+
+    /// Connects to the first node that answers (for publishers and tools).
+    ///
+    /// # Errors
+    /// As for the consumer: [`Error::Tls`] when every node refused the TLS
+    /// handshake, [`Error::Amqp`] otherwise.
+    pub async fn connect(&self, connection_name: &str) -> Result<Connection> {
+        self.connect_from(None, connection_name)
+            .await
+            .map(|(connection, _)| connection)
+    }
+}
+
+/// A handshake that failed for a reason of TLS itself (not a refused or
+/// lost TCP connection).
+fn is_tls_failure(error: &lapin::Error) -> bool {
+    let text = error.to_string().to_lowercase();
+    [
+        "certificate",
+        "corrupt message",
+        "handshake",
+        "tls",
+        "peer sent",
+        "alert",
+    ]
+    .iter()
+    .any(|needle| text.contains(needle))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_parse_and_rotate_after_the_lost_node() {
+        let broker = Broker::new("amqp://a:5672, amqp://b:5673,amqp://c:5674").unwrap();
+        assert_eq!(broker.addresses().len(), 3);
+        assert_eq!(broker.order(None), [0, 1, 2]);
+        assert_eq!(broker.order(Some(0)), [1, 2, 0]);
+        assert_eq!(broker.order(Some(2)), [0, 1, 2]);
+        let mut shuffled = broker.clone().shuffle(true).order(Some(1));
+        shuffled.sort();
+        assert_eq!(shuffled, [0, 1, 2]);
+        assert!(Broker::new("").is_err());
+        assert!(Broker::new("http://x").is_err());
+    }
+
+    #[test]
+    fn passwords_stay_out_of_debug_output() {
+        let broker = Broker::new("amqp://guest:secret@rabbit:5672/%2f").unwrap();
+        let shown = format!("{broker:?}");
+        assert!(!shown.contains("secret"), "{shown}");
+        assert!(shown.contains("rabbit:5672"), "{shown}");
+    }
+
+    #[test]
+    fn heartbeat_and_timeout_go_into_the_uri() {
+        let broker = Broker::new("amqp://a")
+            .unwrap()
+            .heartbeat(Duration::from_secs(15))
+            .connection_timeout(Duration::from_secs(3));
+        let uri = broker.uri(0).unwrap();
+        assert_eq!(uri.query.heartbeat, Some(15));
+        assert_eq!(uri.query.connection_timeout, Some(3000));
+    }
+}
