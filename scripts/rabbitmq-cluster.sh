@@ -126,7 +126,7 @@ start_redis_tls() {
   if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then return 0; fi
   redis-server --port 0 --tls-port 6390 --bind 127.0.0.1 \
     --tls-cert-file "$CERTS/server.pem" --tls-key-file "$CERTS/server.key" \
-    --tls-ca-cert-file "$CERTS/ca.pem" --tls-auth-clients optional \
+    --tls-ca-cert-file "$CERTS/ca.pem" --tls-auth-clients yes \
     --save "" --appendonly no --dir "$BASE" --pidfile "$pidfile" \
     --logfile "$BASE/redis-tls.log" --daemonize yes
 }

@@ -167,6 +167,26 @@ impl Error {
     }
 }
 
+/// Whether a client's error text says the TLS handshake itself failed (a
+/// certificate not trusted or not naming the host, a peer that does not speak
+/// TLS), as opposed to a refused or lost TCP connection. The clients (lapin,
+/// redis) give no typed TLS error, hence the text.
+#[cfg_attr(not(any(feature = "amqp", feature = "redis")), allow(dead_code))]
+pub(crate) fn looks_like_tls_failure(text: &str) -> bool {
+    let text = text.to_lowercase();
+    [
+        "certificate",
+        "corrupt message",
+        "handshake",
+        "tls",
+        "peer sent",
+        "alert",
+        "invalid peer",
+    ]
+    .iter()
+    .any(|needle| text.contains(needle))
+}
+
 /// [`Error::is_connection_error`] for a bare sqlx error.
 pub(crate) fn sqlx_connection_error(error: &sqlx::Error) -> bool {
     match error {

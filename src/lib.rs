@@ -58,6 +58,7 @@
 //! | `saga` | Saga steps safe to re-execute and re-compensate (`saga`) | no |
 //! | `retry` | A retrying reqwest client that keeps its `Idempotency-Key`, and a generic retry loop (`retry`) | no |
 //! | `redis` | Redis stores for the modules that have one | no |
+//! | `tls` | TLS (rustls, no OpenSSL) to every service: `amqps://`, PostgreSQL `sslmode=require/verify-ca/verify-full`, `rediss://` | yes |
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -124,4 +125,7 @@ pub struct ReadmeDoctests;
 /// [`http`] layer, sent by the [`retry`] client.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 pub use migrate::{MIGRATIONS_TABLE, migrate, migrator};
+#[cfg(all(feature = "redis", feature = "tls"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "redis", feature = "tls"))))]
+pub use redis_connection::RedisTls;
 pub use tx::{Tx, TxGuard};

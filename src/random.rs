@@ -14,7 +14,10 @@ pub(crate) fn bytes<const N: usize>() -> [u8; N] {
 }
 
 /// A random (version 4) UUID in its hyphenated lowercase form: 122 random bits.
-#[cfg_attr(not(any(feature = "retry", feature = "amqp")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "retry", all(feature = "amqp", feature = "window"))),
+    allow(dead_code)
+)]
 pub(crate) fn uuid_v4() -> String {
     let mut b = bytes::<16>();
     b[6] = (b[6] & 0x0f) | 0x40; // version 4

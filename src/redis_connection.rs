@@ -4,17 +4,118 @@ use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 
-use crate::Result;
+use crate::{Error, Result};
+
+/// The CA and client certificate for a `rediss://` connection (feature
+/// `tls`): what `RedisStore::connect_with_tls` (`http`) and
+/// `RedisWindow::connect_with_tls` (`window`) take.
+///
+/// ```
+/// let tls = idempo::RedisTls::new()
+///     .ca_pem(b"-----BEGIN CERTIFICATE-----...".to_vec())
+///     .client_identity_pem(b"client certificate".to_vec(), b"client key".to_vec());
+/// ```
+#[cfg(feature = "tls")]
+#[derive(Clone, Default)]
+pub struct RedisTls {
+    ca_pem: Option<Vec<u8>>,
+    identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+#[cfg(feature = "tls")]
+impl std::fmt::Debug for RedisTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A client key must not reach a log.
+        f.debug_struct("RedisTls")
+            .field("custom_ca", &self.ca_pem.is_some())
+            .field("client_certificate", &self.identity.is_some())
+            .finish()
+    }
+}
+
+#[cfg(feature = "tls")]
+impl RedisTls {
+    /// The system's root certificates, no client certificate.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Trusts this CA (PEM) instead of the system's roots.
+    #[must_use]
+    pub fn ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.ca_pem = Some(pem.into());
+        self
+    }
+
+    /// Presents this client certificate and key (PEM): mutual TLS.
+    #[must_use]
+    pub fn client_identity_pem(
+        mut self,
+        certificate: impl Into<Vec<u8>>,
+        key: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.identity = Some((certificate.into(), key.into()));
+        self
+    }
+
+    fn certificates(self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: self
+                .identity
+                .map(|(client_cert, client_key)| redis::ClientTlsConfig {
+                    client_cert,
+                    client_key,
+                }),
+            root_cert: self.ca_pem,
+        }
+    }
+}
 
 /// A connection manager for `url` with 2-second connection and response
 /// timeouts, so that a Redis outage fails calls quickly instead of hanging them.
-pub(crate) async fn connect(url: &str) -> Result<ConnectionManager> {
-    let client = redis::Client::open(url)?;
+/// `tls` replaces the system's roots (and adds a client certificate) for a
+/// `rediss://` URL.
+pub(crate) async fn connect(url: &str, tls: Option<TlsCertificates>) -> Result<ConnectionManager> {
+    let client = client(url, tls)?;
     let config = redis::aio::ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(2)))
         .set_response_timeout(Some(Duration::from_secs(2)))
         .set_number_of_retries(1);
-    Ok(ConnectionManager::new_with_config(client, config).await?)
+    // The manager connects before it returns: a refused handshake is reported
+    // here, at start, rather than on the first request.
+    ConnectionManager::new_with_config(client, config)
+        .await
+        .map_err(|e| {
+            if url.starts_with("rediss://") && crate::error::looks_like_tls_failure(&e.to_string())
+            {
+                Error::Tls {
+                    service: "Redis".into(),
+                    reason: e.to_string(),
+                }
+            } else {
+                Error::Redis(e)
+            }
+        })
+}
+
+#[cfg(feature = "tls")]
+type TlsCertificates = RedisTls;
+#[cfg(not(feature = "tls"))]
+type TlsCertificates = std::convert::Infallible;
+
+fn client(url: &str, tls: Option<TlsCertificates>) -> Result<redis::Client> {
+    if url.starts_with("rediss://") && cfg!(not(feature = "tls")) {
+        return Err(Error::Config(
+            "a rediss:// URL needs idempo's `tls` feature".into(),
+        ));
+    }
+    match tls {
+        #[cfg(feature = "tls")]
+        Some(tls) => Ok(redis::Client::build_with_tls(url, tls.certificates())?),
+        #[cfg(not(feature = "tls"))]
+        Some(never) => match never {},
+        None => Ok(redis::Client::open(url)?),
+    }
 }
 
 /// A `PX` argument: whole milliseconds, at least 1 (Redis refuses 0).

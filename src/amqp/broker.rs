@@ -244,7 +244,7 @@ impl Broker {
                 Ok(Ok(connection)) => return Ok((connection, index)),
                 Ok(Err(e)) => {
                     tracing::warn!(node = %redacted(&self.addresses[index]), error = %e, "cannot connect to this node");
-                    if tls && is_tls_failure(&e) {
+                    if tls && crate::error::looks_like_tls_failure(&e.to_string()) {
                         tls_failures.push(format!("{}: {e}", redacted(&self.addresses[index])));
                     }
                     last_error = Some(Error::Amqp(e));
@@ -277,22 +277,6 @@ impl Broker {
             .await
             .map(|(connection, _)| connection)
     }
-}
-
-/// A handshake that failed for a reason of TLS itself (not a refused or
-/// lost TCP connection).
-fn is_tls_failure(error: &lapin::Error) -> bool {
-    let text = error.to_string().to_lowercase();
-    [
-        "certificate",
-        "corrupt message",
-        "handshake",
-        "tls",
-        "peer sent",
-        "alert",
-    ]
-    .iter()
-    .any(|needle| text.contains(needle))
 }
 
 #[cfg(test)]

@@ -227,8 +227,10 @@ impl Consumer {
     /// [`Error::TopologyConflict`] when a queue exists with other arguments
     /// than the runtime declares (unless
     /// [`wait_for_topology`](ConsumerBuilder::wait_for_topology)): a
-    /// configuration error that no reconnect can fix. Connection failures
-    /// are retried, not returned.
+    /// configuration error that no reconnect can fix. [`Error::Tls`] when
+    /// PostgreSQL or every broker node refuses the TLS handshake at start
+    /// (a wrong CA, a host name the certificate does not name, a port without
+    /// TLS). Connection failures are retried, not returned.
     pub async fn run(self) -> Result<()> {
         let Consumer {
             config,
@@ -238,6 +240,9 @@ impl Consumer {
             health,
         } = self;
         warn_if_retention_too_short(&config);
+        if let Some(refusal) = postgres_tls_refusal(&config.pool).await {
+            return Err(refusal);
+        }
         let reaper = config.retention.map(|retention| {
             tokio::spawn(retention::reap_periodically(
                 config.pool.clone(),
@@ -281,6 +286,27 @@ impl Consumer {
         }
         result
     }
+}
+
+/// A TLS handshake PostgreSQL refuses at start, as [`Error::Tls`]: the
+/// database gate would otherwise wait for it forever, as for an outage. Any
+/// other outcome (connected, or unreachable for now) lets the runtime start.
+async fn postgres_tls_refusal(pool: &PgPool) -> Option<Error> {
+    let error = match tokio::time::timeout(Duration::from_secs(10), pool.acquire()).await {
+        Ok(Err(error)) => error,
+        _ => return None,
+    };
+    // rustls's refusals reach sqlx as I/O errors ("invalid peer certificate"):
+    // only the text tells them from a refused TCP connection.
+    let tls = match &error {
+        sqlx::Error::Tls(_) => true,
+        sqlx::Error::Io(_) => crate::error::looks_like_tls_failure(&error.to_string()),
+        _ => false,
+    };
+    tls.then(|| Error::Tls {
+        service: "PostgreSQL".into(),
+        reason: error.to_string(),
+    })
 }
 
 /// The state that outlives broker sessions: handlers in flight keep running

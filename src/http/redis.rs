@@ -111,7 +111,26 @@ impl RedisStore {
     /// # Errors
     /// [`Error::Redis`] when the URL is invalid or Redis cannot be reached.
     pub async fn connect(url: &str) -> Result<Self> {
-        Ok(Self::new(crate::redis_connection::connect(url).await?))
+        Ok(Self::new(
+            crate::redis_connection::connect(url, None).await?,
+        ))
+    }
+
+    /// Connects to a `rediss://` URL trusting `tls.root_cert` (PEM) instead of
+    /// the system's roots, and presenting `tls.client_tls` if given (mutual
+    /// TLS). A plain `rediss://` URL with the system's roots works with
+    /// [`connect`](Self::connect).
+    ///
+    /// # Errors
+    /// [`Error::Tls`](crate::Error::Tls) when the handshake is refused (a wrong
+    /// CA, a host name the certificate does not name, a port without TLS);
+    /// [`Error::Redis`](crate::Error::Redis) when Redis cannot be reached.
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+    pub async fn connect_with_tls(url: &str, tls: crate::RedisTls) -> Result<Self> {
+        Ok(Self::new(
+            crate::redis_connection::connect(url, Some(tls)).await?,
+        ))
     }
 
     /// Puts the keys under `prefix` instead of `idempo:http:`.

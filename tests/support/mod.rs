@@ -7,6 +7,7 @@
 #[path = "../../examples/common/payments.rs"]
 pub mod payments;
 
+pub mod cluster;
 pub mod consumer;
 pub mod pika;
 
@@ -200,6 +201,8 @@ pub struct Broker {
     pub connection: Connection,
     pub channel: Channel,
     created: std::sync::Mutex<Vec<String>>,
+    /// Where the queues it created are deleted from.
+    url: String,
 }
 
 impl Drop for Broker {
@@ -208,6 +211,7 @@ impl Drop for Broker {
         if queues.is_empty() {
             return;
         }
+        let url = self.url.clone();
         // Drop cannot await: delete on a fresh connection in a thread of its own.
         let _ = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -216,7 +220,7 @@ impl Drop for Broker {
                 .unwrap();
             runtime.block_on(async move {
                 let Ok(connection) =
-                    Connection::connect(&amqp_url(), ConnectionProperties::default()).await
+                    Connection::connect(&url, ConnectionProperties::default()).await
                 else {
                     return;
                 };
@@ -241,16 +245,27 @@ impl Broker {
         let connection = Connection::connect(&url, ConnectionProperties::default())
             .await
             .unwrap_or_else(|e| panic!("RabbitMQ is not reachable at {url}: {e}\n{START_RABBIT}"));
+        expire_idle_test_queues();
+        Broker::with(connection, &url).await
+    }
+
+    /// A `Broker` on node `n` of the local cluster (see [`cluster`]).
+    pub async fn on_cluster_node(n: usize) -> Broker {
+        Broker::with(cluster::connect(n).await, &cluster::node_url(n)).await
+    }
+
+    /// A `Broker` on `connection`, deleting its queues through `url`.
+    pub async fn with(connection: Connection, url: &str) -> Broker {
         let channel = connection.create_channel().await.unwrap();
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .unwrap();
-        expire_idle_test_queues();
         Broker {
             connection,
             channel,
             created: Default::default(),
+            url: url.to_owned(),
         }
     }
 
