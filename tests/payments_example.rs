@@ -4,147 +4,16 @@
 
 mod support;
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Child, Command, Stdio};
+use std::collections::BTreeSet;
 use std::time::Duration;
 
+use support::example::{
+    POISON_EACH, assert_poison_dead_lettered, doubled_payments, metric, publish_load,
+    publish_poison, scrape, signal, spawn_example, spawn_example_to, wait_exit,
+};
 use support::{Broker, Db, eventually, unique};
 
 const WAIT: Duration = Duration::from_secs(120);
-
-struct Load {
-    ids: BTreeSet<String>,
-    expected: BTreeMap<String, i64>,
-    published: usize,
-}
-
-/// Publishes `unique_payments` payments over 8 accounts; with `duplicates`,
-/// every 5th one twice.
-async fn publish_load(
-    broker: &Broker,
-    queue: &str,
-    unique_payments: usize,
-    duplicates: bool,
-) -> Load {
-    let mut load = Load {
-        ids: BTreeSet::new(),
-        expected: BTreeMap::new(),
-        published: 0,
-    };
-    load.publish(broker, queue, 0..unique_payments, duplicates)
-        .await;
-    load
-}
-
-impl Load {
-    /// Publishes the payments numbered `range` and adds them to the load.
-    async fn publish(
-        &mut self,
-        broker: &Broker,
-        queue: &str,
-        range: std::ops::Range<usize>,
-        duplicates: bool,
-    ) {
-        let mut messages = Vec::new();
-        for i in range {
-            let id = format!("pay-{i}");
-            let account = format!("acct-{}", i % 8);
-            let cents = (i % 97 + 1) as i64;
-            *self.expected.entry(account.clone()).or_default() += cents;
-            let body = support::payment_body(&account, cents);
-            messages.push((id.clone(), body.clone()));
-            if duplicates && i % 5 == 0 {
-                messages.push((id.clone(), body));
-            }
-            self.ids.insert(id);
-        }
-        broker.publish_many(queue, &messages).await;
-        self.published += messages.len();
-    }
-}
-
-/// Starts the example on `queue` and `database_url`, retrying after
-/// 50 ms (the tests' delay queue), with `env` on top.
-fn spawn_example(database_url: &str, queue: &str, env: &[(&str, &str)]) -> Example {
-    spawn_example_to(database_url, queue, env, Stdio::null())
-}
-
-/// [`spawn_example`], with its log (stdout) going to `log`.
-fn spawn_example_to(
-    database_url: &str,
-    queue: &str,
-    env: &[(&str, &str)],
-    log: impl Into<Stdio>,
-) -> Example {
-    let mut command = Command::new(support::payments_example_binary());
-    command
-        .env("DATABASE_URL", database_url)
-        .env("AMQP_URL", support::amqp_url())
-        .env("PAYMENTS_QUEUE", queue)
-        .env(
-            "PAYMENTS_RETRY_DELAYS",
-            format!("{}ms", support::RETRY_DELAY.as_millis()),
-        )
-        .env("RUST_LOG", "error")
-        // Within the suite's connection budget: a pool of 6.
-        .env("PAYMENTS_CONCURRENCY", "4")
-        .stdout(log.into());
-    for (name, value) in env {
-        command.env(name, value);
-    }
-    Example(command.spawn().expect("start the payments example"))
-}
-
-/// The example process; killed if the test ends (or fails) while it runs.
-struct Example(Child);
-
-impl Drop for Example {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
-impl Example {
-    fn id(&self) -> u32 {
-        self.0.id()
-    }
-
-    fn is_running(&mut self) -> bool {
-        matches!(self.0.try_wait(), Ok(None))
-    }
-}
-
-fn signal(child: &Example, sig: &str) {
-    let status = Command::new("kill")
-        .args([sig, &child.id().to_string()])
-        .status()
-        .expect("run kill");
-    assert!(status.success());
-}
-
-async fn wait_exit(mut child: Example) -> std::process::ExitStatus {
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(status) = child.0.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the example did not exit"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn doubled_payments(db: &Db) -> i64 {
-    db.count(
-        "SELECT count(*) FROM (SELECT message_id FROM payments GROUP BY message_id HAVING count(*) > 1) d",
-    )
-    .await
-}
 
 #[tokio::test]
 async fn sigkill_mid_load_then_restart_applies_every_payment_exactly_once() {
@@ -258,32 +127,6 @@ async fn sigterm_under_load_exits_0_and_leaves_each_payment_applied_once_or_queu
     );
 }
 
-/// What the chaos test publishes besides the payments: poison of every kind.
-const POISON_EACH: usize = 15;
-
-/// Reads `http://addr/metrics` with a bare HTTP/1.0 request.
-async fn scrape(addr: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("metrics endpoint");
-    stream
-        .write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    response
-}
-
-fn metric(scraped: &str, name: &str) -> f64 {
-    scraped
-        .lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[tokio::test]
 async fn chaos_kills_cuts_and_killed_backends_leave_every_payment_applied_exactly_once() {
     chaos("0").await;
@@ -303,29 +146,7 @@ async fn chaos(batch: &str) {
 
     // 2,000 payments, every 5th published twice; then poison of four kinds.
     let mut load = publish_load(&broker, &queue, 2000, true).await;
-    let mut poison = Vec::new();
-    for k in 0..POISON_EACH {
-        poison.push((format!("poison-json-{k}"), b"{not json".to_vec()));
-        poison.push((
-            format!("poison-negative-{k}"),
-            support::payment_body("neg", -1),
-        ));
-        // Same id twice with different bodies but the same effect: whichever
-        // comes first is applied, the other is a payload mismatch.
-        for note in ["a", "b"] {
-            let body = serde_json::json!({"account": "reuse", "amount_cents": 1, "note": note});
-            poison.push((
-                format!("poison-reuse-{k}"),
-                serde_json::to_vec(&body).unwrap(),
-            ));
-        }
-    }
-    broker.publish_many(&queue, &poison).await;
-    for k in 0..POISON_EACH {
-        let body = support::payment_body(&format!("noid-{k}"), 1);
-        broker.publish(&queue, None, &body).await;
-    }
-    *load.expected.entry("reuse".into()).or_default() += POISON_EACH as i64;
+    let poison = publish_poison(&broker, &queue, &mut load).await;
     let applied_ids = load.ids.len() + POISON_EACH;
 
     let app = unique("app");
@@ -429,24 +250,7 @@ async fn chaos(batch: &str) {
 
     // Every poison message is in the DLQ at least once, with its reason.
     let dead = broker.drain(&dlq).await;
-    let mut by_reason: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
-    for d in &dead {
-        let key = d
-            .message_id
-            .clone()
-            .unwrap_or_else(|| String::from_utf8_lossy(&d.body).into_owned());
-        by_reason.entry(d.reason()).or_default().insert(key);
-    }
-    let count = |reason: &str| by_reason.get(reason).map_or(0, BTreeSet::len);
-    assert_eq!(count("undecodable body"), POISON_EACH);
-    assert_eq!(count("permanent handler error"), POISON_EACH);
-    assert_eq!(
-        count("message id reused with a different payload"),
-        POISON_EACH
-    );
-    assert_eq!(count("missing message id"), POISON_EACH);
-    let distinct: usize = by_reason.values().map(BTreeSet::len).sum();
-    let extra_copies = dead.len() - distinct;
+    let extra_copies = assert_poison_dead_lettered(&dead);
 
     let processed = metric(&scraped, "idempo_processed_total");
     let reconnects = metric(&scraped, "idempo_reconnects_total");
@@ -464,7 +268,7 @@ async fn chaos(batch: &str) {
          from kills between dead-letter and ack); last run: {processed} processed, {reconnects} reconnect(s), {outages} database outage(s); {:.1?}",
         load.published,
         load.ids.len(),
-        poison.len() + POISON_EACH,
+        poison,
         applied_ids,
         dead.len(),
         started.elapsed()

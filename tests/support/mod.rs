@@ -9,6 +9,7 @@ pub mod payments;
 
 pub mod cluster;
 pub mod consumer;
+pub mod example;
 pub mod pika;
 
 use std::collections::BTreeMap;
