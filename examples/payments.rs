@@ -5,8 +5,12 @@
 //! ```
 //!
 //! Environment:
-//! - `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`)
-//! - `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`)
+//! - `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`): one URL, or
+//!   several separated by commas, one per node of a cluster (tried in order;
+//!   after a lost connection, the next); `amqps://` with the system's roots
+//! - `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`),
+//!   with any `sslmode` (`require`, `verify-ca` and `verify-full` with
+//!   `sslrootcert=...`)
 //! - `PAYMENTS_QUEUE` (default `payments`; dead letters go to `$PAYMENTS_QUEUE.dlq`)
 //! - `PAYMENTS_FAIL_RATE` (default 0): probability of a transient error after
 //!   the handler wrote its rows, to watch the rollback and the retry
@@ -30,6 +34,17 @@ use std::time::Duration;
 use anyhow::Context;
 use idempo::amqp::{Consumer, RedeliveryPolicy};
 use sqlx::postgres::PgPoolOptions;
+
+/// `url` with its password (if any) replaced, for error messages.
+fn without_password(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) if parsed.password().is_some() => {
+            let _ = parsed.set_password(Some("***"));
+            parsed.to_string()
+        }
+        _ => url.to_owned(),
+    }
+}
 
 fn env_or(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
@@ -115,7 +130,12 @@ async fn main() -> anyhow::Result<()> {
         .acquire_timeout(Duration::from_secs(10))
         .connect(&database_url)
         .await
-        .with_context(|| format!("cannot connect to PostgreSQL at {database_url}"))?;
+        .with_context(|| {
+            format!(
+                "cannot connect to PostgreSQL at {}",
+                without_password(&database_url)
+            )
+        })?;
     idempo::migrate(&pool).await?;
     payments::create_tables(&pool).await?;
 

@@ -10,6 +10,10 @@
 #   scripts/rabbitmq-cluster.sh start-node N     # start node N again
 #   scripts/rabbitmq-cluster.sh status           # which nodes run
 #   scripts/rabbitmq-cluster.sh ctl N ARGS...    # rabbitmqctl against node N
+#   scripts/rabbitmq-cluster.sh certs            # only make the certificates
+#
+# With IDEMPO_CLUSTER_COMPOSE=1 the same commands drive the cluster of
+# docker-compose.cluster.yml instead (node N is the service rabbit-N).
 #
 # Nodes idempo-1..3@localhost: AMQP on 127.0.0.1:5681..5683, distribution on
 # 25681..25683; node 1 also serves amqps on 5691 (certificates of a CA made
@@ -109,10 +113,13 @@ prepare() {
 
 running() { ctl "$1" status >/dev/null 2>&1; }
 
+launch_node() {
+  running "$1" || on_node "$1" "$BIN/rabbitmq-server" -detached >/dev/null 2>&1
+}
+
 start_node() {
   local n=$1
-  running "$n" && return 0
-  on_node "$n" "$BIN/rabbitmq-server" -detached >/dev/null 2>&1
+  launch_node "$n"
   # -detached returns before the node is reachable; await_startup needs it to be.
   for _ in $(seq 1 120); do
     running "$n" && break
@@ -133,6 +140,9 @@ start_redis_tls() {
 
 start() {
   prepare
+  # All at once: a clustered node waits at boot for the peers that were
+  # running when it stopped, so starting them one after another can stall.
+  for n in "${NODES[@]}"; do launch_node "$n"; done
   for n in "${NODES[@]}"; do start_node "$n"; done
   for n in 2 3; do
     if ! ctl 1 cluster_status 2>/dev/null | grep -q "$(node_name "$n")"; then
@@ -169,13 +179,32 @@ status() {
   done
 }
 
+# The same commands for docker-compose.cluster.yml.
+compose() { docker compose -f "$ROOT/docker-compose.cluster.yml" "$@"; }
+if [ "${IDEMPO_CLUSTER_COMPOSE:-0}" = 1 ]; then
+  case "${1:-}" in
+    start) certificates; compose up -d --wait
+      compose exec -T rabbit-1 rabbitmqctl set_policy idempo-test-expiry "^idempo_test_" '{"expires":300000}' --apply-to queues >/dev/null ;;
+    stop) compose stop ;;
+    stop-node) compose stop "rabbit-$2" ;;
+    kill-node) compose kill "rabbit-$2" ;;
+    start-node) compose start "rabbit-$2"; compose exec -T "rabbit-$2" rabbitmqctl await_startup --timeout 120 >/dev/null ;;
+    status) compose ps ;;
+    ctl) n=$2; shift 2; compose exec -T "rabbit-$n" rabbitmqctl "$@" ;;
+    certs) certificates ;;
+    *) sed -n '2,19p' "$0"; exit 2 ;;
+  esac
+  exit 0
+fi
+
 case "${1:-}" in
   start) start ;;
+  certs) certificates ;;
   stop) stop ;;
   stop-node) ctl "$2" stop >/dev/null ;;
   kill-node) kill_node "$2" ;;
   start-node) prepare; start_node "$2" ;;
   status) status ;;
   ctl) n=$2; shift 2; ctl "$n" "$@" ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
 esac

@@ -60,8 +60,30 @@ pub async fn connect(n: usize) -> Connection {
         })
 }
 
-/// Fails the test unless all three nodes answer.
+/// Fails the test unless all three nodes answer. A cluster that is not
+/// running is started first (once per test binary), with the script.
 pub async fn require() {
+    static STARTED: tokio::sync::Mutex<bool> = tokio::sync::Mutex::const_new(false);
+    let mut started = STARTED.lock().await;
+    let reachable = match Connection::connect(&node_url(1), ConnectionProperties::default()).await {
+        Ok(probe) => {
+            let _ = probe.close(200, "probe".into()).await;
+            true
+        }
+        Err(_) => false,
+    };
+    if !reachable && !*started {
+        *started = true;
+        eprintln!("the local cluster is not running: scripts/rabbitmq-cluster.sh start");
+        let out = tokio::task::spawn_blocking(|| script().arg("start").output())
+            .await
+            .unwrap();
+        match out {
+            Ok(out) if out.status.success() => {}
+            other => panic!("cannot start the local cluster ({other:?})\n{START_CLUSTER}"),
+        }
+    }
+    drop(started);
     for n in 1..=3 {
         let connection = connect(n).await;
         let _ = connection.close(200, "probe".into()).await;
@@ -109,7 +131,10 @@ pub fn leader_of(queue: &str, running: &[usize]) -> usize {
             .find(|line| line.split('\t').next() == Some(queue))
         {
             for candidate in 1..=3 {
-                if line.contains(&format!("idempo-{candidate}@")) {
+                // The script's nodes, or those of docker-compose.cluster.yml.
+                if line.contains(&format!("idempo-{candidate}@"))
+                    || line.contains(&format!("@rabbit-{candidate}"))
+                {
                     return candidate;
                 }
             }
