@@ -195,6 +195,12 @@ pub(crate) fn sqlx_connection_error(error: &sqlx::Error) -> bool {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => true,
+        // sqlx reads the answer to its SSLRequest (sent first under the default
+        // sslmode=prefer) without checking for end of file: a server or proxy
+        // that closes the connection then shows as this protocol error.
+        sqlx::Error::Protocol(message) => {
+            message.starts_with("unexpected response from SSLRequest: 0x00")
+        }
         sqlx::Error::Database(db) => {
             // FATAL (or PANIC) ends the session: every error that refuses or
             // drops a connection is one (28000 a role that may not log in,
