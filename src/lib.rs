@@ -55,6 +55,7 @@
 //! | `amqp` | The RabbitMQ consumer runtime ([`amqp`]) | yes |
 //! | `http` | The `Idempotency-Key` tower layer and axum extractor (`http`) | no |
 //! | `window` | The SQS-FIFO-style deduplication window (`window`) | no |
+//! | `outbox` | The transactional outbox (`outbox`): messages staged in your transaction, published by a relay after commit | yes |
 //! | `saga` | Saga steps safe to re-execute and re-compensate (`saga`) | no |
 //! | `retry` | A retrying reqwest client that keeps its `Idempotency-Key`, and a generic retry loop (`retry`) | no |
 //! | `redis` | Redis stores for the modules that have one | no |
@@ -77,7 +78,12 @@ mod hex;
 pub mod inbox;
 mod migrate;
 #[cfg_attr(
-    not(any(feature = "retry", feature = "window", feature = "redis")),
+    not(any(
+        feature = "retry",
+        feature = "window",
+        feature = "redis",
+        feature = "outbox"
+    )),
     allow(dead_code)
 )]
 mod random;
@@ -100,6 +106,10 @@ pub mod window;
 #[cfg(feature = "saga")]
 #[cfg_attr(docsrs, doc(cfg(feature = "saga")))]
 pub mod saga;
+
+#[cfg(feature = "outbox")]
+#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
+pub mod outbox;
 
 #[cfg(feature = "retry")]
 #[cfg_attr(docsrs, doc(cfg(feature = "retry")))]

@@ -38,7 +38,9 @@ use crate::{Error, Result};
 ///   [`Consumer::builder`], tried in order, 10 s connection timeout (see
 ///   [`broker`](ConsumerBuilder::broker));
 /// - connection name: `idempo:<consumer>:<host>:<pid>`;
-/// - batch mode: batches of 100 (or the size given), `batch_linger` 5 ms.
+/// - batch mode: batches of 100 (or the size given), `batch_linger` 5 ms;
+/// - an outbox [`Relay`](crate::amqp::Relay) for the pool (feature `outbox`),
+///   dormant until the process uses the outbox (see [`relay`](ConsumerBuilder::relay)).
 #[must_use]
 pub struct ConsumerBuilder<Mode = NoHandler> {
     pub(crate) settings: Settings,
@@ -66,6 +68,7 @@ pub(crate) struct Settings {
     retention_interval: Duration,
     connection_name: Option<String>,
     wait_for_topology: bool,
+    relay: bool,
 }
 
 /// How long a batch waits for more deliveries after its first one.
@@ -110,6 +113,7 @@ impl ConsumerBuilder<NoHandler> {
                 retention_interval: Duration::from_secs(300),
                 connection_name: None,
                 wait_for_topology: false,
+                relay: cfg!(feature = "outbox"),
             },
             mode: NoHandler(()),
         }
@@ -371,6 +375,16 @@ impl<Mode> ConsumerBuilder<Mode> {
         self
     }
 
+    /// Whether the consumer runs an outbox [`Relay`](crate::amqp::Relay) for
+    /// its pool (default: `true` with feature `outbox`). It stays dormant,
+    /// without a broker connection, until the process stages a message or
+    /// finds pending rows. Turn it off when a separate relay process serves
+    /// the database.
+    pub fn relay(mut self, relay: bool) -> Self {
+        self.settings.relay = relay;
+        self
+    }
+
     /// The connection name shown in RabbitMQ's management UI and `rabbitmqctl`
     /// (default: `idempo:<consumer>:<pid>`).
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
@@ -507,6 +521,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
             retention_interval: s.retention_interval,
             connection_name,
             wait_for_topology: s.wait_for_topology,
+            relay: s.relay,
         },
         dispatch,
         shutdown,

@@ -133,6 +133,9 @@ pub(crate) struct Config {
     pub(crate) connection_name: String,
     /// Keep retrying when the queues exist with other arguments.
     pub(crate) wait_for_topology: bool,
+    /// Run an outbox relay for the pool.
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+    pub(crate) relay: bool,
 }
 
 /// Stops a running [`Consumer`] from another task. Cheap to clone.
@@ -164,6 +167,12 @@ impl ShutdownHandle {
     /// Fired when a graceful shutdown begins.
     pub(crate) fn graceful_token(&self) -> CancellationToken {
         self.graceful.clone()
+    }
+
+    /// Fired when the shutdown must not wait any longer.
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+    pub(crate) fn now_token(&self) -> CancellationToken {
+        self.now.clone()
     }
 }
 
@@ -252,6 +261,18 @@ impl Consumer {
                 shutdown.graceful.clone(),
             ))
         });
+        #[cfg(feature = "outbox")]
+        let relay = config.relay.then(|| {
+            let relay = super::relay::Relay::for_consumer(
+                config.broker.clone(),
+                config.pool.clone(),
+                &config.consumer,
+                health.clone(),
+            );
+            let stop = relay.shutdown_handle();
+            (stop, tokio::spawn(relay.run()))
+        });
+        let shutdown_timeout = config.shutdown_timeout;
         let mut runtime = Runtime {
             // In batch mode the slots are batches in flight: one committing
             // while the next is collected and claimed.
@@ -280,6 +301,18 @@ impl Consumer {
             keys.wait(stop.cancelled()).await;
         });
         let result = runtime.run().await;
+        // After the handlers drained, so that what they staged is published
+        // (or, past the timeout, left pending for the next relay).
+        #[cfg(feature = "outbox")]
+        if let Some((stop, mut task)) = relay {
+            stop.shutdown();
+            if tokio::time::timeout(shutdown_timeout, &mut task).await.is_err() {
+                stop.shutdown_now();
+                let _ = task.await;
+            }
+        }
+        #[cfg(not(feature = "outbox"))]
+        let _ = shutdown_timeout;
         loader.abort();
         if let Some(reaper) = reaper {
             reaper.abort();

@@ -112,6 +112,12 @@ impl ErrorKind {
                     _ => None,
                 },
             };
+            #[cfg(feature = "outbox")]
+            if let Some(outbox) = e.downcast_ref::<crate::outbox::OutboxError>() {
+                if outbox.is_permanent() {
+                    return ErrorKind::Permanent;
+                }
+            }
             if let Some(db) = database {
                 return match db.code().as_deref().map(|code| code.get(..2)) {
                     Some(Some("22" | "23" | "42")) => ErrorKind::Permanent,
@@ -274,6 +280,35 @@ fn decode_all<M: FromMessage>(messages: &[Message]) -> Result<Vec<M>, (usize, De
         .collect()
 }
 
+/// The W3C trace context the message carries, for what its handler stages.
+fn traceparent(message: &Message) -> Option<String> {
+    #[cfg(feature = "outbox")]
+    {
+        message
+            .header(crate::outbox::TRACEPARENT_HEADER)
+            .and_then(super::headers::header_text)
+    }
+    #[cfg(not(feature = "outbox"))]
+    {
+        let _ = message;
+        None
+    }
+}
+
+/// Runs a handler's future with the message's trace context, so that the
+/// messages it stages in the outbox carry it on.
+async fn with_trace<F: Future>(trace: Option<String>, future: F) -> F::Output {
+    #[cfg(feature = "outbox")]
+    {
+        crate::outbox::with_traceparent(trace, future).await
+    }
+    #[cfg(not(feature = "outbox"))]
+    {
+        let _ = trace;
+        future.await
+    }
+}
+
 /// A per-message handler: called once per message, in order, on the unit's
 /// transaction (a unit is one delivery, or a batch in batch mode).
 pub(crate) struct EachMessage<H, M> {
@@ -294,14 +329,18 @@ impl<H: Handler<M>, M: FromMessage> Prepare for EachMessage<H, M> {
     fn prepare(&self, messages: &[Message]) -> Result<Call, (usize, DecodeError)> {
         let mut decoded = decode_all::<M>(messages)?;
         let handler = self.handler.clone();
+        let mut traces: Vec<Option<String>> = messages.iter().map(traceparent).collect();
         if decoded.len() == 1 {
             let message = decoded.pop().expect("one message");
-            return Ok(Box::new(move |tx| Box::pin(handler.call(tx, message))));
+            let trace = traces.pop().expect("one message");
+            return Ok(Box::new(move |tx| {
+                Box::pin(with_trace(trace, handler.call(tx, message)))
+            }));
         }
         Ok(Box::new(move |tx: Tx| {
             Box::pin(async move {
-                for message in decoded {
-                    handler.call(tx.clone(), message).await?;
+                for (message, trace) in decoded.into_iter().zip(traces) {
+                    with_trace(trace, handler.call(tx.clone(), message)).await?;
                 }
                 Ok(())
             })
@@ -328,7 +367,14 @@ impl<H: Handler<Vec<M>>, M: FromMessage> Prepare for WholeBatch<H, M> {
     fn prepare(&self, messages: &[Message]) -> Result<Call, (usize, DecodeError)> {
         let decoded = decode_all::<M>(messages)?;
         let handler = self.handler.clone();
-        Ok(Box::new(move |tx| Box::pin(handler.call(tx, decoded))))
+        // One trace context for the call: the message's, for a batch of one.
+        let trace = match messages {
+            [one] => traceparent(one),
+            _ => None,
+        };
+        Ok(Box::new(move |tx| {
+            Box::pin(with_trace(trace, handler.call(tx, decoded)))
+        }))
     }
 }
 

@@ -39,6 +39,9 @@ pub struct HealthSnapshot {
     /// ended (a property that is not valid UTF-8) without the runtime moving
     /// it to the DLQ: the queue is stuck behind it until someone removes it.
     pub wedged_sessions: u32,
+    /// The state of the outbox relay the consumer runs (`None` without one).
+    #[cfg(feature = "outbox")]
+    pub relay: Option<super::RelayState>,
 }
 
 impl HealthSnapshot {
@@ -70,6 +73,8 @@ impl Default for Health {
                 last_error: None,
                 reconnects: 0,
                 wedged_sessions: 0,
+                #[cfg(feature = "outbox")]
+                relay: None,
             })),
         }
     }
@@ -108,6 +113,11 @@ impl Health {
 
     pub(crate) fn record_reconnect(&self) {
         self.inner.send_modify(|s| s.reconnects += 1);
+    }
+
+    #[cfg(feature = "outbox")]
+    pub(crate) fn set_relay(&self, relay: Option<super::RelayState>) {
+        self.inner.send_modify(|s| s.relay = relay);
     }
 
     pub(crate) fn set_database(&self, available: bool, error: Option<String>) {

@@ -61,6 +61,8 @@ pub mod mode;
 mod publish;
 mod quarantine;
 mod redelivery;
+#[cfg(feature = "outbox")]
+mod relay;
 mod republish;
 mod retention;
 mod seal;
@@ -84,6 +86,9 @@ pub use health::{Health, HealthSnapshot, RuntimeState};
 pub use message::{DecodeError, FromMessage, JsonBody, Message};
 pub use message_id::{IdFn, MessageIdSource};
 pub use redelivery::RedeliveryPolicy;
+#[cfg(feature = "outbox")]
+#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
+pub use relay::{Relay, RelayHealth, RelaySnapshot, RelayState};
 pub use stats::{Stats, StatsSnapshot};
 pub use topology::QueueType;
 

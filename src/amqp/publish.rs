@@ -19,6 +19,10 @@ pub(crate) enum PublishError {
     Nacked,
     #[error("the message was unroutable: nothing is bound for {0:?}")]
     Returned(String),
+    /// The channel or connection failed while the message was in flight
+    /// (the broker's reason): the broker may or may not hold it.
+    #[error("the channel failed: {0}")]
+    Lost(String),
     /// No confirm in time: the broker may hold the message.
     #[error("no publisher confirm within {0:?}")]
     Timeout(Duration),
@@ -114,6 +118,105 @@ impl ConfirmChannel {
         }
     }
 
+    /// Publishes several messages with their confirms in flight together
+    /// (one round trip for the lot instead of one each), holding the channel
+    /// for the whole batch; returns each message's outcome, in order.
+    ///
+    /// A returned (unroutable) message reaches lapin before its confirm but
+    /// is attached to whichever confirm resolves next, so returns are matched
+    /// to messages by their `message_id`: give every message a distinct one.
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+    pub(crate) async fn publish_all(
+        &self,
+        messages: Vec<OutgoingFrame<'_>>,
+    ) -> Vec<Result<(), PublishError>> {
+        let deadline = Instant::now() + self.confirm_timeout;
+        let Ok(channel) = timeout_at(deadline, self.channel.lock()).await else {
+            return messages
+                .iter()
+                .map(|_| Err(PublishError::Busy(self.confirm_timeout)))
+                .collect();
+        };
+        let mut ids = Vec::with_capacity(messages.len());
+        let mut confirms = Vec::with_capacity(messages.len());
+        let mut broken = None;
+        for m in messages {
+            ids.push(m.properties.message_id().as_ref().map(|id| id.to_string()));
+            if broken.is_some() {
+                confirms.push(None);
+                continue;
+            }
+            let options = BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            };
+            let published = timeout_at(
+                deadline,
+                channel.basic_publish(
+                    m.exchange.into(),
+                    m.routing_key.into(),
+                    options,
+                    m.body,
+                    m.properties,
+                ),
+            )
+            .await;
+            match published {
+                Ok(Ok(confirm)) => confirms.push(Some(confirm)),
+                Ok(Err(e)) => {
+                    broken = Some(e.to_string());
+                    confirms.push(None);
+                }
+                Err(_) => {
+                    broken = Some(format!("no publisher confirm within {:?}", self.confirm_timeout));
+                    confirms.push(None);
+                }
+            }
+        }
+        let mut outcomes = Vec::with_capacity(confirms.len());
+        let mut returned = std::collections::HashSet::new();
+        let mut timed_out = false;
+        for confirm in confirms {
+            let outcome = match confirm {
+                None => Err(broken.clone().unwrap_or_default()),
+                Some(confirm) => match timeout_at(deadline, confirm).await {
+                    Ok(Ok(lapin::Confirmation::Ack(ret))) => Ok((true, ret)),
+                    Ok(Ok(lapin::Confirmation::Nack(ret))) => Ok((false, ret)),
+                    Ok(Ok(lapin::Confirmation::NotRequested)) => Ok((true, None)),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => {
+                        timed_out = true;
+                        Err(format!("no publisher confirm within {:?}", self.confirm_timeout))
+                    }
+                },
+            };
+            if let Ok((_, Some(ret))) = &outcome {
+                if let Some(id) = ret.properties.message_id() {
+                    returned.insert(id.to_string());
+                }
+            }
+            outcomes.push(outcome.map(|(acked, _)| acked));
+        }
+        if timed_out {
+            // As in `publish`: a late confirm must not be credited to the next batch.
+            let _ = channel
+                .close(200, "publisher confirm timed out".into())
+                .await;
+        }
+        outcomes
+            .into_iter()
+            .zip(ids)
+            .map(|(outcome, id)| match outcome {
+                Ok(true) if id.as_ref().is_some_and(|id| returned.contains(id)) => {
+                    Err(PublishError::Returned("nothing is bound for its routing key".into()))
+                }
+                Ok(true) => Ok(()),
+                Ok(false) => Err(PublishError::Nacked),
+                Err(why) => Err(PublishError::Lost(why)),
+            })
+            .collect()
+    }
+
     /// Closes the channel (if it is open), so that dropping it later does
     /// not race the connection's close.
     pub(crate) async fn close(&self) {
@@ -127,6 +230,15 @@ impl ConfirmChannel {
     pub(crate) async fn is_open(&self) -> bool {
         self.channel.lock().await.status().connected()
     }
+}
+
+/// One message of [`ConfirmChannel::publish_all`].
+#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+pub(crate) struct OutgoingFrame<'a> {
+    pub(crate) exchange: &'a str,
+    pub(crate) routing_key: &'a str,
+    pub(crate) body: &'a [u8],
+    pub(crate) properties: BasicProperties,
 }
 
 /// `queue q` for the default exchange, `x / rk` otherwise.

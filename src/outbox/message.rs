@@ -1,0 +1,264 @@
+//! [`OutboxMessage`]: what a handler stages, with its AMQP properties.
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use super::OutboxError;
+use crate::inbox::validate_message_id;
+
+/// The largest body staged unless [`OutboxMessage::max_body_size`] says
+/// otherwise: RabbitMQ 4's default `max_message_size` (16 MiB), the strictest
+/// of its versions, so that an oversized body fails at staging, in the
+/// handler, instead of at the relay.
+pub const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
+
+/// AMQP short strings (exchange, routing key, header names) hold at most 255 bytes.
+const MAX_SHORT_STRING: usize = 255;
+
+/// The header that carries a W3C trace context.
+pub const TRACEPARENT_HEADER: &str = "traceparent";
+
+/// A message to publish once the staging transaction commits: exchange,
+/// routing key, body and AMQP properties. Persistent by default; its
+/// `message_id` is fixed at staging (yours, or a generated UUID v7), so every
+/// resend of it carries the same id and an idempo consumer downstream
+/// deduplicates it.
+///
+/// # Example
+/// ```
+/// use idempo::outbox::OutboxMessage;
+///
+/// #[derive(serde::Serialize)]
+/// struct Receipt { account: String, amount_cents: i64 }
+///
+/// let incoming_id = "payment-42";
+/// let message = OutboxMessage::json("", "receipts", &Receipt { account: "alice".into(), amount_cents: 250 })?
+///     // Stable across redeliveries of the incoming message: derived from its id.
+///     .derived_id(incoming_id, "receipt")
+///     .header("x-tenant", "acme")
+///     .ordering_key("alice");
+/// assert_eq!(message.id(), Some(idempo::outbox::derived_message_id("payment-42", "receipt").as_str()));
+/// # Ok::<(), idempo::outbox::OutboxError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxMessage {
+    pub(crate) exchange: String,
+    pub(crate) routing_key: String,
+    pub(crate) body: Vec<u8>,
+    pub(crate) message_id: Option<String>,
+    pub(crate) content_type: Option<String>,
+    pub(crate) correlation_id: Option<String>,
+    pub(crate) persistent: bool,
+    pub(crate) headers: Map<String, Value>,
+    pub(crate) ordering_key: Option<String>,
+    pub(crate) max_body_size: usize,
+}
+
+impl OutboxMessage {
+    /// A message with this body for `exchange` (`""`: the default exchange,
+    /// where the routing key is a queue name) and `routing_key`.
+    pub fn new(
+        exchange: impl Into<String>,
+        routing_key: impl Into<String>,
+        body: impl Into<Vec<u8>>,
+    ) -> Self {
+        OutboxMessage {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+            body: body.into(),
+            message_id: None,
+            content_type: None,
+            correlation_id: None,
+            persistent: true,
+            headers: Map::new(),
+            ordering_key: None,
+            max_body_size: DEFAULT_MAX_BODY_SIZE,
+        }
+    }
+
+    /// A message whose body is `value` as JSON, with content type
+    /// `application/json`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Serialize`] when `value` cannot be serialised.
+    pub fn json<T: Serialize + ?Sized>(
+        exchange: impl Into<String>,
+        routing_key: impl Into<String>,
+        value: &T,
+    ) -> Result<Self, OutboxError> {
+        let body = serde_json::to_vec(value).map_err(OutboxError::Serialize)?;
+        Ok(Self::new(exchange, routing_key, body).content_type("application/json"))
+    }
+
+    /// The AMQP `message_id` (default: a UUID v7 generated at staging).
+    pub fn message_id(mut self, id: impl Into<String>) -> Self {
+        self.message_id = Some(id.into());
+        self
+    }
+
+    /// A message id derived from the id of the message being handled and a
+    /// `purpose` that tells apart the messages one handler emits (`"receipt"`,
+    /// `"audit"`): every redelivery of the incoming message, in any process,
+    /// stages the same id, so a downstream consumer also deduplicates what
+    /// two runs of a non-idempotent producer emitted. See
+    /// [`derived_message_id`](super::derived_message_id).
+    pub fn derived_id(self, incoming_id: &str, purpose: &str) -> Self {
+        self.message_id(super::derived_message_id(incoming_id, purpose))
+    }
+
+    /// The AMQP `content_type` property.
+    pub fn content_type(mut self, content_type: impl Into<String>) -> Self {
+        self.content_type = Some(content_type.into());
+        self
+    }
+
+    /// The AMQP `correlation_id` property.
+    pub fn correlation_id(mut self, id: impl Into<String>) -> Self {
+        self.correlation_id = Some(id.into());
+        self
+    }
+
+    /// An AMQP header: a string, an integer, a float, a bool, or JSON arrays
+    /// and objects of those (sent as AMQP arrays and tables).
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Messages with the same ordering key are published in the order their
+    /// transactions committed, also across relay crashes and with several
+    /// relays; messages without one carry no order promise. Staging a keyed
+    /// message takes a transaction-long lock on the key, so transactions that
+    /// stage the same key commit one after the other.
+    pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
+    }
+
+    /// Not persistent (`delivery_mode` 1): the broker may lose it on restart.
+    pub fn transient(mut self) -> Self {
+        self.persistent = false;
+        self
+    }
+
+    /// A W3C `traceparent` for the outgoing headers. Without it, staging
+    /// takes the one of the message being handled (see
+    /// [`with_traceparent`](super::with_traceparent)).
+    pub fn traceparent(self, traceparent: impl Into<String>) -> Self {
+        self.header(TRACEPARENT_HEADER, traceparent.into())
+    }
+
+    /// The largest body accepted at staging (default
+    /// [`DEFAULT_MAX_BODY_SIZE`]); raise it to what your broker's
+    /// `max_message_size` allows.
+    pub fn max_body_size(mut self, bytes: usize) -> Self {
+        self.max_body_size = bytes;
+        self
+    }
+
+    /// The exchange.
+    pub fn exchange(&self) -> &str {
+        &self.exchange
+    }
+
+    /// The routing key.
+    pub fn routing_key(&self) -> &str {
+        &self.routing_key
+    }
+
+    /// The body.
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    /// The message id, if one was set (otherwise it is generated at staging).
+    pub fn id(&self) -> Option<&str> {
+        self.message_id.as_deref()
+    }
+
+    /// Whether the message is persistent.
+    pub fn is_persistent(&self) -> bool {
+        self.persistent
+    }
+
+    /// Everything a broker or PostgreSQL would refuse, as a clear error now.
+    pub(crate) fn validate(&self) -> Result<(), OutboxError> {
+        if self.body.len() > self.max_body_size {
+            return Err(OutboxError::TooLarge {
+                size: self.body.len(),
+                limit: self.max_body_size,
+            });
+        }
+        if let Some(id) = &self.message_id {
+            validate_message_id(id)?;
+        }
+        short_string("exchange", &self.exchange)?;
+        short_string("routing key", &self.routing_key)?;
+        for name in self.headers.keys() {
+            short_string("header name", name)?;
+        }
+        for (field, value) in [
+            ("message id", self.message_id.as_deref()),
+            ("content type", self.content_type.as_deref()),
+            ("correlation id", self.correlation_id.as_deref()),
+            ("ordering key", self.ordering_key.as_deref()),
+        ] {
+            if let Some(value) = value {
+                short_string(field, value)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An AMQP short string, storable in a PostgreSQL `text` (no NUL).
+fn short_string(field: &'static str, value: &str) -> Result<(), OutboxError> {
+    if value.len() > MAX_SHORT_STRING {
+        return Err(OutboxError::InvalidField {
+            field,
+            reason: format!("{} bytes, AMQP allows {MAX_SHORT_STRING}", value.len()),
+        });
+    }
+    if value.contains('\0') {
+        return Err(OutboxError::InvalidField {
+            field,
+            reason: "contains NUL".into(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_persistent_without_an_id() {
+        let m = OutboxMessage::new("", "q", b"x".to_vec());
+        assert!(m.is_persistent());
+        assert_eq!(m.id(), None);
+        assert!(m.validate().is_ok());
+        assert!(!m.transient().is_persistent());
+    }
+
+    #[test]
+    fn bad_fields_are_refused_with_their_name() {
+        let big = OutboxMessage::new("", "q", vec![0; 11]).max_body_size(10);
+        assert!(matches!(
+            big.validate(),
+            Err(OutboxError::TooLarge {
+                size: 11,
+                limit: 10
+            })
+        ));
+        let long_key = OutboxMessage::new("", "q".repeat(256), b"x".to_vec());
+        assert!(long_key.validate().unwrap_err().to_string().contains("routing key"));
+        let nul = OutboxMessage::new("", "q", b"x".to_vec()).ordering_key("a\0b");
+        assert!(nul.validate().unwrap_err().to_string().contains("NUL"));
+        let empty_id = OutboxMessage::new("", "q", b"x".to_vec()).message_id("");
+        assert!(matches!(
+            empty_id.validate(),
+            Err(OutboxError::InvalidMessageId(_))
+        ));
+    }
+}
