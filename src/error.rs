@@ -106,6 +106,11 @@ pub enum Error {
         reason: String,
     },
 
+    /// A message could not be staged in the outbox.
+    #[cfg(feature = "outbox")]
+    #[error(transparent)]
+    Outbox(#[from] crate::outbox::OutboxError),
+
     /// A builder was given an impossible configuration.
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -306,7 +306,10 @@ impl Consumer {
         #[cfg(feature = "outbox")]
         if let Some((stop, mut task)) = relay {
             stop.shutdown();
-            if tokio::time::timeout(shutdown_timeout, &mut task).await.is_err() {
+            if tokio::time::timeout(shutdown_timeout, &mut task)
+                .await
+                .is_err()
+            {
                 stop.shutdown_now();
                 let _ = task.await;
             }

@@ -113,7 +113,12 @@ impl ErrorKind {
                 },
             };
             #[cfg(feature = "outbox")]
-            if let Some(outbox) = e.downcast_ref::<crate::outbox::OutboxError>() {
+            if let Some(outbox) = e.downcast_ref::<crate::outbox::OutboxError>().or(
+                match e.downcast_ref::<crate::Error>() {
+                    Some(crate::Error::Outbox(outbox)) => Some(outbox),
+                    _ => None,
+                },
+            ) {
                 if outbox.is_permanent() {
                     return ErrorKind::Permanent;
                 }

@@ -168,7 +168,10 @@ impl ConfirmChannel {
                     confirms.push(None);
                 }
                 Err(_) => {
-                    broken = Some(format!("no publisher confirm within {:?}", self.confirm_timeout));
+                    broken = Some(format!(
+                        "no publisher confirm within {:?}",
+                        self.confirm_timeout
+                    ));
                     confirms.push(None);
                 }
             }
@@ -186,7 +189,10 @@ impl ConfirmChannel {
                     Ok(Err(e)) => Err(e.to_string()),
                     Err(_) => {
                         timed_out = true;
-                        Err(format!("no publisher confirm within {:?}", self.confirm_timeout))
+                        Err(format!(
+                            "no publisher confirm within {:?}",
+                            self.confirm_timeout
+                        ))
                     }
                 },
             };
@@ -207,9 +213,9 @@ impl ConfirmChannel {
             .into_iter()
             .zip(ids)
             .map(|(outcome, id)| match outcome {
-                Ok(true) if id.as_ref().is_some_and(|id| returned.contains(id)) => {
-                    Err(PublishError::Returned("nothing is bound for its routing key".into()))
-                }
+                Ok(true) if id.as_ref().is_some_and(|id| returned.contains(id)) => Err(
+                    PublishError::Returned("nothing is bound for its routing key".into()),
+                ),
                 Ok(true) => Ok(()),
                 Ok(false) => Err(PublishError::Nacked),
                 Err(why) => Err(PublishError::Lost(why)),

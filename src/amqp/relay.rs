@@ -225,10 +225,7 @@ impl Relay {
         let mut relay = Self::with_broker(broker, pool);
         relay.dormant = true;
         relay.health = RelayHealth::new(RelayState::Dormant);
-        relay.connection_name = Some(format!(
-            "idempo-relay:{consumer}:{}",
-            std::process::id()
-        ));
+        relay.connection_name = Some(format!("idempo-relay:{consumer}:{}", std::process::id()));
         health.set_relay(Some(RelayState::Dormant));
         relay.consumer_health = Some(health);
         relay
@@ -423,11 +420,10 @@ impl<'a> Running<'a> {
         let stop = self.relay.shutdown.graceful_token();
         loop {
             let staged = outbox::staged_in_process().notified();
-            let pending: std::result::Result<bool, sqlx::Error> = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM outbox WHERE state = 'pending')",
-            )
-            .fetch_one(&self.relay.pool)
-            .await;
+            let pending: std::result::Result<bool, sqlx::Error> =
+                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox WHERE state = 'pending')")
+                    .fetch_one(&self.relay.pool)
+                    .await;
             match pending {
                 Ok(true) => return true,
                 Ok(false) => {}
@@ -526,7 +522,7 @@ impl<'a> Running<'a> {
                 }
             };
             if let Some(keep) = relay.keep_published {
-                if last_cleanup.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                if last_cleanup.is_none_or(|t| t.elapsed() >= keep.min(Duration::from_secs(60))) {
                     last_cleanup = Some(Instant::now());
                     self.cleanup(keep).await;
                 }
@@ -573,7 +569,10 @@ impl<'a> Running<'a> {
     }
 
     /// One batch, in one transaction.
-    async fn batch(&self, channel: &ConfirmChannel) -> std::result::Result<BatchOutcome, sqlx::Error> {
+    async fn batch(
+        &self,
+        channel: &ConfirmChannel,
+    ) -> std::result::Result<BatchOutcome, sqlx::Error> {
         let relay = self.relay;
         let parked: Vec<String> = {
             let mut parked = self.parked.lock().expect("not poisoned");
@@ -651,7 +650,10 @@ impl<'a> Running<'a> {
                          attempts = attempts + 1 WHERE id = ANY($1)"
                     }
                 };
-                sqlx::query(query).bind(&confirmed).execute(&mut *tx).await?;
+                sqlx::query(query)
+                    .bind(&confirmed)
+                    .execute(&mut *tx)
+                    .await?;
             }
             let given_up = failures.record(&mut tx).await?;
             tx.commit().await?;
@@ -687,7 +689,10 @@ impl<'a> Running<'a> {
         tx: &mut sqlx::PgConnection,
         rows: Vec<Row>,
     ) -> std::result::Result<(Vec<Row>, Option<Duration>), sqlx::Error> {
-        let mut keys: Vec<&str> = rows.iter().filter_map(|r| r.ordering_key.as_deref()).collect();
+        let mut keys: Vec<&str> = rows
+            .iter()
+            .filter_map(|r| r.ordering_key.as_deref())
+            .collect();
         if keys.is_empty() {
             return Ok((rows, None));
         }
@@ -808,8 +813,9 @@ impl Failures {
     fn push(&mut self, relay: &Relay, row: &Row, error: String, certain: bool) {
         let attempt = u32::try_from(row.attempts).unwrap_or(0).saturating_add(1);
         let give_up = certain || attempt >= relay.max_attempts;
-        let delay = backoff::full_jitter(backoff::ceiling(relay.retry_min, relay.retry_max, attempt))
-            .max(relay.retry_min);
+        let delay =
+            backoff::full_jitter(backoff::ceiling(relay.retry_min, relay.retry_max, attempt))
+                .max(relay.retry_min);
         if give_up {
             tracing::error!(message_id = %row.message_id, %error, attempts = attempt, "outbox relay: giving up on a message; it stays in the outbox as failed");
         } else {
@@ -909,14 +915,16 @@ mod tests {
 
     #[test]
     fn the_broker_size_limit_is_read_from_its_reason() {
-        let why = "PRECONDITION_FAILED - message size 2097152 is larger than configured max size 1048576";
+        let why =
+            "PRECONDITION_FAILED - message size 2097152 is larger than configured max size 1048576";
         assert_eq!(broker_size_limit(why), Some(1_048_576));
         assert_eq!(broker_size_limit("NOT_FOUND - no exchange"), None);
     }
 
     #[test]
     fn json_headers_become_amqp_values() {
-        let headers = serde_json::json!({"s": "x", "i": 3, "b": true, "f": 1.5, "a": [1], "o": {"k": "v"}});
+        let headers =
+            serde_json::json!({"s": "x", "i": 3, "b": true, "f": 1.5, "a": [1], "o": {"k": "v"}});
         let table = table(headers.as_object().unwrap());
         let inner = table.inner();
         assert_eq!(inner.get("i"), Some(&AMQPValue::LongLongInt(3)));

@@ -252,7 +252,13 @@ mod tests {
             })
         ));
         let long_key = OutboxMessage::new("", "q".repeat(256), b"x".to_vec());
-        assert!(long_key.validate().unwrap_err().to_string().contains("routing key"));
+        assert!(
+            long_key
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("routing key")
+        );
         let nul = OutboxMessage::new("", "q", b"x".to_vec()).ordering_key("a\0b");
         assert!(nul.validate().unwrap_err().to_string().contains("NUL"));
         let empty_id = OutboxMessage::new("", "q", b"x".to_vec()).message_id("");

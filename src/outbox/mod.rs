@@ -307,14 +307,21 @@ pub struct FailedMessage {
 /// # Errors
 /// The query failed.
 pub async fn failed(pool: &PgPool, limit: i64) -> Result<Vec<FailedMessage>, sqlx::Error> {
-    let rows: Vec<(i64, String, String, String, Option<String>, i32, Option<String>)> =
-        sqlx::query_as(
-            "SELECT id, message_id, exchange, routing_key, ordering_key, attempts, last_error \
+    let rows: Vec<(
+        i64,
+        String,
+        String,
+        String,
+        Option<String>,
+        i32,
+        Option<String>,
+    )> = sqlx::query_as(
+        "SELECT id, message_id, exchange, routing_key, ordering_key, attempts, last_error \
              FROM outbox WHERE state = 'failed' ORDER BY id LIMIT $1",
-        )
-        .bind(limit)
-        .fetch_all(pool)
-        .await?;
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
     Ok(rows
         .into_iter()
         .map(

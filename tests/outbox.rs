@@ -1,0 +1,674 @@
+//! The transactional outbox against the real RabbitMQ and PostgreSQL:
+//! staging commits and rolls back with the caller's writes, the relay
+//! publishes each committed row at least once with its id through crashes,
+//! cuts and refusals, ordering keys hold across two relays, and a downstream
+//! idempo consumer applies every message exactly once.
+
+mod support;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::post;
+use idempo::Tx;
+use idempo::amqp::{Consumer, HandlerError, JsonBody, Message, Relay, RelayState};
+use idempo::http::{IdempotencyLayer, PostgresStore};
+use idempo::outbox::{self, OutboxError, OutboxMessage};
+use sqlx::PgPool;
+use support::payments::{self, Payment};
+use support::{Broker, Db, DeadLetter, TcpProxy, amqp_url, eventually, setup, unique};
+
+const SOON: Duration = Duration::from_secs(30);
+
+/// A relay tuned for tests: a short fallback poll and quick retries.
+fn relay(pool: &PgPool) -> Relay {
+    Relay::new(&amqp_url(), pool.clone())
+        .unwrap()
+        .poll_interval(Duration::from_millis(300))
+        .retry_backoff(Duration::from_millis(50), Duration::from_millis(200))
+}
+
+/// Runs `relay` in a task; the handle stops it gracefully.
+struct Running {
+    stop: idempo::amqp::ShutdownHandle,
+    task: tokio::task::JoinHandle<idempo::Result<()>>,
+}
+
+impl Running {
+    fn start(relay: Relay) -> Running {
+        let stop = relay.shutdown_handle();
+        Running {
+            stop,
+            task: tokio::spawn(relay.run()),
+        }
+    }
+
+    async fn stop(self) {
+        self.stop.shutdown();
+        tokio::time::timeout(SOON, self.task)
+            .await
+            .expect("the relay stops")
+            .expect("relay task")
+            .expect("relay run");
+    }
+
+    /// As a crash: the task is dropped wherever it is.
+    async fn kill(self) {
+        self.task.abort();
+        let _ = self.task.await;
+    }
+}
+
+/// Every message in `queue` now, in order (taken off the queue).
+async fn take_all(broker: &Broker, queue: &str) -> Vec<DeadLetter> {
+    broker.drain(queue).await
+}
+
+/// Takes messages from `queue` until `n` distinct ids arrived; returns every
+/// copy in arrival order.
+async fn collect_ids(broker: &Broker, queue: &str, n: usize) -> Vec<String> {
+    let mut all = Vec::new();
+    let mut distinct = HashSet::new();
+    let start = std::time::Instant::now();
+    while distinct.len() < n {
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "only {} of {n} distinct messages arrived in {queue}",
+            distinct.len()
+        );
+        let batch = take_all(broker, queue).await;
+        if batch.is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for m in batch {
+            let id = m.message_id.expect("every outbox message has an id");
+            distinct.insert(id.clone());
+            all.push(id);
+        }
+    }
+    all
+}
+
+async fn pending(pool: &PgPool) -> i64 {
+    outbox::status(pool).await.unwrap().pending
+}
+
+/// Stages `n` payment messages for `queue`, each in its own transaction;
+/// returns their ids in staging order.
+async fn stage_payments(pool: &PgPool, queue: &str, n: usize, key: Option<&str>) -> Vec<String> {
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut tx = pool.begin().await.unwrap();
+        let mut message = OutboxMessage::json(
+            "",
+            queue,
+            &Payment {
+                account: format!("acct-{}", i % 7),
+                amount_cents: i as i64 + 1,
+            },
+        )
+        .unwrap();
+        if let Some(key) = key {
+            message = message.ordering_key(key);
+        }
+        ids.push(outbox::stage(&mut tx, message).await.unwrap());
+        tx.commit().await.unwrap();
+    }
+    ids
+}
+
+#[tokio::test]
+async fn a_handler_that_fails_emits_nothing_and_one_that_commits_emits_once_with_its_trace() {
+    let (db, broker, queue) = setup().await;
+    let receipts = unique("receipts");
+    broker.declare(&receipts).await;
+    let target = receipts.clone();
+    let consumer = Consumer::builder(amqp_url(), db.pool.clone())
+        .queue(&queue)
+        .retry(idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1))
+        .handler(
+            move |tx: Tx, (JsonBody(p), m): (JsonBody<Payment>, Message)| {
+                let target = target.clone();
+                async move {
+                    let mut conn = tx.try_lock()?;
+                    let receipt =
+                        OutboxMessage::json("", &target, &p)?.derived_id(m.id(), "receipt");
+                    outbox::stage(&mut conn, receipt).await?;
+                    if p.account == "refused" {
+                        return Err(HandlerError::permanent("refused after staging"));
+                    }
+                    Ok(())
+                }
+            },
+        )
+        .build()
+        .unwrap();
+    let health = consumer.health();
+    let stop = consumer.shutdown_handle();
+    let running = tokio::spawn(consumer.run());
+    health.wait_for(|h| h.is_consuming()).await;
+    assert_eq!(
+        health.snapshot().relay,
+        Some(RelayState::Dormant),
+        "no broker connection for an outbox nobody used yet"
+    );
+
+    broker
+        .publish_payment(&queue, "refused-1", "refused", 5)
+        .await;
+    broker.publish_payment(&queue, "paid-1", "alice", 7).await;
+    broker.publish_payment(&queue, "paid-2", "bob", 9).await;
+    let ids = collect_ids(&broker, &receipts, 2).await;
+    assert_eq!(ids.len(), 2, "each committed handler emitted once: {ids:?}");
+    assert!(ids.contains(&outbox::derived_message_id("paid-1", "receipt")));
+    assert!(ids.contains(&outbox::derived_message_id("paid-2", "receipt")));
+    assert!(
+        !ids.contains(&outbox::derived_message_id("refused-1", "receipt")),
+        "the rolled-back handler emitted nothing"
+    );
+    assert_eq!(health.snapshot().relay, Some(RelayState::Running));
+    eventually("the outbox is empty", SOON, || async {
+        pending(&db.pool).await == 0
+    })
+    .await;
+    stop.shutdown();
+    running.await.unwrap().unwrap();
+    assert_eq!(health.snapshot().relay, Some(RelayState::Stopped));
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead.len(), 1, "the refused payment is dead-lettered");
+    assert!(
+        take_all(&broker, &receipts).await.is_empty(),
+        "nothing more arrived"
+    );
+}
+
+#[tokio::test]
+async fn the_trace_context_of_the_incoming_message_goes_out_with_what_it_stages() {
+    let (db, broker, queue) = setup().await;
+    let out = unique("traced");
+    broker.declare(&out).await;
+    let target = out.clone();
+    let consumer = Consumer::builder(amqp_url(), db.pool.clone())
+        .queue(&queue)
+        .handler(move |tx: Tx, JsonBody(p): JsonBody<Payment>| {
+            let target = target.clone();
+            async move {
+                let mut conn = tx.try_lock()?;
+                outbox::stage(&mut conn, OutboxMessage::json("", &target, &p)?).await?;
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap();
+    let stop = consumer.shutdown_handle();
+    let running = tokio::spawn(consumer.run());
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let props = lapin::BasicProperties::default()
+        .with_message_id("t-1".into())
+        .with_headers({
+            let mut h = lapin::types::FieldTable::default();
+            h.insert(
+                "traceparent".into(),
+                lapin::types::AMQPValue::LongString(traceparent.into()),
+            );
+            h
+        });
+    broker
+        .publish_props(&queue, props, &support::payment_body("alice", 1))
+        .await;
+    let mut got = Vec::new();
+    let start = std::time::Instant::now();
+    while got.is_empty() {
+        assert!(start.elapsed() < SOON, "the staged message did not arrive");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        got = take_all(&broker, &out).await;
+    }
+    assert_eq!(
+        got[0].headers.get("traceparent").map(String::as_str),
+        Some(traceparent)
+    );
+    stop.shutdown();
+    running.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn staging_from_a_plain_transaction_commits_and_rolls_back_with_it() {
+    let (db, broker, queue) = setup().await;
+    let relay = Running::start(relay(&db.pool));
+
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox::stage(
+        &mut tx,
+        OutboxMessage::new("", &queue, b"phantom".to_vec()).message_id("rolled-back"),
+    )
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let ids = outbox::stage_all(
+        &mut tx,
+        (0..3).map(|i| {
+            OutboxMessage::new("", &queue, format!("m{i}").into_bytes()).correlation_id("c-1")
+        }),
+    )
+    .await
+    .unwrap();
+    // Not before the commit: the relay sees only committed rows.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        broker.ready(&queue).await,
+        0,
+        "nothing is published before commit"
+    );
+    tx.commit().await.unwrap();
+    let arrived = collect_ids(&broker, &queue, 3).await;
+    assert_eq!(arrived, ids, "published once each, in staging order");
+    relay.stop().await;
+    assert_eq!(broker.ready(&queue).await, 0);
+}
+
+#[tokio::test]
+async fn staging_from_an_axum_handler_behind_the_idempotency_layer() {
+    let (db, broker, queue) = setup().await;
+    let relay = Running::start(relay(&db.pool));
+    let target = queue.clone();
+    let handler = move |tx: Tx, body: String| {
+        let target = target.clone();
+        async move {
+            let mut conn = tx.try_lock()?;
+            outbox::stage(
+                &mut conn,
+                OutboxMessage::new("", &target, body.into_bytes()),
+            )
+            .await?;
+            Ok::<_, idempo::Error>(StatusCode::CREATED)
+        }
+    };
+    let layer = IdempotencyLayer::new(PostgresStore::new(db.pool.clone()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let app = Router::new().route("/receipts", post(handler).layer(layer));
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = reqwest::Client::new();
+    for _ in 0..3 {
+        // The client retries with the same key: the handler runs once.
+        let status = client
+            .post(format!("{base}/receipts"))
+            .header("idempotency-key", "order-1")
+            .body("receipt for order 1")
+            .send()
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status, 201);
+    }
+    let arrived = collect_ids(&broker, &queue, 1).await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let later = take_all(&broker, &queue).await;
+    assert_eq!(arrived.len() + later.len(), 1, "one request, one message");
+    relay.stop().await;
+    drop(db);
+}
+
+#[tokio::test]
+async fn bad_messages_are_refused_at_staging_with_a_clear_error() {
+    let db = Db::new().await;
+    let mut tx = db.pool.begin().await.unwrap();
+    let big = OutboxMessage::new("", "q", vec![0u8; 2048]).max_body_size(1024);
+    let e = outbox::stage(&mut tx, big).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            OutboxError::TooLarge {
+                size: 2048,
+                limit: 1024
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.is_permanent());
+    let e = outbox::stage(
+        &mut tx,
+        OutboxMessage::new("", "q", b"x".to_vec()).message_id("x".repeat(300)),
+    )
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("255"), "{e}");
+    let default_limit = OutboxMessage::new("", "q", vec![0u8; outbox::DEFAULT_MAX_BODY_SIZE + 1]);
+    assert!(matches!(
+        outbox::stage(&mut tx, default_limit).await,
+        Err(OutboxError::TooLarge { .. })
+    ));
+    tx.rollback().await.unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+}
+
+/// A downstream idempo consumer of `queue` that applies payments.
+fn downstream(
+    db: &Db,
+    queue: &str,
+) -> (
+    idempo::amqp::ShutdownHandle,
+    tokio::task::JoinHandle<idempo::Result<()>>,
+) {
+    let consumer = Consumer::builder(amqp_url(), db.pool.clone())
+        .queue(queue)
+        .relay(false)
+        .handler(|tx, m| payments::handle(tx, m, 0.0))
+        .build()
+        .unwrap();
+    let stop = consumer.shutdown_handle();
+    (stop, tokio::spawn(consumer.run()))
+}
+
+#[tokio::test]
+async fn relay_crash_points_resend_with_the_same_ids_and_downstream_applies_each_once() {
+    let (db, broker, queue) = setup().await;
+    let downstream_db = Db::new().await;
+    let n = 300;
+    let ids = stage_payments(&db.pool, &queue, n, None).await;
+    let expected: i64 = (1..=n as i64).sum();
+
+    // Before publish: the batch query is blocked; the relay dies there.
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let first = Running::start(relay(&db.pool).batch_size(100));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    first.kill().await;
+    blocker.rollback().await.unwrap();
+    assert_eq!(
+        broker.ready(&queue).await,
+        0,
+        "killed before publishing: nothing sent"
+    );
+    assert_eq!(pending(&db.pool).await, n as i64, "and nothing lost");
+
+    // After publish, before marking: the DELETE waits for a lock; the relay
+    // dies with its batch published but not marked.
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox IN SHARE MODE")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let second = Running::start(relay(&db.pool).batch_size(100));
+    support::eventually_ready(&broker, &queue, 100).await;
+    second.kill().await;
+    blocker.rollback().await.unwrap();
+    assert_eq!(
+        pending(&db.pool).await,
+        n as i64,
+        "published but unmarked rows stay"
+    );
+
+    // During marking: the relay's connection is terminated while its DELETE
+    // waits; the relay survives the database error and publishes again.
+    let mut blocker = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox IN SHARE MODE")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let name = unique("relay");
+    let third = Running::start(relay(&db.pool).batch_size(100).connection_name(&name));
+    support::eventually_ready(&broker, &queue, 200).await;
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM outbox%'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(killed >= 1, "the relay's marking statement was waiting");
+    blocker.rollback().await.unwrap();
+
+    // The broker connection dropped mid-run: reconnect, publish the rest.
+    support::close_connections_named(&name);
+    eventually("the outbox drains", Duration::from_secs(60), || async {
+        pending(&db.pool).await == 0
+    })
+    .await;
+    third.stop().await;
+
+    let copies = take_all(&broker, &queue).await;
+    let arrived: HashSet<String> = copies.iter().filter_map(|m| m.message_id.clone()).collect();
+    assert_eq!(
+        arrived,
+        ids.iter().cloned().collect(),
+        "every row published, with its staged id"
+    );
+    assert!(
+        copies.len() > n,
+        "the crashes made resends: {} copies",
+        copies.len()
+    );
+    // Put every copy (resends included) back for the downstream consumer.
+    for m in &copies {
+        broker
+            .publish(&queue, m.message_id.as_deref(), &m.body)
+            .await;
+    }
+    let (stop, consumer) = downstream(&downstream_db, &queue);
+    eventually("downstream applies every payment", SOON, || async {
+        downstream_db.payments().await == n as i64
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.shutdown();
+    consumer.await.unwrap().unwrap();
+    assert_eq!(downstream_db.payments().await, n as i64, "exactly once");
+    assert_eq!(
+        downstream_db.balances().await.values().sum::<i64>(),
+        expected
+    );
+}
+
+#[tokio::test]
+async fn one_ordering_key_stays_in_staging_order_across_two_relays_and_a_kill() {
+    let (db, broker, queue) = setup().await;
+    let n = 2000;
+    let a = Running::start(relay(&db.pool).batch_size(100));
+    let b = Running::start(relay(&db.pool).batch_size(100));
+    // Four stagers at once: the key's lock makes id order the commit order.
+    let mut stagers = Vec::new();
+    for _ in 0..4 {
+        let pool = db.pool.clone();
+        let queue = queue.clone();
+        stagers.push(tokio::spawn(async move {
+            let mut staged = Vec::new();
+            for _ in 0..n / 4 {
+                let mut tx = pool.begin().await.unwrap();
+                let id = outbox::stage(
+                    &mut tx,
+                    OutboxMessage::new("", &queue, b"x".to_vec()).ordering_key("the-key"),
+                )
+                .await
+                .unwrap();
+                let row: i64 = sqlx::query_scalar("SELECT id FROM outbox WHERE message_id = $1")
+                    .bind(&id)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                staged.push((row, id));
+            }
+            staged
+        }));
+    }
+    // Kill one relay while messages flow.
+    eventually("a few hundred messages published", SOON, || async {
+        broker.ready(&queue).await >= 300
+    })
+    .await;
+    a.kill().await;
+    let mut staged = Vec::new();
+    for s in stagers {
+        staged.extend(s.await.unwrap());
+    }
+    staged.sort();
+    let expected: Vec<String> = staged.into_iter().map(|(_, id)| id).collect();
+    let arrived = collect_ids(&broker, &queue, n).await;
+    b.stop().await;
+    let mut seen = HashSet::new();
+    let first_copies: Vec<String> = arrived
+        .into_iter()
+        .filter(|id| seen.insert(id.clone()))
+        .collect();
+    assert_eq!(first_copies.len(), n);
+    let out_of_order = first_copies.iter().zip(&expected).position(|(a, b)| a != b);
+    assert_eq!(
+        out_of_order, None,
+        "the key's messages arrive in commit order"
+    );
+}
+
+#[tokio::test]
+async fn refused_messages_are_retried_then_failed_with_their_reason_while_other_keys_flow() {
+    let (db, broker, queue) = setup().await;
+    let nowhere = unique("nowhere");
+    let behind = unique("behind");
+    broker.declare(&behind).await;
+    // A queue that refuses (nacks) what does not fit.
+    let full = unique("full");
+    {
+        let mut args = lapin::types::FieldTable::default();
+        args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(1));
+        args.insert(
+            "x-overflow".into(),
+            lapin::types::AMQPValue::LongString("reject-publish".into()),
+        );
+        broker
+            .channel
+            .queue_declare(
+                full.as_str().into(),
+                lapin::options::QueueDeclareOptions::default(),
+                args,
+            )
+            .await
+            .unwrap();
+        broker.track(&full);
+    }
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox::stage_all(
+        &mut tx,
+        [
+            OutboxMessage::new("", &nowhere, b"lost?".to_vec())
+                .message_id("unroutable")
+                .ordering_key("bad"),
+            OutboxMessage::new("", &behind, b"behind".to_vec())
+                .message_id("behind-bad")
+                .ordering_key("bad"),
+            OutboxMessage::new("", &full, b"fits".to_vec()).message_id("fits"),
+            OutboxMessage::new("", &full, b"refused".to_vec()).message_id("nacked"),
+        ],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let good = stage_payments(&db.pool, &queue, 20, Some("good")).await;
+    let relay = Running::start(relay(&db.pool).max_attempts(3));
+    // The good key is not held back by the bad one.
+    let arrived = collect_ids(&broker, &queue, 20).await;
+    assert_eq!(arrived, good);
+    eventually("both refused messages are failed", SOON, || async {
+        outbox::status(&db.pool).await.unwrap().failed == 2
+    })
+    .await;
+    let failed = outbox::failed(&db.pool, 10).await.unwrap();
+    let reasons: Vec<(&str, i32, &str)> = failed
+        .iter()
+        .map(|f| {
+            (
+                f.message_id.as_str(),
+                f.attempts,
+                f.last_error.as_deref().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert_eq!((reasons[0].0, reasons[0].1), ("unroutable", 3));
+    assert!(reasons[0].2.contains("unroutable"), "{reasons:?}");
+    assert_eq!((reasons[1].0, reasons[1].1), ("nacked", 3));
+    assert!(reasons[1].2.contains("nack"), "{reasons:?}");
+    // The key's next message went out once its predecessor was given up.
+    assert_eq!(collect_ids(&broker, &behind, 1).await, ["behind-bad"]);
+    // Fixed by an operator: declared, then re-tried.
+    broker.declare(&nowhere).await;
+    let unroutable_id = failed[0].id;
+    assert_eq!(
+        outbox::retry_failed(&db.pool, Some(&[unroutable_id]))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(collect_ids(&broker, &nowhere, 1).await, ["unroutable"]);
+    relay.stop().await;
+    assert_eq!(
+        outbox::status(&db.pool).await.unwrap().failed,
+        1,
+        "the nacked one stays visible"
+    );
+}
+
+#[tokio::test]
+async fn a_broker_outage_holds_the_rows_until_it_returns() {
+    let (db, broker, queue) = setup().await;
+    let proxy = TcpProxy::start("127.0.0.1:5672").await;
+    let url = format!("amqp://guest:guest@{}/%2f", proxy.addr);
+    let relay = Relay::new(&url, db.pool.clone())
+        .unwrap()
+        .poll_interval(Duration::from_millis(300));
+    let health = relay.health();
+    let running = Running::start(relay);
+    let before = stage_payments(&db.pool, &queue, 50, None).await;
+    collect_ids(&broker, &queue, 50).await;
+    proxy.cut();
+    let during = stage_payments(&db.pool, &queue, 50, None).await;
+    health
+        .wait_for(|h| matches!(h.state, RelayState::Reconnecting | RelayState::Connecting))
+        .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        pending(&db.pool).await,
+        50,
+        "the rows wait while the broker is away"
+    );
+    proxy.restore();
+    let arrived = collect_ids(&broker, &queue, 50).await;
+    assert_eq!(
+        arrived.iter().collect::<HashSet<_>>(),
+        during.iter().collect::<HashSet<_>>()
+    );
+    assert!(before.iter().all(|id| !arrived.contains(id)));
+    eventually("the outbox drains", SOON, || async {
+        pending(&db.pool).await == 0
+    })
+    .await;
+    assert!(health.snapshot().published >= 100);
+    running.stop().await;
+}
+
+#[tokio::test]
+async fn kept_published_rows_are_deleted_after_their_audit_period() {
+    let (db, broker, queue) = setup().await;
+    let relay = Running::start(relay(&db.pool).keep_published(Duration::from_secs(1)));
+    stage_payments(&db.pool, &queue, 10, None).await;
+    collect_ids(&broker, &queue, 10).await;
+    eventually("published rows are kept as done", SOON, || async {
+        db.count("SELECT count(*) FROM outbox WHERE state = 'done' AND published_at IS NOT NULL")
+            .await
+            == 10
+    })
+    .await;
+    // The cleanup runs at the relay's idle moments, once per audit period.
+    eventually("and removed after the period", SOON, || async {
+        db.count("SELECT count(*) FROM outbox").await == 0
+    })
+    .await;
+    relay.stop().await;
+}
