@@ -19,6 +19,14 @@
 //! - `PAYMENTS_BATCH` (default 0): 0 processes one message per transaction;
 //!   N > 0 turns on batch mode with batches of up to N and a batch handler
 //!   that writes with one bulk insert and one grouped balance upsert
+//! - `PAYMENTS_FORWARD_TO` (unset by default): a queue to which each applied
+//!   payment is forwarded, staged in the outbox in the claim's transaction
+//!   (same body, `application/json`, persistent, an id derived from the
+//!   payment's) and published by the relay the consumer runs. The queue is
+//!   declared like `PAYMENTS_QUEUE` (dead-lettering into
+//!   `$PAYMENTS_FORWARD_TO.dlq`), so a second instance with
+//!   `PAYMENTS_QUEUE=$PAYMENTS_FORWARD_TO` and its own `DATABASE_URL`
+//!   consumes it: a chain whose second ledger equals the first
 //! - `PAYMENTS_RETRY_DELAYS` (default `1s,5s,30s,2m,10m`): the delay tiers of
 //!   the retry policy; `PAYMENTS_MAX_ATTEMPTS` (default 10)
 //! - `METRICS_ADDR` (unset by default): serve Prometheus metrics on this
@@ -101,6 +109,13 @@ async fn main() -> anyhow::Result<()> {
         (0.0..=1.0).contains(&fail_rate),
         "PAYMENTS_FAIL_RATE must be between 0 and 1, got {fail_rate}"
     );
+    let forward_to = std::env::var("PAYMENTS_FORWARD_TO")
+        .ok()
+        .filter(|q| !q.is_empty());
+    let behaviour = payments::Behaviour {
+        fail_rate,
+        forward_to: forward_to.as_deref().map(Into::into),
+    };
     let concurrency: usize = env_parse("PAYMENTS_CONCURRENCY", 16)?;
     let batch: usize = env_parse("PAYMENTS_BATCH", 0)?;
     let prefetch: u16 = env_parse("PAYMENTS_PREFETCH", (batch * 3).clamp(100, 65_535) as u16)?;
@@ -139,20 +154,24 @@ async fn main() -> anyhow::Result<()> {
     idempo::migrate(&pool).await?;
     payments::create_tables(&pool).await?;
 
-    let consumer = Consumer::builder(amqp_url, pool)
+    let mut consumer = Consumer::builder(amqp_url, pool)
         .queue(queue)
         .prefetch(prefetch.max(concurrency as u16))
         .concurrency(concurrency)
         .retry(retry);
+    if let Some(to) = &forward_to {
+        tracing::info!(queue = %to, "forwarding applied payments through the outbox");
+        consumer = consumer.declare_like_own(to);
+    }
     if batch > 0 {
         consumer
-            .batch_handler(move |tx, batch| payments::handle_batch(tx, batch, fail_rate))
+            .batch_handler(move |tx, batch| payments::handle_batch(tx, batch, behaviour.clone()))
             .batch(batch)
             .run_until_signal()
             .await?;
     } else {
         consumer
-            .handler(move |tx, message| payments::handle(tx, message, fail_rate))
+            .handler(move |tx, message| payments::handle(tx, message, behaviour.clone()))
             .run_until_signal()
             .await?;
     }

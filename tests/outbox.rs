@@ -672,3 +672,107 @@ async fn kept_published_rows_are_deleted_after_their_audit_period() {
     .await;
     relay.stop().await;
 }
+
+/// A database for an example process: a small pool for the test's reads.
+async fn example_db() -> Db {
+    let db = Db::with_pool_size(2).await;
+    idempo::migrate(&db.pool).await.unwrap();
+    payments::create_tables(&db.pool).await.unwrap();
+    db
+}
+
+#[tokio::test]
+async fn a_chain_of_two_payments_examples_killed_repeatedly_keeps_both_ledgers_equal() {
+    use support::example::{doubled_payments, publish_load, signal, spawn_example, wait_exit};
+    support::init_tracing();
+    let (a_db, b_db, broker) = (
+        example_db().await,
+        example_db().await,
+        Broker::connect().await,
+    );
+    let (a_queue, b_queue) = (unique("chain_a"), unique("chain_b"));
+    broker.declare(&a_queue).await;
+    broker.track(&b_queue);
+    broker.track(&format!("{b_queue}.dlq"));
+    let load = publish_load(&broker, &a_queue, 3000, true).await;
+    let a_env = |batch: &'static str| {
+        vec![
+            ("PAYMENTS_FORWARD_TO", b_queue.clone()),
+            ("PAYMENTS_BATCH", batch.to_owned()),
+        ]
+    };
+    let spawn_a = |batch: &'static str| {
+        let env = a_env(batch);
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        spawn_example(&a_db.url, &a_queue, &env)
+    };
+    let mut a = spawn_a("0");
+    eventually("A declared B's queue", SOON, || async {
+        broker.exists(&b_queue).await
+    })
+    .await;
+    let mut b = spawn_example(&b_db.url, &b_queue, &[]);
+    // Kill both, alternately, while payments flow through the chain; A
+    // switches between per-message and batch mode.
+    for round in 0..4 {
+        let target = 300 * (round + 1);
+        eventually(
+            "the chain makes progress",
+            Duration::from_secs(120),
+            || async { b_db.claims().await >= target as i64 },
+        )
+        .await;
+        signal(&a, "-KILL");
+        wait_exit(a).await;
+        a = spawn_a(if round % 2 == 0 { "50" } else { "0" });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        signal(&b, "-KILL");
+        wait_exit(b).await;
+        b = spawn_example(&b_db.url, &b_queue, &[]);
+    }
+    let n = load.ids.len() as i64;
+    eventually(
+        "every payment through both",
+        Duration::from_secs(180),
+        || async {
+            a_db.claims().await == n
+                && b_db.claims().await == n
+                && pending(&a_db.pool).await == 0
+                && broker.ready(&b_queue).await == 0
+        },
+    )
+    .await;
+    signal(&a, "-TERM");
+    signal(&b, "-TERM");
+    assert!(wait_exit(a).await.success());
+    assert!(wait_exit(b).await.success());
+    assert_eq!(a_db.balances().await, load.expected, "A's ledger is exact");
+    assert_eq!(
+        b_db.balances().await,
+        a_db.balances().await,
+        "B's ledger equals A's"
+    );
+    assert_eq!(b_db.payments().await, n, "one row per payment in B");
+    assert_eq!(doubled_payments(&b_db).await, 0);
+    let forwarded_ids: HashSet<String> =
+        sqlx::query_scalar::<_, String>("SELECT message_id FROM payments")
+            .fetch_all(&b_db.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    let expected_ids: HashSet<String> = load
+        .ids
+        .iter()
+        .map(|id| outbox::derived_message_id(id, "forward"))
+        .collect();
+    assert_eq!(
+        forwarded_ids, expected_ids,
+        "B applied what A forwarded, by derived id"
+    );
+    assert_eq!(
+        broker.ready(&format!("{b_queue}.dlq")).await,
+        0,
+        "nothing dead-lettered in B"
+    );
+}

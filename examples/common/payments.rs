@@ -1,8 +1,11 @@
 //! The payments domain shared by the `payments` example and the test suite:
 //! its tables, its message and its handler.
 
+use std::sync::Arc;
+
 use idempo::Tx;
 use idempo::amqp::{HandlerError, JsonBody, Message};
+use idempo::outbox::{self, OutboxMessage};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -48,6 +51,35 @@ impl Payment {
     }
 }
 
+/// What the handler does besides applying: inject failures
+/// (`PAYMENTS_FAIL_RATE`), forward each applied payment (`PAYMENTS_FORWARD_TO`).
+/// A bare `f64` is a fail rate without forwarding.
+#[derive(Debug, Clone, Default)]
+pub struct Behaviour {
+    /// Probability of a transient error after the writes.
+    pub fail_rate: f64,
+    /// The queue each applied payment is forwarded to, through the outbox.
+    pub forward_to: Option<Arc<str>>,
+}
+
+impl From<f64> for Behaviour {
+    fn from(fail_rate: f64) -> Self {
+        Behaviour {
+            fail_rate,
+            forward_to: None,
+        }
+    }
+}
+
+/// The forwarded copy of a payment: the same body, through the default
+/// exchange, with an id derived from the incoming one (stable across
+/// redeliveries, so the consumer downstream deduplicates resends).
+pub fn forwarded(to: &str, message_id: &str, payment: &Payment) -> OutboxMessage {
+    OutboxMessage::json("", to, payment)
+        .expect("a payment serialises")
+        .derived_id(message_id, "forward")
+}
+
 /// Creates the example's tables if missing. `payments` has NO unique key on
 /// `message_id` on purpose: a double effect must stay visible.
 pub async fn create_tables(pool: &PgPool) -> sqlx::Result<()> {
@@ -81,8 +113,9 @@ pub async fn apply(
     tx: Tx,
     message_id: &str,
     payment: &Payment,
-    fail_rate: f64,
+    behaviour: impl Into<Behaviour>,
 ) -> Result<(), HandlerError> {
+    let behaviour = behaviour.into();
     if let Some(why) = payment.invalid() {
         return Err(HandlerError::permanent(why));
     }
@@ -104,7 +137,10 @@ pub async fn apply(
     .bind(payment.amount_cents)
     .execute(&mut *tx)
     .await?;
-    injected_failure(fail_rate)
+    if let Some(to) = &behaviour.forward_to {
+        outbox::stage(&mut tx, forwarded(to, message_id, payment)).await?;
+    }
+    injected_failure(behaviour.fail_rate)
 }
 
 /// The handler as registered with the consumer: the body is decoded before
@@ -113,9 +149,9 @@ pub async fn apply(
 pub async fn handle(
     tx: Tx,
     (JsonBody(payment), message): (JsonBody<Payment>, Message),
-    fail_rate: f64,
+    behaviour: impl Into<Behaviour>,
 ) -> Result<(), HandlerError> {
-    apply(tx, message.id(), &payment, fail_rate).await
+    apply(tx, message.id(), &payment, behaviour).await
 }
 
 /// The batch handler: ONE bulk insert of the payments and ONE grouped balance
@@ -125,8 +161,9 @@ pub async fn handle(
 pub async fn handle_batch(
     tx: Tx,
     batch: Vec<(JsonBody<Payment>, Message)>,
-    fail_rate: f64,
+    behaviour: impl Into<Behaviour>,
 ) -> Result<(), HandlerError> {
+    let behaviour = behaviour.into();
     if let Some(why) = batch.iter().find_map(|(JsonBody(p), _)| p.invalid()) {
         // The batch falls back to one message at a time; this one is then
         // dead-lettered alone.
@@ -162,7 +199,14 @@ pub async fn handle_batch(
     .bind(&amounts)
     .execute(&mut *tx)
     .await?;
-    injected_failure(fail_rate)
+    if let Some(to) = &behaviour.forward_to {
+        // One statement for the whole batch's forwards.
+        let forwards = batch
+            .iter()
+            .map(|(JsonBody(p), m)| forwarded(to, m.id(), p));
+        outbox::stage_all(&mut tx, forwards).await?;
+    }
+    injected_failure(behaviour.fail_rate)
 }
 
 /// With probability `fail_rate`, a transient error *after* the writes, to

@@ -68,6 +68,7 @@ pub(crate) struct Settings {
     retention_interval: Duration,
     connection_name: Option<String>,
     wait_for_topology: bool,
+    also_declare: Vec<String>,
     relay: bool,
 }
 
@@ -113,6 +114,7 @@ impl ConsumerBuilder<NoHandler> {
                 retention_interval: Duration::from_secs(300),
                 connection_name: None,
                 wait_for_topology: false,
+                also_declare: Vec::new(),
                 relay: cfg!(feature = "outbox"),
             },
             mode: NoHandler(()),
@@ -375,6 +377,16 @@ impl<Mode> ConsumerBuilder<Mode> {
         self
     }
 
+    /// Also declares `queue` as the work queue is declared (same type,
+    /// dead-lettering into `<queue>.dlq`), e.g. the queue this consumer's
+    /// handler emits to through the outbox, so that the consumer downstream
+    /// finds it with the arguments it declares itself. Without its delay
+    /// queues: the consumer of `queue` declares those for its own retry policy.
+    pub fn declare_like_own(mut self, queue: impl Into<String>) -> Self {
+        self.settings.also_declare.push(queue.into());
+        self
+    }
+
     /// Whether the consumer runs an outbox [`Relay`](crate::amqp::Relay) for
     /// its pool (default: `true` with feature `outbox`). It stays dormant,
     /// without a broker connection, until the process stages a message or
@@ -521,6 +533,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
             retention_interval: s.retention_interval,
             connection_name,
             wait_for_topology: s.wait_for_topology,
+            also_declare: s.also_declare,
             relay: s.relay,
         },
         dispatch,

@@ -133,6 +133,8 @@ pub(crate) struct Config {
     pub(crate) connection_name: String,
     /// Keep retrying when the queues exist with other arguments.
     pub(crate) wait_for_topology: bool,
+    /// Queues declared like the work queue (for a consumer downstream).
+    pub(crate) also_declare: Vec<String>,
     /// Run an outbox relay for the pool.
     #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
     pub(crate) relay: bool,
@@ -580,6 +582,19 @@ impl Runtime {
                 .declare(&channel)
                 .await
                 .map_err(|e| topology_error(&config.topology.queue, e))?;
+            for queue in &config.also_declare {
+                let like_ours = Topology {
+                    queue: queue.clone(),
+                    dead_letter_queue: format!("{queue}.dlq"),
+                    queue_type: config.topology.queue_type,
+                    bindings: Vec::new(),
+                    retry_delays: Vec::new(),
+                };
+                like_ours
+                    .declare(&channel)
+                    .await
+                    .map_err(|e| topology_error(queue, e))?;
+            }
         }
         let republisher = Republisher::open(connection, REPUBLISH_CHANNELS).await?;
         channel
