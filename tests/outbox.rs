@@ -776,3 +776,70 @@ async fn a_chain_of_two_payments_examples_killed_repeatedly_keeps_both_ledgers_e
         "nothing dead-lettered in B"
     );
 }
+
+/// Sets the broker's `max_message_size` for new channels; back to the
+/// default when dropped.
+struct BrokerMessageLimit;
+
+impl BrokerMessageLimit {
+    fn set(bytes: u64) -> BrokerMessageLimit {
+        let status = support::rabbitmqctl()
+            .args([
+                "eval",
+                &format!("application:set_env(rabbit, max_message_size, {bytes})."),
+            ])
+            .output()
+            .expect("rabbitmqctl eval");
+        assert!(status.status.success(), "{status:?}");
+        BrokerMessageLimit
+    }
+}
+
+impl Drop for BrokerMessageLimit {
+    fn drop(&mut self) {
+        let _ = support::rabbitmqctl()
+            .args([
+                "eval",
+                "application:set_env(rabbit, max_message_size, 134217728).",
+            ])
+            .output();
+    }
+}
+
+#[tokio::test]
+async fn a_body_over_the_brokers_limit_is_failed_with_the_brokers_reason() {
+    let (db, broker, queue) = setup().await;
+    let limit = BrokerMessageLimit::set(1024 * 1024);
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox::stage_all(
+        &mut tx,
+        [
+            OutboxMessage::new("", &queue, vec![7u8; 2 * 1024 * 1024])
+                .max_body_size(4 * 1024 * 1024)
+                .message_id("too-big"),
+            OutboxMessage::new("", &queue, b"small".to_vec()).message_id("small"),
+        ],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let relay = Running::start(relay(&db.pool));
+    assert_eq!(
+        collect_ids(&broker, &queue, 1).await,
+        ["small"],
+        "the rest flows"
+    );
+    eventually("the oversized row is failed", SOON, || async {
+        outbox::status(&db.pool).await.unwrap().failed == 1
+    })
+    .await;
+    drop(limit);
+    let failed = outbox::failed(&db.pool, 10).await.unwrap();
+    assert_eq!(failed[0].message_id, "too-big");
+    let reason = failed[0].last_error.as_deref().unwrap_or("");
+    assert!(
+        reason.contains("larger than configured max size"),
+        "{reason}"
+    );
+    relay.stop().await;
+}

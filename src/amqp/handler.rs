@@ -118,10 +118,9 @@ impl ErrorKind {
                     Some(crate::Error::Outbox(outbox)) => Some(outbox),
                     _ => None,
                 },
-            ) {
-                if outbox.is_permanent() {
-                    return ErrorKind::Permanent;
-                }
+            ) && outbox.is_permanent()
+            {
+                return ErrorKind::Permanent;
             }
             if let Some(db) = database {
                 return match db.code().as_deref().map(|code| code.get(..2)) {

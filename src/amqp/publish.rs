@@ -196,10 +196,10 @@ impl ConfirmChannel {
                     }
                 },
             };
-            if let Ok((_, Some(ret))) = &outcome {
-                if let Some(id) = ret.properties.message_id() {
-                    returned.insert(id.to_string());
-                }
+            if let Ok((_, Some(ret))) = &outcome
+                && let Some(id) = ret.properties.message_id()
+            {
+                returned.insert(id.to_string());
             }
             outcomes.push(outcome.map(|(acked, _)| acked));
         }

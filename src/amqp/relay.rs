@@ -521,11 +521,11 @@ impl<'a> Running<'a> {
                     }
                 }
             };
-            if let Some(keep) = relay.keep_published {
-                if last_cleanup.is_none_or(|t| t.elapsed() >= keep.min(Duration::from_secs(60))) {
-                    last_cleanup = Some(Instant::now());
-                    self.cleanup(keep).await;
-                }
+            if let Some(keep) = relay.keep_published
+                && last_cleanup.is_none_or(|t| t.elapsed() >= keep.min(Duration::from_secs(60)))
+            {
+                last_cleanup = Some(Instant::now());
+                self.cleanup(keep).await;
             }
             self.refresh_status(true).await;
             let notified = async {
@@ -870,10 +870,10 @@ fn frame(row: &Row) -> OutgoingFrame<'_> {
     if let Some(correlation_id) = &row.correlation_id {
         properties = properties.with_correlation_id(correlation_id.as_str().into());
     }
-    if let Ok(serde_json::Value::Object(headers)) = serde_json::from_str(&row.headers) {
-        if !headers.is_empty() {
-            properties = properties.with_headers(table(&headers));
-        }
+    if let Ok(serde_json::Value::Object(headers)) = serde_json::from_str(&row.headers)
+        && !headers.is_empty()
+    {
+        properties = properties.with_headers(table(&headers));
     }
     OutgoingFrame {
         exchange: &row.exchange,

@@ -283,7 +283,7 @@ pub async fn status(pool: &PgPool) -> Result<OutboxStatus, sqlx::Error> {
 }
 
 /// A message the relay gave up on.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 #[non_exhaustive]
 pub struct FailedMessage {
     /// The row's id.
@@ -307,37 +307,13 @@ pub struct FailedMessage {
 /// # Errors
 /// The query failed.
 pub async fn failed(pool: &PgPool, limit: i64) -> Result<Vec<FailedMessage>, sqlx::Error> {
-    let rows: Vec<(
-        i64,
-        String,
-        String,
-        String,
-        Option<String>,
-        i32,
-        Option<String>,
-    )> = sqlx::query_as(
+    sqlx::query_as(
         "SELECT id, message_id, exchange, routing_key, ordering_key, attempts, last_error \
-             FROM outbox WHERE state = 'failed' ORDER BY id LIMIT $1",
+         FROM outbox WHERE state = 'failed' ORDER BY id LIMIT $1",
     )
     .bind(limit)
     .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(
-            |(id, message_id, exchange, routing_key, ordering_key, attempts, last_error)| {
-                FailedMessage {
-                    id,
-                    message_id,
-                    exchange,
-                    routing_key,
-                    ordering_key,
-                    attempts,
-                    last_error,
-                }
-            },
-        )
-        .collect())
+    .await
 }
 
 /// Puts failed rows back to pending with their attempts reset (all of them
