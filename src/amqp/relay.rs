@@ -381,7 +381,8 @@ struct Row {
 /// What one batch did, and when the next is worth running.
 struct BatchOutcome {
     picked: usize,
-    published: usize,
+    /// Rows published or recorded as failed attempts.
+    settled: usize,
     /// The broker connection failed mid-batch: reconnect before the next.
     broker_lost: Option<String>,
     /// A key waits: for another relay (soon) or for a retry (its time).
@@ -499,7 +500,9 @@ impl<'a> Running<'a> {
                         if let Some(lost) = outcome.broker_lost {
                             return Err(lost);
                         }
-                        if outcome.picked == relay.batch_size && outcome.published > 0 {
+                        // A full batch: more may be due, unless every row
+                        // was held back (its key's first row is elsewhere).
+                        if outcome.picked == relay.batch_size && outcome.settled > 0 {
                             continue;
                         }
                         let poll = if graceful.is_cancelled() {
@@ -603,7 +606,7 @@ impl<'a> Running<'a> {
             tx.rollback().await?;
             return Ok(BatchOutcome {
                 picked,
-                published: 0,
+                settled: 0,
                 broker_lost: None,
                 retry_in: None,
             });
@@ -669,9 +672,18 @@ impl<'a> Running<'a> {
                 s.published += published as u64;
                 s.failed += given_up as u64;
             });
+            // Wake for the earliest retry this batch scheduled.
+            let retry_in = failures
+                .delays
+                .iter()
+                .zip(&failures.give_up)
+                .filter(|(_, given_up)| !**given_up)
+                .map(|(secs, _)| Duration::from_secs_f64(*secs))
+                .chain(retry_in)
+                .min();
             Ok(BatchOutcome {
                 picked,
-                published,
+                settled: published + failures.ids.len(),
                 broker_lost,
                 retry_in,
             })
