@@ -15,6 +15,11 @@
 //!   `metrics` counters, graceful shutdown, and a batch mode for throughput
 //!   ([`amqp::ConsumerBuilder::batch_handler`]).
 //!
+//! - [`outbox`] (feature `outbox`, on by default): messages a transaction
+//!   emits, staged as rows in it and published after the commit by
+//!   [`amqp::Relay`] (every consumer runs one), with the id fixed at staging:
+//!   the next idempo consumer applies each exactly once.
+//!
 //! ## What is guaranteed
 //! Writes made **through the handler's transaction** happen exactly once per
 //! `(consumer, message id)`. Anything outside it (an HTTP call, an e-mail) is

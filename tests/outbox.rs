@@ -843,3 +843,20 @@ async fn a_body_over_the_brokers_limit_is_failed_with_the_brokers_reason() {
     );
     relay.stop().await;
 }
+
+#[tokio::test]
+async fn a_graceful_shutdown_publishes_what_is_pending_and_never_half_marks() {
+    let (db, broker, queue) = setup().await;
+    let ids = stage_payments(&db.pool, &queue, 1500, None).await;
+    let relay = relay(&db.pool).batch_size(100);
+    let health = relay.health();
+    let running = Running::start(relay);
+    health.wait_for(|h| h.published > 0).await;
+    // Asked to stop in the middle of the backlog: it drains, then returns.
+    running.stop().await;
+    assert_eq!(pending(&db.pool).await, 0, "nothing left behind");
+    let arrived = collect_ids(&broker, &queue, ids.len()).await;
+    assert_eq!(arrived, ids, "each once, in order, none lost");
+    assert_eq!(health.snapshot().state, RelayState::Stopped);
+    assert_eq!(health.snapshot().published, ids.len() as u64);
+}

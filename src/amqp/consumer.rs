@@ -183,7 +183,9 @@ impl Consumer {
     /// handler in transactions on `pool`.
     ///
     /// Size the pool to at least [`concurrency`](ConsumerBuilder::concurrency)
-    /// connections: each running handler holds one.
+    /// connections: each running handler holds one. The outbox relay (once
+    /// the process stages messages) takes one more for each of its batches,
+    /// and opens one connection of its own for `LISTEN`.
     pub fn builder(amqp_url: impl Into<String>, pool: PgPool) -> ConsumerBuilder<NoHandler> {
         ConsumerBuilder::new(amqp_url.into(), pool)
     }
