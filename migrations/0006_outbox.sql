@@ -23,7 +23,11 @@ CREATE TABLE IF NOT EXISTS outbox (
     last_error      text,
     next_attempt_at timestamptz NOT NULL DEFAULT now(),
     created_at      timestamptz NOT NULL DEFAULT now(),
-    published_at    timestamptz
+    published_at    timestamptz,
+    -- Several unkeyed messages staged by one call, in idempo's encoding
+    -- (src/outbox/packed.rs); the message columns above are then empty.
+    packed          bytea,
+    messages        integer     NOT NULL DEFAULT 1
 );
 
 CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (id) WHERE state = 'pending';
@@ -32,11 +36,16 @@ CREATE INDEX IF NOT EXISTS outbox_pending_by_key ON outbox (ordering_key, id)
 CREATE INDEX IF NOT EXISTS outbox_done ON outbox (published_at) WHERE state = 'done';
 
 -- One notification per staging transaction (PostgreSQL folds identical
--- ones), delivered to LISTENing relays only when it commits.
+-- ones), delivered to LISTENing relays only when it commits. A consumer whose
+-- own relay runs wakes it in-process after the commit instead, and turns the
+-- notification off for its transaction: a notifying commit holds a
+-- database-wide lock until it is flushed, which serialises commits.
 CREATE OR REPLACE FUNCTION idempo_outbox_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_notify('idempo_outbox', '');
+    IF coalesce(current_setting('idempo.outbox_notify', true), '') <> 'off' THEN
+        PERFORM pg_notify('idempo_outbox', '');
+    END IF;
     RETURN NULL;
 END
 $$;

@@ -860,3 +860,58 @@ async fn a_graceful_shutdown_publishes_what_is_pending_and_never_half_marks() {
     assert_eq!(health.snapshot().state, RelayState::Stopped);
     assert_eq!(health.snapshot().published, ids.len() as u64);
 }
+
+#[tokio::test]
+async fn a_packed_batch_with_a_refused_message_delivers_the_rest_and_keeps_the_refused_one() {
+    let (db, broker, queue) = setup().await;
+    let nowhere = unique("nowhere");
+    let mut tx = db.pool.begin().await.unwrap();
+    // One stage_all without ordering keys: one packed row.
+    outbox::stage_all(
+        &mut tx,
+        (0..10).map(|i| {
+            let to = if i == 4 { &nowhere } else { &queue };
+            OutboxMessage::new("", to, format!("m{i}").into_bytes())
+                .message_id(format!("m{i}"))
+                .header("n", i)
+        }),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 1, "packed");
+    assert_eq!(pending(&db.pool).await, 10, "counted per message");
+    let relay = Running::start(relay(&db.pool).max_attempts(2));
+    let arrived = collect_ids(&broker, &queue, 9).await;
+    let expected: Vec<String> = (0..10)
+        .filter(|i| *i != 4)
+        .map(|i| format!("m{i}"))
+        .collect();
+    assert_eq!(arrived, expected);
+    eventually("the refused one is failed on its own row", SOON, || async {
+        outbox::status(&db.pool).await.unwrap().failed == 1
+    })
+    .await;
+    let failed = outbox::failed(&db.pool, 10).await.unwrap();
+    assert_eq!(
+        (failed[0].message_id.as_str(), failed[0].attempts),
+        ("m4", 2)
+    );
+    assert!(
+        failed[0]
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("unroutable")
+    );
+    relay.stop().await;
+    assert!(
+        take_all(&broker, &queue).await.is_empty(),
+        "the rest went out once"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        1,
+        "only the failed row is left"
+    );
+}

@@ -212,7 +212,8 @@ enum Step {
     /// Run the handler over the unit, now only fresh messages.
     Handle(Unit, Call, Transaction<'static, Postgres>),
     /// Check that the claims are still in the transaction, and COMMIT.
-    Commit(Unit, Transaction<'static, Postgres>),
+    /// With whether the handler staged outbox messages.
+    Commit(Unit, Transaction<'static, Postgres>, bool),
     /// A connection-level database error: wait at the gate, then decode again.
     AwaitDatabase(Unit, String),
     /// The unit failed: the outcome a delivery on its own gets; a batch is
@@ -260,7 +261,7 @@ impl InboxSteps {
                         self.claim(unit, call, tx, messages, &mut decided).await
                     }
                     Step::Handle(unit, call, tx) => self.handle(unit, call, tx).await,
-                    Step::Commit(unit, tx) => self.commit(unit, tx, messages).await,
+                    Step::Commit(unit, tx, staged) => self.commit(unit, tx, staged, messages).await,
                     Step::AwaitDatabase(unit, error) => {
                         self.await_database(unit, error, abandon).await
                     }
@@ -373,7 +374,20 @@ impl InboxSteps {
 
     async fn handle(&self, unit: Unit, call: Call, tx: Transaction<'static, Postgres>) -> Step {
         let tx = Tx::new(tx);
+        #[cfg(feature = "outbox")]
+        let staging = std::sync::Arc::new(crate::outbox::UnitStaging::default());
+        #[cfg(feature = "outbox")]
+        let run = crate::outbox::in_unit(
+            staging.clone(),
+            guarded(|| call(tx.clone()), self.handler_timeout, &self.stats),
+        )
+        .await;
+        #[cfg(not(feature = "outbox"))]
         let run = guarded(|| call(tx.clone()), self.handler_timeout, &self.stats).await;
+        #[cfg(feature = "outbox")]
+        let staged = staging.staged();
+        #[cfg(not(feature = "outbox"))]
+        let staged = false;
         let Some(tx) = tx.take() else {
             // The guard lives on in a task the handler spawned; the
             // transaction rolls back when that guard is dropped.
@@ -386,7 +400,7 @@ impl InboxSteps {
             );
         };
         match run {
-            HandlerRun::Done => Step::Commit(unit, tx),
+            HandlerRun::Done => Step::Commit(unit, tx, staged),
             HandlerRun::Failed(e) => {
                 rollback(tx).await;
                 if lost_connection(e.source()) {
@@ -409,13 +423,22 @@ impl InboxSteps {
         &self,
         unit: Unit,
         tx: Transaction<'static, Postgres>,
+        staged: bool,
         messages: &[Message],
     ) -> Step {
         // One claim tells for the whole unit: a statement fails in an aborted
         // transaction, and a ROLLBACK took every claim.
         let id = messages[unit.members[0]].id();
         match inbox::commit(tx, &self.consumer, id).await {
-            Ok(()) => Step::Decided(unit, Outcome::Processed),
+            Ok(()) => {
+                // Staged without NOTIFY when a relay runs here: wake it now.
+                #[cfg(feature = "outbox")]
+                if staged {
+                    crate::outbox::committed_in_process().notify_one();
+                }
+                let _ = staged;
+                Step::Decided(unit, Outcome::Processed)
+            }
             Err(e) if e.is_connection_error() => {
                 // Maybe committed, maybe not: never ack. The next pass (or
                 // the redelivery) is either claimed as a duplicate or runs afresh.

@@ -34,6 +34,7 @@ use super::consumer::ShutdownHandle;
 use super::health::Health;
 use super::publish::{ConfirmChannel, OutgoingFrame, PublishError};
 use crate::backoff::{self, Backoff};
+use crate::outbox::packed::{self, Staged};
 use crate::outbox::{self, NOTIFY_CHANNEL, OutboxStatus};
 use crate::{Error, Result};
 
@@ -376,6 +377,35 @@ struct Row {
     headers: String,
     ordering_key: Option<String>,
     attempts: i32,
+    packed: Option<Vec<u8>>,
+    messages: i32,
+}
+
+impl Row {
+    /// The messages the row carries: itself, or its packed ones.
+    fn unpack(self) -> std::result::Result<Vec<Staged>, String> {
+        match self.packed {
+            Some(packed) => packed::decode(&packed),
+            None => Ok(vec![Staged {
+                exchange: self.exchange,
+                routing_key: self.routing_key,
+                message_id: self.message_id,
+                content_type: self.content_type,
+                correlation_id: self.correlation_id,
+                persistent: self.persistent,
+                headers: self.headers,
+                body: self.body,
+            }]),
+        }
+    }
+}
+
+/// A picked row and what became of each of its messages.
+struct Envelope {
+    id: i64,
+    attempts: i32,
+    packed: bool,
+    messages: Vec<Staged>,
 }
 
 /// What one batch did, and when the next is worth running.
@@ -460,7 +490,9 @@ impl<'a> Running<'a> {
             }
         };
         relay.set_state(RelayState::Running);
+        let local = outbox::LocalRelay::running();
         let outcome = self.publish_until_stopped(&channel).await;
+        drop(local);
         channel.close().await;
         let _ = tokio::time::timeout(
             Duration::from_secs(2),
@@ -496,7 +528,7 @@ impl<'a> Running<'a> {
                 match outcome {
                     Ok(outcome) => {
                         database_backoff.reset();
-                        self.refresh_status(false).await;
+                        self.refresh_status().await;
                         if let Some(lost) = outcome.broker_lost {
                             return Err(lost);
                         }
@@ -530,7 +562,7 @@ impl<'a> Running<'a> {
                 last_cleanup = Some(Instant::now());
                 self.cleanup(keep).await;
             }
-            self.refresh_status(true).await;
+            self.refresh_status().await;
             let notified = async {
                 match listener.as_mut() {
                     Some(l) => l.recv().await.map(|_| ()),
@@ -548,6 +580,8 @@ impl<'a> Running<'a> {
                         while l.next_buffered().is_some() {}
                     }
                 }
+                // A consumer here committed what it staged without NOTIFY.
+                () = outbox::committed_in_process().notified() => {}
                 () = tokio::time::sleep(wait) => {}
                 // Graceful shutdown: one more drain, then stop.
                 () = graceful.cancelled() => {}
@@ -583,14 +617,15 @@ impl<'a> Running<'a> {
             parked.retain(|_, until| *until > now);
             parked.keys().cloned().collect()
         };
-        let mut tx = relay.pool.begin().await?;
-        sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
-            .bind(format!("{}ms", relay.takeover_after.as_millis()))
-            .execute(&mut *tx)
-            .await?;
-        let rows: Vec<Row> = sqlx::query_as(
+        // The takeover bound rides on BEGIN: no round trip of its own.
+        let begin = format!(
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}",
+            relay.takeover_after.as_millis()
+        );
+        let mut tx = relay.pool.begin_with(sqlx::AssertSqlSafe(begin)).await?;
+        let mut rows: Vec<Row> = sqlx::query_as(
             "SELECT id, exchange, routing_key, message_id, body, content_type, correlation_id, \
-                    persistent, headers::text AS headers, ordering_key, attempts \
+                    persistent, headers::text AS headers, ordering_key, attempts, packed, messages \
              FROM outbox \
              WHERE state = 'pending' AND next_attempt_at <= now() \
                AND (ordering_key IS NULL OR NOT (ordering_key = ANY($2::text[]))) \
@@ -601,6 +636,17 @@ impl<'a> Running<'a> {
         .bind(&parked)
         .fetch_all(&mut *tx)
         .await?;
+        // At most batch_size messages (packed rows carry several), at least one row.
+        let mut total = 0;
+        let keep = rows
+            .iter()
+            .take_while(|r| {
+                total += r.messages.max(1) as usize;
+                total <= relay.batch_size
+            })
+            .count()
+            .max(1);
+        rows.truncate(keep);
         let picked = rows.len();
         if rows.is_empty() {
             tx.rollback().await?;
@@ -619,31 +665,106 @@ impl<'a> Running<'a> {
         );
         async move {
             let (rows, retry_in) = self.first_of_each_key(&mut tx, rows).await?;
-            let frames = rows.iter().map(frame).collect();
-            let outcomes = channel.publish_all(frames).await;
-            let too_large = outcomes.iter().find_map(|o| match o {
-                Err(PublishError::Lost(why)) => broker_size_limit(why),
-                _ => None,
-            });
-            let mut confirmed = Vec::new();
             let mut failures = Failures::default();
+            let mut envelopes = Vec::with_capacity(rows.len());
+            for row in rows {
+                let (id, attempts, packed) = (row.id, row.attempts, row.packed.is_some());
+                let first_id = row.message_id.clone();
+                match row.unpack() {
+                    Ok(messages) => envelopes.push(Envelope {
+                        id,
+                        attempts,
+                        packed,
+                        messages,
+                    }),
+                    Err(why) => failures.push(
+                        relay,
+                        (id, attempts, &first_id),
+                        format!("cannot read the packed row: {why}"),
+                        true,
+                    ),
+                }
+            }
+            let frames = envelopes
+                .iter()
+                .flat_map(|e| e.messages.iter().map(frame))
+                .collect();
+            let mut outcomes = channel.publish_all(frames).await.into_iter();
+            let mut confirmed = Vec::new();
+            let mut unpacked = Vec::new();
             let mut broker_lost = None;
-            for (row, outcome) in rows.iter().zip(outcomes) {
-                match outcome {
-                    Ok(()) => confirmed.push(row.id),
-                    Err(e @ (PublishError::Nacked | PublishError::Returned(_))) => {
-                        failures.push(relay, row, e.to_string(), false);
-                    }
-                    Err(e) => {
-                        if too_large.is_some_and(|limit| row.body.len() > limit) {
-                            failures.push(relay, row, format!("the broker refused it: {e}"), true);
-                        } else {
-                            // The broker may or may not hold it: unconfirmed,
-                            // so it stays pending and is published again.
+            let mut published = 0;
+            for envelope in &envelopes {
+                let results: Vec<_> = outcomes.by_ref().take(envelope.messages.len()).collect();
+                let too_large = results.iter().find_map(|o| match o {
+                    Err(PublishError::Lost(why)) => broker_size_limit(why),
+                    _ => None,
+                });
+                // Per message: None confirmed, Some((error, certain)) refused.
+                let mut refused = Vec::with_capacity(results.len());
+                let mut lost = false;
+                for (message, result) in envelope.messages.iter().zip(results) {
+                    refused.push(match result {
+                        Ok(()) => None,
+                        Err(e @ (PublishError::Nacked | PublishError::Returned(_))) => {
+                            Some((e.to_string(), false))
+                        }
+                        Err(e) if too_large.is_some_and(|limit| message.body.len() > limit) => {
+                            Some((format!("the broker refused it: {e}"), true))
+                        }
+                        // The broker closed the channel over another message
+                        // of this row: not sent; an attempt, retried.
+                        Err(e) if too_large.is_some() => {
                             broker_lost.get_or_insert_with(|| e.to_string());
+                            Some((format!("not sent: {e}"), false))
+                        }
+                        Err(e) => {
+                            // The broker may or may not hold it: the row
+                            // stays pending and is published again.
+                            broker_lost.get_or_insert_with(|| e.to_string());
+                            lost = true;
+                            None
+                        }
+                    });
+                }
+                if lost {
+                    continue;
+                }
+                let accepted = refused.iter().filter(|r| r.is_none()).count();
+                published += accepted;
+                if accepted == refused.len() {
+                    confirmed.push(envelope.id);
+                } else if !envelope.packed {
+                    let (error, certain) = refused.pop().flatten().expect("one refused message");
+                    let m = &envelope.messages[0];
+                    failures.push(
+                        relay,
+                        (envelope.id, envelope.attempts, &m.message_id),
+                        error,
+                        certain,
+                    );
+                } else {
+                    // The confirmed ones are out; the refused ones become
+                    // rows of their own, each with its attempt recorded.
+                    confirmed.push(envelope.id);
+                    let mut retry = Failures::default();
+                    let mut messages = Vec::new();
+                    for (message, refusal) in envelope.messages.iter().zip(refused) {
+                        if let Some((error, certain)) = refusal {
+                            retry.push(
+                                relay,
+                                (0, envelope.attempts, &message.message_id),
+                                error,
+                                certain,
+                            );
+                            messages.push(message.clone());
                         }
                     }
+                    unpacked.push((envelope.id, messages, retry));
                 }
+            }
+            for (row, messages, retry) in &unpacked {
+                retry.insert_unpacked(&mut tx, *row, messages).await?;
             }
             if !confirmed.is_empty() {
                 let query = match relay.keep_published {
@@ -658,32 +779,27 @@ impl<'a> Running<'a> {
                     .execute(&mut *tx)
                     .await?;
             }
+            for (_, _, retry) in unpacked {
+                failures.absorb(retry);
+            }
             let given_up = failures.record(&mut tx).await?;
             tx.commit().await?;
-            let published = confirmed.len();
             let span = tracing::Span::current();
             span.record("published", published);
-            span.record("failed", failures.ids.len());
+            span.record("failed", failures.attempts());
             metrics::counter!("idempo_outbox_published_total").increment(published as u64);
             metrics::counter!("idempo_outbox_retried_total")
-                .increment((failures.ids.len() - given_up) as u64);
+                .increment(failures.attempts().saturating_sub(given_up) as u64);
             metrics::counter!("idempo_outbox_failed_total").increment(given_up as u64);
             relay.health.update(|s| {
                 s.published += published as u64;
                 s.failed += given_up as u64;
             });
             // Wake for the earliest retry this batch scheduled.
-            let retry_in = failures
-                .delays
-                .iter()
-                .zip(&failures.give_up)
-                .filter(|(_, given_up)| !**given_up)
-                .map(|(secs, _)| Duration::from_secs_f64(*secs))
-                .chain(retry_in)
-                .min();
+            let retry_in = failures.next_retry().into_iter().chain(retry_in).min();
             Ok(BatchOutcome {
                 picked,
-                settled: published + failures.ids.len(),
+                settled: published + failures.attempts(),
                 broker_lost,
                 retry_in,
             })
@@ -779,11 +895,12 @@ impl<'a> Running<'a> {
     }
 
     /// Counts the outbox into the gauges and the health, at most once a
-    /// second (always when `idle`).
-    async fn refresh_status(&self, idle: bool) {
+    /// second (the count reads the whole table), and when going idle after
+    /// a second without one.
+    async fn refresh_status(&self) {
         {
             let mut last = self.last_status.lock().expect("not poisoned");
-            if !idle && last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
                 return;
             }
             *last = Some(Instant::now());
@@ -819,30 +936,102 @@ struct Failures {
     errors: Vec<String>,
     give_up: Vec<bool>,
     delays: Vec<f64>,
+    /// Give-ups and delays of unpacked messages, written by `insert_unpacked`.
+    counted: Vec<(bool, f64)>,
 }
 
 impl Failures {
-    fn push(&mut self, relay: &Relay, row: &Row, error: String, certain: bool) {
-        let attempt = u32::try_from(row.attempts).unwrap_or(0).saturating_add(1);
+    /// A failed attempt of `(row id, its attempts so far, message id)`.
+    fn push(&mut self, relay: &Relay, row: (i64, i32, &str), error: String, certain: bool) {
+        let (id, attempts, message_id) = row;
+        let attempt = u32::try_from(attempts).unwrap_or(0).saturating_add(1);
         let give_up = certain || attempt >= relay.max_attempts;
         let delay =
             backoff::full_jitter(backoff::ceiling(relay.retry_min, relay.retry_max, attempt))
                 .max(relay.retry_min);
         if give_up {
-            tracing::error!(message_id = %row.message_id, %error, attempts = attempt, "outbox relay: giving up on a message; it stays in the outbox as failed");
+            tracing::error!(%message_id, %error, attempts = attempt, "outbox relay: giving up on a message; it stays in the outbox as failed");
         } else {
-            tracing::warn!(message_id = %row.message_id, %error, attempt, ?delay, "outbox relay: message not accepted; retrying later");
+            tracing::warn!(%message_id, %error, attempt, ?delay, "outbox relay: message not accepted; retrying later");
         }
-        self.ids.push(row.id);
+        self.ids.push(id);
         self.errors.push(error);
         self.give_up.push(give_up);
         self.delays.push(delay.as_secs_f64());
     }
 
-    /// Records the attempts; returns how many rows were given up.
+    /// Takes over the (already written) failures of unpacked messages, for
+    /// the counts.
+    fn absorb(&mut self, other: Failures) {
+        self.counted
+            .extend(other.give_up.into_iter().zip(other.delays));
+    }
+
+    /// Every failed attempt of the batch, written here or unpacked.
+    fn attempts(&self) -> usize {
+        self.ids.len() + self.counted.len()
+    }
+
+    /// When the earliest retry scheduled by the batch is due.
+    fn next_retry(&self) -> Option<Duration> {
+        self.give_up
+            .iter()
+            .copied()
+            .zip(self.delays.iter().copied())
+            .chain(self.counted.iter().copied())
+            .filter(|(given_up, _)| !given_up)
+            .map(|(_, secs)| Duration::from_secs_f64(secs))
+            .min()
+    }
+
+    /// Writes the refused messages of packed row `row` as rows of their own,
+    /// with their attempt recorded and the packed row's age.
+    async fn insert_unpacked(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        row: i64,
+        messages: &[Staged],
+    ) -> std::result::Result<(), sqlx::Error> {
+        let text = |f: fn(&Staged) -> Option<&str>| -> Vec<Option<&str>> {
+            messages.iter().map(f).collect()
+        };
+        let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
+        let persistent: Vec<bool> = messages.iter().map(|m| m.persistent).collect();
+        sqlx::query(
+            "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
+                                 correlation_id, persistent, headers, attempts, last_error, \
+                                 state, next_attempt_at, created_at) \
+             SELECT e, r, i, b, c, k, p, h::jsonb, o.attempts + 1, err, \
+                    CASE WHEN g THEN 'failed' ELSE 'pending' END, \
+                    now() + make_interval(secs => d), o.created_at \
+             FROM outbox AS o, \
+                  unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
+                         $7::text[], $8::bool[], $9::text[], $10::text[], $11::bool[], \
+                         $12::float8[]) WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, err, g, d, n) \
+             WHERE o.id = $1 ORDER BY n",
+        )
+        .bind(row)
+        .bind(text(|m| Some(&m.exchange)))
+        .bind(text(|m| Some(&m.routing_key)))
+        .bind(text(|m| Some(&m.message_id)))
+        .bind(&bodies)
+        .bind(text(|m| m.content_type.as_deref()))
+        .bind(text(|m| m.correlation_id.as_deref()))
+        .bind(&persistent)
+        .bind(text(|m| Some(&m.headers)))
+        .bind(&self.errors)
+        .bind(&self.give_up)
+        .bind(&self.delays)
+        .execute(tx)
+        .await?;
+        Ok(())
+    }
+
+    /// Records the attempts; returns how many messages were given up.
     async fn record(&self, tx: &mut sqlx::PgConnection) -> std::result::Result<usize, sqlx::Error> {
+        let absorbed = self.counted.iter().filter(|(g, _)| *g).count();
         if self.ids.is_empty() {
-            return Ok(0);
+            return Ok(absorbed);
         }
         sqlx::query(
             "UPDATE outbox AS o SET attempts = o.attempts + 1, last_error = f.error, \
@@ -858,7 +1047,7 @@ impl Failures {
         .bind(&self.delays)
         .execute(tx)
         .await?;
-        Ok(self.give_up.iter().filter(|g| **g).count())
+        Ok(self.give_up.iter().filter(|g| **g).count() + absorbed)
     }
 }
 
@@ -871,8 +1060,8 @@ fn broker_size_limit(reason: &str) -> Option<usize> {
     digits.parse().ok()
 }
 
-/// A row as a publish.
-fn frame(row: &Row) -> OutgoingFrame<'_> {
+/// A message as a publish.
+fn frame(row: &Staged) -> OutgoingFrame<'_> {
     let mut properties = BasicProperties::default()
         .with_message_id(row.message_id.as_str().into())
         .with_delivery_mode(if row.persistent { 2 } else { 1 });
