@@ -429,7 +429,13 @@ struct Running<'a> {
     /// batch query until then, so they block neither this relay nor other keys.
     parked: std::sync::Mutex<HashMap<String, Instant>>,
     last_status: std::sync::Mutex<Option<Instant>>,
+    /// Rows deleted since the last `VACUUM` this relay ran.
+    deleted: std::sync::atomic::AtomicU64,
 }
+
+/// Deleted rows after which a relay vacuums the table itself when the server
+/// does not (autovacuum off): deleted rows keep their space until a VACUUM.
+const VACUUM_AFTER: u64 = 50_000;
 
 impl<'a> Running<'a> {
     fn new(relay: &'a Relay) -> Self {
@@ -442,6 +448,7 @@ impl<'a> Running<'a> {
                 .connect_lazy_with(options),
             parked: std::sync::Mutex::new(HashMap::new()),
             last_status: std::sync::Mutex::new(None),
+            deleted: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -562,6 +569,7 @@ impl<'a> Running<'a> {
                 last_cleanup = Some(Instant::now());
                 self.cleanup(keep).await;
             }
+            self.vacuum_if_nobody_does().await;
             self.refresh_status().await;
             let notified = async {
                 match listener.as_mut() {
@@ -774,10 +782,16 @@ impl<'a> Running<'a> {
                          attempts = attempts + 1 WHERE id = ANY($1)"
                     }
                 };
-                sqlx::query(query)
+                let deleted = sqlx::query(query)
                     .bind(&confirmed)
                     .execute(&mut *tx)
                     .await?;
+                if relay.keep_published.is_none() {
+                    self.deleted.fetch_add(
+                        deleted.rows_affected(),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                }
             }
             for (_, _, retry) in unpacked {
                 failures.absorb(retry);
@@ -914,12 +928,41 @@ impl<'a> Running<'a> {
         }
     }
 
+    /// Vacuums the outbox once many rows were deleted, if autovacuum is off:
+    /// the table then stays as large as its backlog, not its history.
+    async fn vacuum_if_nobody_does(&self) {
+        use std::sync::atomic::Ordering;
+        if self.deleted.load(Ordering::Relaxed) < VACUUM_AFTER {
+            return;
+        }
+        self.deleted.store(0, Ordering::Relaxed);
+        let autovacuum: std::result::Result<String, sqlx::Error> =
+            sqlx::query_scalar("SELECT current_setting('autovacuum')")
+                .fetch_one(&self.relay.pool)
+                .await;
+        if !autovacuum.is_ok_and(|setting| setting == "off") {
+            return;
+        }
+        // Not in a transaction: VACUUM refuses to run inside one.
+        if let Err(e) = sqlx::raw_sql("VACUUM outbox")
+            .execute(&self.relay.pool)
+            .await
+        {
+            tracing::warn!(error = %e, "outbox relay: autovacuum is off and VACUUM outbox failed; the table keeps the space of deleted rows");
+        }
+    }
+
     /// Deletes kept published rows past their audit period, batch by batch.
     async fn cleanup(&self, keep: Duration) {
         loop {
             match outbox::delete_published_before(&self.relay.pool, keep, CLEANUP_BATCH).await {
-                Ok(n) if n as i64 == CLEANUP_BATCH => continue,
-                Ok(_) => return,
+                Ok(n) => {
+                    self.deleted
+                        .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                    if n as i64 != CLEANUP_BATCH {
+                        return;
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "outbox relay: cannot delete old published rows");
                     return;
