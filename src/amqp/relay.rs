@@ -410,7 +410,9 @@ struct Envelope {
 
 /// What one batch did, and when the next is worth running.
 struct BatchOutcome {
-    picked: usize,
+    /// More rows may be due right away (the query filled its limit, or
+    /// rows were left for the next batch).
+    full: bool,
     /// Rows published or recorded as failed attempts.
     settled: usize,
     /// The broker connection failed mid-batch: reconnect before the next.
@@ -541,7 +543,7 @@ impl<'a> Running<'a> {
                         }
                         // A full batch: more may be due, unless every row
                         // was held back (its key's first row is elsewhere).
-                        if outcome.picked == relay.batch_size && outcome.settled > 0 {
+                        if outcome.full && outcome.settled > 0 {
                             continue;
                         }
                         let poll = if graceful.is_cancelled() {
@@ -644,6 +646,8 @@ impl<'a> Running<'a> {
         .bind(&parked)
         .fetch_all(&mut *tx)
         .await?;
+        // More rows may be due when the query filled its limit.
+        let full = rows.len() == relay.batch_size;
         // At most batch_size messages (packed rows carry several), at least one row.
         let mut total = 0;
         let keep = rows
@@ -654,12 +658,13 @@ impl<'a> Running<'a> {
             })
             .count()
             .max(1);
+        let full = full || keep < rows.len();
         rows.truncate(keep);
         let picked = rows.len();
         if rows.is_empty() {
             tx.rollback().await?;
             return Ok(BatchOutcome {
-                picked,
+                full: false,
                 settled: 0,
                 broker_lost: None,
                 retry_in: None,
@@ -812,7 +817,7 @@ impl<'a> Running<'a> {
             // Wake for the earliest retry this batch scheduled.
             let retry_in = failures.next_retry().into_iter().chain(retry_in).min();
             Ok(BatchOutcome {
-                picked,
+                full,
                 settled: published + failures.attempts(),
                 broker_lost,
                 retry_in,
