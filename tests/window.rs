@@ -4,17 +4,27 @@
 mod support;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idempo::Tx;
+use idempo::amqp::lapin::BasicProperties;
 use idempo::amqp::window::{DedupPublisher, Outgoing};
 use idempo::amqp::{Consumer, Message, RedeliveryPolicy};
 use idempo::window::{
-    DedupId, DedupWindow, InvalidDedupId, MemoryWindow, PostgresWindow, RedisWindow, Reservation,
-    Scope, WindowStore,
+    DedupId, DedupWindow, Insertion, InvalidDedupId, MAX_KEY_LEN, MAX_WINDOW, MemoryWindow,
+    PostgresWindow, RedisWindow, Reservation, Scope, WindowStore,
 };
 use support::consumer::Running;
 use support::{Broker, Db, amqp_url, unique};
+
+fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// The broker as idempo's publisher connects to it.
+fn amqp_broker() -> idempo::amqp::Broker {
+    idempo::amqp::Broker::new(&amqp_url()).unwrap()
+}
 
 const START_REDIS: &str = "start it with `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 \
      --save \"\" --appendonly no` (or `docker compose up -d redis`), or point REDIS_URL at a running server";
@@ -42,12 +52,16 @@ impl TestStore for PostgresWindow {
 impl TestStore for RedisWindow {
     const DELETES_EXPIRED: bool = false;
     async fn make() -> Self {
-        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        RedisWindow::connect(&url)
-            .await
-            .unwrap_or_else(|e| panic!("Redis is not reachable at {url}: {e}\n{START_REDIS}"))
-            .with_prefix(format!("{}:", unique("window")))
+        redis_window(&format!("{}:", unique("window"))).await
     }
+}
+
+async fn redis_window(prefix: &str) -> RedisWindow {
+    let url = redis_url();
+    RedisWindow::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("Redis is not reachable at {url}: {e}\n{START_REDIS}"))
+        .with_prefix(prefix)
 }
 
 const SHORT: Duration = Duration::from_millis(800);
@@ -167,6 +181,96 @@ async fn reservations_record_or_release<S: TestStore>() {
     );
 }
 
+async fn an_insert_returns_what_the_duplicate_was_recorded_with<S: TestStore>() {
+    let window = DedupWindow::new(S::make().await);
+    let scope = Scope::queue("orders");
+    let id = DedupId::new("order-1").unwrap();
+    assert_eq!(
+        window.insert_value(&scope, &id, "msg-1").await.unwrap(),
+        Insertion::New
+    );
+    assert_eq!(
+        window.insert_value(&scope, &id, "msg-2").await.unwrap(),
+        Insertion::Seen("msg-1".into()),
+        "the first value, as reserve returns it"
+    );
+    let held = DedupId::new("order-2").unwrap();
+    let Reservation::Reserved { token } = window
+        .reserve(&scope, &held, Duration::from_secs(5))
+        .await
+        .unwrap()
+    else {
+        panic!("free")
+    };
+    assert_eq!(
+        window.insert_value(&scope, &held, "x").await.unwrap(),
+        Insertion::Pending
+    );
+    assert!(window.release(&scope, &held, token).await.unwrap());
+}
+
+async fn keys_no_store_can_hold_are_refused_up_front<S: TestStore>() {
+    let window = DedupWindow::new(S::make().await);
+    let id = DedupId::new("1").unwrap();
+    let lease = Duration::from_secs(5);
+    let cases = [
+        (Scope::queue("orders\0evil"), "NUL"),
+        (Scope::group("orders", &"g".repeat(10_000)), "at most 2048"),
+    ];
+    for (scope, why) in cases {
+        let inserted = window.insert(&scope, &id).await.map(|_| ());
+        let reserved = window.reserve(&scope, &id, lease).await.map(|_| ());
+        for result in [inserted, reserved] {
+            let error = result.unwrap_err();
+            assert!(
+                matches!(error, idempo::Error::Config(_)) && error.to_string().contains(why),
+                "a clear error naming {why:?}: {error}"
+            );
+        }
+    }
+    // The longest key that is allowed works.
+    let longest = Scope::queue(&"q".repeat(MAX_KEY_LEN - 16));
+    assert!(window.insert(&longest, &id).await.unwrap());
+    let value = window
+        .insert_value(&Scope::queue("orders"), &id, "nul\0value")
+        .await;
+    assert!(matches!(value, Err(idempo::Error::Config(_))), "{value:?}");
+}
+
+/// Windows and leases of `u64::MAX` seconds, given straight to the store (a
+/// `DedupWindow` cuts its own length to `MAX_WINDOW` already). Returns the
+/// keys it used.
+async fn huge_durations_are_cut_instead_of_failing<S: WindowStore>(store: S) -> Vec<String> {
+    let forever = Duration::from_secs(u64::MAX);
+    let window = DedupWindow::new(store).window(forever);
+    assert_eq!(window.length(), MAX_WINDOW);
+    let scope = Scope::queue("forever");
+    let (seen, leased) = (
+        DedupId::new("seen").unwrap(),
+        DedupId::new("leased").unwrap(),
+    );
+    assert!(window.insert(&scope, &seen).await.unwrap(), "new");
+    assert!(!window.insert(&scope, &seen).await.unwrap(), "seen");
+    let store = window.store();
+    let raw = scope.key(&DedupId::new("raw").unwrap());
+    assert!(store.insert(&raw, "v", forever).await.unwrap().is_new());
+    assert_eq!(
+        store.insert(&raw, "w", forever).await.unwrap(),
+        Insertion::Seen("v".into())
+    );
+    let Reservation::Reserved { token } = window.reserve(&scope, &leased, forever).await.unwrap()
+    else {
+        panic!("free")
+    };
+    assert!(
+        store
+            .record(&scope.key(&leased), token, "m", forever)
+            .await
+            .unwrap()
+    );
+    vec![scope.key(&seen), raw, scope.key(&leased)]
+}
+
 macro_rules! store_tests {
     ($module:ident, $store:ty) => {
         mod $module {
@@ -189,6 +293,14 @@ macro_rules! store_tests {
             async fn reservations_record_or_release() {
                 super::reservations_record_or_release::<$store>().await
             }
+            #[tokio::test]
+            async fn an_insert_returns_what_the_duplicate_was_recorded_with() {
+                super::an_insert_returns_what_the_duplicate_was_recorded_with::<$store>().await
+            }
+            #[tokio::test]
+            async fn keys_no_store_can_hold_are_refused_up_front() {
+                super::keys_no_store_can_hold_are_refused_up_front::<$store>().await
+            }
         }
     };
 }
@@ -196,6 +308,118 @@ macro_rules! store_tests {
 store_tests!(memory, MemoryWindow);
 store_tests!(postgres, PostgresWindow);
 store_tests!(redis, RedisWindow);
+
+#[tokio::test]
+async fn a_memory_window_of_u64_max_seconds_does_not_panic() {
+    huge_durations_are_cut_instead_of_failing(MemoryWindow::make().await).await;
+}
+
+#[tokio::test]
+async fn a_postgres_window_of_u64_max_seconds_works() {
+    huge_durations_are_cut_instead_of_failing(PostgresWindow::make().await).await;
+}
+
+#[tokio::test]
+async fn a_redis_window_of_u64_max_seconds_works() {
+    let prefix = format!("{}:", unique("forever"));
+    let keys = huge_durations_are_cut_instead_of_failing(redis_window(&prefix).await).await;
+    // Ten-year keys must not outlive the test.
+    let client = ::redis::Client::open(redis_url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let ttl: i64 = ::redis::cmd("PTTL")
+        .arg(format!("{prefix}{}", keys[0]))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        ttl > 9 * 365 * 24 * 3600 * 1000,
+        "the window was cut to ten years, not dropped: {ttl} ms"
+    );
+    let full: Vec<String> = keys.iter().map(|k| format!("{prefix}{k}")).collect();
+    let deleted: i64 = ::redis::cmd("DEL")
+        .arg(&full)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_memory_window_counts_live_entries_only() {
+    let window = DedupWindow::new(MemoryWindow::new(10)).window(Duration::from_millis(300));
+    let scope = Scope::queue("q");
+    for n in 0..3 {
+        let id = DedupId::new(format!("id-{n}")).unwrap();
+        assert!(window.insert(&scope, &id).await.unwrap());
+    }
+    assert_eq!(window.store().len(), 3);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(window.store().len(), 0, "expired entries are not counted");
+    assert!(window.store().is_empty());
+}
+
+/// A PostgreSQL window whose pool points at `port` on localhost, connecting lazily.
+fn postgres_window_at(port: u16, timeout: Duration) -> DedupWindow<PostgresWindow> {
+    use std::str::FromStr;
+    let options = sqlx::postgres::PgConnectOptions::from_str(&support::database_url())
+        .unwrap()
+        .host("127.0.0.1")
+        .port(port);
+    let pool = sqlx::postgres::PgPoolOptions::new().connect_lazy_with(options);
+    DedupWindow::new(PostgresWindow::new(pool).timeout(timeout))
+}
+
+#[tokio::test]
+async fn a_blackholed_postgres_window_times_out_instead_of_hanging() {
+    // Accepts connections and never answers: a network that drops packets.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let hole = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let window = postgres_window_at(port, Duration::from_millis(500));
+    let started = Instant::now();
+    let result = window
+        .insert(&Scope::queue("q"), &DedupId::new("1").unwrap())
+        .await;
+    assert!(
+        matches!(result, Err(idempo::Error::StoreTimeout(t)) if t == Duration::from_millis(500)),
+        "{result:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "bounded: {:?}",
+        started.elapsed()
+    );
+    hole.abort();
+}
+
+#[tokio::test]
+async fn a_postgres_window_on_a_wrong_port_says_why() {
+    let port = {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        closed.local_addr().unwrap().port()
+    };
+    let window = postgres_window_at(port, Duration::from_secs(1));
+    let started = Instant::now();
+    let error = window
+        .insert(&Scope::queue("q"), &DedupId::new("1").unwrap())
+        .await
+        .unwrap_err();
+    assert!(error.is_connection_error(), "{error:?}");
+    assert!(
+        error.to_string().to_lowercase().contains("refused"),
+        "names the cause, not just \"pool timed out\": {error}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "bounded: {:?}",
+        started.elapsed()
+    );
+}
 
 #[test]
 fn invalid_ids_are_rejected_with_a_clear_error() {
@@ -241,12 +465,12 @@ async fn publisher_test<S: TestStore + 'static>() {
     // Two publishers (two channels), eight tasks each, one dedup id.
     let publishers = [
         Arc::new(
-            DedupPublisher::new(&broker.connection, window.clone())
+            DedupPublisher::connect(&amqp_broker(), window.clone())
                 .await
                 .unwrap(),
         ),
         Arc::new(
-            DedupPublisher::new(&broker.connection, window.clone())
+            DedupPublisher::connect(&amqp_broker(), window.clone())
                 .await
                 .unwrap(),
         ),
@@ -310,6 +534,9 @@ async fn publisher_test<S: TestStore + 'static>() {
         .unwrap();
     assert!(!sent.duplicate, "the failed publish did not record the id");
     support::eventually_ready(&broker, &nowhere, 1).await;
+    for publisher in &publishers {
+        publisher.close().await;
+    }
 }
 
 #[tokio::test]
@@ -488,4 +715,190 @@ async fn a_consumer_with_a_window_runs_each_id_once_within_the_window() {
     let stats = running.finish(8).await;
     assert_eq!(stats.duplicates, 3, "{stats:?}");
     assert_eq!(broker.drain(&format!("{queue}.dlq")).await.len(), 1);
+}
+
+/// A publisher on a memory window, with a connection name the test can cut.
+async fn named_publisher(name: &str) -> DedupPublisher<MemoryWindow> {
+    DedupPublisher::builder(amqp_broker(), DedupWindow::new(MemoryWindow::new(1_000)))
+        .connection_name(name)
+        .build()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_missing_exchange_neither_kills_the_publisher_nor_blocks_the_id() {
+    use idempo::amqp::lapin::options::{
+        ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    };
+    use idempo::amqp::lapin::types::FieldTable;
+    let broker = Broker::connect().await;
+    let queue = unique("after_404");
+    broker.declare(&queue).await;
+    let publisher = named_publisher(&unique("pub404")).await;
+    let exchange = unique("missing_exchange");
+    let id = DedupId::new("order-404").unwrap();
+    // Twice: the first failure must have released the id (NOT_FOUND means
+    // not routed), so the second fails as fast instead of waiting on it.
+    for attempt in 1..=2 {
+        let started = Instant::now();
+        let failed = tokio::time::timeout(
+            Duration::from_secs(10),
+            publisher.publish(&exchange, "rk", Outgoing::new("x").dedup_id(id.clone())),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("attempt {attempt} waited on a reservation it should not see"));
+        let error = failed.unwrap_err();
+        assert!(
+            error.to_string().contains("NOT_FOUND"),
+            "attempt {attempt}: {error}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+    // The same publisher still publishes: its channel was reopened.
+    let sent = publisher
+        .publish("", &queue, Outgoing::new("good"))
+        .await
+        .unwrap();
+    assert!(!sent.duplicate);
+    support::eventually_ready(&broker, &queue, 1).await;
+    // Once the exchange exists, the id that failed twice goes out.
+    broker
+        .channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            idempo::amqp::lapin::ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    broker
+        .channel
+        .queue_bind(
+            queue.as_str().into(),
+            exchange.as_str().into(),
+            "rk".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let sent = publisher
+        .publish(&exchange, "rk", Outgoing::new("x").dedup_id(id))
+        .await
+        .unwrap();
+    assert!(
+        !sent.duplicate,
+        "the failed publishes did not record the id"
+    );
+    support::eventually_ready(&broker, &queue, 2).await;
+    publisher.close().await;
+    broker
+        .channel
+        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_cut_connection_is_reconnected_by_the_next_publish() {
+    let broker = Broker::connect().await;
+    let queue = unique("after_cut");
+    broker.declare(&queue).await;
+    let name = unique("pubcut");
+    let publisher = named_publisher(&name).await;
+    publisher
+        .publish("", &queue, Outgoing::new("before"))
+        .await
+        .unwrap();
+    assert!(publisher.is_connected().await);
+    let cut = name.clone();
+    let closed = tokio::task::spawn_blocking(move || support::close_connections_named(&cut))
+        .await
+        .unwrap();
+    assert_eq!(closed, 1);
+    support::eventually(
+        "the publisher sees its connection closed",
+        Duration::from_secs(10),
+        || async { !publisher.is_connected().await },
+    )
+    .await;
+    let sent = publisher
+        .publish("", &queue, Outgoing::new("after"))
+        .await
+        .unwrap();
+    assert!(!sent.duplicate);
+    assert!(publisher.is_connected().await, "reconnected");
+    support::eventually_ready(&broker, &queue, 2).await;
+    publisher.close().await;
+}
+
+#[tokio::test]
+async fn messages_with_their_own_properties_stay_persistent() {
+    use idempo::amqp::lapin::options::BasicGetOptions;
+    let broker = Broker::connect().await;
+    let queue = unique("persistent");
+    broker.declare(&queue).await;
+    let publisher = named_publisher(&unique("pubprops")).await;
+    let own = BasicProperties::default().with_content_type("application/json".into());
+    publisher
+        .publish("", &queue, Outgoing::new("a").properties(own))
+        .await
+        .unwrap();
+    let transient = BasicProperties::default().with_delivery_mode(1);
+    publisher
+        .publish("", &queue, Outgoing::new("b").properties(transient))
+        .await
+        .unwrap();
+    support::eventually_ready(&broker, &queue, 2).await;
+    let mut modes = Vec::new();
+    for _ in 0..2 {
+        let message = broker
+            .channel
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+            .expect("a message");
+        let properties = &message.delivery.properties;
+        if message.delivery.data == b"a" {
+            assert_eq!(
+                properties.content_type().as_ref().map(|c| c.as_str()),
+                Some("application/json"),
+                "the user's properties are kept"
+            );
+        }
+        modes.push((
+            String::from_utf8(message.delivery.data.clone()).unwrap(),
+            *properties.delivery_mode(),
+        ));
+    }
+    modes.sort();
+    assert_eq!(
+        modes,
+        [("a".to_owned(), Some(2)), ("b".to_owned(), Some(1))],
+        "unset stays persistent; an explicit mode is kept"
+    );
+    publisher.close().await;
+}
+
+#[tokio::test]
+async fn a_lease_that_does_not_outlast_the_confirm_timeout_is_refused() {
+    let refused = DedupPublisher::builder(amqp_broker(), DedupWindow::new(MemoryWindow::new(10)))
+        .lease(Duration::from_secs(5))
+        .confirm_timeout(Duration::from_secs(5))
+        .build()
+        .await;
+    assert!(
+        matches!(&refused, Err(idempo::Error::Config(why)) if why.contains("lease")),
+        "{refused:?}"
+    );
+    // A shorter confirm timeout than the lease is fine.
+    let publisher = DedupPublisher::builder(amqp_broker(), DedupWindow::new(MemoryWindow::new(10)))
+        .lease(Duration::from_secs(5))
+        .confirm_timeout(Duration::from_secs(2))
+        .build()
+        .await
+        .unwrap();
+    publisher.close().await;
 }

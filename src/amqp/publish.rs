@@ -5,16 +5,23 @@
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::{BasicProperties, Channel, Connection, ErrorKind};
 use tokio::sync::Mutex;
 use tokio::time::{Instant, timeout_at};
 
 /// Why a publish was not confirmed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum PublishError {
-    /// The channel or connection failed: the broker may or may not hold the message.
+    /// The channel or connection failed: the broker may or may not hold the
+    /// message, unless the broker closed the channel because of this publish
+    /// (see [`certainly_not_sent`](Self::certainly_not_sent)).
     #[error(transparent)]
     Amqp(#[from] lapin::Error),
+    /// The channel (or its connection) was already closed when the publish
+    /// was attempted: lapin refused it before sending a frame.
+    #[error("the channel was closed; nothing was sent: {0}")]
+    Closed(lapin::Error),
     #[error("the broker refused the message (nack)")]
     Nacked,
     #[error("the message was unroutable: nothing is bound for {0:?}")]
@@ -33,13 +40,32 @@ pub(crate) enum PublishError {
 
 impl PublishError {
     /// Whether the broker certainly does not hold the message (so that a
-    /// dedup id reserved for it can be released).
+    /// dedup id reserved for it can be released): nacked, returned, never
+    /// sent (busy, closed), or refused by the broker with a channel error
+    /// that RabbitMQ raises before routing: `NOT_FOUND` (no such exchange) or
+    /// `ACCESS_REFUSED` (no write permission on it). The channel carries one
+    /// publish at a time, so such an error is this publish's.
     #[cfg_attr(not(feature = "window"), allow(dead_code))]
     pub(crate) fn certainly_not_sent(&self) -> bool {
-        matches!(
-            self,
-            PublishError::Nacked | PublishError::Returned(_) | PublishError::Busy(_)
-        )
+        match self {
+            PublishError::Nacked
+            | PublishError::Returned(_)
+            | PublishError::Busy(_)
+            | PublishError::Closed(_) => true,
+            PublishError::Amqp(e) => refused_before_routing(e),
+            PublishError::Lost(_) | PublishError::Timeout(_) => false,
+        }
+    }
+}
+
+/// A channel-level `NOT_FOUND` or `ACCESS_REFUSED` from the broker.
+fn refused_before_routing(error: &lapin::Error) -> bool {
+    match error.kind() {
+        ErrorKind::ProtocolError(e) => matches!(
+            e.kind(),
+            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND | AMQPSoftError::ACCESSREFUSED)
+        ),
+        _ => false,
     }
 }
 
@@ -52,6 +78,9 @@ impl PublishError {
 /// another's clean confirm.
 pub(crate) struct ConfirmChannel {
     channel: Mutex<Channel>,
+    /// A handle on the same channel for reading its status without waiting
+    /// for the publish in progress.
+    status: Channel,
     confirm_timeout: Duration,
 }
 
@@ -65,6 +94,7 @@ impl ConfirmChannel {
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
         Ok(ConfirmChannel {
+            status: channel.clone(),
             channel: Mutex::new(channel),
             confirm_timeout,
         })
@@ -81,11 +111,25 @@ impl ConfirmChannel {
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
         let deadline = Instant::now() + self.confirm_timeout;
+        self.publish_by(deadline, exchange, routing_key, body, properties)
+            .await
+    }
+
+    /// [`publish`](Self::publish), done by `deadline` instead of within the
+    /// confirm timeout (for a caller whose own steps share that time).
+    pub(crate) async fn publish_by(
+        &self,
+        deadline: Instant,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), PublishError> {
         let Ok(channel) = timeout_at(deadline, self.channel.lock()).await else {
             return Err(PublishError::Busy(self.confirm_timeout));
         };
         let confirm = async {
-            channel
+            let sent = channel
                 .basic_publish(
                     exchange.into(),
                     routing_key.into(),
@@ -96,8 +140,14 @@ impl ConfirmChannel {
                     body,
                     properties,
                 )
-                .await?
-                .await
+                .await;
+            let confirm = match sent {
+                Ok(confirm) => confirm,
+                // lapin checks the state before queueing a frame.
+                Err(e) if closed_before_sending(&e) => return Err(PublishError::Closed(e)),
+                Err(e) => return Err(PublishError::Amqp(e)),
+            };
+            Ok(confirm.await?)
         };
         match timeout_at(deadline, confirm).await {
             Ok(confirm) => match confirm? {
@@ -236,6 +286,21 @@ impl ConfirmChannel {
     pub(crate) async fn is_open(&self) -> bool {
         self.channel.lock().await.status().connected()
     }
+
+    /// [`is_open`](Self::is_open), without waiting for a publish in progress.
+    #[cfg_attr(not(feature = "window"), allow(dead_code))]
+    pub(crate) fn is_usable(&self) -> bool {
+        self.status.status().connected()
+    }
+}
+
+/// Whether lapin refused a publish because the channel or its connection was
+/// no longer open (it checks that before it queues a frame).
+fn closed_before_sending(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::InvalidChannelState(..) | ErrorKind::InvalidConnectionState(_)
+    )
 }
 
 /// One message of [`ConfirmChannel::publish_all`].

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::dedup_id::{DedupId, Scope};
-use super::store::{Reservation, WindowStore};
+use super::store::{Insertion, MAX_WINDOW, Reservation, WindowStore};
 use crate::Result;
 
 /// SQS FIFO's deduplication interval.
@@ -53,10 +53,11 @@ impl<S: WindowStore> DedupWindow<S> {
         }
     }
 
-    /// Sets the window's length (at least 1 ms).
+    /// Sets the window's length: at least 1 ms, at most [`MAX_WINDOW`] (ten
+    /// years; a longer one, up to `Duration::MAX`, is cut to it).
     #[must_use]
     pub fn window(mut self, window: Duration) -> Self {
-        self.window = window.max(Duration::from_millis(1));
+        self.window = window.clamp(Duration::from_millis(1), MAX_WINDOW);
         self
     }
 
@@ -72,18 +73,57 @@ impl<S: WindowStore> DedupWindow<S> {
 
     /// Records `id` in `scope` unless it was seen within the window: `true`
     /// when it is new. One atomic step: of concurrent inserts of one id,
-    /// exactly one gets `true`.
+    /// exactly one gets `true`. The same as
+    /// `insert_value(scope, id, "").await?.is_new()`; use
+    /// [`insert_value`](Self::insert_value) to learn what a duplicate was
+    /// recorded with.
     ///
     /// # Errors
     /// The store's error ([`Error::Database`](crate::Error::Database),
-    /// `Error::Redis`, [`Error::WindowFull`](crate::Error::WindowFull)).
+    /// `Error::Redis`, [`Error::WindowFull`](crate::Error::WindowFull),
+    /// [`Error::StoreTimeout`](crate::Error::StoreTimeout)), or
+    /// [`Error::Config`](crate::Error::Config) for a key no store can hold
+    /// (see [`MAX_KEY_LEN`](super::MAX_KEY_LEN)).
     pub async fn insert(&self, scope: &Scope, id: &DedupId) -> Result<bool> {
-        self.store.insert(&scope.key(id), "", self.window).await
+        Ok(self.insert_value(scope, id, "").await?.is_new())
     }
 
-    /// Reserves `id` for `lease` while work that must happen once is done;
-    /// then [`record`](Self::record) it, or [`release`](Self::release) it if
-    /// the work failed, so that a retry is not taken for a duplicate.
+    /// Records `id` in `scope` with `value` unless it was seen within the
+    /// window, and says what it found: [`Insertion::New`], or what a
+    /// duplicate was recorded with ([`Insertion::Seen`], as
+    /// [`reserve`](Self::reserve) returns it), or [`Insertion::Pending`]
+    /// while a reservation of the id is live.
+    ///
+    /// ```
+    /// # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
+    /// use idempo::window::{DedupId, DedupWindow, Insertion, MemoryWindow, Scope};
+    ///
+    /// let window = DedupWindow::new(MemoryWindow::new(100_000));
+    /// let (scope, id) = (Scope::queue("orders"), DedupId::new("order-17")?);
+    /// assert_eq!(window.insert_value(&scope, &id, "msg-1").await?, Insertion::New);
+    /// assert_eq!(
+    ///     window.insert_value(&scope, &id, "msg-2").await?,
+    ///     Insertion::Seen("msg-1".into()),
+    /// );
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As for [`insert`](Self::insert); [`Error::Config`](crate::Error::Config)
+    /// too for a value with a NUL byte.
+    pub async fn insert_value(
+        &self,
+        scope: &Scope,
+        id: &DedupId,
+        value: &str,
+    ) -> Result<Insertion> {
+        self.store.insert(&scope.key(id), value, self.window).await
+    }
+
+    /// Reserves `id` for `lease` (cut to [`MAX_WINDOW`]) while work that must
+    /// happen once is done; then [`record`](Self::record) it, or
+    /// [`release`](Self::release) it if the work failed, so that a retry is
+    /// not taken for a duplicate.
     ///
     /// # Errors
     /// The store's error.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::store::{Reservation, WindowStore};
+use super::store::{Insertion, Reservation, WindowStore, bounded, check_key, check_value};
 use crate::{Error, Result};
 
 /// Seen ids in a `HashMap`, at most `capacity` of them.
@@ -33,6 +33,17 @@ enum State {
     Seen(String),
 }
 
+/// When an entry made now for `d` expires: `d` is cut to
+/// [`MAX_WINDOW`](super::MAX_WINDOW), so that adding it to the clock cannot
+/// overflow (`Instant + Duration` panics when it does).
+fn expiry(now: Instant, d: Duration) -> Instant {
+    // Ten years cannot overflow a monotonic clock; the fallbacks only make
+    // sure that nothing here can panic.
+    now.checked_add(bounded(d))
+        .or_else(|| now.checked_add(Duration::from_secs(24 * 60 * 60)))
+        .unwrap_or(now)
+}
+
 impl MemoryWindow {
     /// A window of at most `capacity` live ids.
     pub fn new(capacity: usize) -> Self {
@@ -42,12 +53,14 @@ impl MemoryWindow {
         }
     }
 
-    /// How many entries (live or expired) are held.
+    /// How many live entries (seen or reserved, not expired) are held. It
+    /// walks the map: O(n).
     pub fn len(&self) -> usize {
-        self.lock().len()
+        let now = Instant::now();
+        self.lock().values().filter(|e| e.expires_at > now).count()
     }
 
-    /// `true` when none are held.
+    /// `true` when no live entry is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -60,6 +73,7 @@ impl MemoryWindow {
     /// Inserts `entry` unless a live one is present; returns the live one's
     /// state otherwise.
     fn put(&self, key: &str, entry: Entry) -> Result<Option<Reservation>> {
+        check_key(key)?;
         let now = Instant::now();
         let mut entries = self.lock();
         if let Some(live) = entries.get(key).filter(|e| e.expires_at > now) {
@@ -92,18 +106,23 @@ impl MemoryWindow {
 }
 
 impl WindowStore for MemoryWindow {
-    async fn insert(&self, key: &str, value: &str, window: Duration) -> Result<bool> {
+    async fn insert(&self, key: &str, value: &str, window: Duration) -> Result<Insertion> {
+        check_value(value)?;
         let entry = Entry {
-            expires_at: Instant::now() + window,
+            expires_at: expiry(Instant::now(), window),
             state: State::Seen(value.to_owned()),
         };
-        Ok(self.put(key, entry)?.is_none())
+        Ok(match self.put(key, entry)? {
+            None => Insertion::New,
+            Some(Reservation::Seen(value)) => Insertion::Seen(value),
+            Some(_) => Insertion::Pending,
+        })
     }
 
     async fn reserve(&self, key: &str, lease: Duration) -> Result<Reservation> {
         let token = crate::random::token();
         let entry = Entry {
-            expires_at: Instant::now() + lease,
+            expires_at: expiry(Instant::now(), lease),
             state: State::Pending(token),
         };
         Ok(self
@@ -112,11 +131,13 @@ impl WindowStore for MemoryWindow {
     }
 
     async fn record(&self, key: &str, token: i64, value: &str, window: Duration) -> Result<bool> {
+        check_key(key)?;
+        check_value(value)?;
         Ok(self.pending(key, token, |entries| {
             entries.insert(
                 key.to_owned(),
                 Entry {
-                    expires_at: Instant::now() + window,
+                    expires_at: expiry(Instant::now(), window),
                     state: State::Seen(value.to_owned()),
                 },
             );
@@ -124,6 +145,7 @@ impl WindowStore for MemoryWindow {
     }
 
     async fn release(&self, key: &str, token: i64) -> Result<bool> {
+        check_key(key)?;
         Ok(self.pending(key, token, |entries| {
             entries.remove(key);
         }))
@@ -142,5 +164,25 @@ impl WindowStore for MemoryWindow {
             entries.remove(key);
         }
         Ok(expired.len() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_window_of_u64_max_seconds_is_cut_instead_of_panicking() {
+        let window = MemoryWindow::new(4);
+        let forever = Duration::from_secs(u64::MAX);
+        assert!(window.insert("k", "v", forever).await.unwrap().is_new());
+        assert_eq!(
+            window.insert("k", "w", forever).await.unwrap(),
+            Insertion::Seen("v".into())
+        );
+        let Reservation::Reserved { token } = window.reserve("r", forever).await.unwrap() else {
+            panic!("free")
+        };
+        assert!(window.record("r", token, "x", forever).await.unwrap());
     }
 }

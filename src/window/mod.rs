@@ -8,7 +8,8 @@
 //!   or per message group.
 //! - [`DedupWindow`]: "insert this id unless it was seen within the window",
 //!   atomically, over a [`WindowStore`]: [`MemoryWindow`] (bounded),
-//!   [`PostgresWindow`] or `RedisWindow` (feature `redis`).
+//!   [`PostgresWindow`] (spawn [`run_cleanup`] for it) or `RedisWindow`
+//!   (feature `redis`; `RedisWindow::connect(url)` needs no redis types).
 //! - With feature `amqp`, `amqp::window` joins the two: a `DedupPublisher`
 //!   that sends a duplicate id only once within the window (recording the id
 //!   only after the broker confirmed the first publish), and a consumer mode
@@ -34,8 +35,10 @@ mod store;
 pub use dedup_id::{DedupId, InvalidDedupId, MAX_DEDUP_ID_LEN, Scope};
 pub use dedup_window::{DEFAULT_WINDOW, DedupWindow};
 pub use memory::MemoryWindow;
-pub use postgres::PostgresWindow;
+pub use postgres::{DEFAULT_STORE_TIMEOUT, PostgresWindow};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisWindow;
-pub use store::{Reservation, WindowStore, run_cleanup};
+#[cfg(feature = "amqp")]
+pub(crate) use store::check_value;
+pub use store::{Insertion, MAX_KEY_LEN, MAX_WINDOW, Reservation, WindowStore, run_cleanup};

@@ -1,34 +1,189 @@
 //! The PostgreSQL dedup window: the `dedup_window` table.
 
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use sqlx::{PgPool, Row};
+use sqlx::{ConnectOptions, Connection, PgPool, Row};
 
-use super::store::{Reservation, WindowStore};
-use crate::Result;
+use super::store::{Insertion, Reservation, WindowStore, bounded, check_key, check_value};
+use crate::{Error, Result};
+
+/// How long one store call may take, by default.
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The longest a timed-out call then spends finding out why.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Seen ids in the `dedup_window` table (created by [`migrate`](crate::migrate)).
 ///
 /// Each step is one statement: an insert takes over an expired row in the
 /// same statement (`ON CONFLICT DO UPDATE ... WHERE expires_at <= now`), so
 /// the primary key serializes concurrent inserts of one id. Durable and
-/// shared; slower than Redis. Expired rows stay until
-/// [`delete_expired`](WindowStore::delete_expired) removes them: spawn
-/// [`run_cleanup`](super::run_cleanup).
+/// shared; slower than Redis.
+///
+/// ```no_run
+/// # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use idempo::window::{DedupWindow, PostgresWindow, run_cleanup};
+///
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/postgres").await?;
+/// idempo::migrate(&pool).await?;
+/// let store = PostgresWindow::new(pool).timeout(Duration::from_secs(2));
+/// // Expired rows stay until deleted: one cleanup task per database.
+/// let cleanup = tokio::spawn(run_cleanup(store.clone(), Duration::from_secs(60)));
+/// let window = DedupWindow::new(store);
+/// # cleanup.abort();
+/// # Ok(()) }
+/// ```
+///
+/// # Cleanup
+/// Expired rows stay until [`delete_expired`](WindowStore::delete_expired)
+/// removes them: spawn [`run_cleanup`](super::run_cleanup) as above.
+///
+/// # Timeouts
+/// Each call takes at most the store timeout ([`DEFAULT_STORE_TIMEOUT`],
+/// 5 s; see [`timeout`](Self::timeout)), waiting for a pool connection
+/// included. When it runs out (or the pool gives up first, which it reports
+/// only as "pool timed out"), one direct connection attempt of at most 2 s
+/// finds out why: its error is returned ([`Error::Database`], for example
+/// "connection refused" for a wrong port), or [`Error::StoreTimeout`] when
+/// that attempt gets no answer either (a blackholed address) or connects
+/// (the pool is exhausted, or a statement waits on a lock).
+///
+/// # Limits
+/// Keys longer than [`MAX_KEY_LEN`](super::MAX_KEY_LEN) bytes and keys or
+/// values holding a NUL byte are refused with [`Error::Config`] before the
+/// database is asked.
 #[derive(Debug, Clone)]
 pub struct PostgresWindow {
     pool: PgPool,
+    timeout: Duration,
+    /// Set while a timed-out call probes the database: the calls that time
+    /// out meanwhile skip their own probe, so an outage under load does not
+    /// become a storm of connection attempts.
+    probing: Arc<AtomicBool>,
 }
 
 impl PostgresWindow {
     /// A window on `pool`; run [`migrate`](crate::migrate) on it first.
     pub fn new(pool: PgPool) -> Self {
-        PostgresWindow { pool }
+        PostgresWindow {
+            pool,
+            timeout: DEFAULT_STORE_TIMEOUT,
+            probing: Arc::default(),
+        }
+    }
+
+    /// How long one store call may take (at least 1 ms; default
+    /// [`DEFAULT_STORE_TIMEOUT`], 5 s): see [Timeouts](Self#timeouts).
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.clamp(Duration::from_millis(1), super::MAX_WINDOW);
+        self
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Runs one store call within the store timeout; when it runs out, says why.
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = std::result::Result<T, sqlx::Error>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(value)) => Ok(value),
+            // sqlx retries a refused connection silently until its acquire
+            // timeout and then reports only this: the probe says why.
+            Ok(Err(sqlx::Error::PoolTimedOut)) | Err(_) => Err(self.why_unanswered().await),
+            Ok(Err(e)) => Err(Error::Database(e)),
+        }
+    }
+
+    /// One direct connection attempt with the pool's options: its error is
+    /// the reason the pool could not answer.
+    async fn why_unanswered(&self) -> Error {
+        let timed_out = Error::StoreTimeout(self.timeout);
+        if self.probing.swap(true, Ordering::AcqRel) {
+            return timed_out;
+        }
+        let options = self.pool.connect_options();
+        let (host, port) = (options.get_host().to_owned(), options.get_port());
+        let probe = tokio::time::timeout(PROBE_TIMEOUT.min(self.timeout), options.connect()).await;
+        self.probing.store(false, Ordering::Release);
+        match probe {
+            Ok(Err(e)) => {
+                tracing::warn!(%host, port, error = %e, "the dedup window's database cannot be reached");
+                Error::Database(e)
+            }
+            Ok(Ok(connection)) => {
+                let _ = tokio::time::timeout(PROBE_TIMEOUT, connection.close()).await;
+                tracing::warn!(%host, port, timeout = ?self.timeout,
+                    "the dedup window's database accepts connections but the call did not finish in time \
+                     (pool exhausted, or a statement waiting on a lock)");
+                timed_out
+            }
+            Err(_) => {
+                tracing::warn!(%host, port, timeout = ?self.timeout,
+                    "the dedup window's database does not answer a connection attempt");
+                timed_out
+            }
+        }
+    }
+
+    /// The live entry of `key`, if any (`None`: absent, or expired).
+    async fn live(&self, key: &str) -> std::result::Result<Option<Insertion>, sqlx::Error> {
+        let row = sqlx::query(
+            "SELECT state, value FROM dedup_window
+             WHERE key = $1 AND expires_at > clock_timestamp()",
+        )
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.map(|row| {
+            if row.get::<&str, _>("state") == "seen" {
+                Insertion::Seen(row.get::<Option<String>, _>("value").unwrap_or_default())
+            } else {
+                Insertion::Pending
+            }
+        }))
+    }
+
+    /// The upsert, then (if the key was present) what is there. A row that
+    /// vanished or expired between the two statements is tried again.
+    async fn upsert(
+        &self,
+        key: &str,
+        state: &str,
+        token: Option<i64>,
+        value: Option<&str>,
+        ttl: Duration,
+    ) -> std::result::Result<Insertion, sqlx::Error> {
+        for _ in 0..RESERVE_PASSES {
+            let inserted: Option<bool> = sqlx::query_scalar(UPSERT)
+                .bind(key)
+                .bind(state)
+                .bind(token)
+                .bind(value)
+                .bind(millis(ttl))
+                .fetch_optional(&self.pool)
+                .await?;
+            if inserted.is_some() {
+                return Ok(Insertion::New);
+            }
+            if let Some(live) = self.live(key).await? {
+                return Ok(live);
+            }
+        }
+        Ok(Insertion::Pending)
     }
 }
 
 fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(bounded(d).as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Inserts (or takes over an expired row); returns whether it did.
@@ -40,93 +195,80 @@ const UPSERT: &str = "INSERT INTO dedup_window AS w (key, state, token, value, e
      WHERE w.expires_at <= clock_timestamp()
      RETURNING true";
 
-/// How often `reserve` re-reads a row that vanished or expired between its
-/// two statements before answering "pending".
+/// How often an insert or a reservation re-reads a row that vanished or
+/// expired between its two statements before answering "pending".
 const RESERVE_PASSES: usize = 4;
 
 impl WindowStore for PostgresWindow {
-    async fn insert(&self, key: &str, value: &str, window: Duration) -> Result<bool> {
-        let inserted: Option<bool> = sqlx::query_scalar(UPSERT)
-            .bind(key)
-            .bind("seen")
-            .bind(None::<i64>)
-            .bind(value)
-            .bind(millis(window))
-            .fetch_optional(&self.pool)
-            .await?;
-        Ok(inserted.is_some())
+    async fn insert(&self, key: &str, value: &str, window: Duration) -> Result<Insertion> {
+        check_key(key)?;
+        check_value(value)?;
+        self.bounded(self.upsert(key, "seen", None, Some(value), window))
+            .await
     }
 
     async fn reserve(&self, key: &str, lease: Duration) -> Result<Reservation> {
+        check_key(key)?;
         let token = crate::random::token();
-        for _ in 0..RESERVE_PASSES {
-            let reserved: Option<bool> = sqlx::query_scalar(UPSERT)
-                .bind(key)
-                .bind("pending")
-                .bind(token)
-                .bind(None::<String>)
-                .bind(millis(lease))
-                .fetch_optional(&self.pool)
-                .await?;
-            if reserved.is_some() {
-                return Ok(Reservation::Reserved { token });
-            }
-            let row = sqlx::query(
-                "SELECT state, value FROM dedup_window
-                 WHERE key = $1 AND expires_at > clock_timestamp()",
-            )
-            .bind(key)
-            .fetch_optional(&self.pool)
+        let found = self
+            .bounded(self.upsert(key, "pending", Some(token), None, lease))
             .await?;
-            match row {
-                None => continue, // released or expired meanwhile
-                Some(row) if row.get::<&str, _>("state") == "seen" => {
-                    let value: Option<String> = row.get("value");
-                    return Ok(Reservation::Seen(value.unwrap_or_default()));
-                }
-                Some(_) => return Ok(Reservation::Pending),
-            }
-        }
-        Ok(Reservation::Pending)
+        Ok(match found {
+            Insertion::New => Reservation::Reserved { token },
+            Insertion::Seen(value) => Reservation::Seen(value),
+            Insertion::Pending => Reservation::Pending,
+        })
     }
 
     async fn record(&self, key: &str, token: i64, value: &str, window: Duration) -> Result<bool> {
-        let done = sqlx::query(
-            "UPDATE dedup_window
-             SET state = 'seen', token = NULL, value = $3,
-                 expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
-             WHERE key = $1 AND token = $2 AND state = 'pending'
-               AND expires_at > clock_timestamp()",
-        )
-        .bind(key)
-        .bind(token)
-        .bind(value)
-        .bind(millis(window))
-        .execute(&self.pool)
-        .await?;
+        check_key(key)?;
+        check_value(value)?;
+        let done = self
+            .bounded(
+                sqlx::query(
+                    "UPDATE dedup_window
+                     SET state = 'seen', token = NULL, value = $3,
+                         expires_at = clock_timestamp() + $4::bigint * interval '1 millisecond'
+                     WHERE key = $1 AND token = $2 AND state = 'pending'
+                       AND expires_at > clock_timestamp()",
+                )
+                .bind(key)
+                .bind(token)
+                .bind(value)
+                .bind(millis(window))
+                .execute(&self.pool),
+            )
+            .await?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn release(&self, key: &str, token: i64) -> Result<bool> {
-        let done = sqlx::query(
-            "DELETE FROM dedup_window WHERE key = $1 AND token = $2 AND state = 'pending'",
-        )
-        .bind(key)
-        .bind(token)
-        .execute(&self.pool)
-        .await?;
+        check_key(key)?;
+        let done = self
+            .bounded(
+                sqlx::query(
+                    "DELETE FROM dedup_window WHERE key = $1 AND token = $2 AND state = 'pending'",
+                )
+                .bind(key)
+                .bind(token)
+                .execute(&self.pool),
+            )
+            .await?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn delete_expired(&self, limit: usize) -> Result<u64> {
-        let done = sqlx::query(
-            "DELETE FROM dedup_window WHERE key IN (
-                 SELECT key FROM dedup_window WHERE expires_at <= clock_timestamp()
-                 LIMIT $1 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-        .execute(&self.pool)
-        .await?;
+        let done = self
+            .bounded(
+                sqlx::query(
+                    "DELETE FROM dedup_window WHERE key IN (
+                         SELECT key FROM dedup_window WHERE expires_at <= clock_timestamp()
+                         LIMIT $1 FOR UPDATE SKIP LOCKED)",
+                )
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                .execute(&self.pool),
+            )
+            .await?;
         Ok(done.rows_affected())
     }
 }

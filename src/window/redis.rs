@@ -6,7 +6,7 @@ use std::time::Duration;
 use redis::Script;
 use redis::aio::ConnectionManager;
 
-use super::store::{Reservation, WindowStore};
+use super::store::{Insertion, Reservation, WindowStore, bounded, check_key, check_value};
 use crate::redis_connection::px;
 use crate::{Error, Result};
 
@@ -17,6 +17,15 @@ use crate::{Error, Result};
 /// are Lua scripts that check the marker first.
 ///
 /// Needs Redis 7.0 or later (`SET` with both `NX` and `GET`).
+///
+/// ```no_run
+/// # async fn doc() -> idempo::Result<()> {
+/// use idempo::window::{DedupWindow, RedisWindow};
+///
+/// // From a URL: no need to depend on the redis crate yourself.
+/// let window = DedupWindow::new(RedisWindow::connect("redis://127.0.0.1:6379").await?);
+/// # Ok(()) }
+/// ```
 ///
 /// Fast and shared; what survives a restart depends on the server's
 /// persistence (with none, every id is forgotten and duplicates that arrive
@@ -54,7 +63,9 @@ return 0
 ";
 
 impl RedisWindow {
-    /// A window on an existing connection manager, keys under `idempo:window:`.
+    /// A window on an existing connection manager (of the redis crate, version
+    /// 1.8), keys under `idempo:window:`. Without a manager of your own, use
+    /// [`connect`](Self::connect) with a URL.
     pub fn new(conn: ConnectionManager) -> Self {
         RedisWindow {
             conn,
@@ -64,10 +75,13 @@ impl RedisWindow {
         }
     }
 
-    /// Connects to `url`, with 2-second connection and response timeouts.
+    /// Connects to `url` (`redis://host:port/db`, or `rediss://` for TLS),
+    /// with 2-second connection and response timeouts, so that a Redis outage
+    /// fails calls quickly instead of hanging them. Keys under `idempo:window:`.
     ///
     /// # Errors
-    /// [`Error::Redis`] when Redis cannot be reached.
+    /// [`Error::Redis`] when the URL does not parse or Redis cannot be
+    /// reached; [`Error::Config`] for a `rediss://` URL without feature `tls`.
     pub async fn connect(url: &str) -> Result<Self> {
         Ok(Self::new(
             crate::redis_connection::connect(url, None).await?,
@@ -105,13 +119,14 @@ impl RedisWindow {
     /// `SET key value NX GET PX ttl`: `None` when it was set, else the value
     /// that was there.
     async fn set_nx(&self, key: &str, value: &str, ttl: Duration) -> Result<Option<String>> {
+        check_key(key)?;
         Ok(redis::cmd("SET")
             .arg(self.key(key))
             .arg(value)
             .arg("NX")
             .arg("GET")
             .arg("PX")
-            .arg(px(ttl))
+            .arg(px(bounded(ttl)))
             .query_async(&mut self.conn.clone())
             .await?)
     }
@@ -128,11 +143,15 @@ fn found(value: String) -> Result<Reservation> {
 }
 
 impl WindowStore for RedisWindow {
-    async fn insert(&self, key: &str, value: &str, window: Duration) -> Result<bool> {
-        Ok(self
-            .set_nx(key, &format!("s{value}"), window)
-            .await?
-            .is_none())
+    async fn insert(&self, key: &str, value: &str, window: Duration) -> Result<Insertion> {
+        check_value(value)?;
+        match self.set_nx(key, &format!("s{value}"), window).await? {
+            None => Ok(Insertion::New),
+            Some(there) => Ok(match found(there)? {
+                Reservation::Seen(value) => Insertion::Seen(value),
+                _ => Insertion::Pending,
+            }),
+        }
     }
 
     async fn reserve(&self, key: &str, lease: Duration) -> Result<Reservation> {
@@ -144,18 +163,21 @@ impl WindowStore for RedisWindow {
     }
 
     async fn record(&self, key: &str, token: i64, value: &str, window: Duration) -> Result<bool> {
+        check_key(key)?;
+        check_value(value)?;
         let done: i64 = self
             .record
             .key(self.key(key))
             .arg(format!("p{token}"))
             .arg(format!("s{value}"))
-            .arg(px(window))
+            .arg(px(bounded(window)))
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(done == 1)
     }
 
     async fn release(&self, key: &str, token: i64) -> Result<bool> {
+        check_key(key)?;
         let done: i64 = self
             .release
             .key(self.key(key))

@@ -1,9 +1,22 @@
-//! The small trait every dedup-window store implements.
+//! The small trait every dedup-window store implements, and the limits every
+//! store enforces alike.
 
 use std::future::Future;
 use std::time::Duration;
 
-use crate::Result;
+use crate::{Error, Result};
+
+/// The longest window or lease a store keeps an entry for: longer ones are
+/// cut to it (ten years). Far beyond any real window, and far enough from
+/// every store's own limit (the monotonic clock, Redis's expire times,
+/// PostgreSQL's timestamps) that no duration can overflow one of them.
+pub const MAX_WINDOW: Duration = Duration::from_secs(10 * 365 * 24 * 60 * 60);
+
+/// The longest store key, in bytes: the scope (queue, or exchange and routing
+/// key; the group) and the id together. PostgreSQL cannot index a key much
+/// longer (a B-tree entry must fit in a third of a page), and every store
+/// refuses the same keys, so that switching stores cannot surface a new error.
+pub const MAX_KEY_LEN: usize = 2048;
 
 /// What [`WindowStore::reserve`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,6 +35,71 @@ pub enum Reservation {
     Seen(String),
 }
 
+/// What [`WindowStore::insert`] (and
+/// [`DedupWindow::insert_value`](super::DedupWindow::insert_value)) found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Insertion {
+    /// The id was absent: it is now recorded as seen, with the value given.
+    New,
+    /// Someone holds a live reservation of the id: the work it guards has
+    /// not finished (or failed) yet. Not new.
+    Pending,
+    /// The id was recorded within its window, with this value. Not new.
+    Seen(String),
+}
+
+impl Insertion {
+    /// Whether the id was new (and is now recorded).
+    pub fn is_new(&self) -> bool {
+        matches!(self, Insertion::New)
+    }
+}
+
+/// `d`, cut to [`MAX_WINDOW`].
+pub(crate) fn bounded(d: Duration) -> Duration {
+    d.min(MAX_WINDOW)
+}
+
+/// Refuses a key that some store could not hold: longer than
+/// [`MAX_KEY_LEN`], or with a NUL byte (PostgreSQL text cannot hold one).
+pub(crate) fn check_key(key: &str) -> Result<()> {
+    if key.len() > MAX_KEY_LEN {
+        return Err(Error::Config(format!(
+            "the dedup window key {}... is {} bytes long; at most {MAX_KEY_LEN} are allowed \
+             (the queue or exchange and routing key, the group and the id together)",
+            preview(key),
+            key.len()
+        )));
+    }
+    if let Some(position) = key.find('\0') {
+        return Err(Error::Config(format!(
+            "the dedup window key {} has a NUL byte at {position}: queue, exchange, routing key \
+             and group names cannot contain NUL",
+            preview(key)
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a recorded value with a NUL byte (PostgreSQL text cannot hold one).
+pub(crate) fn check_value(value: &str) -> Result<()> {
+    match value.find('\0') {
+        Some(position) => Err(Error::Config(format!(
+            "the value {} to record in the dedup window has a NUL byte at {position}",
+            preview(value)
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The first 64 characters, quoted and escaped: enough to recognise a key
+/// without pasting 10 kB into a log.
+fn preview(text: &str) -> String {
+    let head: String = text.chars().take(64).collect();
+    format!("{head:?}")
+}
+
 /// Where seen ids live: "insert this id unless it was seen within the
 /// window", atomically. Implemented by [`MemoryWindow`](super::MemoryWindow),
 /// [`PostgresWindow`](super::PostgresWindow) and, with feature `redis`,
@@ -29,15 +107,20 @@ pub enum Reservation {
 ///
 /// Keys come from [`Scope::key`](super::Scope::key). Each method is one atomic
 /// step per key; an entry past its expiry counts as absent.
+///
+/// The stores idempo ships treat their inputs alike: a window or lease longer
+/// than [`MAX_WINDOW`] is cut to it, and a key longer than [`MAX_KEY_LEN`] or
+/// with a NUL byte (or a value with a NUL byte) is refused with
+/// [`Error::Config`] before the store is asked.
 pub trait WindowStore: Send + Sync + 'static {
-    /// Records `key` as seen for `window` unless it is present. `true` when
-    /// it was new.
+    /// Records `key` as seen for `window`, with `value`, unless it is present
+    /// (seen or reserved); says what it found.
     fn insert(
         &self,
         key: &str,
         value: &str,
         window: Duration,
-    ) -> impl Future<Output = Result<bool>> + Send;
+    ) -> impl Future<Output = Result<Insertion>> + Send;
 
     /// Reserves `key` for `lease` unless it is present (seen or reserved):
     /// the first half of "record only after the work succeeded".
@@ -65,11 +148,32 @@ pub trait WindowStore: Send + Sync + 'static {
     fn delete_expired(&self, limit: usize) -> impl Future<Output = Result<u64>> + Send;
 }
 
-/// Deletes expired entries every `every`, in batches of 1,000, forever (the
-/// PostgreSQL window keeps expired rows until then). Spawn it once per store:
-/// `tokio::spawn(run_cleanup(PostgresWindow::new(pool), Duration::from_secs(60)))`.
-/// Errors are logged and retried at the next tick.
+/// Deletes expired entries every `every` (at least 1 ms), in batches of
+/// 1,000, forever. Errors are logged and retried at the next tick.
+///
+/// Only the PostgreSQL window needs it: its expired rows stay until deleted
+/// (an insert of the same key takes its row over, other keys pile up), while
+/// Redis expires keys by itself and the memory window evicts expired entries
+/// when it fills. Spawn it once per database (replicas sharing one can each
+/// run it: they skip the rows another is deleting), and abort it at shutdown:
+///
+/// ```no_run
+/// # async fn doc(pool: sqlx::PgPool) {
+/// use std::time::Duration;
+/// use idempo::window::{DedupWindow, PostgresWindow, run_cleanup};
+///
+/// let window = DedupWindow::new(PostgresWindow::new(pool));
+/// let cleanup = tokio::spawn(run_cleanup(window.store().clone(), Duration::from_secs(60)));
+/// // ... use the window ...
+/// cleanup.abort();
+/// # }
+/// ```
+///
+/// (It is a future rather than a spawned task with a handle because the
+/// `window` feature does not pull in tokio's runtime.)
 pub async fn run_cleanup<S: WindowStore>(store: S, every: Duration) {
+    // A zero period would make tokio's interval panic.
+    let every = every.max(Duration::from_millis(1));
     crate::cleanup::delete_expired_forever("dedup window entries", every, |n| {
         store.delete_expired(n)
     })
@@ -82,7 +186,7 @@ impl<T: WindowStore> WindowStore for std::sync::Arc<T> {
         key: &str,
         value: &str,
         window: Duration,
-    ) -> impl Future<Output = Result<bool>> + Send {
+    ) -> impl Future<Output = Result<Insertion>> + Send {
         (**self).insert(key, value, window)
     }
 

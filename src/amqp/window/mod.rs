@@ -7,4 +7,7 @@ mod consumer;
 mod publisher;
 
 pub use consumer::{WindowNoHandler, Windowed};
-pub use publisher::{DEDUP_ID_HEADER, DedupPublisher, GROUP_ID_HEADER, Outgoing, Published};
+pub use publisher::{
+    DEDUP_ID_HEADER, DEFAULT_CONFIRM_TIMEOUT, DEFAULT_LEASE, DedupPublisher, DedupPublisherBuilder,
+    GROUP_ID_HEADER, Outgoing, Published,
+};
