@@ -915,3 +915,40 @@ async fn a_packed_batch_with_a_refused_message_delivers_the_rest_and_keeps_the_r
         "only the failed row is left"
     );
 }
+
+#[tokio::test]
+async fn a_backlog_of_packed_rows_drains_without_waiting_for_the_poll() {
+    let (db, broker, queue) = setup().await;
+    for chunk in 0..5 {
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox::stage_all(
+            &mut tx,
+            (0..300).map(|i| {
+                OutboxMessage::new("", &queue, b"x".to_vec()).message_id(format!("{chunk}-{i}"))
+            }),
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+    }
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        5,
+        "five packed rows"
+    );
+    // Batches of 100 messages, and a poll too slow to be what moves it.
+    let started = std::time::Instant::now();
+    let relay = Running::start(
+        relay(&db.pool)
+            .batch_size(100)
+            .poll_interval(Duration::from_secs(60)),
+    );
+    let arrived = collect_ids(&broker, &queue, 1500).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "drained back to back, not one row per poll: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(arrived.len(), 1500, "each once");
+    relay.stop().await;
+}

@@ -627,9 +627,12 @@ impl<'a> Running<'a> {
             parked.retain(|_, until| *until > now);
             parked.keys().cloned().collect()
         };
-        // The takeover bound rides on BEGIN: no round trip of its own.
+        // The takeover bound rides on BEGIN: no round trip of its own. The
+        // commit need not wait for its flush: a mark lost in a server crash
+        // only makes those rows go out again, with the same ids.
         let begin = format!(
-            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}",
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}; \
+             SET LOCAL synchronous_commit = off",
             relay.takeover_after.as_millis()
         );
         let mut tx = relay.pool.begin_with(sqlx::AssertSqlSafe(begin)).await?;
