@@ -6,14 +6,21 @@
 //! one transaction, so a re-execution returns the stored result instead of
 //! acting again. [`compensate`] undoes a completed step at most once, the same
 //! way. [`Saga`] runs steps in order and compensates in reverse on a permanent
-//! failure; running the same saga id again resumes it.
+//! failure; running the same saga id again resumes it. A run needs one pool
+//! connection at a time, and waiting for an overlapping run holds none (see
+//! [`Saga::run`]).
 //!
 //! Effects outside the step's transaction (an HTTP call to a payment
 //! provider) are at-least-once: give them [`idempotency_key`]`(saga_id, step)`
 //! (the same on every re-execution) so that the other side runs them once.
+//! Saga ids and step names are checked up front so that this key is a valid
+//! `Idempotency-Key` ([`NameError`]).
 
+mod json;
+mod name;
 mod runner;
 mod step;
 
+pub use name::{MAX_SAGA_ID_LEN, MAX_STEP_LEN, NameError};
 pub use runner::{Saga, SagaOutcome, StepContext};
 pub use step::{StepError, compensate, execute, idempotency_key};

@@ -1,22 +1,29 @@
 //! One saga step: [`execute`] and [`compensate`], each safe to run again.
 
 use std::future::Future;
+use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde_json::Value;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
+use super::json::round_trip;
+use super::name::{self, NameError, shorten};
 use crate::Tx;
+use crate::backoff::Backoff;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// Why a step did not produce a result.
+/// Why a step (or a [`Saga`](super::Saga) run) did not produce a result.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StepError {
     /// The action failed: its writes rolled back, and the step is recorded
     /// as `failed` with this error and its attempt count. Executing it again
-    /// is allowed.
+    /// is allowed. (Within a [`Saga`](super::Saga) run, also a step whose
+    /// attempts earlier runs used up: the action did not run, and `source`
+    /// is the stored error.)
     #[error("step {step:?} failed (attempt {attempts}): {source}")]
     Failed {
         /// The step.
@@ -26,6 +33,22 @@ pub enum StepError {
         /// The action's error.
         #[source]
         source: BoxError,
+    },
+    /// The action succeeded but its result cannot be stored as JSON and
+    /// read back as the same value (a NaN or infinite float, a map whose
+    /// keys are not strings, a `Deserialize` that disagrees with its
+    /// `Serialize`). It is handled like a failed action, so that no
+    /// re-execution can return something else than the first did: the
+    /// writes rolled back and the step is recorded as `failed`.
+    #[error("step {step:?} returned a result that cannot be stored (attempt {attempts}): {source}")]
+    ResultNotStorable {
+        /// The step.
+        step: String,
+        /// Attempts so far, this one included.
+        attempts: i32,
+        /// serde's error.
+        #[source]
+        source: serde_json::Error,
     },
     /// The step was compensated: it cannot run again.
     #[error("step {step:?} was compensated and cannot run again")]
@@ -43,8 +66,9 @@ pub enum StepError {
         #[source]
         source: BoxError,
     },
-    /// The stored result does not deserialize into the requested type.
-    #[error("the stored result of step {step:?} does not match its type: {source}")]
+    /// The result stored by an earlier execution does not deserialize into
+    /// the type asked for now (the step's result type changed).
+    #[error("the stored result of step {step:?} does not deserialize into its type: {source}")]
     Result {
         /// The step.
         step: String,
@@ -59,36 +83,219 @@ pub enum StepError {
         /// The step.
         step: String,
     },
+    /// The saga completed ([`Saga::run`](super::Saga::run) recorded it), and
+    /// a completed saga is final: its steps cannot be compensated, and a
+    /// step that never completed cannot run. Undoing a completed saga is a
+    /// new saga (a refund, a cancellation).
+    #[error("saga {saga_id:?} completed: step {step:?} can neither be compensated nor run now")]
+    SagaCompleted {
+        /// The saga.
+        saga_id: String,
+        /// The step.
+        step: String,
+    },
+    /// The saga is being compensated: no step runs forward any more.
+    /// [`Saga::run`](super::Saga::run) handles this itself (it joins the
+    /// compensation); [`execute`] returns it.
+    #[error("saga {saga_id:?} is being compensated: step {step:?} cannot run")]
+    SagaCompensating {
+        /// The saga.
+        saga_id: String,
+        /// The step.
+        step: String,
+    },
+    /// Two steps of a [`Saga`](super::Saga) have this name; refused by
+    /// `run` before anything was sent to the database.
+    #[error("the saga has two steps named {step:?}; step names must be unique")]
+    DuplicateStep {
+        /// The name.
+        step: String,
+    },
+    /// The saga id was refused before anything was sent to the database.
+    #[error("invalid saga id: {0}")]
+    InvalidSagaId(#[source] NameError),
+    /// A step name was refused before anything was sent to the database.
+    #[error("invalid step name {}: {source}", shorten(.step))]
+    InvalidStepName {
+        /// The name.
+        step: String,
+        /// What is wrong with it.
+        #[source]
+        source: NameError,
+    },
     /// PostgreSQL failed.
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }
 
-/// Locks the step's row for this transaction, creating it as `pending` if it
-/// is new; returns its state and stored result. A concurrent execution of the
-/// same step waits here until this transaction ends, then sees its outcome.
+/// Checks a saga id and a step name (see [`NameError`]).
+pub(crate) fn check_names(saga_id: &str, step: &str) -> Result<(), StepError> {
+    name::check_saga_id(saga_id).map_err(StepError::InvalidSagaId)?;
+    check_step_name(step)
+}
+
+pub(crate) fn check_step_name(step: &str) -> Result<(), StepError> {
+    name::check_step(step).map_err(|source| StepError::InvalidStepName {
+        step: step.to_owned(),
+        source,
+    })
+}
+
+/// What a failed step records as its error when its result could not be
+/// stored (also what a saga that gives up on it reports).
+pub(crate) fn not_storable(source: &serde_json::Error) -> String {
+    format!("the result cannot be stored: {source}")
+}
+
+/// The pauses of a run that found a row held by another execution: short at
+/// first (steps are usually quick), never more than a second apart.
+pub(crate) fn busy_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(5), Duration::from_secs(1))
+}
+
+/// Rows are locked `NOWAIT`: a row held by another transaction fails the
+/// statement at once (`55P03`), and the caller rolls back and retries after
+/// a pause instead of waiting inside PostgreSQL on a pooled connection,
+/// which the execution it waits for may need.
+pub(crate) fn is_busy(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
+}
+
+/// A step's row, locked for the transaction, with the state of its saga's
+/// row (share-locked; `None` when the step is used without a
+/// [`Saga`](super::Saga), or when it was not needed).
+struct Locked {
+    tx: Transaction<'static, Postgres>,
+    state: String,
+    result: Option<Value>,
+    attempts: i32,
+    error: Option<String>,
+    saga: Option<String>,
+}
+
+/// Opens the step's transaction with its row locked (created `pending` if it
+/// is new) and its saga's row share-locked, so that the saga cannot change
+/// direction (start compensating, complete) while the step runs. A row held
+/// by another execution makes it pause without a connection and try again;
+/// it then sees that execution's outcome.
+///
+/// An execution that finds the step completed or compensated does not need
+/// the saga's row (`for_compensation` false): overlapping runs passing over
+/// done steps then leave it alone, so that the lock that changes its state
+/// (`NOWAIT`, which does not queue) is not starved by theirs.
 async fn lock_step(
-    tx: &mut Transaction<'static, Postgres>,
+    pool: &PgPool,
     saga_id: &str,
     step: &str,
-) -> sqlx::Result<(String, Option<serde_json::Value>)> {
+    for_compensation: bool,
+) -> Result<Locked, StepError> {
+    // Committed on its own: a concurrent first execution must not wait on
+    // an uncommitted insert (`ON CONFLICT` would block on it). `NOT EXISTS`
+    // (a plain read) skips the conflict check for a row that exists, which
+    // would wait for a transaction about to update it.
     sqlx::query(
-        "INSERT INTO saga_steps (saga_id, step, state) VALUES ($1, $2, 'pending')
+        "INSERT INTO saga_steps (saga_id, step, state)
+         SELECT $1, $2, 'pending'
+         WHERE NOT EXISTS (SELECT 1 FROM saga_steps WHERE saga_id = $1 AND step = $2)
          ON CONFLICT (saga_id, step) DO NOTHING",
     )
     .bind(saga_id)
     .bind(step)
-    .execute(&mut **tx)
+    .execute(pool)
     .await?;
+    let mut backoff = busy_backoff();
+    loop {
+        let mut tx = pool.begin().await?;
+        match lock_rows(&mut tx, saga_id, step, for_compensation).await {
+            Ok((state, result, attempts, error, saga)) => {
+                return Ok(Locked {
+                    tx,
+                    state,
+                    result,
+                    attempts,
+                    error,
+                    saga,
+                });
+            }
+            Err(e) if is_busy(&e) => {
+                tx.rollback().await?;
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+type Rows = (String, Option<Value>, i32, Option<String>, Option<String>);
+
+async fn lock_rows(
+    tx: &mut Transaction<'static, Postgres>,
+    saga_id: &str,
+    step: &str,
+    for_compensation: bool,
+) -> sqlx::Result<Rows> {
     let row = sqlx::query(
-        "SELECT state, result FROM saga_steps WHERE saga_id = $1 AND step = $2 FOR UPDATE",
+        "SELECT state, result, attempts, error FROM saga_steps
+         WHERE saga_id = $1 AND step = $2 FOR UPDATE NOWAIT",
     )
     .bind(saga_id)
     .bind(step)
     .fetch_one(&mut **tx)
     .await?;
-    Ok((row.get("state"), row.get("result")))
+    let state: String = row.get("state");
+    let saga: Option<String> =
+        if for_compensation || !matches!(state.as_str(), "completed" | "compensated") {
+            sqlx::query_scalar("SELECT state FROM sagas WHERE saga_id = $1 FOR SHARE NOWAIT")
+                .bind(saga_id)
+                .fetch_optional(&mut **tx)
+                .await?
+        } else {
+            None
+        };
+    Ok((
+        state,
+        row.get("result"),
+        row.get("attempts"),
+        row.get("error"),
+        saga,
+    ))
 }
+
+/// A saga's row (`state`, `failed_step`, `error`), locked for an update of
+/// its state in the returned transaction; pauses and retries while steps
+/// in flight hold it.
+pub(crate) async fn lock_saga(
+    pool: &PgPool,
+    saga_id: &str,
+) -> Result<(Transaction<'static, Postgres>, SagaRow), StepError> {
+    let mut backoff = busy_backoff();
+    loop {
+        let mut tx = pool.begin().await?;
+        let row = sqlx::query_as(
+            "SELECT state, failed_step, error FROM sagas WHERE saga_id = $1 FOR UPDATE NOWAIT",
+        )
+        .bind(saga_id)
+        .fetch_one(&mut *tx)
+        .await;
+        match row {
+            Ok(row) => return Ok((tx, row)),
+            Err(e) if is_busy(&e) => {
+                tx.rollback().await?;
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// A saga's row: its state, and the step that failed and why.
+pub(crate) type SagaRow = (String, Option<String>, Option<String>);
+
+/// Where a step's action runs: rolling back to it undoes the action's writes
+/// but keeps the step's row locked, so the failure is recorded before any
+/// other execution can see the step, on the same connection.
+const SAVEPOINT: &str = "SAVEPOINT idempo_saga_step";
+const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idempo_saga_step";
 
 /// Executes a step at most once with effect.
 ///
@@ -97,10 +304,23 @@ async fn lock_step(
 /// - otherwise: runs `action` on a [`Tx`] and records `completed` with its
 ///   result **in the same transaction** as the action's writes. If the action
 ///   fails, its writes roll back and `failed` (with the error and the attempt
-///   count) is recorded in a transaction of its own, so it stays visible.
+///   count) is recorded and committed, so it stays visible.
 ///
-/// Concurrent executions of one step serialize on its row: one runs the
-/// action, the others wait and return its result.
+/// The result is stored as JSON and must read back as the same value; one
+/// that does not (a NaN) fails the step with
+/// [`StepError::ResultNotStorable`] before anything commits. What `execute`
+/// returns is the value read back from the stored JSON as PostgreSQL
+/// returns it, so the first execution and every re-execution return the
+/// same value.
+///
+/// Concurrent executions of one step take turns on its row: one runs the
+/// action; the others pause (without holding a connection), retry, and
+/// return its result. An execution needs one connection of the pool at a
+/// time.
+///
+/// For a step of a saga that [`Saga::run`](super::Saga::run) compensates or
+/// completed, an action that did not already complete does not run:
+/// [`StepError::SagaCompensating`], [`StepError::SagaCompleted`].
 ///
 /// ```no_run
 /// # async fn doc(pool: sqlx::PgPool) -> Result<(), idempo::saga::StepError> {
@@ -116,7 +336,8 @@ async fn lock_step(
 /// ```
 ///
 /// # Errors
-/// See [`StepError`].
+/// See [`StepError`]; a saga id or step name outside the rules of
+/// [`NameError`] is refused before anything is sent to the database.
 pub async fn execute<T, F, Fut>(
     pool: &PgPool,
     saga_id: &str,
@@ -128,26 +349,66 @@ where
     F: FnOnce(Tx) -> Fut,
     Fut: Future<Output = Result<T, BoxError>>,
 {
-    let mut tx = pool.begin().await?;
-    let (state, stored) = lock_step(&mut tx, saga_id, step).await?;
-    match state.as_str() {
-        "completed" => {
-            tx.rollback().await?;
-            let stored = stored.unwrap_or(serde_json::Value::Null);
-            return serde_json::from_value(stored).map_err(|source| StepError::Result {
-                step: step.to_owned(),
-                source,
-            });
+    check_names(saga_id, step)?;
+    let (value, _) = execute_step(pool, saga_id, step, None, action).await?;
+    Ok(value)
+}
+
+/// [`execute`] without the name checks, returning the stored JSON too.
+/// With a `budget`, a step that already failed that many times does not
+/// run: [`StepError::Failed`] with the stored error (checked under the row
+/// lock, so overlapping runs cannot exceed it).
+pub(crate) async fn execute_step<T, F, Fut>(
+    pool: &PgPool,
+    saga_id: &str,
+    step: &str,
+    budget: Option<i32>,
+    action: F,
+) -> Result<(T, Value), StepError>
+where
+    T: Serialize + DeserializeOwned,
+    F: FnOnce(Tx) -> Fut,
+    Fut: Future<Output = Result<T, BoxError>>,
+{
+    let locked = lock_step(pool, saga_id, step, false).await?;
+    let refused = match (locked.state.as_str(), locked.saga.as_deref()) {
+        ("completed", _) => {
+            locked.tx.rollback().await?;
+            let stored = locked.result.unwrap_or(Value::Null);
+            let value =
+                serde_json::from_value(stored.clone()).map_err(|source| StepError::Result {
+                    step: step.to_owned(),
+                    source,
+                })?;
+            return Ok((value, stored));
         }
-        "compensated" => {
-            tx.rollback().await?;
-            return Err(StepError::Compensated {
+        ("compensated", _) => Some(StepError::Compensated {
+            step: step.to_owned(),
+        }),
+        (_, Some("compensating" | "compensated")) => Some(StepError::SagaCompensating {
+            saga_id: saga_id.to_owned(),
+            step: step.to_owned(),
+        }),
+        (_, Some("completed")) => Some(StepError::SagaCompleted {
+            saga_id: saga_id.to_owned(),
+            step: step.to_owned(),
+        }),
+        ("failed", _) if budget.is_some_and(|budget| locked.attempts >= budget) => {
+            Some(StepError::Failed {
                 step: step.to_owned(),
-            });
+                attempts: locked.attempts,
+                source: locked.error.unwrap_or_default().into(),
+            })
         }
-        _ => {}
+        _ => None,
+    };
+    let mut tx = locked.tx;
+    if let Some(refused) = refused {
+        tx.rollback().await?;
+        return Err(refused);
     }
 
+    sqlx::query(SAVEPOINT).execute(&mut *tx).await?;
     let handle = Tx::new(tx);
     let outcome = action(handle.clone()).await;
     let Some(mut tx) = handle.take() else {
@@ -155,49 +416,71 @@ where
             step: step.to_owned(),
         });
     };
-    match outcome {
-        Ok(value) => {
-            let result = serde_json::to_value(&value).map_err(|source| StepError::Result {
-                step: step.to_owned(),
-                source,
-            })?;
-            sqlx::query(
+    // The round trip is checked before the commit: a result that would not
+    // come back must not let the action's writes commit.
+    let failure = match outcome.map(|value| round_trip(&value)) {
+        Ok(Ok(result)) => {
+            // What a re-execution will get is what PostgreSQL gives back
+            // (its text, parsed again: a float may land one ulp off the one
+            // computed), so the value returned now is read from that too.
+            let stored: Value = sqlx::query_scalar(
                 "UPDATE saga_steps SET state = 'completed', result = $3, error = NULL,
                      attempts = attempts + 1, updated_at = now()
-                 WHERE saga_id = $1 AND step = $2",
+                 WHERE saga_id = $1 AND step = $2
+                 RETURNING result",
             )
             .bind(saga_id)
             .bind(step)
-            .bind(result)
-            .execute(&mut *tx)
+            .bind(&result)
+            .fetch_one(&mut *tx)
             .await?;
-            tx.commit().await?;
-            Ok(value)
+            match serde_json::from_value(stored.clone()) {
+                Ok(value) => {
+                    tx.commit().await?;
+                    return Ok((value, stored));
+                }
+                Err(source) => Failure::NotStorable(source),
+            }
         }
-        Err(source) => {
-            tx.rollback().await?;
-            let attempts: i32 = sqlx::query_scalar(
-                "INSERT INTO saga_steps (saga_id, step, state, error, attempts)
-                 VALUES ($1, $2, 'failed', $3, 1)
-                 ON CONFLICT (saga_id, step) DO UPDATE SET
-                     state = 'failed', error = EXCLUDED.error,
-                     attempts = saga_steps.attempts + 1, updated_at = now()
-                 WHERE saga_steps.state IN ('pending', 'failed')
-                 RETURNING attempts",
-            )
-            .bind(saga_id)
-            .bind(step)
-            .bind(source.to_string())
-            .fetch_optional(pool)
-            .await?
-            .unwrap_or(0);
-            Err(StepError::Failed {
-                step: step.to_owned(),
-                attempts,
-                source,
-            })
-        }
-    }
+        Ok(Err(source)) => Failure::NotStorable(source),
+        Err(source) => Failure::Action(source),
+    };
+    sqlx::query(ROLLBACK_TO_SAVEPOINT).execute(&mut *tx).await?;
+    let error = match &failure {
+        Failure::Action(source) => source.to_string(),
+        Failure::NotStorable(source) => not_storable(source),
+    };
+    let attempts: i32 = sqlx::query_scalar(
+        "UPDATE saga_steps SET state = 'failed', error = $3,
+             attempts = attempts + 1, updated_at = now()
+         WHERE saga_id = $1 AND step = $2
+         RETURNING attempts",
+    )
+    .bind(saga_id)
+    .bind(step)
+    .bind(error)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let step = step.to_owned();
+    Err(match failure {
+        Failure::Action(source) => StepError::Failed {
+            step,
+            attempts,
+            source,
+        },
+        Failure::NotStorable(source) => StepError::ResultNotStorable {
+            step,
+            attempts,
+            source,
+        },
+    })
+}
+
+/// Why an execution did not complete, before it is recorded.
+enum Failure {
+    Action(BoxError),
+    NotStorable(serde_json::Error),
 }
 
 /// Compensates a step at most once with effect: runs `compensation` with the
@@ -209,10 +492,21 @@ where
 /// cannot run it after the saga was undone. An already compensated step is a
 /// no-op. Returns whether `compensation` ran.
 ///
+/// A step of a saga that [`Saga::run`](super::Saga::run) completed is
+/// refused ([`StepError::SagaCompleted`]): a completed saga is final.
+/// Compensating a step of a saga that is still running is allowed; its run
+/// then compensates the rest.
+///
+/// Like [`execute`], it needs one connection at a time and waits for a
+/// concurrent execution or compensation of the step without one.
+///
 /// # Errors
 /// [`StepError::CompensationFailed`] when the compensation fails (its writes
 /// roll back and the error is stored on the step: run it again),
-/// [`StepError::Database`].
+/// [`StepError::Result`] when the stored result does not deserialize into
+/// `T`, [`StepError::SagaCompleted`], [`StepError::Database`]; a saga id or
+/// step name outside the rules of [`NameError`] is refused before anything
+/// is sent to the database.
 pub async fn compensate<T, F, Fut>(
     pool: &PgPool,
     saga_id: &str,
@@ -224,11 +518,39 @@ where
     F: FnOnce(Tx, T) -> Fut,
     Fut: Future<Output = Result<(), BoxError>>,
 {
-    let mut tx = pool.begin().await?;
-    let (state, stored) = lock_step(&mut tx, saga_id, step).await?;
+    check_names(saga_id, step)?;
+    compensate_step(pool, saga_id, step, move |stored| {
+        let result: T = serde_json::from_value(stored)?;
+        Ok(move |tx| compensation(tx, result))
+    })
+    .await
+}
+
+/// [`compensate`] without the name checks; `decode` turns the stored result
+/// into the compensation to run.
+pub(crate) async fn compensate_step<D, F, Fut>(
+    pool: &PgPool,
+    saga_id: &str,
+    step: &str,
+    decode: D,
+) -> Result<bool, StepError>
+where
+    D: FnOnce(Value) -> Result<F, serde_json::Error>,
+    F: FnOnce(Tx) -> Fut,
+    Fut: Future<Output = Result<(), BoxError>>,
+{
+    let locked = lock_step(pool, saga_id, step, true).await?;
+    let mut tx = locked.tx;
     let mark = "UPDATE saga_steps SET state = 'compensated', updated_at = now()
                 WHERE saga_id = $1 AND step = $2";
-    match state.as_str() {
+    if locked.saga.as_deref() == Some("completed") {
+        tx.rollback().await?;
+        return Err(StepError::SagaCompleted {
+            saga_id: saga_id.to_owned(),
+            step: step.to_owned(),
+        });
+    }
+    match locked.state.as_str() {
         "compensated" => {
             tx.rollback().await?;
             return Ok(false);
@@ -244,66 +566,65 @@ where
             return Ok(false);
         }
     }
-    let result: T =
-        serde_json::from_value(stored.unwrap_or(serde_json::Value::Null)).map_err(|source| {
-            StepError::Result {
-                step: step.to_owned(),
-                source,
+    let failure = match decode(locked.result.unwrap_or(Value::Null)) {
+        Ok(compensation) => {
+            sqlx::query(SAVEPOINT).execute(&mut *tx).await?;
+            let handle = Tx::new(tx);
+            let outcome = compensation(handle.clone()).await;
+            let Some(taken) = handle.take() else {
+                return Err(StepError::TransactionKept {
+                    step: step.to_owned(),
+                });
+            };
+            tx = taken;
+            match outcome {
+                Ok(()) => {
+                    sqlx::query(mark)
+                        .bind(saga_id)
+                        .bind(step)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    return Ok(true);
+                }
+                Err(source) => {
+                    sqlx::query(ROLLBACK_TO_SAVEPOINT).execute(&mut *tx).await?;
+                    StepError::CompensationFailed {
+                        step: step.to_owned(),
+                        source,
+                    }
+                }
             }
-        })?;
-    let handle = Tx::new(tx);
-    let outcome = compensation(handle.clone(), result).await;
-    let Some(mut tx) = handle.take() else {
-        return Err(StepError::TransactionKept {
+        }
+        Err(source) => StepError::Result {
             step: step.to_owned(),
-        });
+            source,
+        },
     };
-    match outcome {
-        Ok(()) => {
-            sqlx::query(mark)
-                .bind(saga_id)
-                .bind(step)
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            Ok(true)
-        }
-        Err(source) => {
-            tx.rollback().await?;
-            sqlx::query(
-                "UPDATE saga_steps SET error = $3, updated_at = now()
-                 WHERE saga_id = $1 AND step = $2 AND state = 'completed'",
-            )
-            .bind(saga_id)
-            .bind(step)
-            .bind(format!("compensation: {source}"))
-            .execute(pool)
-            .await?;
-            Err(StepError::CompensationFailed {
-                step: step.to_owned(),
-                source,
-            })
-        }
-    }
-}
-
-/// A step's recorded state and attempt count (`None` if it never ran).
-pub(crate) async fn step_state(
-    pool: &PgPool,
-    saga_id: &str,
-    step: &str,
-) -> sqlx::Result<Option<(String, i32)>> {
-    sqlx::query_as("SELECT state, attempts FROM saga_steps WHERE saga_id = $1 AND step = $2")
-        .bind(saga_id)
-        .bind(step)
-        .fetch_optional(pool)
-        .await
+    // The step stays `completed`; the error shows why it is not undone yet.
+    let error = match &failure {
+        StepError::CompensationFailed { source, .. } => format!("compensation: {source}"),
+        other => format!("compensation: {other}"),
+    };
+    sqlx::query(
+        "UPDATE saga_steps SET error = $3, updated_at = now()
+         WHERE saga_id = $1 AND step = $2",
+    )
+    .bind(saga_id)
+    .bind(step)
+    .bind(error)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Err(failure)
 }
 
 /// The idempotency key for an external call made inside a step:
 /// `{saga_id}:{step}`. The same on every re-execution of the step, so the
 /// other side (an [`IdempotencyLayer`](crate#feature-flags) server, Stripe)
-/// runs the call once. Pass it to the retry client.
+/// runs the call once. Pass it to the retry client. Within the limits of
+/// [`NameError`] it is a valid `Idempotency-Key` (visible ASCII, at most 255
+/// characters) and names one saga and step only.
 pub fn idempotency_key(saga_id: &str, step: &str) -> String {
     format!("{saga_id}:{step}")
 }
