@@ -53,6 +53,7 @@ pub(crate) fn hyphenated(b: &[u8; 16]) -> String {
 }
 
 /// A random positive token (63 bits), for proving ownership of a lease.
+#[cfg_attr(not(any(feature = "window", feature = "http")), allow(dead_code))]
 pub(crate) fn token() -> i64 {
     (u64::from_be_bytes(bytes::<8>()) >> 1).max(1) as i64
 }
