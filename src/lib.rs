@@ -81,6 +81,8 @@ mod cleanup;
 mod error;
 mod hex;
 pub mod inbox;
+#[cfg(any(feature = "http", feature = "retry"))]
+mod key;
 mod migrate;
 #[cfg_attr(
     not(any(

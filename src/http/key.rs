@@ -11,8 +11,8 @@ const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 /// store rather than produced by the handler.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
-/// The longest key accepted, in characters.
-pub const MAX_KEY_LEN: usize = 255;
+// The syntax is shared with the retry client, which checks what it sends.
+pub use crate::key::{KeyError, MAX_KEY_LEN};
 
 /// A validated `Idempotency-Key`: 1 to 255 characters of visible ASCII.
 ///
@@ -30,24 +30,7 @@ impl IdempotencyKey {
     /// [`KeyError`] when the value is empty, too long, badly quoted or holds
     /// a character outside visible ASCII.
     pub fn parse(value: &[u8]) -> Result<Self, KeyError> {
-        let key = match value {
-            [b'"', inner @ .., b'"'] => unquote(inner)?,
-            [b'"', ..] => return Err(KeyError::Unterminated),
-            plain => plain.to_vec(),
-        };
-        if key.is_empty() {
-            return Err(KeyError::Empty);
-        }
-        if key.len() > MAX_KEY_LEN {
-            return Err(KeyError::TooLong { len: key.len() });
-        }
-        if let Some(position) = key.iter().position(|b| !b.is_ascii_graphic()) {
-            return Err(KeyError::InvalidCharacter { position });
-        }
-        // Visible ASCII is valid UTF-8.
-        Ok(IdempotencyKey(
-            String::from_utf8(key).expect("checked ASCII"),
-        ))
+        crate::key::parse(value).map(IdempotencyKey)
     }
 
     /// The key of a request: `Ok(None)` when the header is absent.
@@ -82,51 +65,6 @@ impl fmt::Display for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }
-}
-
-/// Why an `Idempotency-Key` header was rejected (answered with 400).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum KeyError {
-    /// The header is empty (or `""`).
-    #[error("the Idempotency-Key is empty")]
-    Empty,
-    /// Longer than [`MAX_KEY_LEN`].
-    #[error("the Idempotency-Key is {len} characters long; at most {MAX_KEY_LEN} are allowed")]
-    TooLong {
-        /// The key's length.
-        len: usize,
-    },
-    /// A character outside visible ASCII (`!` to `~`); spaces included.
-    #[error("the Idempotency-Key has a character outside visible ASCII at position {position}")]
-    InvalidCharacter {
-        /// Zero-based position in the (unquoted) key.
-        position: usize,
-    },
-    /// Opens a quoted string that does not close, or has a bad escape.
-    #[error("the Idempotency-Key is not a well-formed quoted string")]
-    Unterminated,
-    /// The header was sent more than once.
-    #[error("the Idempotency-Key header was sent more than once")]
-    Repeated,
-}
-
-/// The content of a structured-field string (RFC 8941 §3.3.3): only `\"`
-/// and `\\` are escapes; a bare `"` inside is malformed.
-fn unquote(inner: &[u8]) -> Result<Vec<u8>, KeyError> {
-    let mut out = Vec::with_capacity(inner.len());
-    let mut bytes = inner.iter();
-    while let Some(&b) = bytes.next() {
-        match b {
-            b'\\' => match bytes.next() {
-                Some(&escaped @ (b'"' | b'\\')) => out.push(escaped),
-                _ => return Err(KeyError::Unterminated),
-            },
-            b'"' => return Err(KeyError::Unterminated),
-            other => out.push(other),
-        }
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -44,6 +44,7 @@
 //! key](OutboxMessage::ordering_key) are published in commit order.
 
 mod message;
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) mod packed;
 
 use std::future::Future;
@@ -58,6 +59,7 @@ use tokio::sync::Notify;
 pub use message::{DEFAULT_MAX_BODY_SIZE, OutboxMessage, TRACEPARENT_HEADER};
 
 /// The channel the staging trigger notifies on commit.
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) const NOTIFY_CHANNEL: &str = "idempo_outbox";
 
 /// The first key of the advisory locks that order staging per ordering key
@@ -304,6 +306,7 @@ pub(crate) struct UnitStaging {
 }
 
 impl UnitStaging {
+    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
     pub(crate) fn staged(&self) -> bool {
         self.staged.load(Ordering::Relaxed)
     }
@@ -338,6 +341,7 @@ impl Drop for LocalRelay {
 
 /// Woken (with a stored permit) after a consumer committed a unit that
 /// staged: the local relay's replacement for `NOTIFY`.
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) fn committed_in_process() -> &'static Notify {
     static COMMITTED: OnceLock<Notify> = OnceLock::new();
     COMMITTED.get_or_init(Notify::new)

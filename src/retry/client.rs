@@ -1,7 +1,7 @@
 //! [`RetryingClient`]: reqwest with retries that keep one `Idempotency-Key`.
 
 use std::fmt;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use reqwest::header::{HeaderValue, RETRY_AFTER};
 use reqwest::{Client, Request, Response};
@@ -10,6 +10,7 @@ use super::policy::{RetryPolicy, parse_retry_after};
 use super::run::{Attempt, RetryError, retry_with};
 
 use crate::IDEMPOTENCY_KEY;
+use crate::key::KeyError;
 
 /// A fresh random (version 4) UUID, e.g. for an `Idempotency-Key`: 122 bits
 /// from the operating system's generator, so keys of different clients do
@@ -18,53 +19,137 @@ pub fn new_key() -> String {
     crate::random::uuid_v4()
 }
 
-/// A response after retries.
+/// A final answer after retries: a success, or a status the policy does not
+/// retry (a 400 is final too: the same request would get it again).
+///
+/// A retryable status when the retries ran out is no final answer: that is
+/// [`SendError::GaveUp`], which carries the response.
 #[derive(Debug)]
 pub struct Retried {
-    /// The last response: a success, a status that is not retried, or the
-    /// last retryable one when the retries ran out.
+    /// The final response.
     pub response: Response,
     /// Attempts made.
     pub attempts: u32,
-    /// The `Idempotency-Key` sent with every attempt.
+    /// The `Idempotency-Key` header value sent with every attempt.
     pub key: String,
 }
 
-/// Why [`RetryingClient::send`] returned no response.
+/// Why [`RetryingClient::send`] returned no final answer.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SendError {
-    /// The key is not a valid header value (visible ASCII).
-    #[error("the Idempotency-Key {0:?} is not a valid header value")]
-    InvalidKey(String),
-    /// No attempt got a response: network errors to the end, the deadline,
-    /// or cancellation. The request may have run: retry later **with the
-    /// same `key`**.
+    /// The key breaks the `Idempotency-Key` syntax that idempo's server
+    /// enforces (see [`KeyError`]); nothing was sent.
+    #[error("cannot send Idempotency-Key {key:?}: {reason}")]
+    InvalidKey {
+        /// The key as given (lossy, if it was not UTF-8).
+        key: String,
+        /// What is wrong with it.
+        #[source]
+        reason: KeyError,
+    },
+    /// No final answer: the retries ran out, the deadline passed or the
+    /// policy's token was cancelled, while attempts ended with a retryable
+    /// status, a network error or the attempt timeout. The request may have
+    /// run: retry later **with the same `key`**. The last retryable
+    /// response, if the last attempt that ended got one, is in `error`
+    /// ([`response`](Self::response)).
     #[error("{error} (Idempotency-Key {key})")]
-    Retry {
+    GaveUp {
         /// The key every attempt carried.
         key: String,
         /// What the retries ended with.
         #[source]
-        error: RetryError<reqwest::Error>,
+        error: RetryError<AttemptError>,
     },
 }
 
-/// What ended an attempt that is retried.
-#[derive(Debug)]
-enum Failure {
-    Status(Response),
-    Transport(reqwest::Error),
+impl SendError {
+    /// The key the request carried (or would have carried).
+    pub fn key(&self) -> &str {
+        match self {
+            SendError::InvalidKey { key, .. } | SendError::GaveUp { key, .. } => key,
+        }
+    }
+
+    /// The last retryable response, when the last attempt that ended got
+    /// one (a 503 when the retries ran out, say).
+    pub fn response(&self) -> Option<&Response> {
+        match self {
+            SendError::GaveUp { error, .. } => error.last().and_then(AttemptError::response),
+            SendError::InvalidKey { .. } => None,
+        }
+    }
+
+    /// [`response`](Self::response), by value (to read its body).
+    pub fn into_response(self) -> Option<Response> {
+        match self {
+            SendError::GaveUp { error, .. } => {
+                error.into_last().and_then(AttemptError::into_response)
+            }
+            SendError::InvalidKey { .. } => None,
+        }
+    }
 }
+
+/// Why one attempt gave no final answer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AttemptError {
+    /// A status the policy retries; the response, its body unread.
+    #[error("the server answered {}", .0.status())]
+    Status(Response),
+    /// No response: connecting, sending or receiving failed (or the inner
+    /// client's own timeout fired).
+    #[error("{0}")]
+    Transport(#[source] reqwest::Error),
+    /// No response head within the client's
+    /// [attempt timeout](RetryingClient::attempt_timeout). The server may
+    /// still be running the request.
+    #[error("no response within the attempt timeout of {0:?}")]
+    TimedOut(Duration),
+}
+
+impl AttemptError {
+    /// The retryable response, for [`Status`](Self::Status).
+    pub fn response(&self) -> Option<&Response> {
+        match self {
+            AttemptError::Status(response) => Some(response),
+            _ => None,
+        }
+    }
+
+    /// [`response`](Self::response), by value.
+    pub fn into_response(self) -> Option<Response> {
+        match self {
+            AttemptError::Status(response) => Some(response),
+            _ => None,
+        }
+    }
+
+    /// No response in time: the attempt timeout, or the inner client's.
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            AttemptError::TimedOut(_) => true,
+            AttemptError::Transport(error) => error.is_timeout(),
+            AttemptError::Status(_) => false,
+        }
+    }
+}
+
+/// The default [attempt timeout](RetryingClient::attempt_timeout): 10 s.
+pub const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// reqwest with retries per a [`RetryPolicy`], sending the **same**
 /// `Idempotency-Key` on every attempt, so that an idempotent server executes
 /// the request once however many attempts reach it.
 ///
-/// Retried: network errors (connect, timeout, a connection that broke before
-/// the answer), the policy's statuses (408, 409, 429, 5xx by default), with
-/// the server's `Retry-After` honoured (seconds or HTTP-date, capped by the
-/// max delay). Other statuses return at once.
+/// Retried: network errors (connect, a connection that broke before the
+/// answer), an attempt with no response within the
+/// [attempt timeout](Self::attempt_timeout) (10 s by default), and the
+/// policy's statuses (408, 409, 429, 5xx by default), with the server's
+/// `Retry-After` honoured (seconds or HTTP-date, capped by the max delay).
+/// Other statuses return at once.
 ///
 /// ```no_run
 /// # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
@@ -76,6 +161,7 @@ enum Failure {
 ///     .header("content-type", "application/json")
 ///     .body(r#"{"account": "acc-1", "amount_cents": 500}"#)
 ///     .build()?;
+/// // A final answer, or `SendError::GaveUp` (with the last 503, if any).
 /// let retried = client.send(request).await?;
 /// println!("{} after {} attempt(s), key {}", retried.response.status(), retried.attempts, retried.key);
 /// # Ok(()) }
@@ -84,33 +170,61 @@ enum Failure {
 pub struct RetryingClient {
     client: Client,
     policy: RetryPolicy,
+    attempt_timeout: Duration,
 }
 
 impl fmt::Debug for RetryingClient {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryingClient")
             .field("policy", &self.policy)
+            .field("attempt_timeout", &self.attempt_timeout)
             .finish_non_exhaustive()
     }
 }
 
 impl RetryingClient {
-    /// Wraps `client`.
+    /// Wraps `client`, with the [default](DEFAULT_ATTEMPT_TIMEOUT) attempt
+    /// timeout.
     pub fn new(client: Client, policy: RetryPolicy) -> Self {
-        RetryingClient { client, policy }
+        RetryingClient {
+            client,
+            policy,
+            attempt_timeout: DEFAULT_ATTEMPT_TIMEOUT,
+        }
+    }
+
+    /// How long one attempt may wait for the response's head (connect, send
+    /// and the server's work included) before it is abandoned and retried
+    /// with the same key; 10 s by default. Reading the body is not covered:
+    /// bound it with reqwest's own `timeout` or `read_timeout`.
+    ///
+    /// Without it, a server that accepts the connection and never answers
+    /// would hold the first attempt forever. Keep it below the policy's
+    /// [`deadline`](RetryPolicy::deadline), or one hung attempt uses the
+    /// whole deadline. `Duration::MAX` waits forever.
+    #[must_use]
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = timeout;
+        self
     }
 
     /// Sends `request` with a fresh key ([`new_key`]), or the key it already
     /// carries in `Idempotency-Key`.
     ///
     /// # Errors
-    /// See [`send_with_key`](Self::send_with_key).
+    /// See [`send_with_key`](Self::send_with_key); also
+    /// [`KeyError::Repeated`] when the request carries the header twice.
     pub async fn send(&self, request: Request) -> Result<Retried, SendError> {
-        let key = match request.headers().get(IDEMPOTENCY_KEY) {
-            None => new_key(),
-            Some(value) => value.to_str().map(str::to_owned).map_err(|_| {
-                SendError::InvalidKey(String::from_utf8_lossy(value.as_bytes()).into())
-            })?,
+        let mut values = request.headers().get_all(IDEMPOTENCY_KEY).iter();
+        let key = match (values.next(), values.next()) {
+            (None, _) => new_key(),
+            (Some(value), None) => lossy(value),
+            (Some(value), Some(_)) => {
+                return Err(SendError::InvalidKey {
+                    key: lossy(value),
+                    reason: KeyError::Repeated,
+                });
+            }
         };
         self.send_with_key(request, &key).await
     }
@@ -118,20 +232,30 @@ impl RetryingClient {
     /// Sends `request` with `key` on every attempt (for example
     /// [`saga::idempotency_key`](crate#feature-flags)).
     ///
+    /// The key must be what idempo's server accepts: 1 to 255 characters of
+    /// visible ASCII, plain or as a quoted string (`"k"`, which names the key
+    /// `k`); it is sent as given.
+    ///
     /// A request whose body cannot be cloned (a stream) is sent once.
     ///
     /// # Errors
-    /// [`SendError::Retry`] with the key, the last transport error and the
-    /// attempt count when no response came (when retries run out on a
-    /// retryable *status*, that response is returned as `Ok`);
-    /// [`SendError::InvalidKey`].
+    /// - [`SendError::GaveUp`] with the key, the attempt count and the last
+    ///   failure when no final answer came, a retryable status included (the
+    ///   response is in it: [`SendError::response`]).
+    /// - [`SendError::InvalidKey`]; nothing is sent.
     pub async fn send_with_key(
         &self,
         mut request: Request,
         key: &str,
     ) -> Result<Retried, SendError> {
-        let value =
-            HeaderValue::from_str(key).map_err(|_| SendError::InvalidKey(key.to_owned()))?;
+        let invalid = |reason| SendError::InvalidKey {
+            key: key.to_owned(),
+            reason,
+        };
+        // The server's own rule, so that what is sent is what it will read
+        // (HTTP would strip the blanks of "  padded\t", say).
+        crate::key::parse(key.as_bytes()).map_err(invalid)?;
+        let value = HeaderValue::from_str(key).expect("visible ASCII is a valid header value");
         request.headers_mut().insert(IDEMPOTENCY_KEY, value);
         let cloneable = request.try_clone().is_some();
         let mut original = Some(request);
@@ -140,6 +264,7 @@ impl RetryingClient {
         } else {
             self.policy.clone().max_retries(0)
         };
+        let timeout = self.attempt_timeout;
         let outcome = retry_with(&policy, |_attempt| {
             let request = match original.as_ref().and_then(Request::try_clone) {
                 Some(copy) => copy,
@@ -148,7 +273,15 @@ impl RetryingClient {
             let client = self.client.clone();
             let policy = &self.policy;
             async move {
-                match client.execute(request).await {
+                // Dropping the request on timeout closes its connection: the
+                // next attempt does not queue behind a hung one.
+                let Ok(sent) = tokio::time::timeout(timeout, client.execute(request)).await else {
+                    return Attempt::Retry {
+                        error: AttemptError::TimedOut(timeout),
+                        after: None,
+                    };
+                };
+                match sent {
                     Ok(response) if policy.is_retryable(response.status().as_u16()) => {
                         let after = response
                             .headers()
@@ -156,17 +289,17 @@ impl RetryingClient {
                             .and_then(|v| v.to_str().ok())
                             .and_then(|v| parse_retry_after(v, SystemTime::now()));
                         Attempt::Retry {
-                            error: Failure::Status(response),
+                            error: AttemptError::Status(response),
                             after,
                         }
                     }
                     Ok(response) => Attempt::Done(response),
                     // A malformed request or a redirect loop fails the same way every time.
                     Err(error) if error.is_builder() || error.is_redirect() => {
-                        Attempt::Fail(Failure::Transport(error))
+                        Attempt::Fail(AttemptError::Transport(error))
                     }
                     Err(error) => Attempt::Retry {
-                        error: Failure::Transport(error),
+                        error: AttemptError::Transport(error),
                         after: None,
                     },
                 }
@@ -180,53 +313,28 @@ impl RetryingClient {
                 attempts,
                 key,
             }),
-            Err(RetryError::Exhausted {
-                last: Failure::Status(response),
-                attempts,
-            })
-            | Err(RetryError::Deadline {
-                last: Some(Failure::Status(response)),
-                attempts,
-            }) => Ok(Retried {
-                response,
-                attempts,
-                key,
-            }),
-            Err(error) => Err(SendError::Retry {
-                key,
-                error: transport_only(error),
-            }),
+            Err(error) => Err(SendError::GaveUp { key, error }),
         }
     }
 }
 
-/// Narrows the loop's error to reqwest's: the arms that carry a response
-/// were turned into `Ok` above, and a status is never a permanent failure.
-fn transport_only(error: RetryError<Failure>) -> RetryError<reqwest::Error> {
-    let transport = |f: Failure| match f {
-        Failure::Transport(e) => e,
-        Failure::Status(_) => unreachable!("responses are returned as Ok"),
-    };
-    match error {
-        RetryError::Exhausted { last, attempts } => RetryError::Exhausted {
-            last: transport(last),
-            attempts,
-        },
-        RetryError::Permanent { error, attempts } => RetryError::Permanent {
-            error: transport(error),
-            attempts,
-        },
-        RetryError::Deadline { last, attempts } => RetryError::Deadline {
-            last: last.map(transport),
-            attempts,
-        },
-        RetryError::Cancelled { attempts } => RetryError::Cancelled { attempts },
-    }
+/// A header value as text, for reporting (and re-checking) a key.
+fn lossy(value: &HeaderValue) -> String {
+    String::from_utf8_lossy(value.as_bytes()).into_owned()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The errors go into `anyhow::Error` and `Box<dyn Error + Send + Sync>`
+    /// although they carry a response.
+    #[test]
+    fn errors_are_send_sync_static() {
+        fn is<T: std::error::Error + Send + Sync + 'static>() {}
+        is::<SendError>();
+        is::<AttemptError>();
+    }
 
     #[test]
     fn keys_are_uuid_v4() {

@@ -7,8 +7,13 @@
 //!   a cancellation token.
 //! - [`retry`]: the loop for any async work.
 //! - [`RetryingClient`]: reqwest with one `Idempotency-Key` (a fresh UUID v4,
-//!   or yours) sent on **every** attempt, so an idempotent server (such as
+//!   or yours, checked against the server's syntax) sent on **every**
+//!   attempt, so an idempotent server (such as
 //!   [`IdempotencyLayer`](crate#feature-flags)) executes the request once.
+//!   Each attempt has 10 s to get an answer before it is retried. It returns
+//!   a final answer ([`Retried`]) or [`SendError::GaveUp`], which carries
+//!   the last retryable response (a 503 when the retries ran out) so that it
+//!   cannot pass for one.
 //!
 //! The header is [`crate::IDEMPOTENCY_KEY`]. (The consumer's broker-side
 //! delay tiers are a different thing, `amqp::RedeliveryPolicy`.)
@@ -17,6 +22,10 @@ mod client;
 mod policy;
 mod run;
 
-pub use client::{Retried, RetryingClient, SendError, new_key};
+/// The key syntax the client checks before sending: the `http` layer's own.
+pub use crate::key::KeyError;
+pub use client::{
+    AttemptError, DEFAULT_ATTEMPT_TIMEOUT, Retried, RetryingClient, SendError, new_key,
+};
 pub use policy::{RetryPolicy, parse_retry_after};
 pub use run::{Attempt, RetryError, retry, retry_with};

@@ -74,6 +74,10 @@ impl RetryPolicy {
 
     /// Gives up when the next attempt could not start within `deadline` of
     /// the first; an attempt in flight at the deadline is cut off.
+    ///
+    /// A deadline beyond the clock's range (`Duration::MAX`) is no deadline.
+    /// The [`RetryingClient`](super::RetryingClient)'s attempt timeout (10 s
+    /// by default) should be shorter, or one hung attempt uses it all.
     #[must_use]
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
@@ -108,9 +112,12 @@ impl RetryPolicy {
     }
 }
 
-/// Reads a `Retry-After` value: delta-seconds (`"120"`) or an HTTP-date
-/// (`"Wed, 21 Oct 2015 07:28:00 GMT"`, measured from `now`; a date in the
-/// past is zero). `None` for anything else.
+/// Reads a `Retry-After` value: delta-seconds (`"120"`) or an HTTP-date in
+/// any of the three formats a recipient must accept (RFC 9110 §5.6.7):
+/// IMF-fixdate `"Sun, 06 Nov 1994 08:49:37 GMT"`, RFC 850 `"Sunday,
+/// 06-Nov-94 08:49:37 GMT"` and asctime `"Sun Nov  6 08:49:37 1994"`,
+/// measured from `now` (a date in the past is zero). `None` for anything
+/// else.
 pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
     if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
@@ -147,7 +154,7 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_in_both_forms() {
+    fn retry_after_as_seconds_or_any_of_the_three_http_date_formats() {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_445_412_470);
         assert_eq!(
             parse_retry_after("120", now),
@@ -160,6 +167,20 @@ mod tests {
         assert_eq!(
             parse_retry_after("Wed, 21 Oct 2015 07:27:00 GMT", now),
             Some(Duration::ZERO)
+        );
+        // The two obsolete formats HTTP still requires recipients to read.
+        assert_eq!(
+            parse_retry_after("Wednesday, 21-Oct-15 07:28:00 GMT", now),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(
+            parse_retry_after("Wed Oct 21 07:28:00 2015", now),
+            Some(Duration::from_secs(10))
+        );
+        assert_eq!(
+            parse_retry_after("Wed Oct  1 07:28:00 2025", now),
+            Some(Duration::from_secs(313_891_210)),
+            "asctime pads a one-digit day with a space"
         );
         assert_eq!(parse_retry_after("soon", now), None);
         assert_eq!(

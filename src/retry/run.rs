@@ -43,12 +43,15 @@ pub enum RetryError<E> {
         /// Attempts made.
         attempts: u32,
     },
-    /// The policy's deadline passed (the last error, if an attempt ended).
+    /// The policy's deadline passed: the next attempt could not start in
+    /// time, or the one in flight was cut off.
     #[error("deadline passed after {attempts} attempts")]
     Deadline {
-        /// The last attempt's error, if one finished.
+        /// The error of the last attempt that *ended*. When the deadline cut
+        /// an attempt off, that attempt has no error of its own: `last` is
+        /// the one before it (`None` if it was the first).
         last: Option<E>,
-        /// Attempts made.
+        /// Attempts made, the one cut off included.
         attempts: u32,
     },
     /// The policy's cancellation token fired.
@@ -67,6 +70,26 @@ impl<E> RetryError<E> {
             | RetryError::Permanent { attempts, .. }
             | RetryError::Deadline { attempts, .. }
             | RetryError::Cancelled { attempts } => *attempts,
+        }
+    }
+
+    /// The error of the last attempt that ended, if one did.
+    pub fn last(&self) -> Option<&E> {
+        match self {
+            RetryError::Exhausted { last, .. } => Some(last),
+            RetryError::Permanent { error, .. } => Some(error),
+            RetryError::Deadline { last, .. } => last.as_ref(),
+            RetryError::Cancelled { .. } => None,
+        }
+    }
+
+    /// [`last`](Self::last), by value.
+    pub fn into_last(self) -> Option<E> {
+        match self {
+            RetryError::Exhausted { last, .. } => Some(last),
+            RetryError::Permanent { error, .. } => Some(error),
+            RetryError::Deadline { last, .. } => last,
+            RetryError::Cancelled { .. } => None,
         }
     }
 }
@@ -126,7 +149,9 @@ where
     F: FnMut(u32) -> Fut,
     Fut: Future<Output = Attempt<T, E>>,
 {
-    let deadline = policy.deadline.map(|d| Instant::now() + d);
+    // A deadline beyond the clock's range (`Duration::MAX`) is never reached:
+    // no deadline, rather than a panic on the addition.
+    let deadline = policy.deadline.and_then(|d| Instant::now().checked_add(d));
     let cancelled = async {
         match &policy.cancel {
             Some(token) => token.cancelled().await,
@@ -170,7 +195,9 @@ where
             });
         }
         let wait = policy.delay(attempt, after);
-        if deadline.is_some_and(|d| Instant::now() + wait >= d) {
+        // A wait beyond the clock's range (a huge `Retry-After` under a
+        // `max_delay` of `Duration::MAX`) ends after any deadline.
+        if deadline.is_some_and(|d| Instant::now().checked_add(wait).is_none_or(|end| end >= d)) {
             return Err(RetryError::Deadline {
                 last: Some(error),
                 attempts: attempt,
