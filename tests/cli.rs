@@ -1,0 +1,268 @@
+//! The `idempo` binary as a process, against real RabbitMQ and PostgreSQL:
+//! the payments example fills its DLQ, the binary lists, replays (also after
+//! a SIGKILL mid-way) and purges it, and every payment applies exactly once.
+
+mod support;
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use support::example::{Load, doubled_payments, spawn_example};
+use support::{Broker, Db, eventually, eventually_ready, payment_body, unique};
+
+/// One test at a time in this binary: each runs the example (a pool of 6)
+/// beside its own pool, within the suite's connection budget.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn idempo(db: &Db) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idempo"));
+    command
+        .env("DATABASE_URL", &db.url)
+        .env("AMQP_URL", support::amqp_url())
+        .stdin(Stdio::null());
+    command
+}
+
+fn run(db: &Db, args: &[&str]) -> Output {
+    let out = idempo(db).args(args).output().expect("run idempo");
+    eprintln!(
+        "idempo {args:?} -> {:?}\n{}{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+        .collect()
+}
+
+/// A schema with the payments tables and a small pool (the example and the
+/// binary run beside it).
+async fn db() -> Db {
+    let db = Db::with_pool_size(4).await;
+    idempo::migrate(&db.pool).await.unwrap();
+    support::payments::create_tables(&db.pool).await.unwrap();
+    db
+}
+
+/// Publishes `n` payments and `poison` negative ones; runs the example with
+/// every attempt failing (2 attempts) until all are dead-lettered.
+async fn fill_dlq(db: &Db, broker: &Broker, queue: &str, n: usize, poison: usize) -> Load {
+    broker.declare(queue).await;
+    let mut load = Load {
+        ids: Default::default(),
+        expected: Default::default(),
+        published: 0,
+    };
+    load.publish(broker, queue, 0..n, false).await;
+    for k in 0..poison {
+        broker
+            .publish(queue, Some(&format!("neg-{k}")), &payment_body("neg", -1))
+            .await;
+    }
+    let failing = spawn_example(
+        &db.url,
+        queue,
+        &[("PAYMENTS_FAIL_RATE", "1"), ("PAYMENTS_MAX_ATTEMPTS", "2")],
+    );
+    eventually_ready(broker, &format!("{queue}.dlq"), (n + poison) as u32).await;
+    drop(failing);
+    assert_eq!(db.payments().await, 0);
+    load
+}
+
+async fn assert_applied_once(db: &Db, load: &Load) {
+    eventually("every payment applied", Duration::from_secs(60), || async {
+        db.payments().await == load.ids.len() as i64
+    })
+    .await;
+    assert_eq!(doubled_payments(db).await, 0);
+    assert_eq!(db.balances().await, load.expected);
+}
+
+#[tokio::test]
+async fn migrate_check_fails_while_migrations_are_pending() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let db = Db::with_pool_size(2).await;
+    let before = run(&db, &["migrate", "--check"]);
+    assert_eq!(before.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&before.stdout).contains("pending"));
+    assert!(run(&db, &["migrate"]).status.success());
+    let after = run(&db, &["migrate", "--check", "--json"]);
+    assert!(after.status.success());
+    assert_eq!(json_lines(&after)[0]["pending"], serde_json::json!([]));
+}
+
+#[tokio::test]
+async fn unreachable_services_and_unknown_queues_are_named() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let db = Db::with_pool_size(2).await;
+    let out = idempo(&db)
+        .env("AMQP_URL", "amqp://guest:secret@127.0.0.1:1/%2f")
+        .args(["dlq", "list", "nope"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot connect to RabbitMQ at amqp://guest:***@127.0.0.1:1"),
+        "{err}"
+    );
+    assert!(!err.contains("secret"), "{err}");
+
+    let missing = unique("missing");
+    let out = run(&db, &["dlq", "list", &missing]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
+}
+
+#[tokio::test]
+async fn dead_letters_are_listed_selected_replayed_once_and_purged() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    let dlq = format!("{queue}.dlq");
+    let load = fill_dlq(&db, &broker, &queue, 12, 3).await;
+
+    // list: every one with its reason, and nothing leaves the DLQ.
+    let listed = json_lines(&run(&db, &["--json", "dlq", "list", &queue]));
+    assert_eq!(listed.len(), 15);
+    for d in &listed {
+        let id = d["message_id"].as_str().unwrap();
+        let reason = if id.starts_with("neg-") {
+            "permanent handler error"
+        } else {
+            "max attempts exceeded"
+        };
+        assert_eq!(d["reason"], reason, "{d}");
+        assert!(d["error"].is_string(), "{d}");
+        assert!(d["attempts"].is_number(), "{d}");
+    }
+    let poison = json_lines(&run(
+        &db,
+        &[
+            "--json",
+            "dlq",
+            "list",
+            &queue,
+            "--reason",
+            "permanent handler error",
+        ],
+    ));
+    assert_eq!(poison.len(), 3);
+    eventually_ready(&broker, &dlq, 15).await;
+    let shown = run(&db, &["dlq", "show", &queue, "pay-1"]);
+    assert!(shown.status.success());
+    assert!(String::from_utf8_lossy(&shown.stdout).contains("\"amount_cents\""));
+
+    // status: the queue's DLQ figure.
+    let status = run(
+        &db,
+        &["--json", "status", "--queue", &queue, "--fail-on-dlq"],
+    );
+    assert_eq!(status.status.code(), Some(2));
+    let status = &json_lines(&status)[0];
+    assert_eq!(status["queues"][0]["dlq_ready"], 15, "{status}");
+
+    // replay refuses without a selection; a dry run moves nothing.
+    assert_eq!(run(&db, &["dlq", "replay", &queue]).status.code(), Some(1));
+    let dry = run(
+        &db,
+        &["--json", "dlq", "replay", &queue, "--all", "--dry-run"],
+    );
+    assert!(dry.status.success());
+    eventually_ready(&broker, &dlq, 15).await;
+
+    let _working = spawn_example(&db.url, &queue, &[]);
+    // --id: exactly those.
+    let out = run(
+        &db,
+        &["dlq", "replay", &queue, "--id", "pay-3", "--id", "pay-5"],
+    );
+    assert!(out.status.success());
+    eventually(
+        "pay-3 and pay-5 applied",
+        Duration::from_secs(30),
+        || async { db.payments().await == 2 },
+    )
+    .await;
+    assert_eq!(db.payments_for("pay-3").await, 1);
+    assert_eq!(db.payments_for("pay-5").await, 1);
+    eventually_ready(&broker, &dlq, 13).await;
+
+    // --reason: exactly those; the poison stays.
+    let out = run(
+        &db,
+        &["dlq", "replay", &queue, "--reason", "max attempts exceeded"],
+    );
+    assert!(out.status.success());
+    assert_applied_once(&db, &load).await;
+    let left = json_lines(&run(&db, &["--json", "dlq", "list", &queue]));
+    assert_eq!(left.len(), 3);
+    assert!(
+        left.iter()
+            .all(|d| d["reason"] == "permanent handler error")
+    );
+
+    // purge asks: "n" keeps them, "y" deletes them.
+    let purge = |answer: &'static str| {
+        let mut child = idempo(&db)
+            .args(["dlq", "purge", &queue])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(answer.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let kept = purge("n\n");
+    assert_eq!(kept.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&kept.stderr).contains("delete 3 dead letter(s)"));
+    eventually_ready(&broker, &dlq, 3).await;
+    assert!(purge("y\n").status.success());
+    eventually_ready(&broker, &dlq, 0).await;
+    assert_eq!(db.balances().await, load.expected);
+}
+
+#[tokio::test]
+async fn a_replay_killed_mid_way_and_run_again_applies_each_payment_once() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    let dlq = format!("{queue}.dlq");
+    let load = fill_dlq(&db, &broker, &queue, 30, 0).await;
+    let _working = spawn_example(&db.url, &queue, &[]);
+
+    let mut replay = idempo(&db)
+        .args(["dlq", "replay", &queue, "--all", "--throttle", "100ms"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually(
+        "some payments replayed",
+        Duration::from_secs(30),
+        || async { db.payments().await >= 5 },
+    )
+    .await;
+    replay.kill().unwrap(); // SIGKILL
+    replay.wait().unwrap();
+    let applied = db.payments().await;
+    assert!(applied < 30, "the replay finished before the kill");
+
+    let again = run(&db, &["dlq", "replay", &queue, "--all"]);
+    assert!(again.status.success());
+    assert_applied_once(&db, &load).await;
+    eventually_ready(&broker, &dlq, 0).await;
+    eventually_ready(&broker, &queue, 0).await;
+    assert_eq!(db.claims().await, 30);
+}
