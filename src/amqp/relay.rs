@@ -181,6 +181,10 @@ impl fmt::Debug for Relay {
 /// Rows per cleanup `DELETE` of kept published rows.
 const CLEANUP_BATCH: i64 = 5_000;
 
+/// How long the relay waits, once a local consumer committed, for more of
+/// its commits before publishing: fewer, larger batches under load.
+const LOCAL_LINGER: Duration = Duration::from_millis(10);
+
 /// How long a relay waits before retrying a key whose first row another
 /// relay holds.
 const CONTENDED_RETRY: Duration = Duration::from_millis(50);
@@ -591,7 +595,11 @@ impl<'a> Running<'a> {
                     }
                 }
                 // A consumer here committed what it staged without NOTIFY.
-                () = outbox::committed_in_process().notified() => {}
+                () = outbox::committed_in_process().notified() => {
+                    // Let the consumer's next commits join this batch: its
+                    // handlers commit continuously under load.
+                    tokio::time::sleep(LOCAL_LINGER).await;
+                }
                 () = tokio::time::sleep(wait) => {}
                 // Graceful shutdown: one more drain, then stop.
                 () = graceful.cancelled() => {}
