@@ -45,6 +45,9 @@ fn json_lines(out: &Output) -> Vec<serde_json::Value> {
 /// A schema with the payments tables and a small pool (the example and the
 /// binary run beside it).
 async fn db() -> Db {
+    // Build the example first: a build while a broker connection is open
+    // (the runtime blocked) could miss its heartbeats.
+    support::payments_example_binary();
     let db = Db::with_pool_size(4).await;
     idempo::migrate(&db.pool).await.unwrap();
     support::payments::create_tables(&db.pool).await.unwrap();
@@ -265,4 +268,71 @@ async fn a_replay_killed_mid_way_and_run_again_applies_each_payment_once() {
     eventually_ready(&broker, &dlq, 0).await;
     eventually_ready(&broker, &queue, 0).await;
     assert_eq!(db.claims().await, 30);
+}
+
+#[tokio::test]
+async fn reused_ids_are_refused_unless_forced_and_foreign_messages_need_a_target() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    let dlq = format!("{queue}.dlq");
+    broker.declare(&queue).await;
+    let _working = spawn_example(&db.url, &queue, &[]);
+    broker.publish_payment(&queue, "pay-0", "acct-a", 5).await;
+    eventually("pay-0 applied", Duration::from_secs(30), || async {
+        db.payments().await == 1
+    })
+    .await;
+    broker.publish_payment(&queue, "pay-0", "acct-b", 7).await;
+    eventually_ready(&broker, &dlq, 1).await;
+    // A message without idempo's headers, put there by hand.
+    broker
+        .publish(&dlq, Some("foreign-1"), &payment_body("acct-f", 3))
+        .await;
+
+    let listed = json_lines(&run(&db, &["--json", "dlq", "list", &queue]));
+    assert_eq!(listed.len(), 2);
+    assert!(
+        listed
+            .iter()
+            .any(|d| d["message_id"] == "foreign-1" && d["reason"] == "foreign")
+    );
+
+    let refused = run(&db, &["--json", "dlq", "replay", &queue, "--all"]);
+    assert_eq!(refused.status.code(), Some(2));
+    let lines = json_lines(&refused);
+    let summary = &lines.last().unwrap()["summary"];
+    assert_eq!(summary["replayed"], 0, "{summary}");
+    let skipped = summary["skipped"].as_object().unwrap();
+    assert!(
+        skipped.keys().any(|k| k.contains("different payload")),
+        "{summary}"
+    );
+    assert!(skipped.keys().any(|k| k.contains("--to")), "{summary}");
+    eventually_ready(&broker, &dlq, 2).await;
+
+    let to = run(
+        &db,
+        &["dlq", "replay", &queue, "--id", "foreign-1", "--to", &queue],
+    );
+    assert!(to.status.success());
+    eventually("foreign-1 applied", Duration::from_secs(30), || async {
+        db.payments_for("foreign-1").await == 1
+    })
+    .await;
+    eventually_ready(&broker, &dlq, 1).await;
+
+    // Forced: back to the consumer, which dead-letters it again; one effect.
+    let forced = run(&db, &["dlq", "replay", &queue, "--id", "pay-0", "--force"]);
+    assert!(forced.status.success());
+    eventually_ready(&broker, &dlq, 1).await;
+    let again = json_lines(&run(&db, &["--json", "dlq", "list", &queue]));
+    assert_eq!(
+        again[0]["reason"],
+        "message id reused with a different payload"
+    );
+    assert_eq!(db.payments_for("pay-0").await, 1);
+
+    // status: the consumer's claims.
+    let status = json_lines(&run(&db, &["--json", "status", "--consumer", &queue]));
+    assert_eq!(status[0]["consumers"][0]["claims"], 2, "{}", status[0]);
 }

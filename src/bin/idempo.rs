@@ -725,10 +725,8 @@ impl Dead {
     }
 
     fn selected(&self, select: &Select) -> bool {
-        let id_ok = select.ids.is_empty()
-            || self
-                .message_id()
-                .is_some_and(|id| select.ids.iter().any(|s| *s == id));
+        let id_ok =
+            select.ids.is_empty() || self.message_id().is_some_and(|id| select.ids.contains(&id));
         let reason_ok = select.reason.as_ref().is_none_or(|r| *r == self.reason());
         id_ok && reason_ok
     }
@@ -1138,7 +1136,7 @@ impl Progress {
                 " ".repeat(width as usize - filled)
             );
             let _ = std::io::stderr().flush();
-        } else if n % 100 == 0 {
+        } else if n.is_multiple_of(100) {
             eprintln!("{n} done: replayed {done}, skipped {skipped}");
         }
     }
