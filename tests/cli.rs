@@ -336,3 +336,74 @@ async fn reused_ids_are_refused_unless_forced_and_foreign_messages_need_a_target
     let status = json_lines(&run(&db, &["--json", "status", "--consumer", &queue]));
     assert_eq!(status[0]["consumers"][0]["claims"], 2, "{}", status[0]);
 }
+
+#[tokio::test]
+async fn reap_and_cleanup_delete_only_what_is_old_or_expired() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let db = Db::with_pool_size(2).await;
+    idempo::migrate(&db.pool).await.unwrap();
+    for (id, age) in [
+        ("old-1", "2 days"),
+        ("old-2", "3 days"),
+        ("new-1", "1 minute"),
+    ] {
+        sqlx::query(
+            "INSERT INTO processed_messages (consumer, message_id, processed_at) \
+             VALUES ('c1', $1, now() - $2::interval)",
+        )
+        .bind(id)
+        .bind(age)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    for (key, expires) in [("k-expired", "-1 hour"), ("k-live", "1 hour")] {
+        sqlx::query(
+            "INSERT INTO idempotency_keys (record_key, idempotency_key, user_id, method, path, \
+             request_hash, state, fencing_token, expires_at) \
+             VALUES (convert_to($1, 'UTF8'), $1, 'u', 'POST', '/', '\\x00', 'complete', 1, now() + $2::interval)",
+        )
+        .bind(key)
+        .bind(expires)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        sqlx::query(
+            "INSERT INTO dedup_window (key, state, expires_at) VALUES ($1, 'seen', now() + $2::interval)",
+        )
+        .bind(key)
+        .bind(expires)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+
+    let status = json_lines(&run(
+        &db,
+        &["--json", "status", "--consumer", "c1", "--queue", "x"],
+    ));
+    assert!(
+        status.is_empty(),
+        "an unknown queue is an error, not a report"
+    );
+    let status = run(
+        &db,
+        &["--json", "status", "--consumer", "c1", "--retention", "1m"],
+    );
+    // c1 has no queue on the broker; the short retention is warned about.
+    assert_eq!(status.status.code(), Some(2));
+    let status = &json_lines(&status)[0];
+    assert_eq!(status["consumers"][0]["claims"], 3, "{status}");
+    assert_eq!(status["http_keys"][0]["expired"], 1, "{status}");
+    assert_eq!(status["window"][0]["live"], 1, "{status}");
+
+    assert!(
+        run(&db, &["reap", "--consumer", "c1", "--older-than", "1d"])
+            .status
+            .success()
+    );
+    assert_eq!(db.claims().await, 1);
+    assert!(run(&db, &["cleanup"]).status.success());
+    assert_eq!(db.count("SELECT count(*) FROM idempotency_keys").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM dedup_window").await, 1);
+}
