@@ -243,7 +243,12 @@ impl Drop for Broker {
 impl Broker {
     pub async fn connect() -> Broker {
         let url = amqp_url();
-        let connection = Connection::connect(&url, ConnectionProperties::default())
+        // No heartbeats on the test's own connection: a test that builds the
+        // example (a blocking `cargo build`, minutes when the cargo lock is
+        // busy) would otherwise lose it to missed heartbeats.
+        let sep = if url.contains('?') { '&' } else { '?' };
+        let quiet = format!("{url}{sep}heartbeat=0");
+        let connection = Connection::connect(&quiet, ConnectionProperties::default())
             .await
             .unwrap_or_else(|e| panic!("RabbitMQ is not reachable at {url}: {e}\n{START_RABBIT}"));
         expire_idle_test_queues();
