@@ -212,8 +212,8 @@ enum Step {
     /// Run the handler over the unit, now only fresh messages.
     Handle(Unit, Call, Transaction<'static, Postgres>),
     /// Check that the claims are still in the transaction, and COMMIT.
-    /// With whether the handler staged outbox messages.
-    Commit(Unit, Transaction<'static, Postgres>, bool),
+    /// With what the handler staged in the outbox.
+    Commit(Unit, Transaction<'static, Postgres>, Staging),
     /// A connection-level database error: wait at the gate, then decode again.
     AwaitDatabase(Unit, String),
     /// The unit failed: the outcome a delivery on its own gets; a batch is
@@ -374,8 +374,14 @@ impl InboxSteps {
 
     async fn handle(&self, unit: Unit, call: Call, tx: Transaction<'static, Postgres>) -> Step {
         let tx = Tx::new(tx);
+        // The connection's address once it sits in the handle (it moves no more).
         #[cfg(feature = "outbox")]
-        let staging = std::sync::Arc::new(crate::outbox::UnitStaging::default());
+        let staging: Staging = std::sync::Arc::new(match tx.try_lock() {
+            Ok(guard) => crate::outbox::UnitStaging::on(&guard),
+            Err(_) => crate::outbox::UnitStaging::default(),
+        });
+        #[cfg(not(feature = "outbox"))]
+        let staging: Staging = ();
         #[cfg(feature = "outbox")]
         let run = crate::outbox::in_unit(
             staging.clone(),
@@ -384,10 +390,7 @@ impl InboxSteps {
         .await;
         #[cfg(not(feature = "outbox"))]
         let run = guarded(|| call(tx.clone()), self.handler_timeout, &self.stats).await;
-        #[cfg(feature = "outbox")]
-        let staged = staging.staged();
-        #[cfg(not(feature = "outbox"))]
-        let staged = false;
+
         let Some(tx) = tx.take() else {
             // The guard lives on in a task the handler spawned; the
             // transaction rolls back when that guard is dropped.
@@ -400,7 +403,7 @@ impl InboxSteps {
             );
         };
         match run {
-            HandlerRun::Done => Step::Commit(unit, tx, staged),
+            HandlerRun::Done => Step::Commit(unit, tx, staging),
             HandlerRun::Failed(e) => {
                 rollback(tx).await;
                 if lost_connection(e.source()) {
@@ -423,13 +426,28 @@ impl InboxSteps {
         &self,
         unit: Unit,
         tx: Transaction<'static, Postgres>,
-        staged: bool,
+        staging: Staging,
         messages: &[Message],
     ) -> Step {
         // One claim tells for the whole unit: a statement fails in an aborted
         // transaction, and a ROLLBACK took every claim.
         let id = messages[unit.members[0]].id();
-        match inbox::commit(tx, &self.consumer, id).await {
+        #[cfg(feature = "outbox")]
+        let (staged, committed) = {
+            let deferred = staging.take_deferred();
+            let committed = if deferred.is_empty() {
+                inbox::commit(tx, &self.consumer, id).await
+            } else {
+                crate::outbox::commit_unit(tx, &self.consumer, id, deferred).await
+            };
+            (staging.staged(), committed)
+        };
+        #[cfg(not(feature = "outbox"))]
+        let (staged, committed) = {
+            let () = staging;
+            (false, inbox::commit(tx, &self.consumer, id).await)
+        };
+        match committed {
             Ok(()) => {
                 // Staged without NOTIFY when a relay runs here: wake it now.
                 #[cfg(feature = "outbox")]
@@ -525,6 +543,12 @@ where
         Err(_) => HandlerRun::TimedOut,
     }
 }
+
+/// What a unit's handler staged in the outbox, for its commit.
+#[cfg(feature = "outbox")]
+type Staging = std::sync::Arc<crate::outbox::UnitStaging>;
+#[cfg(not(feature = "outbox"))]
+type Staging = ();
 
 /// A connection error goes to the gate; anything else fails the unit.
 fn database_error(unit: Unit, context: &str, e: Error) -> Step {

@@ -152,6 +152,15 @@ pub async fn stage_all(
     }
     // Inside a consumer's unit whose relay runs in this process, the runtime
     // wakes the relay after the commit: no NOTIFY (see the migration).
+    // On the unit's own transaction and without ordering keys, the rows are
+    // written by the commit's claim check (`commit_unit`): no round trip here.
+    let address = &*conn as *const PgConnection as usize;
+    let deferred = UNIT
+        .try_with(|unit| unit.defer(address, &messages))
+        .unwrap_or(false);
+    if deferred {
+        return Ok(staged(messages));
+    }
     let quiet = UNIT
         .try_with(|unit| unit.staged.store(true, Ordering::Relaxed))
         .is_ok()
@@ -267,6 +276,80 @@ pub async fn stage_all(
     Ok(staged(messages))
 }
 
+/// Commits a consumer's unit whose handler staged `messages` on it: the
+/// claim check of [`inbox::commit`](crate::inbox::commit) and the outbox rows
+/// in ONE statement (the rows are written only if the claim is still there),
+/// then `COMMIT`. Forwarding then costs no round trip of its own.
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+pub(crate) async fn commit_unit(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    consumer: &str,
+    message_id: &str,
+    messages: Vec<OutboxMessage>,
+) -> crate::Result<()> {
+    let quiet = LOCAL_RELAYS.load(Ordering::Relaxed) > 0;
+    let written = if let [m] = messages.as_slice() {
+        let sql = if quiet {
+            "WITH claim AS (SELECT 1 FROM processed_messages WHERE consumer = $10 AND message_id = $11) \
+             INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
+                                 correlation_id, persistent, headers, ordering_key) \
+             SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9 \
+             FROM (SELECT set_config('idempo.outbox_notify', 'off', true)) AS quiet \
+             WHERE EXISTS (SELECT 1 FROM claim)"
+        } else {
+            "WITH claim AS (SELECT 1 FROM processed_messages WHERE consumer = $10 AND message_id = $11) \
+             INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
+                                 correlation_id, persistent, headers, ordering_key) \
+             SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9 \
+             WHERE EXISTS (SELECT 1 FROM claim)"
+        };
+        sqlx::query(sql)
+            .bind(&m.exchange)
+            .bind(&m.routing_key)
+            .bind(&m.message_id)
+            .bind(&m.body)
+            .bind(&m.content_type)
+            .bind(&m.correlation_id)
+            .bind(m.persistent)
+            .bind(serde_json::Value::Object(m.headers.clone()).to_string())
+            .bind(&m.ordering_key)
+            .bind(consumer)
+            .bind(message_id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+    } else {
+        let sql = if quiet {
+            "WITH claim AS (SELECT 1 FROM processed_messages WHERE consumer = $4 AND message_id = $5) \
+             INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
+             SELECT '', '', $1, ''::bytea, $2, $3 \
+             FROM (SELECT set_config('idempo.outbox_notify', 'off', true)) AS quiet \
+             WHERE EXISTS (SELECT 1 FROM claim)"
+        } else {
+            "WITH claim AS (SELECT 1 FROM processed_messages WHERE consumer = $4 AND message_id = $5) \
+             INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
+             SELECT '', '', $1, ''::bytea, $2, $3 \
+             WHERE EXISTS (SELECT 1 FROM claim)"
+        };
+        sqlx::query(sql)
+            .bind(messages[0].message_id.as_deref().unwrap_or_default())
+            .bind(packed::encode(&messages))
+            .bind(messages.len() as i32)
+            .bind(consumer)
+            .bind(message_id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+    };
+    if written == 0 {
+        return Err(crate::Error::ClaimLost {
+            message_id: message_id.to_owned(),
+        });
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
 /// Counts what was staged, wakes a dormant relay, returns the ids.
 fn staged(messages: Vec<OutboxMessage>) -> Vec<String> {
     metrics::counter!("idempo_outbox_staged_total").increment(messages.len() as u64);
@@ -303,9 +386,46 @@ tokio::task_local! {
 #[derive(Debug, Default)]
 pub(crate) struct UnitStaging {
     staged: AtomicBool,
+    /// The address of the unit's connection (0: none): only what is staged
+    /// on it is deferred to the commit, not what a handler stages on a
+    /// transaction of its own.
+    connection: AtomicUsize,
+    deferred: std::sync::Mutex<Vec<OutboxMessage>>,
 }
 
 impl UnitStaging {
+    /// Marks `connection` as the unit's transaction.
+    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+    pub(crate) fn on(connection: &PgConnection) -> Self {
+        let unit = UnitStaging::default();
+        unit.connection.store(
+            connection as *const PgConnection as usize,
+            Ordering::Relaxed,
+        );
+        unit
+    }
+
+    /// Keeps unkeyed messages staged on the unit's connection for the commit.
+    fn defer(&self, connection: usize, messages: &[OutboxMessage]) -> bool {
+        if connection != self.connection.load(Ordering::Relaxed)
+            || messages.iter().any(|m| m.ordering_key.is_some())
+        {
+            return false;
+        }
+        self.staged.store(true, Ordering::Relaxed);
+        self.deferred
+            .lock()
+            .expect("not poisoned")
+            .extend_from_slice(messages);
+        true
+    }
+
+    /// The messages kept for the commit.
+    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+    pub(crate) fn take_deferred(&self) -> Vec<OutboxMessage> {
+        std::mem::take(&mut *self.deferred.lock().expect("not poisoned"))
+    }
+
     #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
     pub(crate) fn staged(&self) -> bool {
         self.staged.load(Ordering::Relaxed)
