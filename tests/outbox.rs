@@ -151,7 +151,10 @@ async fn a_handler_that_fails_emits_nothing_and_one_that_commits_emits_once_with
     health.wait_for(|h| h.is_consuming()).await;
     // Dormant until this process stages; other tests of this binary stage
     // too (the wake-up is process-wide), so only "it has a relay" is certain.
-    assert!(health.snapshot().relay.is_some(), "the consumer runs a relay");
+    assert!(
+        health.snapshot().relay.is_some(),
+        "the consumer runs a relay"
+    );
 
     broker
         .publish_payment(&queue, "refused-1", "refused", 5)
