@@ -6,7 +6,8 @@
 //! ```
 //!
 //! Environment: `BENCH_OUTBOX_ROWS` (default 100000: the backlog the relay
-//! drains), `BENCH_MESSAGES` (default 20000: payments per consumer variant),
+//! drains), `BENCH_MESSAGES` (default 100000: payments per consumer variant
+//! and for the broker-only forwarder),
 //! `BENCH_QUEUE_TYPE` (`quorum`, the default, or `classic`),
 //! `BENCH_RELAY_BATCH` (the batch size of the bench's own relays, default
 //! 500 as `Relay`'s; the payments consumer's relay keeps its default),
@@ -35,8 +36,8 @@ use futures::StreamExt;
 use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy, Relay, RelayState};
 use idempo::outbox::{self, OutboxMessage};
 use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
@@ -55,6 +56,7 @@ const VARIANTS: &[&str] = &[
     "payments-c16-forward",
     "payments-batch500",
     "payments-batch500-forward",
+    "lapin-forwarder",
 ];
 
 /// Rows per `stage_all` transaction when building the backlog.
@@ -209,7 +211,7 @@ fn report(results: &[Figures]) {
         "\nqueue type: {queue_type}; relay batch size {}; backlog {} rows; {} payments per consumer variant\n",
         env_u64("BENCH_RELAY_BATCH", 500),
         env_u64("BENCH_OUTBOX_ROWS", 100_000),
-        env_u64("BENCH_MESSAGES", 20_000),
+        env_u64("BENCH_MESSAGES", 100_000),
     );
     if let Ok(knobs) = std::env::var("BENCH_DIAG") {
         println!("**DIAGNOSTIC RUN, BENCH_DIAG={knobs}: not the outbox's figures**\n");
@@ -306,6 +308,14 @@ fn report(results: &[Figures]) {
             with.messages as f64 / with.get("outbox_empty_seconds"),
             with.seconds,
         );
+        if let Some(ceiling) = find("lapin-forwarder") {
+            println!(
+                "| payments {mode}: broker-only forwarding ceiling vs without | {:.0} msg/s (lapin, no database) | {:.0} msg/s without | {:.2}× | (the best any forwarding can do here) | |",
+                ceiling.rate(),
+                without.rate(),
+                ceiling.rate() / without.rate(),
+            );
+        }
     }
     println!("\nper variant:\n");
     println!("| variant | messages | seconds | per second | other figures |");
@@ -437,6 +447,28 @@ impl Bench {
         self.queues.lock().unwrap().push(queue.to_owned());
     }
 
+    /// Publishes `messages` payments (ids `pay-0`, …) into `queue`, confirmed.
+    async fn fill(&self, queue: &str, messages: u64) -> anyhow::Result<()> {
+        for i in 0..messages {
+            let properties = BasicProperties::default()
+                .with_message_id(format!("pay-{i}").as_str().into())
+                .with_delivery_mode(2);
+            let confirm = self
+                .channel
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    BasicPublishOptions::default(),
+                    &body(i),
+                    properties,
+                )
+                .await?;
+            drop(confirm); // confirmed all at once below
+        }
+        self.channel.wait_for_confirms().await?;
+        Ok(())
+    }
+
     /// How many messages `queue` holds.
     async fn depth(&self, queue: &str) -> anyhow::Result<u32> {
         let passive = QueueDeclareOptions {
@@ -551,6 +583,7 @@ async fn run_variant(variant: &str) -> anyhow::Result<Figures> {
         "lapin-confirmed" => lapin_confirmed(&bench).await,
         "relay-drain" => relay_drain(&bench).await,
         "latency" => latency(&bench).await,
+        "lapin-forwarder" => lapin_forwarder(&bench).await,
         v if v.starts_with("payments") => payments_consumer(&bench, v).await,
         other => Err(anyhow::anyhow!("no variant {other}")),
     };
@@ -858,7 +891,7 @@ async fn latency(bench: &Bench) -> anyhow::Result<Figures> {
 /// Part 3: the payments consumer over a pre-filled input queue, with or
 /// without one forwarded (staged) message per payment.
 async fn payments_consumer(bench: &Bench, variant: &str) -> anyhow::Result<Figures> {
-    let messages = env_u64("BENCH_MESSAGES", 20_000);
+    let messages = env_u64("BENCH_MESSAGES", 100_000);
     let forward = variant.ends_with("-forward");
     let batch = variant.contains("batch500").then_some(500usize);
     let input = bench.tag.clone();
@@ -906,23 +939,7 @@ async fn payments_consumer(bench: &Bench, variant: &str) -> anyhow::Result<Figur
     health.wait_for(|h| h.is_consuming()).await;
     stop.shutdown();
     task.await??;
-    for i in 0..messages {
-        let properties = BasicProperties::default()
-            .with_message_id(format!("pay-{i}").as_str().into())
-            .with_delivery_mode(2);
-        let confirm = bench
-            .channel
-            .basic_publish(
-                "".into(),
-                input.as_str().into(),
-                BasicPublishOptions::default(),
-                &body(i),
-                properties,
-            )
-            .await?;
-        drop(confirm); // confirmed all at once below
-    }
-    bench.channel.wait_for_confirms().await?;
+    bench.fill(&input, messages).await?;
 
     let consumer = build()?;
     let (stop, health, stats) = (
@@ -968,6 +985,94 @@ async fn payments_consumer(bench: &Bench, variant: &str) -> anyhow::Result<Figur
         messages,
         seconds,
         extra,
+        ..Figures::default()
+    })
+}
+
+/// Part 3's ceiling: what the broker alone allows for consuming and
+/// forwarding one message per delivery, with no database at all. A lapin
+/// consumer (prefetch 1500, as the batch consumer) takes 500 deliveries,
+/// publishes a copy of each (`mandatory`, persistent, its message id) to a
+/// forward queue of the same type, awaits the 500 confirms, then acks the
+/// 500 at once. No implementation of forwarding can beat this on the same
+/// broker: it is the bound for `payments-*-forward`.
+async fn lapin_forwarder(bench: &Bench) -> anyhow::Result<Figures> {
+    let messages = env_u64("BENCH_MESSAGES", 100_000);
+    let input = format!("{}_in", bench.tag);
+    let forward = format!("{}_forward", bench.tag);
+    bench.declare(&input).await?;
+    bench.declare(&forward).await?;
+    bench.fill(&input, messages).await?;
+    let consuming = bench.connection.create_channel().await?;
+    consuming
+        .basic_qos(1500, BasicQosOptions::default())
+        .await?;
+    let publishing = bench.connection.create_channel().await?;
+    publishing
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let mandatory = BasicPublishOptions {
+        mandatory: true,
+        ..Default::default()
+    };
+    let mut deliveries = consuming
+        .basic_consume(
+            input.as_str().into(),
+            "forwarder".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let started = Instant::now();
+    let mut forwarded = 0;
+    while forwarded < messages {
+        let want = (messages - forwarded).min(BASELINE_BATCH as u64);
+        let mut confirms = Vec::with_capacity(want as usize);
+        let mut last = None;
+        for _ in 0..want {
+            let delivery = deliveries.next().await.context("consumer ended")??;
+            let properties = BasicProperties::default()
+                .with_message_id(
+                    delivery
+                        .properties
+                        .message_id()
+                        .clone()
+                        .context("no message id")?,
+                )
+                .with_content_type("application/json".into())
+                .with_delivery_mode(2);
+            confirms.push(
+                publishing
+                    .basic_publish(
+                        "".into(),
+                        forward.as_str().into(),
+                        mandatory,
+                        &delivery.data,
+                        properties,
+                    )
+                    .await?,
+            );
+            last = Some(delivery);
+        }
+        for confirm in confirms {
+            match confirm.await? {
+                Confirmation::Ack(None) => {}
+                other => anyhow::bail!("not confirmed: {other:?}"),
+            }
+        }
+        let last = last.expect("at least one delivery");
+        last.acker.ack(BasicAckOptions { multiple: true }).await?;
+        forwarded += want;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let depth = bench.depth(&forward).await?;
+    anyhow::ensure!(
+        u64::from(depth) == messages,
+        "the forward queue holds {depth} of {messages}"
+    );
+    Ok(Figures {
+        messages,
+        seconds,
         ..Figures::default()
     })
 }
