@@ -611,6 +611,17 @@ async fn run_variant(variant: &str) -> anyhow::Result<Figures> {
     result
 }
 
+/// Awaits publisher confirms; anything but a plain ack is an error.
+async fn all_acked(confirms: Vec<lapin::PublisherConfirm>) -> anyhow::Result<()> {
+    for confirm in confirms {
+        match confirm.await? {
+            Confirmation::Ack(None) => {}
+            other => anyhow::bail!("not confirmed: {other:?}"),
+        }
+    }
+    Ok(())
+}
+
 fn backlog_rows() -> u64 {
     env_u64("BENCH_OUTBOX_ROWS", 100_000)
 }
@@ -650,12 +661,7 @@ async fn lapin_confirmed(bench: &Bench) -> anyhow::Result<Figures> {
                     .await?,
             );
         }
-        for confirm in confirms {
-            match confirm.await? {
-                Confirmation::Ack(None) => {}
-                other => anyhow::bail!("not confirmed: {other:?}"),
-            }
-        }
+        all_acked(confirms).await?;
     }
     let seconds = started.elapsed().as_secs_f64();
     let depth = bench.depth(&queue).await?;
@@ -1054,12 +1060,7 @@ async fn lapin_forwarder(bench: &Bench) -> anyhow::Result<Figures> {
             );
             last = Some(delivery);
         }
-        for confirm in confirms {
-            match confirm.await? {
-                Confirmation::Ack(None) => {}
-                other => anyhow::bail!("not confirmed: {other:?}"),
-            }
-        }
+        all_acked(confirms).await?;
         let last = last.expect("at least one delivery");
         last.acker.ack(BasicAckOptions { multiple: true }).await?;
         forwarded += want;
