@@ -184,3 +184,49 @@ async fn retention_deletes_only_this_consumers_old_claims_in_batches() {
     .unwrap();
     assert_eq!(left, [("billing".into(), 3), ("ledger".into(), 4)]);
 }
+
+/// sqlx 0.9.0 connects without `TCP_NODELAY` (sqlx#4335), and then every
+/// statement larger than one TCP segment (a batch's claims) waits up to 40 ms
+/// for the server's delayed ACK. This repository builds against sqlx-core
+/// with it restored (vendor/README.md): this fails if that patch is lost.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn connections_to_postgres_over_tcp_send_without_delay() {
+    use std::os::fd::BorrowedFd;
+
+    let db = Db::new().await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    let (port, server_port): (Option<i32>, Option<i32>) =
+        sqlx::query_as("SELECT inet_client_port(), inet_server_port()")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+    let (Some(port), Some(server_port)) = (port, server_port) else {
+        panic!("DATABASE_URL must reach PostgreSQL over TCP for this test, not a Unix socket");
+    };
+    let (port, server_port) = (port as u16, server_port as u16);
+    let mut nodelay = Vec::new();
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap() {
+        let Ok(fd) = entry.unwrap().file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        // SAFETY: the descriptor is only inspected with getsockname/getsockopt
+        // while `conn` keeps the connection (and so its socket) open; a
+        // descriptor that is not a socket, or closed meanwhile, makes them fail.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        let socket = socket2::SockRef::from(&fd);
+        let local = socket.local_addr().ok().and_then(|a| a.as_socket());
+        let peer = socket.peer_addr().ok().and_then(|a| a.as_socket());
+        if let (Some(local), Some(peer)) = (local, peer)
+            && local.port() == port
+            && peer.port() == server_port
+        {
+            nodelay.push(socket.tcp_nodelay().unwrap());
+        }
+    }
+    assert_eq!(
+        nodelay,
+        [true],
+        "the pool's connection (local port {port}) should have TCP_NODELAY set"
+    );
+}
