@@ -85,7 +85,7 @@ pub use headers::{
 pub use health::{Health, HealthSnapshot, RuntimeState};
 pub use message::{DecodeError, FromMessage, JsonBody, Message};
 pub use message_id::{IdFn, MessageIdSource};
-pub use redelivery::RedeliveryPolicy;
+pub use redelivery::{RedeliveryPolicy, delay_queue};
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
 pub use relay::{Relay, RelayHealth, RelaySnapshot, RelayState};

@@ -140,8 +140,16 @@ impl RedeliveryPolicy {
     }
 }
 
-/// The delay queue of `queue` for `delay`: `<queue>.retry.<delay>`.
-pub(crate) fn delay_queue(queue: &str, delay: Duration) -> String {
+/// The delay queue a consumer of `queue` declares for `delay`:
+/// `<queue>.retry.<delay>`, the delay written exactly and short (`1s`, `2m`,
+/// `250ms`, `1h`). For tools that inspect the topology (the `idempo` command's
+/// `status`).
+///
+/// ```
+/// use std::time::Duration;
+/// assert_eq!(idempo::amqp::delay_queue("payments", Duration::from_secs(120)), "payments.retry.2m");
+/// ```
+pub fn delay_queue(queue: &str, delay: Duration) -> String {
     format!("{queue}.retry.{}", label(delay))
 }
 

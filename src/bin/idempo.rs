@@ -492,7 +492,7 @@ async fn status(ctx: &Ctx, args: StatusArgs) -> anyhow::Result<u8> {
             let dlq = passive(&connection, &format!("{queue}.dlq")).await?;
             let mut delay_rows = Vec::new();
             for delay in &delays {
-                let name = format!("{queue}.retry.{}", delay_label(*delay));
+                let name = idempo::amqp::delay_queue(queue, *delay);
                 if let Some((ready, _)) = passive(&connection, &name).await? {
                     delay_rows.push(json!({"queue": name, "ready": ready}));
                 }
@@ -640,17 +640,6 @@ async fn status(ctx: &Ctx, args: StatusArgs) -> anyhow::Result<u8> {
         }
     }
     Ok(if warnings.is_empty() { 0 } else { ATTENTION })
-}
-
-/// `1s`, `2m`, `250ms`, `1h`: the delay queues' suffix (as the runtime names them).
-fn delay_label(delay: Duration) -> String {
-    let ms = delay.as_millis();
-    match ms {
-        ms if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
-        ms if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
-        ms if ms % 1_000 == 0 => format!("{}s", ms / 1_000),
-        ms => format!("{ms}ms"),
-    }
 }
 
 /// Ready messages and consumers of `queue`, or `None` when it does not exist.
@@ -1330,6 +1319,5 @@ mod tests {
             1_796_091_587
         );
         assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
-        assert_eq!(delay_label(Duration::from_millis(50)), "50ms");
     }
 }
