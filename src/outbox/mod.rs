@@ -171,20 +171,7 @@ pub async fn stage_all(
         .collect();
     if keys.is_empty() && messages.len() > 1 {
         // One row for the lot: a fraction of the writes of a row each.
-        let sql = if quiet {
-            "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
-             SELECT '', '', $1, ''::bytea, $2, $3 FROM (SELECT set_config('idempo.outbox_notify', 'off', true)) AS quiet"
-        } else {
-            "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
-             VALUES ('', '', $1, '', $2, $3)"
-        };
-        let first = messages[0].message_id.clone().expect("set above");
-        sqlx::query(sql)
-            .bind(first)
-            .bind(packed::encode(&messages))
-            .bind(messages.len() as i32)
-            .execute(&mut *conn)
-            .await?;
+        insert_packed(conn, &messages, quiet, None).await?;
         return Ok(staged(messages));
     }
     if !keys.is_empty() {
@@ -202,77 +189,11 @@ pub async fn stage_all(
         .execute(&mut *conn)
         .await?;
     }
-    if let [m] = messages.as_slice() {
+    match messages.as_slice() {
         // One message: a plain insert, cheaper than unnesting arrays.
-        let sql = if quiet {
-            "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                                 correlation_id, persistent, headers, ordering_key) \
-             SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9 \
-             FROM (SELECT set_config('idempo.outbox_notify', 'off', true)) AS quiet"
-        } else {
-            "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                                 correlation_id, persistent, headers, ordering_key) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9)"
-        };
-        sqlx::query(sql)
-            .bind(&m.exchange)
-            .bind(&m.routing_key)
-            .bind(&m.message_id)
-            .bind(&m.body)
-            .bind(&m.content_type)
-            .bind(&m.correlation_id)
-            .bind(m.persistent)
-            .bind(serde_json::Value::Object(m.headers.clone()).to_string())
-            .bind(&m.ordering_key)
-            .execute(&mut *conn)
-            .await?;
-        return Ok(staged(messages));
-    }
-    let column = |f: fn(&OutboxMessage) -> Option<&str>| -> Vec<Option<&str>> {
-        messages.iter().map(f).collect()
+        [m] => insert_one(conn, m, quiet, None).await?,
+        _ => insert_rows(conn, &messages, quiet).await?,
     };
-    let exchanges = column(|m| Some(&m.exchange));
-    let routing_keys = column(|m| Some(&m.routing_key));
-    let ids = column(|m| m.message_id.as_deref());
-    let content_types = column(|m| m.content_type.as_deref());
-    let correlation_ids = column(|m| m.correlation_id.as_deref());
-    let ordering_keys = column(|m| m.ordering_key.as_deref());
-    let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
-    let persistent: Vec<bool> = messages.iter().map(|m| m.persistent).collect();
-    let headers: Vec<String> = messages
-        .iter()
-        .map(|m| serde_json::Value::Object(m.headers.clone()).to_string())
-        .collect();
-    let sql = if quiet {
-        "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                             correlation_id, persistent, headers, ordering_key) \
-         SELECT e, r, i, b, c, k, p, h::jsonb, o \
-         FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], \
-                     $6::text[], $7::bool[], $8::text[], $9::text[]) \
-              WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, o, n), \
-              (SELECT set_config('idempo.outbox_notify', 'off', true)) AS quiet \
-         ORDER BY n"
-    } else {
-        "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                             correlation_id, persistent, headers, ordering_key) \
-         SELECT e, r, i, b, c, k, p, h::jsonb, o \
-         FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], \
-                     $6::text[], $7::bool[], $8::text[], $9::text[]) \
-              WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, o, n) \
-         ORDER BY n"
-    };
-    sqlx::query(sql)
-        .bind(&exchanges)
-        .bind(&routing_keys)
-        .bind(&ids)
-        .bind(&bodies)
-        .bind(&content_types)
-        .bind(&correlation_ids)
-        .bind(&persistent)
-        .bind(&headers)
-        .bind(&ordering_keys)
-        .execute(&mut *conn)
-        .await?;
     Ok(staged(messages))
 }
 
@@ -288,58 +209,10 @@ pub(crate) async fn commit_unit(
     messages: Vec<OutboxMessage>,
 ) -> crate::Result<()> {
     let quiet = LOCAL_RELAYS.load(Ordering::Relaxed) > 0;
-    let written = if let [m] = messages.as_slice() {
-        let sql = if quiet {
-            "WITH claim AS (SELECT 1 FROM processed_messages WHERE consumer = $10 AND message_id = $11) \
-             INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                                 correlation_id, persistent, headers, ordering_key) \
-             SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9 \
-             FROM (SELECT set_config('idempo.outbox_notify', 'off', true)) AS quiet \
-             WHERE EXISTS (SELECT 1 FROM claim)"
-        } else {
-            "WITH claim AS (SELECT 1 FROM processed_messages WHERE consumer = $10 AND message_id = $11) \
-             INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                                 correlation_id, persistent, headers, ordering_key) \
-             SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9 \
-             WHERE EXISTS (SELECT 1 FROM claim)"
-        };
-        sqlx::query(sql)
-            .bind(&m.exchange)
-            .bind(&m.routing_key)
-            .bind(&m.message_id)
-            .bind(&m.body)
-            .bind(&m.content_type)
-            .bind(&m.correlation_id)
-            .bind(m.persistent)
-            .bind(serde_json::Value::Object(m.headers.clone()).to_string())
-            .bind(&m.ordering_key)
-            .bind(consumer)
-            .bind(message_id)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-    } else {
-        let sql = if quiet {
-            "WITH claim AS (SELECT 1 FROM processed_messages WHERE consumer = $4 AND message_id = $5) \
-             INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
-             SELECT '', '', $1, ''::bytea, $2, $3 \
-             FROM (SELECT set_config('idempo.outbox_notify', 'off', true)) AS quiet \
-             WHERE EXISTS (SELECT 1 FROM claim)"
-        } else {
-            "WITH claim AS (SELECT 1 FROM processed_messages WHERE consumer = $4 AND message_id = $5) \
-             INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
-             SELECT '', '', $1, ''::bytea, $2, $3 \
-             WHERE EXISTS (SELECT 1 FROM claim)"
-        };
-        sqlx::query(sql)
-            .bind(messages[0].message_id.as_deref().unwrap_or_default())
-            .bind(packed::encode(&messages))
-            .bind(messages.len() as i32)
-            .bind(consumer)
-            .bind(message_id)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
+    let claim = Some((consumer, message_id));
+    let written = match messages.as_slice() {
+        [m] => insert_one(&mut tx, m, quiet, claim).await?,
+        _ => insert_packed(&mut tx, &messages, quiet, claim).await?,
     };
     if written == 0 {
         return Err(crate::Error::ClaimLost {
@@ -348,6 +221,116 @@ pub(crate) async fn commit_unit(
     }
     tx.commit().await?;
     Ok(())
+}
+
+// The three ways a row gets into the outbox. Each turns the staging
+// trigger's NOTIFY off for the transaction when `quiet` (a relay of this
+// process is woken after the commit instead: see the migration), and with a
+// `claim` (consumer, message id) writes only while that claim stands: the
+// claim check of a unit's commit and its rows in one statement.
+
+/// `set_config`'s value for `idempo.outbox_notify`.
+fn notify_setting(quiet: bool) -> &'static str {
+    if quiet { "off" } else { "" }
+}
+
+/// One message, one row; returns the rows written (0: the claim is gone).
+async fn insert_one(
+    conn: &mut PgConnection,
+    m: &OutboxMessage,
+    quiet: bool,
+    claim: Option<(&str, &str)>,
+) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
+                             correlation_id, persistent, headers, ordering_key) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9 \
+         FROM (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify \
+         WHERE $11::text IS NULL OR EXISTS ( \
+             SELECT 1 FROM processed_messages WHERE consumer = $11 AND message_id = $12)",
+    )
+    .bind(&m.exchange)
+    .bind(&m.routing_key)
+    .bind(&m.message_id)
+    .bind(&m.body)
+    .bind(&m.content_type)
+    .bind(&m.correlation_id)
+    .bind(m.persistent)
+    .bind(serde_json::Value::Object(m.headers.clone()).to_string())
+    .bind(&m.ordering_key)
+    .bind(notify_setting(quiet))
+    .bind(claim.map(|(consumer, _)| consumer))
+    .bind(claim.map(|(_, id)| id))
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// Several unkeyed messages in one packed row (`packed.rs`); returns the
+/// rows written (0: the claim is gone).
+async fn insert_packed(
+    conn: &mut PgConnection,
+    messages: &[OutboxMessage],
+    quiet: bool,
+    claim: Option<(&str, &str)>,
+) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
+         SELECT '', '', $1, ''::bytea, $2, $3 \
+         FROM (SELECT set_config('idempo.outbox_notify', $4, true)) AS notify \
+         WHERE $5::text IS NULL OR EXISTS ( \
+             SELECT 1 FROM processed_messages WHERE consumer = $5 AND message_id = $6)",
+    )
+    .bind(messages[0].message_id.as_deref().unwrap_or_default())
+    .bind(packed::encode(messages))
+    .bind(messages.len() as i32)
+    .bind(notify_setting(quiet))
+    .bind(claim.map(|(consumer, _)| consumer))
+    .bind(claim.map(|(_, id)| id))
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// Several messages, a row each, in staging order (messages with ordering
+/// keys: each row is published on its own).
+async fn insert_rows(
+    conn: &mut PgConnection,
+    messages: &[OutboxMessage],
+    quiet: bool,
+) -> Result<u64, sqlx::Error> {
+    let column = |f: fn(&OutboxMessage) -> Option<&str>| -> Vec<Option<&str>> {
+        messages.iter().map(f).collect()
+    };
+    let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
+    let persistent: Vec<bool> = messages.iter().map(|m| m.persistent).collect();
+    let headers: Vec<String> = messages
+        .iter()
+        .map(|m| serde_json::Value::Object(m.headers.clone()).to_string())
+        .collect();
+    let done = sqlx::query(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
+                             correlation_id, persistent, headers, ordering_key) \
+         SELECT e, r, i, b, c, k, p, h::jsonb, o \
+         FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], \
+                     $6::text[], $7::bool[], $8::text[], $9::text[]) \
+              WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, o, n), \
+              (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify \
+         ORDER BY n",
+    )
+    .bind(column(|m| Some(&m.exchange)))
+    .bind(column(|m| Some(&m.routing_key)))
+    .bind(column(|m| m.message_id.as_deref()))
+    .bind(&bodies)
+    .bind(column(|m| m.content_type.as_deref()))
+    .bind(column(|m| m.correlation_id.as_deref()))
+    .bind(&persistent)
+    .bind(&headers)
+    .bind(column(|m| m.ordering_key.as_deref()))
+    .bind(notify_setting(quiet))
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 /// Counts what was staged, wakes a dormant relay, returns the ids.
