@@ -6,8 +6,10 @@
 //! ```
 //!
 //! Environment: `BENCH_OUTBOX_ROWS` (default 100000: the backlog the relay
-//! drains), `BENCH_MESSAGES` (default 100000: payments per consumer variant
-//! and for the broker-only forwarder),
+//! drains), `BENCH_MESSAGES` (default 50000: payments per consumer variant
+//! and for the broker-only forwarder), `BENCH_ROUNDS` (default 3: how many
+//! times each consumer variant runs, pairs back to back; the median run is
+//! reported),
 //! `BENCH_QUEUE_TYPE` (`quorum`, the default, or `classic`),
 //! `BENCH_RELAY_BATCH` (the batch size of the bench's own relays, default
 //! 500 as `Relay`'s; the payments consumer's relay keeps its default),
@@ -151,11 +153,30 @@ fn main() -> anyhow::Result<()> {
     // `cargo bench` passes `--bench`; any other word filters the variants.
     let filter: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with("--")).collect();
     let exe = std::env::current_exe()?;
-    let mut results = Vec::new();
-    for variant in VARIANTS {
-        if !filter.is_empty() && !filter.iter().any(|f| variant.contains(f.as_str())) {
-            continue;
-        }
+    let selected: Vec<&str> = VARIANTS
+        .iter()
+        .copied()
+        .filter(|v| filter.is_empty() || filter.iter().any(|f| v.contains(f.as_str())))
+        .collect();
+    // The consumer variants run in rounds, each pair back to back, so that a
+    // ratio compares runs made under the same machine state; the median run
+    // of each variant is reported.
+    let rounds = env_u64("BENCH_ROUNDS", 3).max(1);
+    let mut schedule: Vec<&str> = selected
+        .iter()
+        .copied()
+        .filter(|v| !v.starts_with("payments"))
+        .collect();
+    let consumers: Vec<&str> = selected
+        .iter()
+        .copied()
+        .filter(|v| v.starts_with("payments"))
+        .collect();
+    for _ in 0..rounds {
+        schedule.extend(&consumers);
+    }
+    let mut runs: BTreeMap<&str, Vec<Figures>> = BTreeMap::new();
+    for variant in schedule {
         eprintln!("running {variant} ...");
         let out = Command::new(&exe).args(["--variant", variant]).output()?;
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -171,10 +192,31 @@ fn main() -> anyhow::Result<()> {
             })?;
         let figures: Figures = serde_json::from_str(line)?;
         eprintln!("  {figures:?}");
-        results.push(figures);
+        runs.entry(variant).or_default().push(figures);
     }
+    let results: Vec<Figures> = selected
+        .iter()
+        .filter_map(|v| runs.remove(v))
+        .map(median_run)
+        .collect();
     report(&results);
     Ok(())
+}
+
+/// The run with the median rate (the lower middle of an even count), with
+/// every run's rate added as `rate_round_N` when there were several.
+fn median_run(mut runs: Vec<Figures>) -> Figures {
+    let rates: Vec<f64> = runs.iter().map(Figures::rate).collect();
+    runs.sort_by(|a, b| a.rate().total_cmp(&b.rate()));
+    let mut median = runs.swap_remove((runs.len() - 1) / 2);
+    if rates.len() > 1 {
+        for (round, rate) in rates.into_iter().enumerate() {
+            median
+                .extra
+                .insert(format!("rate_round_{}", round + 1), rate);
+        }
+    }
+    median
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -208,10 +250,11 @@ fn report(results: &[Figures]) {
     let yes = |ok: bool| if ok { "yes" } else { "**no**" };
     let queue_type = std::env::var("BENCH_QUEUE_TYPE").unwrap_or_else(|_| "quorum".into());
     println!(
-        "\nqueue type: {queue_type}; relay batch size {}; backlog {} rows; {} payments per consumer variant\n",
+        "\nqueue type: {queue_type}; relay batch size {}; backlog {} rows; {} payments per consumer variant, median of {} rounds\n",
         env_u64("BENCH_RELAY_BATCH", 500),
         env_u64("BENCH_OUTBOX_ROWS", 100_000),
-        env_u64("BENCH_MESSAGES", 100_000),
+        env_u64("BENCH_MESSAGES", 50_000),
+        env_u64("BENCH_ROUNDS", 3).max(1),
     );
     if let Ok(knobs) = std::env::var("BENCH_DIAG") {
         println!("**DIAGNOSTIC RUN, BENCH_DIAG={knobs}: not the outbox's figures**\n");
@@ -897,7 +940,7 @@ async fn latency(bench: &Bench) -> anyhow::Result<Figures> {
 /// Part 3: the payments consumer over a pre-filled input queue, with or
 /// without one forwarded (staged) message per payment.
 async fn payments_consumer(bench: &Bench, variant: &str) -> anyhow::Result<Figures> {
-    let messages = env_u64("BENCH_MESSAGES", 100_000);
+    let messages = env_u64("BENCH_MESSAGES", 50_000);
     let forward = variant.ends_with("-forward");
     let batch = variant.contains("batch500").then_some(500usize);
     let input = bench.tag.clone();
@@ -947,6 +990,11 @@ async fn payments_consumer(bench: &Bench, variant: &str) -> anyhow::Result<Figur
     task.await??;
     bench.fill(&input, messages).await?;
 
+    // Every run starts its timed phase right after a checkpoint, so that none
+    // of them pays for one (full-page images) that another does not.
+    if let Err(e) = sqlx::query("CHECKPOINT").execute(&bench.pool).await {
+        eprintln!("CHECKPOINT refused ({e}): runs may differ by a checkpoint");
+    }
     let consumer = build()?;
     let (stop, health, stats) = (
         consumer.shutdown_handle(),
@@ -1003,7 +1051,7 @@ async fn payments_consumer(bench: &Bench, variant: &str) -> anyhow::Result<Figur
 /// 500 at once. No implementation of forwarding can beat this on the same
 /// broker: it is the bound for `payments-*-forward`.
 async fn lapin_forwarder(bench: &Bench) -> anyhow::Result<Figures> {
-    let messages = env_u64("BENCH_MESSAGES", 100_000);
+    let messages = env_u64("BENCH_MESSAGES", 50_000);
     let input = format!("{}_in", bench.tag);
     let forward = format!("{}_forward", bench.tag);
     bench.declare(&input).await?;
