@@ -407,3 +407,70 @@ async fn reap_and_cleanup_delete_only_what_is_old_or_expired() {
     assert_eq!(db.count("SELECT count(*) FROM idempotency_keys").await, 1);
     assert_eq!(db.count("SELECT count(*) FROM dedup_window").await, 1);
 }
+
+/// A UTC timestamp as idempo's failure headers write it, `ago` in the past
+/// (GNU `date`, to keep the test free of a calendar crate).
+fn failure_time(ago: &str) -> String {
+    let out = Command::new("date")
+        .args(["-u", "-d", ago, "+%Y-%m-%dT%H:%M:%S.000Z"])
+        .output()
+        .expect("run date");
+    assert!(out.status.success(), "date -d {ago:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+#[tokio::test]
+async fn purge_older_than_deletes_only_dead_letters_that_failed_before_it() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // No example runs here: a migrated schema is all the binary needs.
+    let db = Db::with_pool_size(2).await;
+    idempo::migrate(&db.pool).await.unwrap();
+    let (broker, queue) = (Broker::connect().await, unique("q"));
+    let dlq = format!("{queue}.dlq");
+    broker.declare(&queue).await; // and its DLQ
+    let dead_letter = |id: &str, failed: Option<String>| {
+        let mut headers = lapin::types::FieldTable::default();
+        if let Some(at) = failed {
+            headers.insert(
+                "x-idempo-last-failure".into(),
+                lapin::types::AMQPValue::LongString(at.into()),
+            );
+        }
+        lapin::BasicProperties::default()
+            .with_message_id(id.into())
+            .with_headers(headers)
+    };
+    let body = payment_body("acct-a", 5);
+    let old = dead_letter("old-1", Some(failure_time("2 hours ago")));
+    broker.publish_props(&dlq, old, &body).await;
+    let recent = dead_letter("recent-1", Some(failure_time("1 minute ago")));
+    broker.publish_props(&dlq, recent, &body).await;
+    // No failure time: its age is unknown, so it is never old enough.
+    broker
+        .publish_props(&dlq, dead_letter("foreign-1", None), &body)
+        .await;
+    eventually_ready(&broker, &dlq, 3).await;
+
+    let out = run(
+        &db,
+        &[
+            "--json",
+            "dlq",
+            "purge",
+            &queue,
+            "--older-than",
+            "1h",
+            "--yes",
+        ],
+    );
+    assert!(out.status.success());
+    assert_eq!(json_lines(&out)[0]["deleted"], 1);
+    eventually_ready(&broker, &dlq, 2).await;
+    let left = json_lines(&run(&db, &["--json", "dlq", "list", &queue]));
+    let mut ids: Vec<&str> = left
+        .iter()
+        .map(|d| d["message_id"].as_str().unwrap())
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["foreign-1", "recent-1"]);
+}
