@@ -249,6 +249,7 @@ async fn cluster_node_stops_and_kills_leave_every_payment_applied_exactly_once()
 
     // 3. The stopped node comes back; then the new leader's node stops.
     nodes.start(leader);
+    cluster::wait_member_online(&queue, leader, &nodes.running()).await;
     progress(&db, 200, "progress after the node came back").await;
     publisher.switch_to((1..=3).find(|&n| n != new_leader && n != leader).unwrap());
     let second_stop_took = nodes.stop(new_leader);

@@ -143,6 +143,44 @@ pub fn leader_of(queue: &str, running: &[usize]) -> usize {
     panic!("no running node of {running:?} names a leader for {queue}")
 }
 
+/// Waits until node `n`'s member of quorum queue `queue` is online again (as
+/// the `running` nodes see it), so that stopping another node leaves the
+/// queue a majority. A restarted node runs before its queue members rejoin.
+pub async fn wait_member_online(queue: &str, n: usize, running: &[usize]) {
+    let started = std::time::Instant::now();
+    loop {
+        for &asked in running {
+            let out = script()
+                .args([
+                    "ctl",
+                    &asked.to_string(),
+                    "list_queues",
+                    "name",
+                    "online",
+                    "-q",
+                ])
+                .args(["--no-table-headers"])
+                .output()
+                .expect("run the cluster script");
+            let listing = String::from_utf8_lossy(&out.stdout);
+            let online = listing
+                .lines()
+                .find(|line| line.split('\t').next() == Some(queue))
+                .is_some_and(|line| {
+                    line.contains(&format!("idempo-{n}@")) || line.contains(&format!("@rabbit-{n}"))
+                });
+            if online {
+                return;
+            }
+        }
+        assert!(
+            started.elapsed() < NODE_TIMEOUT,
+            "node {n}'s member of {queue} did not come back online within {NODE_TIMEOUT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Stops node `n` cleanly (as a maintenance or a lost host would, to its
 /// clients: their connections close).
 pub fn stop_node(n: usize) {
