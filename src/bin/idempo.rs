@@ -1251,38 +1251,15 @@ async fn cleanup(ctx: &Ctx, batch: usize) -> anyhow::Result<u8> {
     let mut results = Vec::new();
     if table_exists(&pool, "idempotency_keys").await? {
         let store = idempo::http::PostgresStore::new(pool.clone());
-        let mut n = 0;
-        loop {
-            let deleted = store.delete_expired(batch).await?;
-            n += deleted;
-            if !ctx.json {
-                eprint!("\ridempotency_keys: {n} expired deleted");
-            }
-            if deleted < batch as u64 {
-                break;
-            }
-        }
-        if !ctx.json {
-            eprintln!();
-        }
+        let n = in_batches(ctx, "idempotency_keys", batch, || {
+            store.delete_expired(batch)
+        })
+        .await?;
         results.push(("idempotency_keys", n));
     }
     if table_exists(&pool, "dedup_window").await? {
         let store = idempo::window::PostgresWindow::new(pool.clone());
-        let mut n = 0;
-        loop {
-            let deleted = store.delete_expired(batch).await?;
-            n += deleted;
-            if !ctx.json {
-                eprint!("\rdedup_window: {n} expired deleted");
-            }
-            if deleted < batch as u64 {
-                break;
-            }
-        }
-        if !ctx.json {
-            eprintln!();
-        }
+        let n = in_batches(ctx, "dedup_window", batch, || store.delete_expired(batch)).await?;
         results.push(("dedup_window", n));
     }
     for (table, n) in results {
@@ -1293,6 +1270,36 @@ async fn cleanup(ctx: &Ctx, batch: usize) -> anyhow::Result<u8> {
         }
     }
     Ok(0)
+}
+
+/// Calls `delete` (one bounded batch) until a batch comes back short; returns
+/// the total, with a running count on stderr unless `--json`.
+async fn in_batches<F, Fut, E>(
+    ctx: &Ctx,
+    table: &str,
+    batch: usize,
+    mut delete: F,
+) -> anyhow::Result<u64>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<u64, E>>,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let mut n = 0;
+    loop {
+        let deleted = delete().await?;
+        n += deleted;
+        if !ctx.json {
+            eprint!("\r{table}: {n} expired deleted");
+        }
+        if deleted < batch as u64 {
+            break;
+        }
+    }
+    if !ctx.json {
+        eprintln!();
+    }
+    Ok(n)
 }
 
 #[cfg(test)]

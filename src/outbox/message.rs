@@ -181,6 +181,11 @@ impl OutboxMessage {
         self.persistent
     }
 
+    /// The headers as JSON text (an object), as the outbox stores them.
+    pub(crate) fn headers_text(&self) -> String {
+        serde_json::to_string(&self.headers).expect("a JSON map serialises")
+    }
+
     /// Everything a broker or PostgreSQL would refuse, as a clear error now.
     pub(crate) fn validate(&self) -> Result<(), OutboxError> {
         if self.body.len() > self.max_body_size {

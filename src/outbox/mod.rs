@@ -256,7 +256,7 @@ async fn insert_one(
     .bind(&m.content_type)
     .bind(&m.correlation_id)
     .bind(m.persistent)
-    .bind(serde_json::Value::Object(m.headers.clone()).to_string())
+    .bind(m.headers_text())
     .bind(&m.ordering_key)
     .bind(notify_setting(quiet))
     .bind(claim.map(|(consumer, _)| consumer))
@@ -304,10 +304,7 @@ async fn insert_rows(
     };
     let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
     let persistent: Vec<bool> = messages.iter().map(|m| m.persistent).collect();
-    let headers: Vec<String> = messages
-        .iter()
-        .map(|m| serde_json::Value::Object(m.headers.clone()).to_string())
-        .collect();
+    let headers: Vec<String> = messages.iter().map(OutboxMessage::headers_text).collect();
     let done = sqlx::query(
         "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
                              correlation_id, persistent, headers, ordering_key) \

@@ -30,7 +30,7 @@ pub(crate) fn encode(messages: &[OutboxMessage]) -> Vec<u8> {
     out.push(VERSION);
     out.extend_from_slice(&(messages.len() as u32).to_be_bytes());
     for m in messages {
-        let headers = serde_json::Value::Object(m.headers.clone()).to_string();
+        let headers = m.headers_text();
         for field in [
             Some(m.exchange.as_bytes()),
             Some(m.routing_key.as_bytes()),
