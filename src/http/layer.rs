@@ -9,11 +9,9 @@ use http::{HeaderName, Method, StatusCode, header};
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
+use super::config::Config;
 use super::service::Idempotency;
 use super::store::IdempotencyStore;
-
-type UserFn = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
-type StatusFn = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 
 /// The shortest [lease](IdempotencyLayer::lease): the heartbeat renews it
 /// every third of it.
@@ -80,25 +78,6 @@ pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 pub struct IdempotencyLayer<St> {
     store: Arc<St>,
     config: Config,
-}
-
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) methods: Vec<Method>,
-    pub(crate) require_key: bool,
-    pub(crate) user: UserFn,
-    pub(crate) max_request_body: usize,
-    pub(crate) max_response_body: usize,
-    pub(crate) lease: Duration,
-    pub(crate) ttl: Duration,
-    pub(crate) stored_headers: Vec<HeaderName>,
-    pub(crate) stores_status: StatusFn,
-    pub(crate) fail_open: bool,
-    pub(crate) retry_after: Duration,
-    pub(crate) store_timeout: Duration,
-    pub(crate) body_timeout: Duration,
-    /// The handler tasks, for a graceful shutdown to wait for.
-    pub(crate) tasks: TaskTracker,
 }
 
 /// The default of [`IdempotencyLayer::stores_status`], on one principle: a

@@ -17,8 +17,8 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sqlx::{Postgres, Transaction};
 use tower_service::Service;
 
+use super::config::Config;
 use super::key::{IDEMPOTENT_REPLAYED, IdempotencyKey};
-use super::layer::Config;
 use super::problem::{LayerAnswer, Problem};
 use super::record::{Fingerprint, RecordKey, StoredResponse};
 use super::store::{AtomicStore, Begin, FencingToken, IdempotencyStore, Operation};
