@@ -106,14 +106,17 @@ pub enum Error {
         reason: String,
     },
 
-    /// A message could not be staged in the outbox.
-    #[cfg(feature = "outbox")]
-    #[error(transparent)]
-    Outbox(#[from] crate::outbox::OutboxError),
-
     /// A builder was given an impossible configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+
+    /// An error of one of idempo's feature modules, kept whole (the
+    /// outbox's [`OutboxError`](crate::outbox::OutboxError) when a staging
+    /// is refused, say): ask it with [`downcast_ref`](Error::downcast_ref).
+    /// The ground floor names no feature, so this is how `?` carries their
+    /// errors into an `idempo::Error`.
+    #[error(transparent)]
+    Other(Box<dyn StdError + Send + Sync + 'static>),
 
     /// [`Tx::try_lock`](crate::Tx::try_lock) was called while a guard of the
     /// same transaction was still held.
@@ -133,6 +136,14 @@ impl From<sqlx::migrate::MigrateError> for Error {
 }
 
 impl Error {
+    /// The error of a feature module inside [`Error::Other`], if it is a `T`.
+    pub fn downcast_ref<T: StdError + 'static>(&self) -> Option<&T> {
+        match self {
+            Error::Other(e) => e.downcast_ref(),
+            _ => None,
+        }
+    }
+
     /// Whether the database (or the connection to it) is gone or refuses us,
     /// as opposed to a problem with one statement or one message: I/O and
     /// TLS errors, pool timeouts, every error PostgreSQL reports as `FATAL`

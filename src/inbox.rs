@@ -292,19 +292,56 @@ pub async fn claim_batch(
 /// - an error for which [`Error::is_connection_error`] holds: **the outcome
 ///   is unknown** if it came from the `COMMIT`; a new claim of the id tells
 ///   (duplicate: it committed).
-pub async fn commit(
+pub async fn commit(tx: Transaction<'_, Postgres>, consumer: &str, message_id: &str) -> Result<()> {
+    commit_with(tx, consumer, message_id, |conn, consumer, message_id| {
+        Box::pin(async move {
+            Ok(sqlx::query(CLAIM_CHECK.as_str())
+                .bind(consumer)
+                .bind(message_id)
+                .execute(conn)
+                .await?
+                .rows_affected())
+        })
+    })
+    .await
+}
+
+/// The claim check of [`commit`] as a statement of its own.
+static CLAIM_CHECK: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("SELECT 1 WHERE {}", claim_stands(1)));
+
+/// The claim check as a condition that another statement carries: true while
+/// the claim of (`$n`, `$n+1`) = (consumer, message id) is in the statement's
+/// transaction. A statement that writes only `WHERE` it holds does the check
+/// and its own work in one round trip (see [`commit_with`]).
+pub(crate) fn claim_stands(n: usize) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM processed_messages WHERE consumer = ${n} AND message_id = ${})",
+        n + 1
+    )
+}
+
+/// [`commit`] whose claim check is `write`: a statement that carries
+/// [`claim_stands`] and returns how many rows it wrote (none: the claim is
+/// gone). The consumer's outbox writes a unit's forwarded messages this way,
+/// so forwarding costs no round trip of its own.
+///
+/// # Errors
+/// As [`commit`].
+pub(crate) async fn commit_with<F>(
     mut tx: Transaction<'_, Postgres>,
     consumer: &str,
     message_id: &str,
-) -> Result<()> {
-    let ours: Option<i32> = sqlx::query_scalar(
-        "SELECT 1 FROM processed_messages WHERE consumer = $1 AND message_id = $2",
-    )
-    .bind(consumer)
-    .bind(message_id)
-    .fetch_optional(&mut *tx)
-    .await?;
-    if ours.is_none() {
+    write: F,
+) -> Result<()>
+where
+    F: for<'c> FnOnce(
+        &'c mut sqlx::PgConnection,
+        &'c str,
+        &'c str,
+    ) -> futures::future::BoxFuture<'c, Result<u64, sqlx::Error>>,
+{
+    if write(&mut tx, consumer, message_id).await? == 0 {
         return Err(Error::ClaimLost {
             message_id: message_id.to_owned(),
         });

@@ -1,6 +1,7 @@
 //! [`Tx`]: an owned handle to an open PostgreSQL transaction, shared by the
 //! AMQP runtime's handlers and the HTTP layer's atomic phase.
 
+use std::any::{Any, TypeId};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
@@ -46,6 +47,29 @@ use tokio::sync::{Mutex, MutexGuard};
 #[derive(Clone)]
 pub struct Tx {
     inner: Arc<Mutex<Option<Transaction<'static, Postgres>>>>,
+    extensions: Arc<Extensions>,
+}
+
+/// What the runtime that owns a transaction attaches to it for the code
+/// that runs on it (a consumer unit's outbox buffer, say): a map from type to
+/// value, read by the module that defined the type, the way
+/// `http::Extensions` carries request data. Set before the handler gets its
+/// [`Tx`]; read-only afterwards.
+#[derive(Default)]
+#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+pub(crate) struct Extensions {
+    values: Vec<(TypeId, Box<dyn Any + Send + Sync>)>,
+}
+
+#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+impl Extensions {
+    /// The value of type `T`, if one was attached.
+    pub(crate) fn get<T: Any>(&self) -> Option<&T> {
+        self.values
+            .iter()
+            .find(|(id, _)| *id == TypeId::of::<T>())
+            .and_then(|(_, value)| value.downcast_ref())
+    }
 }
 
 impl fmt::Debug for Tx {
@@ -60,6 +84,21 @@ impl Tx {
     pub(crate) fn new(tx: Transaction<'static, Postgres>) -> Self {
         Tx {
             inner: Arc::new(Mutex::new(Some(tx))),
+            extensions: Arc::default(),
+        }
+    }
+
+    /// `tx` with `value` attached for the code that runs on it.
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+    pub(crate) fn with_extension<T: Any + Send + Sync>(
+        tx: Transaction<'static, Postgres>,
+        value: T,
+    ) -> Self {
+        let mut extensions = Extensions::default();
+        extensions.values.push((TypeId::of::<T>(), Box::new(value)));
+        Tx {
+            inner: Arc::new(Mutex::new(Some(tx))),
+            extensions: Arc::new(extensions),
         }
     }
 
@@ -87,7 +126,10 @@ impl Tx {
         if guard.is_none() {
             return Err(crate::Error::TransactionFinished);
         }
-        Ok(TxGuard { guard })
+        Ok(TxGuard {
+            guard,
+            extensions: &self.extensions,
+        })
     }
 
     /// Takes the transaction back for commit or rollback once the handler
@@ -101,6 +143,7 @@ impl Tx {
 /// The locked transaction; dereferences to [`PgConnection`].
 pub struct TxGuard<'a> {
     guard: MutexGuard<'a, Option<Transaction<'static, Postgres>>>,
+    extensions: &'a Extensions,
 }
 
 impl fmt::Debug for TxGuard<'_> {
@@ -114,6 +157,13 @@ impl TxGuard<'_> {
     /// or to open a savepoint with `begin()`.
     pub fn transaction(&mut self) -> &mut Transaction<'static, Postgres> {
         self.guard.as_mut().expect("checked in Tx::try_lock")
+    }
+
+    /// The connection, and what the transaction's owner attached to it.
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+    pub(crate) fn split(&mut self) -> (&mut PgConnection, &Extensions) {
+        let conn = self.guard.as_mut().expect("checked in Tx::try_lock");
+        (conn, self.extensions)
     }
 }
 

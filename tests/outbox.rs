@@ -91,6 +91,13 @@ async fn collect_ids(broker: &Broker, queue: &str, n: usize) -> Vec<String> {
     all
 }
 
+/// The outbox rows a transaction sees.
+async fn outbox_rows(conn: &mut sqlx::PgConnection) -> sqlx::Result<i64> {
+    sqlx::query_scalar("SELECT count(*) FROM outbox")
+        .fetch_one(conn)
+        .await
+}
+
 async fn pending(pool: &PgPool) -> i64 {
     outbox::status(pool).await.unwrap().pending
 }
@@ -149,12 +156,10 @@ async fn a_handler_that_fails_emits_nothing_and_one_that_commits_emits_once_with
     let stop = consumer.shutdown_handle();
     let running = tokio::spawn(consumer.run());
     health.wait_for(|h| h.is_consuming()).await;
-    // Dormant until this process stages; other tests of this binary stage
-    // too (the wake-up is process-wide), so only "it has a relay" is certain.
-    assert!(
-        health.snapshot().relay.is_some(),
-        "the consumer runs a relay"
-    );
+    // Dormant until its own handlers stage (or rows are pending in its
+    // schema): other tests of this binary staging at the same time do not
+    // wake it.
+    assert_eq!(health.snapshot().relay, Some(RelayState::Dormant));
 
     broker
         .publish_payment(&queue, "refused-1", "refused", 5)
@@ -183,6 +188,87 @@ async fn a_handler_that_fails_emits_nothing_and_one_that_commits_emits_once_with
     assert!(
         take_all(&broker, &receipts).await.is_empty(),
         "nothing more arrived"
+    );
+}
+
+#[tokio::test]
+async fn staging_through_the_handlers_guard_is_written_by_the_commits_claim_check() {
+    let (db, broker, queue) = setup().await;
+    let out = unique("forwarded");
+    broker.declare(&out).await;
+    let target = out.clone();
+    let counted = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = counted.clone();
+    let consumer = Consumer::builder(amqp_url(), db.pool.clone())
+        .queue(&queue)
+        .retry(idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1))
+        .handler(
+            move |tx: Tx, (JsonBody(p), m): (JsonBody<Payment>, Message)| {
+                let (target, seen) = (target.clone(), seen.clone());
+                async move {
+                    let mut guard = tx.try_lock()?;
+                    let deferred =
+                        OutboxMessage::json("", &target, &p)?.derived_id(m.id(), "deferred");
+                    outbox::stage(&mut guard, deferred).await?;
+                    let after_guard = outbox_rows(&mut guard).await?;
+                    // On the bare connection: written at once.
+                    let direct = OutboxMessage::json("", &target, &p)?.derived_id(m.id(), "direct");
+                    outbox::stage(&mut *guard, direct).await?;
+                    let after_direct = outbox_rows(&mut guard).await?;
+                    seen.lock().unwrap().push((after_guard, after_direct));
+                    if p.account == "ends-it-itself" {
+                        // The claim goes with the ROLLBACK: the deferred
+                        // message must not be written by the commit.
+                        sqlx::query("ROLLBACK").execute(&mut *guard).await?;
+                    }
+                    Ok(())
+                }
+            },
+        )
+        .build()
+        .unwrap();
+    let health = consumer.health();
+    let stop = consumer.shutdown_handle();
+    let running = tokio::spawn(consumer.run());
+    health.wait_for(|h| h.is_consuming()).await;
+    broker.publish_payment(&queue, "fwd-1", "alice", 7).await;
+    let ids = collect_ids(&broker, &out, 2).await;
+    assert_eq!(ids.len(), 2, "each staged message went out once: {ids:?}");
+    assert!(ids.contains(&outbox::derived_message_id("fwd-1", "deferred")));
+    assert!(ids.contains(&outbox::derived_message_id("fwd-1", "direct")));
+    assert_eq!(
+        counted.lock().unwrap().as_slice(),
+        &[(0, 1)],
+        "the guard's message waited for the commit; the bare connection's was written at once"
+    );
+    // The commit woke the consumer's own relay.
+    assert_eq!(health.snapshot().relay, Some(RelayState::Running));
+
+    broker
+        .publish_payment(&queue, "fwd-2", "ends-it-itself", 9)
+        .await;
+    let dead = loop {
+        let dead = broker.drain(&format!("{queue}.dlq")).await;
+        if !dead.is_empty() {
+            break dead;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        dead.len(),
+        1,
+        "the handler that ended its transaction failed"
+    );
+    stop.shutdown();
+    running.await.unwrap().unwrap();
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        0,
+        "nothing of the rolled-back unit was written, and the rest went out"
+    );
+    assert!(
+        take_all(&broker, &out).await.is_empty(),
+        "the unit that ended its transaction emitted nothing"
     );
 }
 

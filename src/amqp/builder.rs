@@ -2,19 +2,23 @@
 //! the mode (see [`mode`](super::mode)) is the builder's type.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
 
 use super::broker::Broker;
-use super::consumer::{Config, Consumer, ShutdownHandle};
+use super::config::Config;
+use super::consumer::Consumer;
 use super::database_gate::DatabaseGate;
 use super::handler::{EachMessage, Handler, WholeBatch};
 use super::health::Health;
 use super::message::FromMessage;
 use super::mode::{Batched, IntoDispatch, NoHandler, Parts, PerMessage};
+use super::outbox::Forwarding;
+use super::shutdown::ShutdownHandle;
 use super::stats::Stats;
-use super::topology::{QueueType, Topology};
+use super::topology::{QueueType, Topology, dead_letter_queue};
 use super::{MessageIdSource, RedeliveryPolicy};
 use crate::{Error, Result};
 
@@ -88,6 +92,19 @@ impl<Mode: fmt::Debug> fmt::Debug for ConsumerBuilder<Mode> {
             .field("concurrency", &self.settings.concurrency)
             .field("mode", &self.mode)
             .finish_non_exhaustive()
+    }
+}
+
+impl Consumer {
+    /// Starts configuring a consumer that connects to `amqp_url` and runs its
+    /// handler in transactions on `pool`.
+    ///
+    /// Size the pool to at least [`concurrency`](ConsumerBuilder::concurrency)
+    /// connections: each running handler holds one. The outbox relay (once
+    /// the handlers stage messages) takes one more for each of its batches,
+    /// and opens one connection of its own for `LISTEN`.
+    pub fn builder(amqp_url: impl Into<String>, pool: PgPool) -> ConsumerBuilder<NoHandler> {
+        ConsumerBuilder::new(amqp_url.into(), pool)
     }
 }
 
@@ -485,7 +502,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
     }
     let dead_letter_queue = s
         .dead_letter_queue
-        .unwrap_or_else(|| format!("{queue}.dlq"));
+        .unwrap_or_else(|| dead_letter_queue(&queue));
     let broker = match s.broker {
         Some(broker) => broker,
         None => Broker::new(&s.amqp_url)?,
@@ -500,8 +517,9 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
         s.pool.clone(),
         health.clone(),
         stats.clone(),
-        shutdown.graceful_token(),
+        shutdown.graceful_token().clone(),
     );
+    let forwarding = Arc::new(Forwarding::new(s.relay));
     let dispatch = mode.into_dispatch(&Parts {
         consumer: &consumer,
         queue: &queue,
@@ -510,6 +528,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
         handler_timeout: s.handler_timeout,
         gate: &gate,
         stats: &stats,
+        forwarding: &forwarding,
     })?;
     Ok(Consumer {
         config: Config {
@@ -534,9 +553,9 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
             connection_name,
             wait_for_topology: s.wait_for_topology,
             also_declare: s.also_declare,
-            relay: s.relay,
         },
         dispatch,
+        forwarding,
         shutdown,
         stats,
         health,

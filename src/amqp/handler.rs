@@ -113,12 +113,10 @@ impl ErrorKind {
                 },
             };
             #[cfg(feature = "outbox")]
-            if let Some(outbox) = e.downcast_ref::<crate::outbox::OutboxError>().or(
-                match e.downcast_ref::<crate::Error>() {
-                    Some(crate::Error::Outbox(outbox)) => Some(outbox),
-                    _ => None,
-                },
-            ) && outbox.is_permanent()
+            if let Some(outbox) = e.downcast_ref::<crate::outbox::OutboxError>().or(e
+                .downcast_ref::<crate::Error>()
+                .and_then(crate::Error::downcast_ref))
+                && outbox.is_permanent()
             {
                 return ErrorKind::Permanent;
             }

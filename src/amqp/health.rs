@@ -1,8 +1,6 @@
 //! What the host can read about a running consumer: [`Health`].
 
-use std::sync::Arc;
-
-use tokio::sync::watch;
+use super::watched::Watched;
 
 /// Where the runtime is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,71 +55,44 @@ impl HealthSnapshot {
     }
 }
 
-/// Live health of a consumer, for readiness probes and dashboards. Cheap to
-/// clone; all clones see the same state.
-#[derive(Debug, Clone)]
-pub struct Health {
-    inner: Arc<watch::Sender<HealthSnapshot>>,
-}
+/// Live health of a consumer, for readiness probes and dashboards:
+/// [`snapshot`](Watched::snapshot) and [`wait_for`](Watched::wait_for).
+/// Cheap to clone; all clones see the same state.
+pub type Health = Watched<HealthSnapshot>;
 
 impl Default for Health {
     fn default() -> Self {
-        Health {
-            inner: Arc::new(watch::Sender::new(HealthSnapshot {
-                state: RuntimeState::Idle,
-                database_available: true,
-                last_error: None,
-                reconnects: 0,
-                wedged_sessions: 0,
-                #[cfg(feature = "outbox")]
-                relay: None,
-            })),
-        }
+        Watched::new(HealthSnapshot {
+            state: RuntimeState::Idle,
+            database_available: true,
+            last_error: None,
+            reconnects: 0,
+            wedged_sessions: 0,
+            #[cfg(feature = "outbox")]
+            relay: None,
+        })
     }
 }
 
 impl Health {
-    /// The current state.
-    pub fn snapshot(&self) -> HealthSnapshot {
-        self.inner.borrow().clone()
-    }
-
-    /// Waits until `condition` holds for the state, and returns that state.
-    pub async fn wait_for(
-        &self,
-        mut condition: impl FnMut(&HealthSnapshot) -> bool,
-    ) -> HealthSnapshot {
-        let mut rx = self.inner.subscribe();
-        let state = rx
-            .wait_for(|s| condition(s))
-            .await
-            .expect("the sender lives as long as self");
-        state.clone()
-    }
-
     pub(crate) fn set_state(&self, state: RuntimeState) {
-        self.inner.send_modify(|s| s.state = state);
+        self.update(|s| s.state = state);
     }
 
     pub(crate) fn record_error(&self, error: String) {
-        self.inner.send_modify(|s| s.last_error = Some(error));
+        self.update(|s| s.last_error = Some(error));
     }
 
     pub(crate) fn set_wedged_sessions(&self, n: u32) {
-        self.inner.send_modify(|s| s.wedged_sessions = n);
+        self.update(|s| s.wedged_sessions = n);
     }
 
     pub(crate) fn record_reconnect(&self) {
-        self.inner.send_modify(|s| s.reconnects += 1);
-    }
-
-    #[cfg(feature = "outbox")]
-    pub(crate) fn set_relay(&self, relay: Option<super::RelayState>) {
-        self.inner.send_modify(|s| s.relay = relay);
+        self.update(|s| s.reconnects += 1);
     }
 
     pub(crate) fn set_database(&self, available: bool, error: Option<String>) {
-        self.inner.send_modify(|s| {
+        self.update(|s| {
             s.database_available = available;
             if error.is_some() {
                 s.last_error = error;

@@ -48,33 +48,42 @@
 mod acks;
 mod broker;
 mod builder;
+mod config;
 mod consumer;
 mod database_gate;
 mod dead_letter;
 mod delivery;
+mod dispatch;
 mod handler;
 mod headers;
 mod health;
 mod message;
 mod message_id;
 pub mod mode;
+mod outbox;
+mod outcome;
 mod publish;
 mod quarantine;
+mod reconnect;
 mod redelivery;
 #[cfg(feature = "outbox")]
 mod relay;
 mod republish;
 mod retention;
 mod seal;
+mod session;
+mod shutdown;
 mod stats;
+mod steps;
 mod topology;
+mod watched;
 #[cfg(feature = "window")]
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
 pub mod window;
 
 pub use broker::{Broker, DEFAULT_CONNECTION_TIMEOUT};
 pub use builder::ConsumerBuilder;
-pub use consumer::{Consumer, ShutdownHandle};
+pub use consumer::Consumer;
 pub use dead_letter::DeadLetterReason;
 pub use handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use headers::{
@@ -89,7 +98,9 @@ pub use redelivery::{RedeliveryPolicy, delay_queue};
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
 pub use relay::{Relay, RelayHealth, RelaySnapshot, RelayState};
+pub use shutdown::ShutdownHandle;
 pub use stats::{Stats, StatsSnapshot};
-pub use topology::QueueType;
+pub use topology::{QueueType, dead_letter_queue};
+pub use watched::Watched;
 
 pub use lapin;

@@ -73,9 +73,11 @@ use sqlx::PgPool;
 #[cfg(doc)]
 use super::ConsumerBuilder;
 use super::database_gate::DatabaseGate;
-use super::delivery::{Decide, InboxSteps};
 use super::handler::Prepare;
+use super::outbox::Forwarding;
+use super::outcome::Decide;
 use super::stats::Stats;
+use super::steps::InboxSteps;
 use crate::Result;
 
 /// The builder's state before a handler is set: only the common options,
@@ -124,6 +126,7 @@ pub(crate) struct Parts<'a> {
     pub(crate) handler_timeout: Duration,
     pub(crate) gate: &'a Arc<DatabaseGate>,
     pub(crate) stats: &'a Stats,
+    pub(crate) forwarding: &'a Arc<Forwarding>,
 }
 
 /// A mode, ready to run: how deliveries are decided and dispatched.
@@ -148,6 +151,7 @@ fn inbox(handler: Arc<dyn Prepare>, parts: &Parts<'_>) -> Arc<dyn Decide> {
         handler_timeout: parts.handler_timeout,
         gate: parts.gate.clone(),
         stats: parts.stats.clone(),
+        forwarding: parts.forwarding.clone(),
     })
 }
 

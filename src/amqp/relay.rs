@@ -20,22 +20,25 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable};
 use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
-use tokio::sync::watch;
+use tokio::sync::Notify;
 use tracing::Instrument;
 
 use super::broker::Broker;
-use super::consumer::ShutdownHandle;
-use super::health::Health;
 use super::publish::{ConfirmChannel, OutgoingFrame, PublishError};
-use crate::backoff::{self, Backoff};
-use crate::outbox::packed::{self, Staged};
-use crate::outbox::{self, NOTIFY_CHANNEL, OutboxStatus};
+use super::reconnect::{self, Reconnect, Session, Sessions};
+use super::shutdown::ShutdownHandle;
+use super::watched::Watched;
+use crate::backoff::Backoff;
+use crate::outbox::batch::{self, Batch, Failures, NOTIFY_CHANNEL, RetrySchedule, Row};
+use crate::outbox::packed::Staged;
+use crate::outbox::{self, OutboxStatus};
 use crate::{Error, Result};
 
 /// Where a relay is in its life.
@@ -72,45 +75,57 @@ pub struct RelaySnapshot {
     pub last_error: Option<String>,
 }
 
-/// Live health of a [`Relay`]. Cheap to clone; all clones see the same state.
-#[derive(Debug, Clone)]
-pub struct RelayHealth {
-    inner: Arc<watch::Sender<RelaySnapshot>>,
+/// Live health of a [`Relay`]: [`snapshot`](Watched::snapshot) and
+/// [`wait_for`](Watched::wait_for). Cheap to clone.
+pub type RelayHealth = Watched<RelaySnapshot>;
+
+fn relay_health(state: RelayState) -> RelayHealth {
+    Watched::new(RelaySnapshot {
+        state,
+        published: 0,
+        failed: 0,
+        outbox: OutboxStatus::default(),
+        last_error: None,
+    })
 }
 
-impl RelayHealth {
-    fn new(state: RelayState) -> Self {
-        RelayHealth {
-            inner: Arc::new(watch::Sender::new(RelaySnapshot {
-                state,
-                published: 0,
-                failed: 0,
-                outbox: OutboxStatus::default(),
-                last_error: None,
-            })),
-        }
+/// The consumer's end of the relay it runs: wakes it after a commit that
+/// staged (no `NOTIFY` needed), and tells whether it is publishing. Cheap to
+/// clone.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RelayLink {
+    /// A stored permit: the relay sees a wake-up it was not waiting for yet.
+    wake: Arc<Notify>,
+    publishing: Arc<AtomicBool>,
+}
+
+impl RelayLink {
+    /// A commit that staged messages: the relay publishes them now (and
+    /// leaves its dormancy if it was dormant).
+    pub(crate) fn wake(&self) {
+        self.wake.notify_one();
     }
 
-    /// The current state.
-    pub fn snapshot(&self) -> RelaySnapshot {
-        self.inner.borrow().clone()
+    /// Whether the relay is connected and publishing: staging may then skip
+    /// `NOTIFY`, since the relay is woken directly.
+    pub(crate) fn is_publishing(&self) -> bool {
+        self.publishing.load(Ordering::Relaxed)
     }
+}
 
-    /// Waits until `condition` holds, and returns that state.
-    pub async fn wait_for(
-        &self,
-        mut condition: impl FnMut(&RelaySnapshot) -> bool,
-    ) -> RelaySnapshot {
-        let mut rx = self.inner.subscribe();
-        let state = rx
-            .wait_for(|s| condition(s))
-            .await
-            .expect("the sender lives as long as self");
-        state.clone()
+/// Marks the link as publishing while it lives.
+struct Publishing<'a>(&'a RelayLink);
+
+impl<'a> Publishing<'a> {
+    fn start(link: &'a RelayLink) -> Self {
+        link.publishing.store(true, Ordering::Relaxed);
+        Publishing(link)
     }
+}
 
-    fn update(&self, f: impl FnOnce(&mut RelaySnapshot)) {
-        self.inner.send_modify(f);
+impl Drop for Publishing<'_> {
+    fn drop(&mut self) {
+        self.0.publishing.store(false, Ordering::Relaxed);
     }
 }
 
@@ -162,9 +177,9 @@ pub struct Relay {
     keep_published: Option<Duration>,
     connection_name: Option<String>,
     dormant: bool,
+    link: RelayLink,
     shutdown: ShutdownHandle,
     health: RelayHealth,
-    consumer_health: Option<Health>,
 }
 
 impl fmt::Debug for Relay {
@@ -214,25 +229,25 @@ impl Relay {
             keep_published: None,
             connection_name: None,
             dormant: false,
+            link: RelayLink::default(),
             shutdown: ShutdownHandle::default(),
-            health: RelayHealth::new(RelayState::Connecting),
-            consumer_health: None,
+            health: relay_health(RelayState::Connecting),
         }
     }
 
-    /// The relay a consumer runs: dormant until its process uses the outbox.
+    /// The relay a consumer runs, woken through `link`: dormant until the
+    /// consumer's handlers stage a message or pending rows show up.
     pub(crate) fn for_consumer(
         broker: Broker,
         pool: PgPool,
         consumer: &str,
-        health: Health,
+        link: RelayLink,
     ) -> Self {
         let mut relay = Self::with_broker(broker, pool);
         relay.dormant = true;
-        relay.health = RelayHealth::new(RelayState::Dormant);
+        relay.link = link;
+        relay.health = relay_health(RelayState::Dormant);
         relay.connection_name = Some(format!("idempo-relay:{consumer}:{}", std::process::id()));
-        health.set_relay(Some(RelayState::Dormant));
-        relay.consumer_health = Some(health);
         relay
     }
 
@@ -331,29 +346,20 @@ impl Relay {
                 self.confirm_timeout, self.takeover_after
             )));
         }
-        let run = Running::new(&self);
+        let mut run = Running::new(&self);
         if self.dormant && !run.wait_until_used().await {
             self.set_state(RelayState::Stopped);
             return Ok(());
         }
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
-        let mut last_node = None;
-        let graceful = self.shutdown.graceful_token();
-        loop {
-            self.set_state(RelayState::Connecting);
-            match run.session(&mut last_node).await {
-                Ok(()) => break,
-                Err(error) => {
-                    tracing::warn!(%error, "outbox relay: broker session lost; reconnecting");
-                    self.health.update(|s| s.last_error = Some(error));
-                    self.set_state(RelayState::Reconnecting);
-                    let pause = backoff.next_delay();
-                    tokio::select! {
-                        () = tokio::time::sleep(pause) => {}
-                        () = graceful.cancelled() => break,
-                    }
-                }
-            }
+        let name = self
+            .connection_name
+            .clone()
+            .unwrap_or_else(|| format!("idempo-relay:{}", std::process::id()));
+        let mut link = Reconnect::new(self.broker.clone(), name, Duration::from_secs(30));
+        if let Some(never) =
+            reconnect::run(&mut run, &mut link, self.shutdown.graceful_token()).await
+        {
+            match never {}
         }
         self.set_state(RelayState::Stopped);
         Ok(())
@@ -361,45 +367,14 @@ impl Relay {
 
     fn set_state(&self, state: RelayState) {
         self.health.update(|s| s.state = state);
-        if let Some(health) = &self.consumer_health {
-            health.set_relay(Some(state));
-        }
     }
-}
 
-/// A row as the relay reads it.
-#[derive(sqlx::FromRow)]
-struct Row {
-    id: i64,
-    exchange: String,
-    routing_key: String,
-    message_id: String,
-    body: Vec<u8>,
-    content_type: Option<String>,
-    correlation_id: Option<String>,
-    persistent: bool,
-    headers: String,
-    ordering_key: Option<String>,
-    attempts: i32,
-    packed: Option<Vec<u8>>,
-    messages: i32,
-}
-
-impl Row {
-    /// The messages the row carries: itself, or its packed ones.
-    fn unpack(self) -> std::result::Result<Vec<Staged>, String> {
-        match self.packed {
-            Some(packed) => packed::decode(&packed),
-            None => Ok(vec![Staged {
-                exchange: self.exchange,
-                routing_key: self.routing_key,
-                message_id: self.message_id,
-                content_type: self.content_type,
-                correlation_id: self.correlation_id,
-                persistent: self.persistent,
-                headers: self.headers,
-                body: self.body,
-            }]),
+    /// How refused messages are retried.
+    fn schedule(&self) -> RetrySchedule {
+        RetrySchedule {
+            max_attempts: self.max_attempts,
+            min: self.retry_min,
+            max: self.retry_max,
         }
     }
 }
@@ -458,17 +433,14 @@ impl<'a> Running<'a> {
         }
     }
 
-    /// Dormant until this process stages a message or pending rows show up;
+    /// Dormant until the consumer's handlers stage a message (the link is
+    /// woken) or pending rows show up;
     /// `false` if shutdown came first.
     async fn wait_until_used(&self) -> bool {
         let stop = self.relay.shutdown.graceful_token();
         loop {
-            let staged = outbox::staged_in_process().notified();
-            let pending: std::result::Result<bool, sqlx::Error> =
-                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox WHERE state = 'pending')")
-                    .fetch_one(&self.relay.pool)
-                    .await;
-            match pending {
+            let staged = self.relay.link.wake.notified();
+            match batch::any_pending(&self.relay.pool).await {
                 Ok(true) => return true,
                 Ok(false) => {}
                 // No outbox table (migrations not run) or no database yet.
@@ -483,18 +455,9 @@ impl<'a> Running<'a> {
     }
 
     /// One broker connection: publish until shutdown (`Ok`) or a loss (`Err`).
-    async fn session(&self, last_node: &mut Option<usize>) -> std::result::Result<(), String> {
+    async fn session_on(&self, link: &mut Reconnect) -> std::result::Result<(), String> {
         let relay = self.relay;
-        let name = relay
-            .connection_name
-            .clone()
-            .unwrap_or_else(|| format!("idempo-relay:{}", std::process::id()));
-        let (connection, node) = relay
-            .broker
-            .connect_from(*last_node, &name)
-            .await
-            .map_err(|e| e.to_string())?;
-        *last_node = Some(node);
+        let connection = link.connect().await.map_err(|e| e.to_string())?;
         let channel = match ConfirmChannel::open(&connection, relay.confirm_timeout).await {
             Ok(channel) => channel,
             Err(e) => {
@@ -503,9 +466,9 @@ impl<'a> Running<'a> {
             }
         };
         relay.set_state(RelayState::Running);
-        let local = outbox::LocalRelay::running();
+        let publishing = Publishing::start(&relay.link);
         let outcome = self.publish_until_stopped(&channel).await;
-        drop(local);
+        drop(publishing);
         channel.close().await;
         let _ = tokio::time::timeout(
             Duration::from_secs(2),
@@ -594,8 +557,8 @@ impl<'a> Running<'a> {
                         while l.next_buffered().is_some() {}
                     }
                 }
-                // A consumer here committed what it staged without NOTIFY.
-                () = outbox::committed_in_process().notified() => {
+                // The consumer committed what it staged without NOTIFY.
+                () = relay.link.wake.notified() => {
                     // Let the consumer's next commits join this batch: its
                     // handlers commit continuously under load.
                     tokio::time::sleep(LOCAL_LINGER).await;
@@ -635,28 +598,8 @@ impl<'a> Running<'a> {
             parked.retain(|_, until| *until > now);
             parked.keys().cloned().collect()
         };
-        // The takeover bound rides on BEGIN: no round trip of its own. The
-        // commit need not wait for its flush: a mark lost in a server crash
-        // only makes those rows go out again, with the same ids.
-        let begin = format!(
-            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}; \
-             SET LOCAL synchronous_commit = off",
-            relay.takeover_after.as_millis()
-        );
-        let mut tx = relay.pool.begin_with(sqlx::AssertSqlSafe(begin)).await?;
-        let mut rows: Vec<Row> = sqlx::query_as(
-            "SELECT id, exchange, routing_key, message_id, body, content_type, correlation_id, \
-                    persistent, headers::text AS headers, ordering_key, attempts, packed, messages \
-             FROM outbox \
-             WHERE state = 'pending' AND next_attempt_at <= now() \
-               AND (ordering_key IS NULL OR NOT (ordering_key = ANY($2::text[]))) \
-             ORDER BY id LIMIT $1 \
-             FOR UPDATE SKIP LOCKED",
-        )
-        .bind(relay.batch_size as i64)
-        .bind(&parked)
-        .fetch_all(&mut *tx)
-        .await?;
+        let mut batch = Batch::begin(&relay.pool, relay.takeover_after).await?;
+        let mut rows: Vec<Row> = batch.lock_due(relay.batch_size, &parked).await?;
         // More rows may be due when the query filled its limit.
         let full = rows.len() == relay.batch_size;
         // At most batch_size messages (packed rows carry several), at least one row.
@@ -673,7 +616,7 @@ impl<'a> Running<'a> {
         rows.truncate(keep);
         let picked = rows.len();
         if rows.is_empty() {
-            tx.rollback().await?;
+            batch.rollback().await?;
             return Ok(BatchOutcome {
                 full: false,
                 settled: 0,
@@ -688,7 +631,9 @@ impl<'a> Running<'a> {
             failed = tracing::field::Empty
         );
         async move {
-            let (rows, retry_in) = self.first_of_each_key(&mut tx, rows).await?;
+            let (rows, blocked) = batch.first_of_each_key(rows).await?;
+            let retry_in = self.park(blocked);
+            let schedule = relay.schedule();
             let mut failures = Failures::default();
             let mut envelopes = Vec::with_capacity(rows.len());
             for row in rows {
@@ -702,7 +647,7 @@ impl<'a> Running<'a> {
                         messages,
                     }),
                     Err(why) => failures.push(
-                        relay,
+                        &schedule,
                         (id, attempts, &first_id),
                         format!("cannot read the packed row: {why}"),
                         true,
@@ -762,7 +707,7 @@ impl<'a> Running<'a> {
                     let (error, certain) = refused.pop().flatten().expect("one refused message");
                     let m = &envelope.messages[0];
                     failures.push(
-                        relay,
+                        &schedule,
                         (envelope.id, envelope.attempts, &m.message_id),
                         error,
                         certain,
@@ -776,7 +721,7 @@ impl<'a> Running<'a> {
                     for (message, refusal) in envelope.messages.iter().zip(refused) {
                         if let Some((error, certain)) = refusal {
                             retry.push(
-                                relay,
+                                &schedule,
                                 (0, envelope.attempts, &message.message_id),
                                 error,
                                 certain,
@@ -787,33 +732,15 @@ impl<'a> Running<'a> {
                     unpacked.push((envelope.id, messages, retry));
                 }
             }
-            for (row, messages, retry) in &unpacked {
-                retry.insert_unpacked(&mut tx, *row, messages).await?;
-            }
-            if !confirmed.is_empty() {
-                let query = match relay.keep_published {
-                    None => "DELETE FROM outbox WHERE id = ANY($1)",
-                    Some(_) => {
-                        "UPDATE outbox SET state = 'done', published_at = now(), \
-                         attempts = attempts + 1 WHERE id = ANY($1)"
-                    }
-                };
-                let deleted = sqlx::query(query)
-                    .bind(&confirmed)
-                    .execute(&mut *tx)
-                    .await?;
-                if relay.keep_published.is_none() {
-                    self.deleted.fetch_add(
-                        deleted.rows_affected(),
-                        std::sync::atomic::Ordering::Relaxed,
-                    );
-                }
-            }
-            for (_, _, retry) in unpacked {
-                failures.absorb(retry);
-            }
-            let given_up = failures.record(&mut tx).await?;
-            tx.commit().await?;
+            let (deleted, given_up) = batch
+                .settle(
+                    &confirmed,
+                    relay.keep_published.is_some(),
+                    unpacked,
+                    &mut failures,
+                )
+                .await?;
+            self.deleted.fetch_add(deleted, Ordering::Relaxed);
             let span = tracing::Span::current();
             span.record("published", published);
             span.record("failed", failures.attempts());
@@ -838,90 +765,21 @@ impl<'a> Running<'a> {
         .await
     }
 
-    /// The rows this relay may publish now: all unkeyed ones, and of each
-    /// key the run of rows that starts at the key's first pending row (an
-    /// earlier one held by another relay, or waiting for its retry, holds the
-    /// key back). Also returns when a held-back key is worth another look.
-    async fn first_of_each_key(
-        &self,
-        tx: &mut sqlx::PgConnection,
-        rows: Vec<Row>,
-    ) -> std::result::Result<(Vec<Row>, Option<Duration>), sqlx::Error> {
-        let mut keys: Vec<&str> = rows
-            .iter()
-            .filter_map(|r| r.ordering_key.as_deref())
-            .collect();
-        if keys.is_empty() {
-            return Ok((rows, None));
-        }
-        keys.sort_unstable();
-        keys.dedup();
-        let last = rows.last().map_or(0, |r| r.id);
-        // A plain read: it sees rows that other relays hold locked.
-        let pending: Vec<(String, i64, Option<f64>)> = sqlx::query_as(
-            "SELECT ordering_key, id, \
-                    CASE WHEN next_attempt_at > now() \
-                         THEN extract(epoch FROM next_attempt_at - now())::float8 END \
-             FROM outbox \
-             WHERE state = 'pending' AND ordering_key = ANY($1) AND id <= $2 \
-             ORDER BY ordering_key, id",
-        )
-        .bind(&keys)
-        .bind(last)
-        .fetch_all(&mut *tx)
-        .await?;
-        let mut mine: HashMap<&str, Vec<i64>> = HashMap::new();
-        for row in &rows {
-            if let Some(key) = &row.ordering_key {
-                mine.entry(key).or_default().push(row.id);
-            }
-        }
-        // Per key: how many of my rows continue the key's run of pending rows.
-        let mut allowed: HashMap<String, usize> = HashMap::new();
-        let mut blocked: HashMap<String, Option<f64>> = HashMap::new();
-        for (key, id, wait) in pending {
-            let Some(ids) = mine.get(key.as_str()) else {
-                continue;
-            };
-            if blocked.contains_key(&key) {
-                continue;
-            }
-            let n = allowed.entry(key.clone()).or_insert(0);
-            if ids.get(*n) == Some(&id) {
-                *n += 1;
-            } else {
-                blocked.insert(key, wait);
-            }
-        }
-        let mut retry_in: Option<Duration> = None;
-        {
-            let mut parked = self.parked.lock().expect("not poisoned");
-            for (key, wait) in blocked {
-                let delay = match wait {
-                    // Waiting for its retry: park the key until then.
-                    Some(secs) => {
-                        let delay = Duration::from_secs_f64(secs.max(0.0));
-                        parked.insert(key, Instant::now() + delay);
-                        delay
-                    }
-                    // Held by another relay, which publishes it now.
-                    None => CONTENDED_RETRY,
-                };
-                retry_in = Some(retry_in.map_or(delay, |d| d.min(delay)));
-            }
-        }
-        let mut kept = Vec::with_capacity(rows.len());
-        for row in rows {
-            let Some(key) = row.ordering_key.as_deref() else {
-                kept.push(row);
-                continue;
-            };
-            if let Some(n) = allowed.get_mut(key).filter(|n| **n > 0) {
-                *n -= 1;
-                kept.push(row);
-            }
-        }
-        Ok((kept, retry_in))
+    /// Parks the keys whose first row waits for its retry until then; says
+    /// when a held-back key is worth another look.
+    fn park(&self, blocked: Vec<batch::Blocked>) -> Option<Duration> {
+        let mut parked = self.parked.lock().expect("not poisoned");
+        blocked
+            .into_iter()
+            .map(|(key, wait)| match wait {
+                Some(delay) => {
+                    parked.insert(key, Instant::now() + delay);
+                    delay
+                }
+                // Held by another relay, which publishes it now.
+                None => CONTENDED_RETRY,
+            })
+            .min()
     }
 
     /// Counts the outbox into the gauges and the health, at most once a
@@ -947,23 +805,11 @@ impl<'a> Running<'a> {
     /// Vacuums the outbox once many rows were deleted, if autovacuum is off:
     /// the table then stays as large as its backlog, not its history.
     async fn vacuum_if_nobody_does(&self) {
-        use std::sync::atomic::Ordering;
         if self.deleted.load(Ordering::Relaxed) < VACUUM_AFTER {
             return;
         }
         self.deleted.store(0, Ordering::Relaxed);
-        let autovacuum: std::result::Result<String, sqlx::Error> =
-            sqlx::query_scalar("SELECT current_setting('autovacuum')")
-                .fetch_one(&self.relay.pool)
-                .await;
-        if !autovacuum.is_ok_and(|setting| setting == "off") {
-            return;
-        }
-        // Not in a transaction: VACUUM refuses to run inside one.
-        if let Err(e) = sqlx::raw_sql("VACUUM outbox")
-            .execute(&self.relay.pool)
-            .await
-        {
+        if let Err(e) = batch::vacuum_if_autovacuum_is_off(&self.relay.pool).await {
             tracing::warn!(error = %e, "outbox relay: autovacuum is off and VACUUM outbox failed; the table keeps the space of deleted rows");
         }
     }
@@ -973,8 +819,7 @@ impl<'a> Running<'a> {
         loop {
             match outbox::delete_published_before(&self.relay.pool, keep, CLEANUP_BATCH).await {
                 Ok(n) => {
-                    self.deleted
-                        .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                    self.deleted.fetch_add(n, Ordering::Relaxed);
                     if n as i64 != CLEANUP_BATCH {
                         return;
                     }
@@ -988,125 +833,25 @@ impl<'a> Running<'a> {
     }
 }
 
-/// Failed attempts of one batch, written with one statement.
-#[derive(Default)]
-struct Failures {
-    ids: Vec<i64>,
-    errors: Vec<String>,
-    give_up: Vec<bool>,
-    delays: Vec<f64>,
-    /// Give-ups and delays of unpacked messages, written by `insert_unpacked`.
-    counted: Vec<(bool, f64)>,
-}
+impl Sessions for Running<'_> {
+    type Fatal = std::convert::Infallible;
 
-impl Failures {
-    /// A failed attempt of `(row id, its attempts so far, message id)`.
-    fn push(&mut self, relay: &Relay, row: (i64, i32, &str), error: String, certain: bool) {
-        let (id, attempts, message_id) = row;
-        let attempt = u32::try_from(attempts).unwrap_or(0).saturating_add(1);
-        let give_up = certain || attempt >= relay.max_attempts;
-        let delay =
-            backoff::full_jitter(backoff::ceiling(relay.retry_min, relay.retry_max, attempt))
-                .max(relay.retry_min);
-        if give_up {
-            tracing::error!(%message_id, %error, attempts = attempt, "outbox relay: giving up on a message; it stays in the outbox as failed");
-        } else {
-            tracing::warn!(%message_id, %error, attempt, ?delay, "outbox relay: message not accepted; retrying later");
+    async fn session(&mut self, link: &mut Reconnect) -> Session<Self::Fatal> {
+        self.relay.set_state(RelayState::Connecting);
+        let started = Instant::now();
+        match self.session_on(link).await {
+            Ok(()) => Session::Stopped,
+            Err(error) => Session::Lost {
+                error,
+                lasted: started.elapsed(),
+            },
         }
-        self.ids.push(id);
-        self.errors.push(error);
-        self.give_up.push(give_up);
-        self.delays.push(delay.as_secs_f64());
     }
 
-    /// Takes over the (already written) failures of unpacked messages, for
-    /// the counts.
-    fn absorb(&mut self, other: Failures) {
-        self.counted
-            .extend(other.give_up.into_iter().zip(other.delays));
-    }
-
-    /// Every failed attempt of the batch, written here or unpacked.
-    fn attempts(&self) -> usize {
-        self.ids.len() + self.counted.len()
-    }
-
-    /// When the earliest retry scheduled by the batch is due.
-    fn next_retry(&self) -> Option<Duration> {
-        self.give_up
-            .iter()
-            .copied()
-            .zip(self.delays.iter().copied())
-            .chain(self.counted.iter().copied())
-            .filter(|(given_up, _)| !given_up)
-            .map(|(_, secs)| Duration::from_secs_f64(secs))
-            .min()
-    }
-
-    /// Writes the refused messages of packed row `row` as rows of their own,
-    /// with their attempt recorded and the packed row's age.
-    async fn insert_unpacked(
-        &self,
-        tx: &mut sqlx::PgConnection,
-        row: i64,
-        messages: &[Staged],
-    ) -> std::result::Result<(), sqlx::Error> {
-        let text = |f: fn(&Staged) -> Option<&str>| -> Vec<Option<&str>> {
-            messages.iter().map(f).collect()
-        };
-        let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
-        let persistent: Vec<bool> = messages.iter().map(|m| m.persistent).collect();
-        sqlx::query(
-            "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                                 correlation_id, persistent, headers, attempts, last_error, \
-                                 state, next_attempt_at, created_at) \
-             SELECT e, r, i, b, c, k, p, h::jsonb, o.attempts + 1, err, \
-                    CASE WHEN g THEN 'failed' ELSE 'pending' END, \
-                    now() + make_interval(secs => d), o.created_at \
-             FROM outbox AS o, \
-                  unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
-                         $7::text[], $8::bool[], $9::text[], $10::text[], $11::bool[], \
-                         $12::float8[]) WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, err, g, d, n) \
-             WHERE o.id = $1 ORDER BY n",
-        )
-        .bind(row)
-        .bind(text(|m| Some(&m.exchange)))
-        .bind(text(|m| Some(&m.routing_key)))
-        .bind(text(|m| Some(&m.message_id)))
-        .bind(&bodies)
-        .bind(text(|m| m.content_type.as_deref()))
-        .bind(text(|m| m.correlation_id.as_deref()))
-        .bind(&persistent)
-        .bind(text(|m| Some(&m.headers)))
-        .bind(&self.errors)
-        .bind(&self.give_up)
-        .bind(&self.delays)
-        .execute(tx)
-        .await?;
-        Ok(())
-    }
-
-    /// Records the attempts; returns how many messages were given up.
-    async fn record(&self, tx: &mut sqlx::PgConnection) -> std::result::Result<usize, sqlx::Error> {
-        let absorbed = self.counted.iter().filter(|(g, _)| *g).count();
-        if self.ids.is_empty() {
-            return Ok(absorbed);
-        }
-        sqlx::query(
-            "UPDATE outbox AS o SET attempts = o.attempts + 1, last_error = f.error, \
-                    state = CASE WHEN f.give_up THEN 'failed' ELSE 'pending' END, \
-                    next_attempt_at = now() + make_interval(secs => f.delay) \
-             FROM unnest($1::bigint[], $2::text[], $3::bool[], $4::float8[]) \
-                  AS f(id, error, give_up, delay) \
-             WHERE o.id = f.id",
-        )
-        .bind(&self.ids)
-        .bind(&self.errors)
-        .bind(&self.give_up)
-        .bind(&self.delays)
-        .execute(tx)
-        .await?;
-        Ok(self.give_up.iter().filter(|g| **g).count() + absorbed)
+    async fn lost(&mut self, error: String, _lasted: Duration, _pause: Duration) {
+        tracing::warn!(%error, "outbox relay: broker session lost; reconnecting");
+        self.relay.health.update(|s| s.last_error = Some(error));
+        self.relay.set_state(RelayState::Reconnecting);
     }
 }
 

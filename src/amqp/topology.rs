@@ -33,6 +33,12 @@ impl QueueType {
     }
 }
 
+/// The dead-letter queue of `queue` unless the builder names another:
+/// `<queue>.dlq`.
+pub fn dead_letter_queue(queue: &str) -> String {
+    format!("{queue}.dlq")
+}
+
 /// What to declare, derived from the builder.
 #[derive(Debug, Clone)]
 pub(crate) struct Topology {

@@ -13,9 +13,13 @@
 //! downstream deduplicates the resend: consume → write → emit → the next
 //! consumer has exactly-once effects end to end.
 //!
-//! Staging works on any `&mut PgConnection` in a transaction: the
-//! [`Tx`](crate::Tx) of an AMQP handler or of an HTTP handler behind the
-//! idempotency layer, or your own `pool.begin()`.
+//! Staging works on any transaction's connection ([`StageTarget`]): the
+//! guard of a [`Tx`](crate::Tx) in an AMQP handler or in an HTTP handler
+//! behind the idempotency layer, or your own `pool.begin()`. In a consumer's
+//! handler, stage through the handler's guard (`outbox::stage(&mut guard,
+//! m)` with `let mut guard = tx.try_lock()?`): the consumer then writes the
+//! message with the claim check before its `COMMIT`, at no extra round trip,
+//! and wakes its relay right after the commit.
 //!
 //! ```no_run
 //! use idempo::outbox::{self, OutboxMessage};
@@ -43,28 +47,24 @@
 //! it exactly once. Messages with the same [ordering
 //! key](OutboxMessage::ordering_key) are published in commit order.
 
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+pub(crate) mod batch;
 mod message;
 #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) mod packed;
+mod stage;
+mod unit;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, PgPool};
-use tokio::sync::Notify;
+use sqlx::PgPool;
 
 pub use message::{DEFAULT_MAX_BODY_SIZE, OutboxMessage, TRACEPARENT_HEADER};
-
-/// The channel the staging trigger notifies on commit.
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-pub(crate) const NOTIFY_CHANNEL: &str = "idempo_outbox";
-
-/// The first key of the advisory locks that order staging per ordering key
-/// (the second is the key's hash): "outb".
-const ORDERING_LOCK_SPACE: i32 = 0x6f75_7462;
+pub(crate) use stage::commit_unit;
+pub use stage::{StageTarget, stage, stage_all};
+pub(crate) use unit::UnitOutbox;
 
 /// Why a message could not be staged.
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +98,12 @@ pub enum OutboxError {
     Database(#[from] sqlx::Error),
 }
 
+impl From<OutboxError> for crate::Error {
+    fn from(e: OutboxError) -> Self {
+        crate::Error::Other(Box::new(e))
+    }
+}
+
 impl OutboxError {
     /// Whether staging the same message again can never succeed (a bad
     /// message, not a lost connection): a handler returning it is
@@ -105,239 +111,6 @@ impl OutboxError {
     pub fn is_permanent(&self) -> bool {
         !matches!(self, OutboxError::Database(_))
     }
-}
-
-/// Stages one message in the transaction behind `conn`; returns its message
-/// id. The message is published after the transaction commits, never if it
-/// rolls back.
-///
-/// `conn` is anything that dereferences to a [`PgConnection`] inside a
-/// transaction: `&mut tx` of a `sqlx::Transaction`, or `&mut guard` of a
-/// [`Tx::try_lock`](crate::Tx::try_lock) guard. Outside a transaction the
-/// row commits at once, which is rarely what you want.
-///
-/// # Errors
-/// [`OutboxError`]: an invalid message (oversized body, bad id or field), or
-/// the insert failed.
-pub async fn stage(conn: &mut PgConnection, message: OutboxMessage) -> Result<String, OutboxError> {
-    let mut ids = stage_all(conn, [message]).await?;
-    Ok(ids.pop().expect("one message staged"))
-}
-
-/// Stages many messages with one statement (for batch handlers); returns
-/// their message ids in order. All or nothing: one invalid message refuses
-/// the lot before anything is written.
-///
-/// # Errors
-/// As [`stage`].
-pub async fn stage_all(
-    conn: &mut PgConnection,
-    messages: impl IntoIterator<Item = OutboxMessage>,
-) -> Result<Vec<String>, OutboxError> {
-    let mut messages: Vec<OutboxMessage> = messages.into_iter().collect();
-    if messages.is_empty() {
-        return Ok(Vec::new());
-    }
-    let traceparent = current_traceparent();
-    for m in &mut messages {
-        m.validate()?;
-        if m.message_id.is_none() {
-            m.message_id = Some(crate::random::uuid_v7());
-        }
-        if let Some(tp) = &traceparent {
-            m.headers
-                .entry(TRACEPARENT_HEADER)
-                .or_insert_with(|| tp.clone().into());
-        }
-    }
-    // Inside a consumer's unit whose relay runs in this process, the runtime
-    // wakes the relay after the commit: no NOTIFY (see the migration).
-    // On the unit's own transaction and without ordering keys, the rows are
-    // written by the commit's claim check (`commit_unit`): no round trip here.
-    let address = &*conn as *const PgConnection as usize;
-    let deferred = UNIT
-        .try_with(|unit| unit.defer(address, &messages))
-        .unwrap_or(false);
-    if deferred {
-        return Ok(staged(messages));
-    }
-    let quiet = UNIT
-        .try_with(|unit| unit.staged.store(true, Ordering::Relaxed))
-        .is_ok()
-        && LOCAL_RELAYS.load(Ordering::Relaxed) > 0;
-    let mut keys: Vec<&str> = messages
-        .iter()
-        .filter_map(|m| m.ordering_key.as_deref())
-        .collect();
-    if keys.is_empty() && messages.len() > 1 {
-        // One row for the lot: a fraction of the writes of a row each.
-        insert_packed(conn, &messages, quiet, None).await?;
-        return Ok(staged(messages));
-    }
-    if !keys.is_empty() {
-        // Held until commit: the next transaction staging this key gets a
-        // larger id only after this one committed, so id order is commit
-        // order per key. Sorted, so two stagers cannot deadlock.
-        keys.sort_unstable();
-        keys.dedup();
-        sqlx::query(
-            "SELECT count(pg_advisory_xact_lock($1, hashtext(k))) \
-             FROM (SELECT k FROM unnest($2::text[]) AS k ORDER BY k) AS keys",
-        )
-        .bind(ORDERING_LOCK_SPACE)
-        .bind(&keys)
-        .execute(&mut *conn)
-        .await?;
-    }
-    match messages.as_slice() {
-        // One message: a plain insert, cheaper than unnesting arrays.
-        [m] => insert_one(conn, m, quiet, None).await?,
-        _ => insert_rows(conn, &messages, quiet).await?,
-    };
-    Ok(staged(messages))
-}
-
-/// Commits a consumer's unit whose handler staged `messages` on it: the
-/// claim check of [`inbox::commit`](crate::inbox::commit) and the outbox rows
-/// in ONE statement (the rows are written only if the claim is still there),
-/// then `COMMIT`. Forwarding then costs no round trip of its own.
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-pub(crate) async fn commit_unit(
-    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
-    consumer: &str,
-    message_id: &str,
-    messages: Vec<OutboxMessage>,
-) -> crate::Result<()> {
-    let quiet = LOCAL_RELAYS.load(Ordering::Relaxed) > 0;
-    let claim = Some((consumer, message_id));
-    let written = match messages.as_slice() {
-        [m] => insert_one(&mut tx, m, quiet, claim).await?,
-        _ => insert_packed(&mut tx, &messages, quiet, claim).await?,
-    };
-    if written == 0 {
-        return Err(crate::Error::ClaimLost {
-            message_id: message_id.to_owned(),
-        });
-    }
-    tx.commit().await?;
-    Ok(())
-}
-
-// The three ways a row gets into the outbox. Each turns the staging
-// trigger's NOTIFY off for the transaction when `quiet` (a relay of this
-// process is woken after the commit instead: see the migration), and with a
-// `claim` (consumer, message id) writes only while that claim stands: the
-// claim check of a unit's commit and its rows in one statement.
-
-/// `set_config`'s value for `idempo.outbox_notify`.
-fn notify_setting(quiet: bool) -> &'static str {
-    if quiet { "off" } else { "" }
-}
-
-/// One message, one row; returns the rows written (0: the claim is gone).
-async fn insert_one(
-    conn: &mut PgConnection,
-    m: &OutboxMessage,
-    quiet: bool,
-    claim: Option<(&str, &str)>,
-) -> Result<u64, sqlx::Error> {
-    let done = sqlx::query(
-        "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                             correlation_id, persistent, headers, ordering_key) \
-         SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9 \
-         FROM (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify \
-         WHERE $11::text IS NULL OR EXISTS ( \
-             SELECT 1 FROM processed_messages WHERE consumer = $11 AND message_id = $12)",
-    )
-    .bind(&m.exchange)
-    .bind(&m.routing_key)
-    .bind(&m.message_id)
-    .bind(&m.body)
-    .bind(&m.content_type)
-    .bind(&m.correlation_id)
-    .bind(m.persistent)
-    .bind(m.headers_text())
-    .bind(&m.ordering_key)
-    .bind(notify_setting(quiet))
-    .bind(claim.map(|(consumer, _)| consumer))
-    .bind(claim.map(|(_, id)| id))
-    .execute(conn)
-    .await?;
-    Ok(done.rows_affected())
-}
-
-/// Several unkeyed messages in one packed row (`packed.rs`); returns the
-/// rows written (0: the claim is gone).
-async fn insert_packed(
-    conn: &mut PgConnection,
-    messages: &[OutboxMessage],
-    quiet: bool,
-    claim: Option<(&str, &str)>,
-) -> Result<u64, sqlx::Error> {
-    let done = sqlx::query(
-        "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
-         SELECT '', '', $1, ''::bytea, $2, $3 \
-         FROM (SELECT set_config('idempo.outbox_notify', $4, true)) AS notify \
-         WHERE $5::text IS NULL OR EXISTS ( \
-             SELECT 1 FROM processed_messages WHERE consumer = $5 AND message_id = $6)",
-    )
-    .bind(messages[0].message_id.as_deref().unwrap_or_default())
-    .bind(packed::encode(messages))
-    .bind(messages.len() as i32)
-    .bind(notify_setting(quiet))
-    .bind(claim.map(|(consumer, _)| consumer))
-    .bind(claim.map(|(_, id)| id))
-    .execute(conn)
-    .await?;
-    Ok(done.rows_affected())
-}
-
-/// Several messages, a row each, in staging order (messages with ordering
-/// keys: each row is published on its own).
-async fn insert_rows(
-    conn: &mut PgConnection,
-    messages: &[OutboxMessage],
-    quiet: bool,
-) -> Result<u64, sqlx::Error> {
-    let column = |f: fn(&OutboxMessage) -> Option<&str>| -> Vec<Option<&str>> {
-        messages.iter().map(f).collect()
-    };
-    let bodies: Vec<&[u8]> = messages.iter().map(|m| m.body.as_slice()).collect();
-    let persistent: Vec<bool> = messages.iter().map(|m| m.persistent).collect();
-    let headers: Vec<String> = messages.iter().map(OutboxMessage::headers_text).collect();
-    let done = sqlx::query(
-        "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                             correlation_id, persistent, headers, ordering_key) \
-         SELECT e, r, i, b, c, k, p, h::jsonb, o \
-         FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], \
-                     $6::text[], $7::bool[], $8::text[], $9::text[]) \
-              WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, o, n), \
-              (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify \
-         ORDER BY n",
-    )
-    .bind(column(|m| Some(&m.exchange)))
-    .bind(column(|m| Some(&m.routing_key)))
-    .bind(column(|m| m.message_id.as_deref()))
-    .bind(&bodies)
-    .bind(column(|m| m.content_type.as_deref()))
-    .bind(column(|m| m.correlation_id.as_deref()))
-    .bind(&persistent)
-    .bind(&headers)
-    .bind(column(|m| m.ordering_key.as_deref()))
-    .bind(notify_setting(quiet))
-    .execute(conn)
-    .await?;
-    Ok(done.rows_affected())
-}
-
-/// Counts what was staged, wakes a dormant relay, returns the ids.
-fn staged(messages: Vec<OutboxMessage>) -> Vec<String> {
-    metrics::counter!("idempo_outbox_staged_total").increment(messages.len() as u64);
-    staged_in_process().notify_waiters();
-    messages
-        .into_iter()
-        .map(|m| m.message_id.expect("set at staging"))
-        .collect()
 }
 
 /// A message id derived from the id of the message being handled and a
@@ -358,93 +131,6 @@ pub fn derived_message_id(incoming_id: &str, purpose: &str) -> String {
 
 tokio::task_local! {
     static TRACEPARENT: Option<String>;
-    static UNIT: Arc<UnitStaging>;
-}
-
-/// Whether a consumer's unit (one delivery, or a batch) staged anything, so
-/// that the runtime wakes the local relay after the commit.
-#[derive(Debug, Default)]
-pub(crate) struct UnitStaging {
-    staged: AtomicBool,
-    /// The address of the unit's connection (0: none): only what is staged
-    /// on it is deferred to the commit, not what a handler stages on a
-    /// transaction of its own.
-    connection: AtomicUsize,
-    deferred: std::sync::Mutex<Vec<OutboxMessage>>,
-}
-
-impl UnitStaging {
-    /// Marks `connection` as the unit's transaction.
-    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-    pub(crate) fn on(connection: &PgConnection) -> Self {
-        let unit = UnitStaging::default();
-        unit.connection.store(
-            connection as *const PgConnection as usize,
-            Ordering::Relaxed,
-        );
-        unit
-    }
-
-    /// Keeps unkeyed messages staged on the unit's connection for the commit.
-    fn defer(&self, connection: usize, messages: &[OutboxMessage]) -> bool {
-        if connection != self.connection.load(Ordering::Relaxed)
-            || messages.iter().any(|m| m.ordering_key.is_some())
-        {
-            return false;
-        }
-        self.staged.store(true, Ordering::Relaxed);
-        self.deferred
-            .lock()
-            .expect("not poisoned")
-            .extend_from_slice(messages);
-        true
-    }
-
-    /// The messages kept for the commit.
-    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-    pub(crate) fn take_deferred(&self) -> Vec<OutboxMessage> {
-        std::mem::take(&mut *self.deferred.lock().expect("not poisoned"))
-    }
-
-    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-    pub(crate) fn staged(&self) -> bool {
-        self.staged.load(Ordering::Relaxed)
-    }
-}
-
-/// Runs a consumer unit's handler with `unit` as its staging record.
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-pub(crate) async fn in_unit<F: Future>(unit: Arc<UnitStaging>, future: F) -> F::Output {
-    UNIT.scope(unit, future).await
-}
-
-/// Relays running in this process (connected, publishing).
-static LOCAL_RELAYS: AtomicUsize = AtomicUsize::new(0);
-
-/// Counts a running relay in this process while it lives.
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-pub(crate) struct LocalRelay(());
-
-impl LocalRelay {
-    #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-    pub(crate) fn running() -> Self {
-        LOCAL_RELAYS.fetch_add(1, Ordering::Relaxed);
-        LocalRelay(())
-    }
-}
-
-impl Drop for LocalRelay {
-    fn drop(&mut self) {
-        LOCAL_RELAYS.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// Woken (with a stored permit) after a consumer committed a unit that
-/// staged: the local relay's replacement for `NOTIFY`.
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-pub(crate) fn committed_in_process() -> &'static Notify {
-    static COMMITTED: OnceLock<Notify> = OnceLock::new();
-    COMMITTED.get_or_init(Notify::new)
 }
 
 /// Runs `future` with a W3C `traceparent` that [`stage`] copies into the
@@ -459,13 +145,6 @@ pub async fn with_traceparent<F: Future>(traceparent: Option<String>, future: F)
 /// The `traceparent` set by the innermost [`with_traceparent`], if any.
 pub fn current_traceparent() -> Option<String> {
     TRACEPARENT.try_with(Clone::clone).ok().flatten()
-}
-
-/// Woken whenever this process stages something, so that a dormant relay
-/// wakes up (it then learns of the commit through `NOTIFY`).
-pub(crate) fn staged_in_process() -> &'static Notify {
-    static STAGED: OnceLock<Notify> = OnceLock::new();
-    STAGED.get_or_init(Notify::new)
 }
 
 /// The outbox at one instant, for dashboards and alerts.

@@ -19,14 +19,14 @@ use futures::future::BoxFuture;
 use crate::Result;
 use crate::amqp::ConsumerBuilder;
 use crate::amqp::builder::runnable;
-use crate::amqp::delivery::{
-    Abandon, Decide, HandlerRun, Outcome, guarded, handler_failed, mismatch, retry, timed_out,
-    undecodable,
-};
 use crate::amqp::handler::HandlerError;
 use crate::amqp::headers::string_header;
 use crate::amqp::message::{DecodeError, FromMessage, Message, decode};
 use crate::amqp::mode::{Dispatch, IntoDispatch, NoHandler, Parts};
+use crate::amqp::outcome::{
+    Abandon, Decide, HandlerRun, Outcome, guarded, handler_failed, mismatch, retry, timed_out,
+    undecodable,
+};
 use crate::amqp::stats::Stats;
 use crate::window::{DedupId, DedupWindow, Reservation, Scope, WindowStore};
 

@@ -11,7 +11,7 @@ use tokio::time::{Instant, timeout, timeout_at};
 
 use crate::amqp::Broker;
 use crate::amqp::publish::{ConfirmChannel, PublishError};
-use crate::backoff::Backoff;
+use crate::amqp::reconnect::Reconnect;
 use crate::window::{DedupId, DedupWindow, MAX_WINDOW, Reservation, Scope, WindowStore};
 use crate::{Error, Result};
 
@@ -230,17 +230,17 @@ impl<S: WindowStore> DedupPublisherBuilder<S> {
                 self.lease, self.confirm_timeout
             )));
         }
+        let name = self
+            .connection_name
+            .unwrap_or_else(|| format!("idempo-publisher:{}", std::process::id()));
         let link = Link {
-            broker: self.broker,
-            name: self
-                .connection_name
-                .unwrap_or_else(|| format!("idempo-publisher:{}", std::process::id())),
+            broker: self.broker.clone(),
+            name: name.clone(),
             confirm_timeout: self.confirm_timeout,
             state: Mutex::new(LinkState {
                 connection: None,
                 channel: None,
-                node: None,
-                backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
+                reconnect: Reconnect::new(self.broker, name, Duration::from_secs(5)),
                 next_attempt: None,
             }),
         };
@@ -485,6 +485,7 @@ impl<S: WindowStore> DedupPublisher<S> {
 
 /// The publisher's connection and channel, reopened when lost.
 struct Link {
+    /// For `Debug`.
     broker: Broker,
     name: String,
     confirm_timeout: Duration,
@@ -496,9 +497,8 @@ struct LinkState {
     /// Shared with the publishes in flight on it: a new channel can replace
     /// it while they finish.
     channel: Option<Arc<ConfirmChannel>>,
-    /// The node of the last connection, so a reconnect tries the next first.
-    node: Option<usize>,
-    backoff: Backoff,
+    /// Which node next, and the backoff between attempts.
+    reconnect: Reconnect,
     /// After a failed attempt: no new one before this instant, and why.
     next_attempt: Option<(Instant, String)>,
 }
@@ -527,12 +527,12 @@ impl Link {
         }
         match self.reopen(&mut state).await {
             Ok(channel) => {
-                state.backoff.reset();
+                state.reconnect.reset();
                 state.next_attempt = None;
                 Ok(channel)
             }
             Err(e) => {
-                let pause = state.backoff.next_delay();
+                let pause = state.reconnect.pause_after(Duration::ZERO);
                 state.next_attempt = Some((Instant::now() + pause, e.to_string()));
                 tracing::warn!(error = %e, ?pause, "the dedup publisher cannot reach the broker");
                 Err(e)
@@ -549,9 +549,8 @@ impl Link {
         if !alive {
             // Dropping a dead connection's last handle is all it needs.
             state.connection = None;
-            let (connection, node) = self.broker.connect_from(state.node, &self.name).await?;
-            tracing::info!(node, name = %self.name, "the dedup publisher connected");
-            state.node = Some(node);
+            let connection = state.reconnect.connect().await?;
+            tracing::info!(node = ?state.reconnect.node(), "the dedup publisher connected");
             state.connection = Some(connection);
         }
         let connection = state.connection.as_ref().expect("connected above");

@@ -1,0 +1,55 @@
+//! [`Config`]: a consumer's settings once the builder checked them, read by
+//! every part of the runtime.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+use super::broker::Broker;
+use super::message_id::MessageIdSource;
+use super::redelivery::RedeliveryPolicy;
+use super::topology::Topology;
+
+/// RabbitMQ's default `consumer_timeout`: an unacked delivery older than this
+/// makes the broker close the channel, and the message is redelivered.
+const BROKER_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) broker: Broker,
+    pub(crate) pool: PgPool,
+    pub(crate) consumer: String,
+    pub(crate) topology: Topology,
+    pub(crate) declare: bool,
+    pub(crate) prefetch: u16,
+    pub(crate) concurrency: usize,
+    pub(crate) message_id: MessageIdSource,
+    pub(crate) redelivery: RedeliveryPolicy,
+    pub(crate) shutdown_timeout: Duration,
+    pub(crate) retention: Option<Duration>,
+    pub(crate) retention_interval: Duration,
+    pub(crate) connection_name: String,
+    /// Keep retrying when the queues exist with other arguments.
+    pub(crate) wait_for_topology: bool,
+    /// Queues declared like the work queue (for a consumer downstream).
+    pub(crate) also_declare: Vec<String>,
+}
+
+impl Config {
+    /// A redelivery that arrives after retention deleted its claim is
+    /// processed again: warn when the retention does not cover the longest
+    /// way back.
+    pub(crate) fn warn_if_retention_too_short(&self) {
+        let Some(retention) = self.retention else {
+            return;
+        };
+        let longest = self.redelivery.total_delay() + BROKER_CONSUMER_TIMEOUT;
+        if retention < longest {
+            tracing::warn!(
+                ?retention,
+                ?longest,
+                "retention is shorter than the longest possible redelivery (retry schedule plus the broker's 30 min consumer timeout): a late redelivery could be processed twice"
+            );
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! The consumer's broker sessions: connect, declare, subscribe, dispatch
+//! until shutdown or loss, close; between sessions, the reconnect loop
+//! ([`reconnect::run`]) and, after a delivery the client cannot parse, the
+//! quarantine.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::Connection;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use tokio_util::sync::CancellationToken;
+
+use super::acks::AckTracker;
+use super::config::Config;
+use super::delivery::Pipeline;
+use super::dispatch::{Dispatcher, Feed, FeedEnd};
+use super::health::{Health, RuntimeState};
+use super::mode::Dispatch;
+use super::quarantine;
+use super::reconnect::{self, Reconnect, Session, Sessions};
+use super::republish::Republisher;
+use super::seal::Keyring;
+use super::shutdown::ShutdownHandle;
+use super::stats::{Counter, Stats};
+use super::topology::{Topology, dead_letter_queue};
+use crate::{Error, Result};
+
+/// How many confirm-mode channels publish retries and dead letters side by side.
+const REPUBLISH_CHANNELS: usize = 4;
+
+/// A session that consumed this long proves the queue is not wedged.
+const STABLE_SESSION: Duration = Duration::from_secs(30);
+
+/// Bounds on broker round trips during setup and teardown, so a half-open
+/// broker cannot hang a reconnect or a shutdown.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The state that outlives broker sessions: handlers in flight keep running
+/// across a reconnect (their ack may fail; the redelivery is deduplicated).
+pub(crate) struct Runtime {
+    pub(crate) config: Config,
+    pub(crate) dispatch: Dispatch,
+    pub(crate) shutdown: ShutdownHandle,
+    pub(crate) stats: Stats,
+    pub(crate) health: Health,
+    dispatcher: Dispatcher,
+    /// The consumer's key for the ids its copies carry (loaded on first use).
+    pub(crate) keys: Arc<Keyring>,
+    /// Sessions in a row ended by a delivery that could not be moved away.
+    wedged: u32,
+    /// The broker left a round trip of this session's shutdown unanswered.
+    unresponsive: bool,
+    /// The last session ended on a delivery the client could not parse.
+    unparseable: bool,
+    /// The node of the last session: the quarantine's client goes there.
+    node: Option<usize>,
+}
+
+impl Runtime {
+    pub(crate) fn new(
+        config: Config,
+        dispatch: Dispatch,
+        shutdown: ShutdownHandle,
+        stats: Stats,
+        health: Health,
+    ) -> Self {
+        Runtime {
+            dispatcher: Dispatcher::new(&dispatch, config.concurrency),
+            keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
+            wedged: 0,
+            unresponsive: false,
+            unparseable: false,
+            node: None,
+            config,
+            dispatch,
+            shutdown,
+            stats,
+            health,
+        }
+    }
+
+    /// Runs sessions until shutdown or a configuration error (returned),
+    /// then lets the handlers of lost sessions finish.
+    pub(crate) async fn run(&mut self) -> Result<()> {
+        let mut link = Reconnect::new(
+            self.config.broker.clone(),
+            self.config.connection_name.clone(),
+            Duration::from_secs(30),
+        );
+        let stop = self.shutdown.graceful_token().clone();
+        let fatal = reconnect::run(self, &mut link, &stop).await;
+        if let Some(error) = &fatal {
+            tracing::error!(%error, "cannot run; stopping");
+            self.health.record_error(error.to_string());
+        }
+        // Handlers of lost sessions may still run: they can no longer ack, but
+        // let them end their transactions (a no-op after a drained session).
+        self.health.set_state(RuntimeState::Stopping);
+        self.dispatcher
+            .drain(self.config.shutdown_timeout, self.shutdown.now_token())
+            .await;
+        self.health.set_state(RuntimeState::Stopped);
+        tracing::info!(consumer = %self.config.consumer, "stopped");
+        fatal.map_or(Ok(()), Err)
+    }
+
+    /// One connection's life: connect, declare, subscribe, dispatch until
+    /// shutdown or loss.
+    async fn session_on(&mut self, link: &mut Reconnect) -> Session<Error> {
+        self.unresponsive = false;
+        self.unparseable = false;
+        let lost = |error: String| Session::Lost {
+            error,
+            lasted: Duration::ZERO,
+        };
+        let connection = tokio::select! {
+            connected = link.connect() => match connected {
+                Ok(connection) => connection,
+                // A refused TLS handshake on every node, before anything ever
+                // worked: a configuration error, not an outage.
+                Err(e @ Error::Tls { .. }) if !link.has_connected() => return Session::Fatal(e),
+                Err(e) => return lost(format!("cannot connect to the broker: {e}")),
+            },
+            () = self.shutdown.graceful_token().cancelled() => return Session::Stopped,
+        };
+        let subscribed = tokio::time::timeout(SETUP_TIMEOUT, self.subscribe(&connection)).await;
+        let end = match subscribed {
+            Ok(Ok((channel, deliveries, pipeline))) => {
+                self.consume(&connection, channel, deliveries, pipeline)
+                    .await
+            }
+            Ok(Err(e @ Error::TopologyConflict { .. })) if !self.config.wait_for_topology => {
+                Session::Fatal(e)
+            }
+            Ok(Err(e)) => lost(format!("cannot set up the subscription: {e}")),
+            Err(_) => lost(format!(
+                "setting up the subscription took over {SETUP_TIMEOUT:?}"
+            )),
+        };
+        // Closing the connection hands every unacked delivery back to the
+        // broker (so does dropping it, if the broker does not answer).
+        if connection.status().connected() {
+            let close = connection.close(200, "idempo consumer stopped".into());
+            let _ = self.bounded(close).await;
+        }
+        end
+    }
+
+    /// A broker round trip of the shutdown path: at most `CLOSE_TIMEOUT`;
+    /// none at all once `shutdown_now` (or a second signal) fired, or once
+    /// the broker left one unanswered in this session (in a resource alarm it
+    /// answers none, and each would only add to the shutdown's length).
+    async fn bounded<F: Future>(&mut self, call: F) -> Option<F::Output> {
+        let now = self.shutdown.now_token().clone();
+        if now.is_cancelled() || self.unresponsive {
+            return None;
+        }
+        let done = tokio::select! {
+            done = tokio::time::timeout(CLOSE_TIMEOUT, call) => done.ok(),
+            () = now.cancelled() => None,
+        };
+        self.unresponsive |= done.is_none();
+        done
+    }
+
+    async fn subscribe(
+        &self,
+        connection: &Connection,
+    ) -> Result<(lapin::Channel, lapin::Consumer, Arc<Pipeline>)> {
+        let config = &self.config;
+        let channel = connection.create_channel().await?;
+        if config.declare {
+            config
+                .topology
+                .declare(&channel)
+                .await
+                .map_err(|e| topology_error(&config.topology.queue, e))?;
+            for queue in &config.also_declare {
+                let like_ours = Topology {
+                    queue: queue.clone(),
+                    dead_letter_queue: dead_letter_queue(queue),
+                    queue_type: config.topology.queue_type,
+                    bindings: Vec::new(),
+                    retry_delays: Vec::new(),
+                };
+                like_ours
+                    .declare(&channel)
+                    .await
+                    .map_err(|e| topology_error(queue, e))?;
+            }
+        }
+        let republisher = Republisher::open(connection, REPUBLISH_CHANNELS).await?;
+        channel
+            .basic_qos(config.prefetch, BasicQosOptions::default())
+            .await?;
+        let deliveries = channel
+            .basic_consume(
+                config.topology.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let pipeline = Arc::new(Pipeline {
+            consumer: config.consumer.clone(),
+            queue: config.topology.queue.clone(),
+            dead_letter_queue: config.topology.dead_letter_queue.clone(),
+            message_id: config.message_id.clone(),
+            keys: self.keys.clone(),
+            decide: self.dispatch.decide.clone(),
+            redelivery: config.redelivery.clone(),
+            declare: config.declare,
+            republisher,
+            // Batch mode acks processed deliveries with multiple acks.
+            coalesced: self.dispatch.batch.map(|_| AckTracker::new()),
+            broken: CancellationToken::new(),
+            shutdown: self.shutdown.graceful_token().clone(),
+            health: self.health.clone(),
+            stats: self.stats.clone(),
+            log_limit: Default::default(),
+        });
+        Ok((channel, deliveries, pipeline))
+    }
+
+    /// Dispatches the subscription's deliveries until shutdown or loss; on
+    /// shutdown, cancels the subscription and drains the handlers first.
+    async fn consume(
+        &mut self,
+        connection: &Connection,
+        channel: lapin::Channel,
+        mut deliveries: lapin::Consumer,
+        pipeline: Arc<Pipeline>,
+    ) -> Session<Error> {
+        let config = &self.config;
+        self.health.set_state(RuntimeState::Consuming);
+        tracing::info!(
+            consumer = %config.consumer,
+            queue = %config.topology.queue,
+            prefetch = config.prefetch,
+            concurrency = config.concurrency,
+            batch = self.dispatch.batch.map(|(size, _)| size),
+            "consuming"
+        );
+        let broken = pipeline.broken.clone();
+        let shutdown = self.shutdown.graceful_token().clone();
+        let feed = Feed {
+            deliveries: &mut deliveries,
+            channel: &channel,
+            connection,
+            broken: &broken,
+            shutdown: &shutdown,
+            queue: &config.topology.queue,
+        };
+        let (end, lasted) = self.dispatcher.run(feed, pipeline.clone()).await;
+        if let FeedEnd::Shutdown = end {
+            self.health.set_state(RuntimeState::Stopping);
+            // Stop new deliveries first, so that nothing arrives while we
+            // drain. Bounded: a broker in a resource alarm stops reading a
+            // connection that published, and would never answer.
+            if channel.status().connected() {
+                let cancel = channel.basic_cancel(deliveries.tag(), BasicCancelOptions::default());
+                match self.bounded(cancel).await {
+                    Some(Ok(())) => {}
+                    Some(Err(e)) => tracing::debug!(error = %e, "basic.cancel failed"),
+                    None => tracing::warn!("basic.cancel unanswered; draining anyway"),
+                }
+            }
+            self.dispatcher
+                .drain(self.config.shutdown_timeout, self.shutdown.now_token())
+                .await;
+        }
+        if channel.status().connected() {
+            let close = channel.close(200, "idempo consumer stopped".into());
+            let _ = self.bounded(close).await;
+        }
+        // Closed here rather than when the last task drops them: a channel
+        // dropped while the connection closes makes lapin log an ERROR.
+        let _ = self.bounded(pipeline.republisher.close()).await;
+        match end {
+            FeedEnd::Shutdown => Session::Stopped,
+            FeedEnd::Lost { error, unparseable } => {
+                self.unparseable = unparseable;
+                Session::Lost { error, lasted }
+            }
+        }
+    }
+
+    /// A delivery lapin cannot parse ended the session, and would end every
+    /// next one: move such deliveries at the head of the queue to the DLQ
+    /// with a client of our own (see `quarantine`).
+    async fn quarantine(&mut self, node: usize) {
+        let config = &self.config;
+        let target = quarantine::Target {
+            broker: &config.broker,
+            node,
+            queue: &config.topology.queue,
+            dead_letter_queue: &config.topology.dead_letter_queue,
+            consumer: &config.consumer,
+            limit: usize::from(config.prefetch) + 1,
+        };
+        let moved = tokio::select! {
+            moved = quarantine::run(&target) => moved,
+            () = self.shutdown.graceful_token().cancelled() => return,
+        };
+        match moved {
+            Ok(n) if n > 0 => {
+                for _ in 0..n {
+                    self.stats.incr(Counter::PoisonFrames);
+                    self.stats.incr(Counter::DeadLettered);
+                }
+                self.wedged = 0;
+                self.health.record_error(format!(
+                    "moved {n} delivery(ies) whose properties are not valid UTF-8 to {:?}",
+                    config.topology.dead_letter_queue
+                ));
+            }
+            outcome => {
+                self.wedged += 1;
+                let why = match outcome {
+                    Ok(_) => "none found at the head of the queue".to_owned(),
+                    Err(e) => e.to_string(),
+                };
+                let error = format!(
+                    "a delivery the AMQP client cannot parse ended {} session(s) in a row, and could not be moved to the DLQ ({why}); the queue is stuck behind it",
+                    self.wedged
+                );
+                tracing::error!(%error);
+                self.health.record_error(error);
+            }
+        }
+        self.health.set_wedged_sessions(self.wedged);
+    }
+}
+
+impl Sessions for Runtime {
+    type Fatal = Error;
+
+    async fn session(&mut self, link: &mut Reconnect) -> Session<Error> {
+        self.health.set_state(RuntimeState::Connecting);
+        let end = self.session_on(link).await;
+        if !matches!(end, Session::Stopped) {
+            self.stats.incr(Counter::SessionFailures);
+        }
+        self.node = link.node();
+        end
+    }
+
+    async fn lost(&mut self, error: String, lasted: Duration, pause: Duration) {
+        tracing::error!(%error, ?pause, "broker session lost; reconnecting");
+        self.health.record_error(error);
+        // After the loss is recorded, so that what the quarantine found is
+        // the last word in Health.
+        if self.unparseable {
+            self.quarantine(self.node.unwrap_or(0)).await;
+        } else if lasted >= STABLE_SESSION {
+            self.wedged = 0;
+            self.health.set_wedged_sessions(0);
+        }
+        if !lasted.is_zero() {
+            self.health.record_reconnect();
+            self.stats.incr(Counter::Reconnects);
+        }
+        self.health.set_state(RuntimeState::Reconnecting);
+    }
+}
+
+/// A declaration the broker refused because the queue exists with other
+/// arguments (PRECONDITION_FAILED, 406) is a configuration error.
+fn topology_error(queue: &str, error: Error) -> Error {
+    match &error {
+        Error::Amqp(e) => match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 406 => {
+                Error::TopologyConflict {
+                    queue: queue.to_owned(),
+                    broker: amqp.get_message().to_string(),
+                }
+            }
+            _ => error,
+        },
+        _ => error,
+    }
+}

@@ -1,0 +1,78 @@
+//! Stopping a consumer or a relay: [`ShutdownHandle`] (the signal) and the
+//! process signals that fire it.
+
+use tokio_util::sync::CancellationToken;
+
+/// Stops a running [`Consumer`](super::Consumer) or
+/// [`Relay`](super::Relay) from another task. Cheap to clone.
+///
+/// A graceful shutdown lets the work in flight finish; `shutdown_now` drops
+/// it (transactions roll back, deliveries are redelivered: nothing is lost).
+#[derive(Debug, Clone, Default)]
+pub struct ShutdownHandle {
+    graceful: CancellationToken,
+    now: CancellationToken,
+}
+
+impl ShutdownHandle {
+    /// Asks to stop after the work in flight: see
+    /// [Shutdown](super::Consumer#shutdown).
+    pub fn shutdown(&self) {
+        self.graceful.cancel();
+    }
+
+    /// Stops without waiting for the handlers in flight: their transactions
+    /// roll back and their deliveries are redelivered. Nothing is lost.
+    pub fn shutdown_now(&self) {
+        self.graceful.cancel();
+        self.now.cancel();
+    }
+
+    /// Whether shutdown was requested.
+    pub fn is_shutdown(&self) -> bool {
+        self.graceful.is_cancelled()
+    }
+
+    /// Fired when a graceful shutdown begins.
+    pub(crate) fn graceful_token(&self) -> &CancellationToken {
+        &self.graceful
+    }
+
+    /// Fired when the shutdown must not wait any longer.
+    pub(crate) fn now_token(&self) -> &CancellationToken {
+        &self.now
+    }
+}
+
+/// SIGTERM and SIGINT, installed once so that a second signal is seen too.
+pub(crate) struct Signals {
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    pub(crate) fn new() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Signals {
+                term: signal(SignalKind::terminate()).expect("cannot install a SIGTERM handler"),
+                int: signal(SignalKind::interrupt()).expect("cannot install a SIGINT handler"),
+            }
+        }
+        #[cfg(not(unix))]
+        Signals {}
+    }
+
+    pub(crate) async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
