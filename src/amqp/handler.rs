@@ -56,6 +56,55 @@ type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 ///     }
 /// }
 /// ```
+///
+/// # When a handler does not compile
+/// A closure takes the transaction first, even one that does not use it
+/// (`|_tx: Tx, m: Message|`). Without it, the compiler reports "closure is
+/// expected to take 2 arguments, but it takes 1 argument":
+///
+/// ```compile_fail,E0593
+/// use idempo::amqp::{ConsumerBuilder, HandlerError, Message, mode::NoHandler};
+///
+/// fn build(builder: ConsumerBuilder<NoHandler>) {
+///     builder.handler(|m: Message| async move { Ok::<(), HandlerError>(()) });
+/// }
+/// ```
+///
+/// A value that is not a handler of the message type asked for (here a
+/// per-message handler given to [`batch_handler`], which wants a
+/// `Handler<Vec<M>>`) is reported as "`Credit` is not a `Handler<Vec<_>>`",
+/// with notes that list the accepted shapes:
+///
+/// ```compile_fail,E0277
+/// use idempo::Tx;
+/// use idempo::amqp::{ConsumerBuilder, Handler, HandlerError, JsonBody, mode::NoHandler};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Payment { account: String }
+///
+/// struct Credit;
+///
+/// impl Handler<JsonBody<Payment>> for Credit {
+///     fn call(&self, _tx: Tx, _payment: JsonBody<Payment>)
+///         -> impl Future<Output = Result<(), HandlerError>> + Send + 'static
+///     {
+///         async { Ok(()) }
+///     }
+/// }
+///
+/// fn build(builder: ConsumerBuilder<NoHandler>) {
+///     builder.batch_handler(Credit);
+/// }
+/// ```
+///
+/// [`batch_handler`]: super::ConsumerBuilder::batch_handler
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a `Handler<{M}>`",
+    label = "not a handler of `{M}`",
+    note = "a handler is an async fn or closure `Fn(Tx, M) -> impl Future<Output = Result<(), HandlerError>> + Send + 'static` (itself `Send + Sync + 'static`), or a type that implements `Handler<M>`",
+    note = "`M: FromMessage` is the message: `JsonBody<T>`, `Message`, a pair such as `(JsonBody<T>, Message)`, or your own type; `batch_handler` takes `Vec<M>`: `Fn(Tx, Vec<M>)`",
+    note = "annotate a closure's arguments: `|tx: Tx, JsonBody(p): JsonBody<Payment>| async move {{ .. }}`"
+)]
 pub trait Handler<M>: Send + Sync + 'static {
     /// Handles `message` in the transaction `tx`.
     fn call(
