@@ -65,6 +65,7 @@
 //! | `retry` | A retrying reqwest client that keeps its `Idempotency-Key`, and a generic retry loop (`retry`) | no |
 //! | `redis` | Redis stores for the modules that have one | no |
 //! | `tls` | TLS (rustls, no OpenSSL) to every service: `amqps://`, PostgreSQL `sslmode=require/verify-ca/verify-full`, `rediss://` | yes |
+//! | `anyhow` | `?` on an `anyhow::Error` in a handler classifies the error it carries (a database error, an undecodable body) instead of an opaque wrapper | yes |
 #![warn(
     missing_docs,
     missing_debug_implementations,

@@ -898,3 +898,65 @@ async fn a_panicking_message_id_function_dead_letters_the_message() {
     );
     assert_eq!(db.payments_for("fine").await, 1);
 }
+
+/// `?` on anyhow errors inside a handler: a plain one is retried, a database
+/// error that the same data raises again stays permanent under `.context`,
+/// and an undecodable body stays undecodable.
+#[cfg(feature = "anyhow")]
+#[tokio::test]
+async fn anyhow_errors_in_a_handler_are_classified_by_the_error_they_carry() {
+    use anyhow::Context;
+    use std::sync::atomic::AtomicUsize;
+
+    // The application's own code, written with anyhow.
+    fn parse(message: &Message) -> anyhow::Result<serde_json::Value> {
+        Ok(message.json()?)
+    }
+    async fn share(conn: &mut sqlx::PgConnection) -> anyhow::Result<i32> {
+        sqlx::query_scalar("SELECT 1 / 0") // SQLSTATE 22012: the same every time
+            .fetch_one(conn)
+            .await
+            .context("computing the share")
+    }
+
+    let (db, broker, queue) = support::setup().await;
+    broker.publish(&queue, Some("not-json"), b"{not json").await;
+    broker.publish(&queue, Some("division"), b"{}").await;
+    broker.publish(&queue, Some("flaky"), b"{}").await;
+    let flaky_attempts = Arc::new(AtomicUsize::new(0));
+    let attempts = flaky_attempts.clone();
+    let handler = move |tx: Tx, message: Message| {
+        let attempts = attempts.clone();
+        async move {
+            parse(&message)?;
+            match message.id() {
+                "division" => {
+                    let mut tx = tx.try_lock()?;
+                    share(&mut tx).await?;
+                }
+                "flaky" if attempts.fetch_add(1, Ordering::SeqCst) == 0 => {
+                    Err(anyhow::anyhow!("the downstream timed out"))?;
+                }
+                _ => {}
+            }
+            Ok(())
+        }
+    };
+    let consumer = Running::start(consumer_for(&db, &queue).concurrency(1).handler(handler));
+    let stats = consumer.finish(3).await;
+
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    let reasons: Vec<&str> = dead.iter().map(|d| d.reason()).collect();
+    assert_eq!(reasons, ["undecodable body", "permanent handler error"]);
+    assert_eq!(dead[0].message_id.as_deref(), Some("not-json"));
+    assert_eq!(dead[1].message_id.as_deref(), Some("division"));
+    assert_eq!(
+        dead[1].headers[idempo::amqp::ERROR_HEADER],
+        "computing the share"
+    );
+    assert_eq!(flaky_attempts.load(Ordering::SeqCst), 2, "retried once");
+    assert_eq!(
+        (stats.dead_lettered, stats.retried, stats.processed),
+        (2, 1, 1)
+    );
+}

@@ -902,3 +902,94 @@ async fn a_lease_that_does_not_outlast_the_confirm_timeout_is_refused() {
         .unwrap();
     publisher.close().await;
 }
+
+/// `window_handler` takes a `WindowHandler`: a type with its own state, or an
+/// async fn, as well as a closure; `?` on anyhow works in it as in `handler`.
+#[tokio::test]
+async fn a_window_handler_can_be_a_type_of_its_own_or_an_async_fn() {
+    use idempo::amqp::window::WindowHandler;
+    use idempo::amqp::{HandlerError, JsonBody};
+    use std::sync::Mutex;
+
+    #[derive(serde::Deserialize)]
+    struct Ping {
+        from: String,
+    }
+
+    /// Records who pinged; refuses a ping from nobody.
+    struct RecordPings {
+        from: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl WindowHandler<JsonBody<Ping>> for RecordPings {
+        fn call(
+            &self,
+            JsonBody(ping): JsonBody<Ping>,
+        ) -> impl Future<Output = Result<(), HandlerError>> + Send + 'static {
+            let from = self.from.clone();
+            async move {
+                if ping.from.is_empty() {
+                    return Err(HandlerError::permanent("a ping from nobody"));
+                }
+                from.lock().unwrap().push(ping.from);
+                Ok(())
+            }
+        }
+    }
+
+    let (db, broker, queue) = support::setup().await;
+    let from = Arc::new(Mutex::new(Vec::new()));
+    let handler = RecordPings { from: from.clone() };
+    let running = Running::start(
+        Consumer::builder(amqp_url(), db.pool.clone())
+            .queue(&queue)
+            .concurrency(1)
+            .dedup_window(DedupWindow::new(MemoryWindow::new(100)))
+            .window_handler(handler),
+    );
+    broker
+        .publish(&queue, Some("p1"), br#"{"from": "ann"}"#)
+        .await;
+    broker
+        .publish(&queue, Some("p1"), br#"{"from": "ann"}"#)
+        .await;
+    broker.publish(&queue, Some("p2"), br#"{"from": ""}"#).await;
+    broker
+        .publish(&queue, Some("p3"), br#"{"from": "bob"}"#)
+        .await;
+    let stats = running.finish(4).await;
+    assert_eq!(*from.lock().unwrap(), ["ann", "bob"]);
+    assert_eq!(
+        (stats.processed, stats.duplicates, stats.dead_lettered),
+        (2, 1, 1)
+    );
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead[0].reason(), "permanent handler error");
+
+    // An async fn, with `?` on an anyhow error (retried: transient).
+    async fn flaky(message: Message) -> Result<(), HandlerError> {
+        fn downstream(retry: bool) -> anyhow::Result<()> {
+            anyhow::ensure!(retry, "the downstream timed out");
+            Ok(())
+        }
+        // A retry through the delay queue carries its attempt count.
+        downstream(message.header(idempo::amqp::ATTEMPTS_HEADER).is_some())?;
+        Ok(())
+    }
+    let queue = unique("window-fn");
+    broker.track(&queue);
+    let running = Running::start(
+        Consumer::builder(amqp_url(), db.pool.clone())
+            .queue(&queue)
+            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
+            .dedup_window(DedupWindow::new(MemoryWindow::new(100)))
+            .window_handler(flaky),
+    );
+    support::eventually("the queue is consumed", Duration::from_secs(20), || async {
+        broker.consuming(&queue).await
+    })
+    .await;
+    broker.publish(&queue, Some("f1"), b"{}").await;
+    let stats = running.finish(1).await;
+    assert_eq!((stats.retried, stats.processed), (1, 1), "{stats:?}");
+}

@@ -56,6 +56,55 @@ type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 ///     }
 /// }
 /// ```
+///
+/// # When a handler does not compile
+/// A closure takes the transaction first, even one that does not use it
+/// (`|_tx: Tx, m: Message|`). Without it, the compiler reports "closure is
+/// expected to take 2 arguments, but it takes 1 argument":
+///
+/// ```compile_fail,E0593
+/// use idempo::amqp::{ConsumerBuilder, HandlerError, Message, mode::NoHandler};
+///
+/// fn build(builder: ConsumerBuilder<NoHandler>) {
+///     builder.handler(|m: Message| async move { Ok::<(), HandlerError>(()) });
+/// }
+/// ```
+///
+/// A value that is not a handler of the message type asked for (here a
+/// per-message handler given to [`batch_handler`], which wants a
+/// `Handler<Vec<M>>`) is reported as "`Credit` is not a `Handler<Vec<_>>`",
+/// with notes that list the accepted shapes:
+///
+/// ```compile_fail,E0277
+/// use idempo::Tx;
+/// use idempo::amqp::{ConsumerBuilder, Handler, HandlerError, JsonBody, mode::NoHandler};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Payment { account: String }
+///
+/// struct Credit;
+///
+/// impl Handler<JsonBody<Payment>> for Credit {
+///     fn call(&self, _tx: Tx, _payment: JsonBody<Payment>)
+///         -> impl Future<Output = Result<(), HandlerError>> + Send + 'static
+///     {
+///         async { Ok(()) }
+///     }
+/// }
+///
+/// fn build(builder: ConsumerBuilder<NoHandler>) {
+///     builder.batch_handler(Credit);
+/// }
+/// ```
+///
+/// [`batch_handler`]: super::ConsumerBuilder::batch_handler
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a `Handler<{M}>`",
+    label = "not a handler of `{M}`",
+    note = "a handler is an async fn or closure `Fn(Tx, M) -> impl Future<Output = Result<(), HandlerError>> + Send + 'static` (itself `Send + Sync + 'static`), or a type that implements `Handler<M>`",
+    note = "`M: FromMessage` is the message: `JsonBody<T>`, `Message`, a pair such as `(JsonBody<T>, Message)`, or your own type; `batch_handler` takes `Vec<M>`: `Fn(Tx, Vec<M>)`",
+    note = "annotate a closure's arguments: `|tx: Tx, JsonBody(p): JsonBody<Payment>| async move {{ .. }}`"
+)]
 pub trait Handler<M>: Send + Sync + 'static {
     /// Handles `message` in the transaction `tx`.
     fn call(
@@ -135,16 +184,47 @@ impl ErrorKind {
 /// A handler's failure. Either way the transaction rolls back: neither the
 /// handler's writes nor the claim survive.
 ///
-/// `?` converts any type that implements `std::error::Error` (sqlx's,
-/// serde's, `std::io::Error`, [`idempo::Error`](crate::Error), your own
-/// thiserror types), with the kind [`ErrorKind::of`] gives it: **transient**
-/// (retried), except database errors that the same statement on the same data
-/// will raise again, which are **permanent** (dead-lettered at once, with the
-/// database's message). Error types that do not implement `std::error::Error`,
-/// such as `anyhow::Error` or `Box<dyn Error>`, convert with
-/// [`ResultExt::transient`] or `map_err(HandlerError::transient)`. Choose the
-/// kind yourself with [`HandlerError::permanent`] / [`HandlerError::transient`]
-/// or [`ResultExt`]: that overrides the default.
+/// `?` converts every error a handler is likely to meet: any type that
+/// implements `std::error::Error + Send + Sync` (sqlx's, serde's,
+/// `std::io::Error`, [`idempo::Error`](crate::Error), your own thiserror
+/// types), `anyhow::Error`, `Box<dyn std::error::Error + Send + Sync>`, and a
+/// `String` or `&'static str` message. The kind is the one [`ErrorKind::of`]
+/// gives the error: **transient** (retried), except database errors that the
+/// same statement on the same data will raise again, which are **permanent**
+/// (dead-lettered at once, with the database's message). An `anyhow::Error`
+/// is classified as the error it carries (feature `anyhow`, on by default):
+/// a unique violation behind `.context(..)` is still permanent, and
+/// `anyhow::Error::from(decode_error)` is still dead-lettered as an
+/// undecodable body. Choose the kind yourself with
+/// [`HandlerError::permanent`] / [`HandlerError::transient`] or
+/// [`ResultExt`]: that overrides the default.
+///
+/// ```
+/// use anyhow::Context;
+/// use idempo::Tx;
+/// use idempo::amqp::{HandlerError, Message, ResultExt};
+///
+/// // Helpers of the application, written with anyhow.
+/// fn parse_cents(raw: &str) -> anyhow::Result<i64> {
+///     raw.trim().parse().context("the amount is not a number")
+/// }
+/// async fn exchange_rate(currency: &str) -> anyhow::Result<i64> {
+///     anyhow::ensure!(currency == "EUR", "no rate for {currency}");
+///     Ok(1)
+/// }
+///
+/// async fn handle(tx: Tx, msg: Message) -> Result<(), HandlerError> {
+///     let raw = std::str::from_utf8(msg.body()).permanent()?; // never UTF-8: dead-lettered
+///     let cents = parse_cents(raw).permanent()?;              // never a number: dead-lettered
+///     let rate = exchange_rate("EUR").await?;                 // anyhow::Error: transient, retried
+///     let mut tx = tx.try_lock()?;
+///     sqlx::query("INSERT INTO amounts (cents) VALUES ($1)")
+///         .bind(cents * rate)
+///         .execute(&mut *tx)
+///         .await?;                                            // sqlx::Error: kind by SQLSTATE
+///     Ok(())
+/// }
+/// ```
 pub struct HandlerError {
     kind: ErrorKind,
     source: BoxError,
@@ -195,7 +275,10 @@ impl HandlerError {
         self.kind == ErrorKind::Permanent
     }
 
-    /// The underlying error.
+    /// The underlying error: the one `?` or [`transient`](Self::transient) /
+    /// [`permanent`](Self::permanent) was given, except that `?` on an
+    /// `anyhow::Error` (feature `anyhow`) keeps the error it carries, so that
+    /// `downcast_ref` finds it.
     pub fn source(&self) -> &(dyn StdError + Send + Sync + 'static) {
         &*self.source
     }
@@ -224,15 +307,46 @@ impl fmt::Display for HandlerError {
 
 // Deliberately no `impl std::error::Error for HandlerError`: it would conflict
 // with this blanket conversion, which is what makes `?` work in handlers.
-// The kind comes from the error (a deterministic database error is
-// permanent); HandlerError::transient/permanent choose it explicitly.
-impl<E: StdError + Send + Sync + 'static> From<E> for HandlerError {
+// `Into<BoxError>` covers every `std::error::Error + Send + Sync` type (std's
+// blanket impl), `Box<dyn Error + Send + Sync>` itself, `anyhow::Error`
+// (anyhow's `From` impl), `String` and `&'static str`. The kind comes from the
+// error (a deterministic database error is permanent);
+// HandlerError::transient/permanent choose it explicitly.
+impl<E: Into<BoxError> + 'static> From<E> for HandlerError {
     fn from(error: E) -> Self {
+        let source = into_source(error);
         HandlerError {
-            kind: ErrorKind::of(&error),
-            source: error.into(),
+            kind: ErrorKind::of(&*source),
+            source,
             retry_after: None,
         }
+    }
+}
+
+/// `error` boxed as the source of a [`HandlerError`].
+///
+/// anyhow's own `Box` conversion wraps the error in a private type whose
+/// source is the *cause* of the error it carries: `downcast_ref` and
+/// [`ErrorKind::of`] would no longer see the error itself (a `DecodeError`,
+/// a `sqlx::Error`). Unwrapped instead, an `anyhow::Error` classifies as the
+/// error it carries would (its backtrace, if one was captured, is dropped).
+fn into_source<E: Into<BoxError> + 'static>(error: E) -> BoxError {
+    #[cfg(feature = "anyhow")]
+    {
+        let mut slot = Some(error);
+        // A type test resolved at compile time: E is anyhow::Error or not.
+        if let Some(slot) =
+            (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<anyhow::Error>>()
+            && let Some(error) = slot.take()
+        {
+            return error.reallocate_into_boxed_dyn_error_without_backtrace();
+        }
+        slot.map(Into::into)
+            .expect("the error is still in its slot")
+    }
+    #[cfg(not(feature = "anyhow"))]
+    {
+        error.into()
     }
 }
 
@@ -382,7 +496,76 @@ impl<H: Handler<Vec<M>>, M: FromMessage> Prepare for WholeBatch<H, M> {
 
 #[cfg(test)]
 mod tests {
+    use std::borrow::Cow;
+
     use super::*;
+    use crate::amqp::DeadLetterReason;
+    use crate::amqp::delivery::{Outcome, handler_failed};
+
+    /// A database error with a SQLSTATE, as PostgreSQL would report it.
+    #[derive(Debug)]
+    struct Sqlstate(&'static str);
+
+    impl fmt::Display for Sqlstate {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "SQLSTATE {}", self.0)
+        }
+    }
+
+    impl StdError for Sqlstate {}
+
+    impl sqlx::error::DatabaseError for Sqlstate {
+        fn message(&self) -> &str {
+            "database error"
+        }
+        fn code(&self) -> Option<Cow<'_, str>> {
+            Some(Cow::Borrowed(self.0))
+        }
+        fn as_error(&self) -> &(dyn StdError + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn StdError + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> BoxError {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            sqlx::error::ErrorKind::Other
+        }
+    }
+
+    /// A division by zero (SQLSTATE 22012): permanent.
+    fn division_by_zero() -> sqlx::Error {
+        sqlx::Error::Database(Box::new(Sqlstate("22012")))
+    }
+
+    /// A serialization failure (SQLSTATE 40001): transient.
+    fn serialization_failure() -> sqlx::Error {
+        sqlx::Error::Database(Box::new(Sqlstate("40001")))
+    }
+
+    /// `?` on `error` in a function returning `Result<_, HandlerError>`.
+    fn question_mark<E>(error: E) -> HandlerError
+    where
+        HandlerError: From<E>,
+    {
+        fn f<E>(error: E) -> Result<(), HandlerError>
+        where
+            HandlerError: From<E>,
+        {
+            Err(error)?;
+            Ok(())
+        }
+        f(error).unwrap_err()
+    }
+
+    fn reason(outcome: &Outcome) -> Option<DeadLetterReason> {
+        match outcome {
+            Outcome::DeadLetter { reason, .. } => Some(*reason),
+            _ => None,
+        }
+    }
 
     #[test]
     fn question_mark_on_a_std_error_is_transient() {
@@ -393,6 +576,108 @@ mod tests {
         let e = f().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Transient);
         assert_eq!(e.to_string(), "timeout");
+    }
+
+    #[test]
+    fn question_mark_on_a_std_error_classifies_it_by_sqlstate() {
+        assert!(question_mark(division_by_zero()).is_permanent());
+        assert!(!question_mark(serialization_failure()).is_permanent());
+        let undecodable = question_mark(DecodeError("not json".into()));
+        assert_eq!(
+            reason(&handler_failed(undecodable)),
+            Some(DeadLetterReason::UndecodableBody)
+        );
+    }
+
+    #[test]
+    fn question_mark_on_a_boxed_error_keeps_it_and_its_kind() {
+        let boxed: BoxError = Box::new(std::io::Error::other("refused"));
+        let e = question_mark(boxed);
+        assert_eq!(e.kind(), ErrorKind::Transient);
+        assert_eq!(e.to_string(), "refused");
+        assert!(
+            e.source().downcast_ref::<std::io::Error>().is_some(),
+            "the box is the source, not wrapped again"
+        );
+
+        let boxed: BoxError = Box::new(division_by_zero());
+        assert!(question_mark(boxed).is_permanent());
+    }
+
+    #[test]
+    fn question_mark_on_a_message_is_transient() {
+        let e = question_mark("downstream said no");
+        assert_eq!(
+            (e.kind(), e.to_string().as_str()),
+            (ErrorKind::Transient, "downstream said no")
+        );
+        let e = question_mark(format!("attempt {}", 2));
+        assert_eq!(
+            (e.kind(), e.to_string().as_str()),
+            (ErrorKind::Transient, "attempt 2")
+        );
+    }
+
+    #[test]
+    fn question_mark_on_anyhow_is_transient() {
+        let e = question_mark(anyhow::anyhow!("downstream timed out"));
+        assert_eq!(e.kind(), ErrorKind::Transient);
+        assert_eq!(e.to_string(), "downstream timed out");
+        // Inside a handler-shaped function: `?` on a call returning anyhow::Result.
+        fn fetch() -> anyhow::Result<u32> {
+            anyhow::bail!("no answer")
+        }
+        fn handle() -> Result<u32, HandlerError> {
+            Ok(fetch()? + 1)
+        }
+        assert_eq!(handle().unwrap_err().kind(), ErrorKind::Transient);
+    }
+
+    #[cfg(feature = "anyhow")]
+    #[test]
+    fn question_mark_on_anyhow_classifies_the_error_it_carries() {
+        use anyhow::Context;
+        // As the bare error would be: permanent, transient.
+        let e = question_mark(anyhow::Error::from(division_by_zero()));
+        assert!(e.is_permanent());
+        assert!(e.source().downcast_ref::<sqlx::Error>().is_some());
+        assert!(!question_mark(anyhow::Error::from(serialization_failure())).is_permanent());
+        // Under context (on a Result, then on an anyhow::Error): still found.
+        let e = Err::<(), _>(division_by_zero())
+            .context("computing the share")
+            .unwrap_err();
+        let e = question_mark(e);
+        assert!(e.is_permanent());
+        assert_eq!(e.to_string(), "computing the share");
+        let e = anyhow::Error::from(division_by_zero())
+            .context("computing the share")
+            .context("crediting the account");
+        assert!(question_mark(e).is_permanent());
+    }
+
+    #[cfg(feature = "anyhow")]
+    #[test]
+    fn question_mark_on_anyhow_wrapped_decode_error_dead_letters_it_as_undecodable() {
+        fn decode(body: &[u8]) -> anyhow::Result<serde_json::Value> {
+            Ok(serde_json::from_slice(body).map_err(|e| DecodeError(e.to_string()))?)
+        }
+        let e = question_mark(decode(b"{not json").unwrap_err());
+        assert!(e.source().downcast_ref::<DecodeError>().is_some());
+        assert_eq!(
+            reason(&handler_failed(e)),
+            Some(DeadLetterReason::UndecodableBody)
+        );
+    }
+
+    #[test]
+    fn the_kind_chosen_by_the_user_wins() {
+        let r: Result<(), anyhow::Error> = Err(anyhow::anyhow!("a business rule"));
+        assert!(r.permanent().unwrap_err().is_permanent());
+        let r: Result<(), BoxError> = Err("a business rule".into());
+        assert!(r.permanent().unwrap_err().is_permanent());
+        let r: Result<(), sqlx::Error> = Err(division_by_zero());
+        assert!(!r.transient().unwrap_err().is_permanent());
+        assert!(HandlerError::permanent(anyhow::anyhow!("no")).is_permanent());
     }
 
     #[test]

@@ -86,14 +86,14 @@ impl ConsumerBuilder<NoHandler> {
 
 impl ConsumerBuilder<WindowNoHandler> {
     /// The handler of a consumer with a [`dedup_window`](ConsumerBuilder::dedup_window):
-    /// `(M) -> impl Future<Output = Result<(), HandlerError>>`, with no
+    /// a [`WindowHandler`], such as a closure or async fn
+    /// `Fn(M) -> impl Future<Output = Result<(), HandlerError>>`, with no
     /// transaction. Errors, retries and dead letters work as with
     /// [`handler`](ConsumerBuilder::handler).
-    pub fn window_handler<M, F, Fut>(self, handler: F) -> ConsumerBuilder<Windowed>
+    pub fn window_handler<M, H>(self, handler: H) -> ConsumerBuilder<Windowed>
     where
         M: FromMessage,
-        F: Fn(M) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
+        H: WindowHandler<M>,
     {
         let window = self.mode.window.clone();
         self.into_mode(Windowed {
@@ -104,6 +104,101 @@ impl ConsumerBuilder<WindowNoHandler> {
             }),
             groups: None,
         })
+    }
+}
+
+/// What a consumer with a [`dedup_window`](ConsumerBuilder::dedup_window)
+/// calls for each fresh message: the [`Handler`](crate::amqp::Handler) of
+/// window mode, without a transaction (the window, not the inbox, keeps the
+/// copies out).
+///
+/// Closures and async fns `Fn(M) -> impl Future<Output = Result<(),
+/// HandlerError>>` implement it, where `M` is any
+/// [`FromMessage`](crate::amqp::FromMessage) type: [`JsonBody<T>`](crate::amqp::JsonBody),
+/// [`Message`], or a pair such as `(JsonBody<T>, Message)` (annotate the
+/// closure's argument: `|msg: Message|`). Implement it by hand for a handler
+/// type that carries its own state. The runtime keeps one handler behind an
+/// `Arc` and calls it through `&self`.
+///
+/// # Example
+/// ```
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use idempo::amqp::{HandlerError, JsonBody};
+/// use idempo::amqp::window::WindowHandler;
+///
+/// #[derive(serde::Deserialize)]
+/// struct Ping { from: String }
+///
+/// /// Counts pings; a metric, a cache, a call to a service with its own key.
+/// struct CountPings { seen: Arc<AtomicU64> }
+///
+/// impl WindowHandler<JsonBody<Ping>> for CountPings {
+///     fn call(&self, JsonBody(ping): JsonBody<Ping>)
+///         -> impl Future<Output = Result<(), HandlerError>> + Send + 'static
+///     {
+///         let seen = self.seen.clone();
+///         async move {
+///             if ping.from.is_empty() {
+///                 return Err(HandlerError::permanent("a ping from nobody"));
+///             }
+///             seen.fetch_add(1, Ordering::Relaxed);
+///             Ok(())
+///         }
+///     }
+/// }
+/// ```
+///
+/// # When it does not compile
+/// A handler that takes the transaction belongs to the inbox
+/// ([`handler`](ConsumerBuilder::handler)); given to `window_handler`, the
+/// compiler reports "`Credit` is not a `WindowHandler<_>`", with notes that
+/// list the accepted shapes:
+///
+/// ```compile_fail,E0277
+/// use idempo::Tx;
+/// use idempo::amqp::{ConsumerBuilder, Handler, HandlerError, Message};
+/// use idempo::amqp::window::WindowNoHandler;
+///
+/// struct Credit;
+///
+/// impl Handler<Message> for Credit {
+///     fn call(&self, _tx: Tx, _message: Message)
+///         -> impl Future<Output = Result<(), HandlerError>> + Send + 'static
+///     {
+///         async { Ok(()) }
+///     }
+/// }
+///
+/// fn build(builder: ConsumerBuilder<WindowNoHandler>) {
+///     builder.window_handler(Credit);
+/// }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a `WindowHandler<{M}>`",
+    label = "not a window handler of `{M}`",
+    note = "a window handler has no transaction: an async fn or closure `Fn(M) -> impl Future<Output = Result<(), HandlerError>> + Send + 'static` (itself `Send + Sync + 'static`), or a type that implements `WindowHandler<M>`",
+    note = "`M: FromMessage` is the message: `JsonBody<T>`, `Message`, a pair such as `(JsonBody<T>, Message)`, or your own type; annotate a closure's argument: `|msg: Message| async move {{ .. }}`",
+    note = "a handler that takes the transaction (`Fn(Tx, M)`, `Handler<M>`) needs the inbox: `.handler(..)`, without `.dedup_window(..)`"
+)]
+pub trait WindowHandler<M>: Send + Sync + 'static {
+    /// Handles `message`.
+    fn call(
+        &self,
+        message: M,
+    ) -> impl Future<Output = std::result::Result<(), HandlerError>> + Send + 'static;
+}
+
+impl<M, F, Fut> WindowHandler<M> for F
+where
+    F: Fn(M) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
+{
+    fn call(
+        &self,
+        message: M,
+    ) -> impl Future<Output = std::result::Result<(), HandlerError>> + Send + 'static {
+        self(message)
     }
 }
 
@@ -180,16 +275,15 @@ trait PrepareAlone: Send + Sync {
     ) -> std::result::Result<Box<dyn FnOnce() -> AloneFuture + Send>, DecodeError>;
 }
 
-struct Alone<F, M> {
-    handler: Arc<F>,
+struct Alone<H, M> {
+    handler: Arc<H>,
     message: std::marker::PhantomData<fn() -> M>,
 }
 
-impl<M, F, Fut> PrepareAlone for Alone<F, M>
+impl<M, H> PrepareAlone for Alone<H, M>
 where
     M: FromMessage,
-    F: Fn(M) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = std::result::Result<(), HandlerError>> + Send + 'static,
+    H: WindowHandler<M>,
 {
     fn prepare(
         &self,
@@ -197,7 +291,7 @@ where
     ) -> std::result::Result<Box<dyn FnOnce() -> AloneFuture + Send>, DecodeError> {
         let decoded = decode::<M>(message.clone())?;
         let handler = self.handler.clone();
-        Ok(Box::new(move || Box::pin(handler(decoded))))
+        Ok(Box::new(move || Box::pin(handler.call(decoded))))
     }
 }
 
