@@ -89,7 +89,8 @@ pub use redelivery::{RedeliveryPolicy, delay_queue};
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
 pub use relay::{Relay, RelayHealth, RelaySnapshot, RelayState};
+pub use publish::{ConfirmChannel, PublishError};
 pub use stats::{Stats, StatsSnapshot};
-pub use topology::QueueType;
+pub use topology::{QueueType, dead_letter_queue};
 
 pub use lapin;

@@ -33,6 +33,17 @@ impl QueueType {
     }
 }
 
+/// The dead-letter queue a consumer of `queue` declares unless told
+/// otherwise: `<queue>.dlq`. Dead letters carry their reason and history in
+/// `x-idempo-*` headers (read them with [`DeadLetter`](super::DeadLetter)).
+///
+/// ```
+/// assert_eq!(idempo::amqp::dead_letter_queue("payments"), "payments.dlq");
+/// ```
+pub fn dead_letter_queue(queue: &str) -> String {
+    format!("{queue}.dlq")
+}
+
 /// What to declare, derived from the builder.
 #[derive(Debug, Clone)]
 pub(crate) struct Topology {
@@ -141,4 +152,16 @@ fn dead_letter_into(args: &mut FieldTable, target: &str, queue_type: QueueType) 
 
 fn queue_type_value(t: QueueType) -> AMQPValue {
     AMQPValue::LongString(t.as_str().into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_dead_letter_queue_is_the_queue_name_with_a_dlq_suffix() {
+        assert_eq!(dead_letter_queue("payments"), "payments.dlq");
+        // A queue that is itself a DLQ gets its own: nothing is stripped.
+        assert_eq!(dead_letter_queue("payments.dlq"), "payments.dlq.dlq");
+    }
 }
