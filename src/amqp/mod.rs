@@ -75,7 +75,7 @@ pub mod window;
 pub use broker::{Broker, DEFAULT_CONNECTION_TIMEOUT};
 pub use builder::ConsumerBuilder;
 pub use consumer::{Consumer, ShutdownHandle};
-pub use dead_letter::DeadLetterReason;
+pub use dead_letter::{DeadLetter, DeadLetterReason, REPLAY_HISTORY_HEADER, ReplayRecord};
 pub use handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
