@@ -72,6 +72,8 @@ mod topology;
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
 pub mod window;
 
+#[cfg(feature = "ops")]
+pub(crate) use broker::redacted;
 pub use broker::{Broker, DEFAULT_CONNECTION_TIMEOUT};
 pub use builder::ConsumerBuilder;
 pub use consumer::{Consumer, ShutdownHandle};
@@ -85,11 +87,11 @@ pub use headers::{
 pub use health::{Health, HealthSnapshot, RuntimeState};
 pub use message::{DecodeError, FromMessage, JsonBody, Message};
 pub use message_id::{IdFn, MessageIdSource};
+pub use publish::{ConfirmChannel, PublishError};
 pub use redelivery::{RedeliveryPolicy, delay_queue};
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
 pub use relay::{Relay, RelayHealth, RelaySnapshot, RelayState};
-pub use publish::{ConfirmChannel, PublishError};
 pub use stats::{Stats, StatsSnapshot};
 pub use topology::{QueueType, dead_letter_queue};
 
