@@ -387,6 +387,113 @@ pub async fn delete_processed_before(
     }
 }
 
+// ---------------------------------------------------------------- inspection
+//
+// Read-only views of the inbox for operations tools (`idempo::ops`, the
+// `idempo` command): every statement on `processed_messages` lives in this
+// file.
+
+/// One consumer's claims: how many, and how old the oldest and newest are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerClaims {
+    /// The consumer's name (for the AMQP runtime: its queue).
+    pub consumer: String,
+    /// How many claims it holds.
+    pub claims: i64,
+    /// How long ago its oldest claim was made.
+    pub oldest: Option<Duration>,
+    /// How long ago its newest claim was made.
+    pub newest: Option<Duration>,
+}
+
+/// The claims of every consumer that has some (only those in `only`, unless
+/// it is empty), ordered by consumer. Scans the claims of the consumers
+/// asked about: meant for an operator's status command, not a hot path.
+///
+/// ```no_run
+/// # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
+/// for c in idempo::inbox::claims_per_consumer(&pool, &[]).await? {
+///     println!("{}: {} claims, oldest {:?} ago", c.consumer, c.claims, c.oldest);
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`Error::Database`] when the query fails (also when the table does not
+/// exist: run [`migrate`](crate::migrate)).
+pub async fn claims_per_consumer(pool: &PgPool, only: &[String]) -> Result<Vec<ConsumerClaims>> {
+    let rows: Vec<(String, i64, Option<f64>, Option<f64>)> = sqlx::query_as(
+        "SELECT consumer, count(*), \
+                extract(epoch FROM now() - min(processed_at))::float8, \
+                extract(epoch FROM now() - max(processed_at))::float8 \
+         FROM processed_messages \
+         WHERE cardinality($1::text[]) = 0 OR consumer = ANY($1) \
+         GROUP BY consumer ORDER BY consumer",
+    )
+    .bind(only)
+    .fetch_all(pool)
+    .await?;
+    let age = |secs: Option<f64>| secs.map(|s| Duration::from_secs_f64(s.max(0.0)));
+    Ok(rows
+        .into_iter()
+        .map(|(consumer, claims, oldest, newest)| ConsumerClaims {
+            consumer,
+            claims,
+            oldest: age(oldest),
+            newest: age(newest),
+        })
+        .collect())
+}
+
+/// The consumers that hold claims, in order.
+///
+/// # Errors
+/// [`Error::Database`] when the query fails.
+pub async fn consumers(pool: &PgPool) -> Result<Vec<String>> {
+    Ok(
+        sqlx::query_scalar("SELECT DISTINCT consumer FROM processed_messages ORDER BY 1")
+            .fetch_all(pool)
+            .await?,
+    )
+}
+
+/// What a [`claim`] of `message_id` by `consumer` with `body` would find
+/// now, without claiming anything: [`Claim::Fresh`] when the id was not
+/// processed (or its claim was reaped), [`Claim::Duplicate`] when it was,
+/// with this body (or by a row without a hash), [`Claim::Mismatch`] when it
+/// was processed with another body. One primary-key lookup; the answer can
+/// change as soon as it is given (a consumer may claim the id meanwhile).
+///
+/// Used before replaying a dead letter: a mismatch would be dead-lettered
+/// again.
+///
+/// ```no_run
+/// use idempo::inbox::{self, Claim};
+/// # async fn doc(pool: sqlx::PgPool, body: &[u8]) -> idempo::Result<()> {
+/// if inbox::lookup(&pool, "billing", "pay-1", body).await? == Claim::Mismatch {
+///     println!("pay-1 was processed with another body");
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`Error::Database`] when the query fails.
+pub async fn lookup(pool: &PgPool, consumer: &str, message_id: &str, body: &[u8]) -> Result<Claim> {
+    let stored: Option<Option<Vec<u8>>> = sqlx::query_scalar(
+        "SELECT payload_sha256 FROM processed_messages WHERE consumer = $1 AND message_id = $2",
+    )
+    .bind(consumer)
+    .bind(message_id)
+    .fetch_optional(pool)
+    .await?;
+    Ok(match stored {
+        None => Claim::Fresh,
+        Some(Some(hash)) if hash[..] != payload_sha256(body)[..] => Claim::Mismatch,
+        Some(_) => Claim::Duplicate,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

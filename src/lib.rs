@@ -64,6 +64,8 @@
 //! | `saga` | Saga steps safe to re-execute and re-compensate (`saga`) | no |
 //! | `retry` | A retrying reqwest client that keeps its `Idempotency-Key`, and a generic retry loop (`retry`) | no |
 //! | `redis` | Redis stores for the modules that have one | no |
+//! | `ops` | The operations behind the `idempo` command as library functions (`ops`): status, dead letters, replay, reaping, cleanup | no |
+//! | `cli` | The `idempo` command (a thin client of `ops`) | no |
 //! | `tls` | TLS (rustls, no OpenSSL) to every service: `amqps://`, PostgreSQL `sslmode=require/verify-ca/verify-full`, `rediss://` | yes |
 //! | `anyhow` | `?` on an `anyhow::Error` in a handler classifies the error it carries (a database error, an undecodable body) instead of an opaque wrapper | yes |
 #![warn(
@@ -122,6 +124,10 @@ pub mod outbox;
 #[cfg(feature = "retry")]
 #[cfg_attr(docsrs, doc(cfg(feature = "retry")))]
 pub mod retry;
+
+#[cfg(feature = "ops")]
+#[cfg_attr(docsrs, doc(cfg(feature = "ops")))]
+pub mod ops;
 
 pub use error::{Error, Result};
 

@@ -49,3 +49,21 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
     migrator().run(pool).await?;
     Ok(())
 }
+
+/// The versions of idempo's migrations that ran successfully in the
+/// database behind `pool`, in order (none when [`MIGRATIONS_TABLE`] does not
+/// exist yet).
+#[cfg(feature = "ops")]
+pub(crate) async fn applied_versions(pool: &PgPool) -> Result<Vec<i64>> {
+    let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(MIGRATIONS_TABLE)
+        .fetch_one(pool)
+        .await?;
+    if exists.is_none() {
+        return Ok(Vec::new());
+    }
+    let sql = format!("SELECT version FROM {MIGRATIONS_TABLE} WHERE success ORDER BY version");
+    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .fetch_all(pool)
+        .await?)
+}

@@ -51,10 +51,10 @@ pub struct Broker {
 
 impl fmt::Debug for Broker {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Addresses carry passwords: only their hosts are shown.
-        let hosts: Vec<String> = self.addresses.iter().map(|a| redacted(a)).collect();
+        // Addresses carry passwords: shown without them.
+        let addresses: Vec<String> = self.addresses.iter().map(|a| redacted(a)).collect();
         f.debug_struct("Broker")
-            .field("addresses", &hosts)
+            .field("addresses", &addresses)
             .field("shuffle", &self.shuffle)
             .field("heartbeat", &self.heartbeat)
             .field("connection_timeout", &self.connection_timeout)
@@ -64,22 +64,41 @@ impl fmt::Debug for Broker {
     }
 }
 
-/// `scheme://host:port/vhost` of an address, without its user and password.
-pub(crate) fn redacted(address: &str) -> String {
-    match AMQPUri::from_str(address) {
-        Ok(uri) => format!(
-            "{}://{}:{}/{}",
-            if uri.scheme == AMQPScheme::AMQPS {
-                "amqps"
-            } else {
-                "amqp"
-            },
-            uri.authority.host,
-            uri.authority.port,
-            uri.vhost
-        ),
-        Err(_) => "<an address that does not parse>".into(),
+/// `url` as it may be printed: the password of its user info, and the value
+/// of every query parameter whose name contains `password` (PostgreSQL's
+/// `?password=`, `?sslpassword=`), replaced by `***`; the rest as written
+/// (user, host, port, vhost or database). A string that does not parse as a
+/// URL is not shown at all: it could hold a password anywhere.
+///
+/// One function for every URL idempo prints (broker addresses in `Debug`
+/// output, logs and errors; the operations' connection errors).
+pub(crate) fn redacted(url: &str) -> String {
+    const HIDDEN: &str = "***";
+    // Without `//` after the scheme, `user:password@host` would parse as a
+    // scheme and a path: refused too.
+    let Some(mut parsed) = url::Url::parse(url).ok().filter(|u| !u.cannot_be_a_base()) else {
+        return "<an address that does not parse>".into();
+    };
+    if parsed.password().is_some() {
+        // Only a URL without a host cannot take a password, and it has none.
+        let _ = parsed.set_password(Some(HIDDEN));
     }
+    let secret = |name: &str| name.to_ascii_lowercase().contains("password");
+    if parsed.query_pairs().any(|(name, _)| secret(&name)) {
+        let pairs: Vec<(String, String)> = parsed
+            .query_pairs()
+            .map(|(name, value)| {
+                let value = if secret(&name) {
+                    HIDDEN.into()
+                } else {
+                    value.into_owned()
+                };
+                (name.into_owned(), value)
+            })
+            .collect();
+        parsed.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    parsed.into()
 }
 
 impl Broker {
@@ -303,6 +322,33 @@ mod tests {
         let shown = format!("{broker:?}");
         assert!(!shown.contains("secret"), "{shown}");
         assert!(shown.contains("rabbit:5672"), "{shown}");
+    }
+
+    #[test]
+    fn passwords_are_replaced_and_the_rest_is_kept() {
+        assert_eq!(
+            redacted("amqp://guest:secret@host:5672/%2f"),
+            "amqp://guest:***@host:5672/%2f"
+        );
+        assert_eq!(
+            redacted("postgres://postgres@h/db"),
+            "postgres://postgres@h/db"
+        );
+        assert_eq!(redacted("amqps://rabbit:5671"), "amqps://rabbit:5671");
+        let query = redacted("postgres://u@h/db?sslmode=require&password=secret&SSLPassword=x");
+        assert!(
+            !query.contains("secret") && !query.contains("=x"),
+            "{query}"
+        );
+        assert!(query.contains("sslmode=require"), "{query}");
+        // Not a URL: nothing of it is shown, since a password could be anywhere.
+        let shown = redacted("guest:secret@host");
+        assert!(!shown.contains("secret"), "{shown}");
+        assert_eq!(
+            redacted("host=h password=secret"),
+            "<an address that does not parse>"
+        );
+        assert_eq!(redacted("postgres:///db"), "postgres:///db");
     }
 
     #[test]

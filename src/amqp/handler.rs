@@ -500,7 +500,7 @@ mod tests {
 
     use super::*;
     use crate::amqp::DeadLetterReason;
-    use crate::amqp::delivery::{Outcome, handler_failed};
+    use crate::amqp::outcome::{Outcome, handler_failed};
 
     /// A database error with a SQLSTATE, as PostgreSQL would report it.
     #[derive(Debug)]

@@ -81,10 +81,12 @@ mod watched;
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
 pub mod window;
 
+#[cfg(feature = "ops")]
+pub(crate) use broker::redacted;
 pub use broker::{Broker, DEFAULT_CONNECTION_TIMEOUT};
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
-pub use dead_letter::DeadLetterReason;
+pub use dead_letter::{DeadLetter, DeadLetterReason, REPLAY_HISTORY_HEADER, ReplayRecord};
 pub use handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
@@ -94,6 +96,7 @@ pub use headers::{
 pub use health::{Health, HealthSnapshot, RuntimeState};
 pub use message::{DecodeError, FromMessage, JsonBody, Message};
 pub use message_id::{IdFn, MessageIdSource};
+pub use publish::{ConfirmChannel, PublishError};
 pub use redelivery::{RedeliveryPolicy, delay_queue};
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]

@@ -1,6 +1,7 @@
 //! The one confirmed publish: a channel in confirm mode that carries one
-//! publish at a time, shared by the republisher (retries, dead letters) and
-//! the deduplicating publisher.
+//! publish at a time, shared by the republisher (retries, dead letters), the
+//! deduplicating publisher, the outbox relay and the operations' replay
+//! ([`ConfirmChannel`], public for tools that publish outside the runtime).
 
 use std::time::Duration;
 
@@ -10,9 +11,14 @@ use lapin::{BasicProperties, Channel, Connection, ErrorKind};
 use tokio::sync::Mutex;
 use tokio::time::{Instant, timeout_at};
 
-/// Why a publish was not confirmed.
+/// Why a publish on a [`ConfirmChannel`] was not confirmed.
+///
+/// [`certainly_not_sent`](Self::certainly_not_sent) tells the failures after
+/// which the broker certainly does not hold the message from those after
+/// which it may.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum PublishError {
+#[non_exhaustive]
+pub enum PublishError {
     /// The channel or connection failed: the broker may or may not hold the
     /// message, unless the broker closed the channel because of this publish
     /// (see [`certainly_not_sent`](Self::certainly_not_sent)).
@@ -22,8 +28,11 @@ pub(crate) enum PublishError {
     /// was attempted: lapin refused it before sending a frame.
     #[error("the channel was closed; nothing was sent: {0}")]
     Closed(lapin::Error),
+    /// The broker refused the message (`basic.nack`): it does not hold it.
     #[error("the broker refused the message (nack)")]
     Nacked,
+    /// The message was `mandatory` and nothing is bound for its routing key:
+    /// the broker returned it (the destination is named).
     #[error("the message was unroutable: nothing is bound for {0:?}")]
     Returned(String),
     /// The channel or connection failed while the message was in flight
@@ -45,8 +54,7 @@ impl PublishError {
     /// that RabbitMQ raises before routing: `NOT_FOUND` (no such exchange) or
     /// `ACCESS_REFUSED` (no write permission on it). The channel carries one
     /// publish at a time, so such an error is this publish's.
-    #[cfg_attr(not(feature = "window"), allow(dead_code))]
-    pub(crate) fn certainly_not_sent(&self) -> bool {
+    pub fn certainly_not_sent(&self) -> bool {
         match self {
             PublishError::Nacked
             | PublishError::Returned(_)
@@ -69,14 +77,35 @@ fn refused_before_routing(error: &lapin::Error) -> bool {
     }
 }
 
-/// A channel in confirm mode; every publish is `mandatory`, so an unroutable
-/// message comes back instead of vanishing.
+/// A channel in [publisher-confirm](https://www.rabbitmq.com/docs/confirms)
+/// mode; every publish is `mandatory`, so an unroutable message comes back as
+/// [`PublishError::Returned`] instead of vanishing. [`publish`](Self::publish)
+/// returns `Ok` only once the broker has taken responsibility for the message:
+/// the moment to acknowledge (or delete) the original.
 ///
 /// One publish at a time: lapin hands a returned (unroutable) message to
 /// whichever pending confirm resolves next, so with several publishes in
 /// flight on one channel an unroutable message could be credited with
-/// another's clean confirm.
-pub(crate) struct ConfirmChannel {
+/// another's clean confirm. Concurrent callers wait for the channel.
+///
+/// # Example
+/// ```no_run
+/// use std::time::Duration;
+/// use idempo::amqp::{Broker, ConfirmChannel};
+/// use idempo::amqp::lapin::BasicProperties;
+///
+/// # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
+/// let connection = Broker::new("amqp://guest:guest@127.0.0.1:5672/%2f")?
+///     .connect("my-tool")
+///     .await?;
+/// let channel = ConfirmChannel::open(&connection, Duration::from_secs(30)).await?;
+/// let properties = BasicProperties::default().with_message_id("pay-1".into());
+/// // The default exchange routes to the queue of that name.
+/// channel.publish("", "payments", br#"{"amount_cents":5}"#, properties).await?;
+/// channel.close().await;
+/// # Ok(()) }
+/// ```
+pub struct ConfirmChannel {
     channel: Mutex<Channel>,
     /// A handle on the same channel for reading its status without waiting
     /// for the publish in progress.
@@ -84,11 +113,22 @@ pub(crate) struct ConfirmChannel {
     confirm_timeout: Duration,
 }
 
+impl std::fmt::Debug for ConfirmChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConfirmChannel")
+            .field("channel", &self.status.id())
+            .field("confirm_timeout", &self.confirm_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
 impl ConfirmChannel {
-    pub(crate) async fn open(
-        connection: &Connection,
-        confirm_timeout: Duration,
-    ) -> lapin::Result<Self> {
+    /// Opens a channel on `connection` and puts it in confirm mode; each
+    /// publish waits at most `confirm_timeout` for its confirm.
+    ///
+    /// # Errors
+    /// The channel could not be opened or put in confirm mode.
+    pub async fn open(connection: &Connection, confirm_timeout: Duration) -> lapin::Result<Self> {
         let channel = connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -100,10 +140,19 @@ impl ConfirmChannel {
         })
     }
 
-    /// Publishes and waits for the broker's confirm. The wait for the
-    /// channel, the publish and the confirm together take at most the
+    /// Publishes (`mandatory`) and waits for the broker's confirm. The wait
+    /// for the channel, the publish and the confirm together take at most the
     /// confirm timeout.
-    pub(crate) async fn publish(
+    ///
+    /// # Errors
+    /// [`PublishError`]: nacked, returned (unroutable), timed out, or the
+    /// channel failed. After a timeout the channel is closed (a late confirm
+    /// must not be credited to the next publish): open a new one.
+    ///
+    /// # Cancel safety
+    /// Dropping the future after the message was sent leaves its fate
+    /// unknown, as after [`PublishError::Timeout`].
+    pub async fn publish(
         &self,
         exchange: &str,
         routing_key: &str,
@@ -275,15 +324,15 @@ impl ConfirmChannel {
 
     /// Closes the channel (if it is open), so that dropping it later does
     /// not race the connection's close.
-    pub(crate) async fn close(&self) {
+    pub async fn close(&self) {
         let channel = self.channel.lock().await;
         if channel.status().connected() {
             let _ = channel.close(200, "idempo consumer stopped".into()).await;
         }
     }
 
-    /// Whether the channel can still publish.
-    pub(crate) async fn is_open(&self) -> bool {
+    /// Whether the channel can still publish (waits for a publish in progress).
+    pub async fn is_open(&self) -> bool {
         self.channel.lock().await.status().connected()
     }
 

@@ -33,8 +33,13 @@ impl QueueType {
     }
 }
 
-/// The dead-letter queue of `queue` unless the builder names another:
-/// `<queue>.dlq`.
+/// The dead-letter queue a consumer of `queue` declares unless told
+/// otherwise: `<queue>.dlq`. Dead letters carry their reason and history in
+/// `x-idempo-*` headers (read them with [`DeadLetter`](super::DeadLetter)).
+///
+/// ```
+/// assert_eq!(idempo::amqp::dead_letter_queue("payments"), "payments.dlq");
+/// ```
 pub fn dead_letter_queue(queue: &str) -> String {
     format!("{queue}.dlq")
 }
@@ -147,4 +152,16 @@ fn dead_letter_into(args: &mut FieldTable, target: &str, queue_type: QueueType) 
 
 fn queue_type_value(t: QueueType) -> AMQPValue {
     AMQPValue::LongString(t.as_str().into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_dead_letter_queue_is_the_queue_name_with_a_dlq_suffix() {
+        assert_eq!(dead_letter_queue("payments"), "payments.dlq");
+        // A queue that is itself a DLQ gets its own: nothing is stripped.
+        assert_eq!(dead_letter_queue("payments.dlq"), "payments.dlq.dlq");
+    }
 }

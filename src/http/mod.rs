@@ -120,6 +120,7 @@ mod service;
 mod store;
 mod transaction;
 
+pub use crate::cleanup::StateCount;
 pub use key::{IDEMPOTENT_REPLAYED, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use layer::{IdempotencyLayer, InFlight, MAX_TTL, MIN_LEASE, stores_status_by_default};
 pub use memory::{DEFAULT_CAPACITY, MemoryStore};

@@ -33,6 +33,16 @@ impl PostgresStore {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+
+    /// How many records there are per state (`in_progress`, `complete`),
+    /// live and expired: for dashboards and the `idempo status` command.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the query fails (also when the table does
+    /// not exist: run [`migrate`](crate::migrate)).
+    pub async fn count_by_state(&self) -> Result<Vec<super::StateCount>> {
+        crate::cleanup::count_by_state(&self.pool, "idempotency_keys").await
+    }
 }
 
 /// An interval parameter in milliseconds.

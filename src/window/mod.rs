@@ -32,6 +32,7 @@ mod postgres;
 mod redis;
 mod store;
 
+pub use crate::cleanup::StateCount;
 pub use dedup_id::{DedupId, InvalidDedupId, MAX_DEDUP_ID_LEN, Scope};
 pub use dedup_window::{DEFAULT_WINDOW, DedupWindow};
 pub use memory::MemoryWindow;

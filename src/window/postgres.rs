@@ -89,6 +89,17 @@ impl PostgresWindow {
         &self.pool
     }
 
+    /// How many entries there are per state (`pending`, `seen`), live and
+    /// expired: for dashboards and the `idempo status` command. Not bounded
+    /// by the store timeout.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the query fails (also when the table does
+    /// not exist: run [`migrate`](crate::migrate)).
+    pub async fn count_by_state(&self) -> Result<Vec<super::StateCount>> {
+        crate::cleanup::count_by_state(&self.pool, "dedup_window").await
+    }
+
     /// Runs one store call within the store timeout; when it runs out, says why.
     async fn bounded<T>(
         &self,

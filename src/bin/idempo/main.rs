@@ -1,0 +1,111 @@
+//! `idempo`: the operations command for the people on call (issue #17).
+//!
+//! Status, dead letters (list, show, replay, purge), the migrations, and the
+//! retention and expiry deletes, run once. Every command reads `AMQP_URL` and
+//! `DATABASE_URL` (as the payments example does) and takes `--json`.
+//!
+//! A thin client of [`idempo::ops`]: each command file declares its
+//! arguments and calls one library function; `output.rs` prints.
+
+mod dlq;
+mod maintenance;
+mod output;
+mod status;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use idempo::ops::Services;
+
+/// Exit code of a command that worked but found something an operator must act on.
+const ATTENTION: u8 = 2;
+
+#[derive(Parser)]
+#[command(
+    name = "idempo",
+    version,
+    about = "Operate idempo: status, dead letters, replay, cleanup"
+)]
+struct Cli {
+    /// Print JSON (one object per line where a command lists things).
+    #[arg(long, global = true)]
+    json: bool,
+    /// RabbitMQ (one or more comma-separated URLs).
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        global = true,
+        hide_env_values = true
+    )]
+    amqp_url: String,
+    /// PostgreSQL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres",
+        global = true,
+        hide_env_values = true
+    )]
+    database_url: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Apply idempo's migrations.
+    Migrate(maintenance::MigrateArgs),
+    /// Claims, queues, outbox, HTTP keys and window entries at a glance.
+    Status(status::StatusArgs),
+    /// Browse, replay and delete dead letters.
+    Dlq {
+        #[command(subcommand)]
+        command: dlq::DlqCommand,
+    },
+    /// Delete claims older than `--older-than` (the retention reaper, once).
+    Reap(maintenance::ReapArgs),
+    /// Delete expired HTTP idempotency keys and window entries (the cleanups, once).
+    Cleanup(maintenance::CleanupArgs),
+}
+
+/// What every command gets: the services and the output mode.
+struct Ctx {
+    json: bool,
+    services: Services,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("idempo: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let ctx = Ctx {
+        json: cli.json,
+        services: Services::new(cli.amqp_url, cli.database_url).connection_name("idempo-cli"),
+    };
+    let outcome = runtime.block_on(async {
+        match cli.command {
+            Command::Migrate(args) => maintenance::migrate(&ctx, args).await,
+            Command::Status(args) => status::exec(&ctx, args).await,
+            Command::Dlq { command } => dlq::exec(&ctx, command).await,
+            Command::Reap(args) => maintenance::reap(&ctx, args).await,
+            Command::Cleanup(args) => maintenance::cleanup(&ctx, args).await,
+        }
+    });
+    match outcome {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("idempo: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

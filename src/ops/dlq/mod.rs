@@ -1,0 +1,323 @@
+//! Dead letters: [`list`], [`show`], [`replay`] to the work queue, [`purge`].
+//!
+//! Dead letters are read with `basic.get` and held unacknowledged while an
+//! operation runs: none comes twice, and closing the channel puts every one
+//! not deleted back into the DLQ, in its order. Only [`replay`] (after the
+//! broker confirmed the copy) and [`PurgePlan::delete`] acknowledge, that is
+//! delete, dead letters.
+//!
+//! A queue is named by its work queue (`payments`, whose DLQ is
+//! [`dead_letter_queue`]`("payments")`) or by the DLQ itself
+//! (`payments.dlq`).
+
+mod purge;
+mod replay;
+
+use std::collections::BTreeMap;
+
+use lapin::message::Delivery;
+use lapin::options::BasicGetOptions;
+use lapin::{Channel, Connection};
+use serde::Serialize;
+
+use super::{OpsError, Result, Services, close, queue_depth};
+use crate::amqp::{DeadLetter, dead_letter_queue};
+
+pub use purge::{PurgeOptions, PurgePlan, purge};
+pub use replay::{Refusal, ReplayEvent, ReplayOptions, ReplaySummary, replay};
+
+/// Which dead letters an operation picks: all of them when both are empty.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// Only these message ids.
+    pub ids: Vec<String>,
+    /// Only this reason, as in [`DeadLetterSummary::reason`] (for example
+    /// `max attempts exceeded`, or `foreign`).
+    pub reason: Option<String>,
+}
+
+impl Selection {
+    /// Whether `summary` is picked.
+    pub fn matches(&self, summary: &DeadLetterSummary) -> bool {
+        let id_ok = self.ids.is_empty()
+            || summary
+                .message_id
+                .as_ref()
+                .is_some_and(|id| self.ids.contains(id));
+        let reason_ok = self.reason.as_ref().is_none_or(|r| *r == summary.reason);
+        id_ok && reason_ok
+    }
+}
+
+/// A dead letter at a glance. Serialises as a line of `idempo dlq list --json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct DeadLetterSummary {
+    /// Its message id ([`DeadLetter::message_id`]).
+    pub message_id: Option<String>,
+    /// Why it was dead-lettered; `foreign` when idempo did not say.
+    pub reason: String,
+    /// How many attempts failed.
+    pub attempts: Option<u32>,
+    /// The last error.
+    pub error: Option<String>,
+    /// When its first attempt failed (RFC 3339, as written).
+    pub first_failure: Option<String>,
+    /// When its last attempt failed (RFC 3339, as written).
+    pub last_failure: Option<String>,
+    /// The consumer that dead-lettered it.
+    pub consumer: Option<String>,
+    /// The queue it came from.
+    pub original_queue: Option<String>,
+    /// The routing key it was first published with (or, for a foreign one,
+    /// the one it reached the DLQ with).
+    pub routing_key: String,
+    /// The size of its body, in bytes.
+    pub size: usize,
+    /// Whether idempo did not dead-letter it ([`DeadLetter::is_foreign`]).
+    pub foreign: bool,
+}
+
+/// What [`DeadLetterSummary::reason`] says of a dead letter without a reason.
+pub const FOREIGN: &str = "foreign";
+
+impl DeadLetterSummary {
+    /// The summary of a dead letter fetched from a DLQ.
+    pub fn of(delivery: &Delivery) -> Self {
+        let dead = DeadLetter::from_delivery(delivery);
+        DeadLetterSummary {
+            message_id: dead.message_id(),
+            reason: dead.reason().unwrap_or_else(|| FOREIGN.into()),
+            attempts: dead.attempts(),
+            error: dead.error(),
+            first_failure: dead.header(crate::amqp::FIRST_FAILURE_HEADER),
+            last_failure: dead.header(crate::amqp::LAST_FAILURE_HEADER),
+            consumer: dead.consumer(),
+            original_queue: dead.original_queue(),
+            routing_key: dead
+                .original_routing_key()
+                .unwrap_or_else(|| delivery.routing_key.to_string()),
+            size: delivery.data.len(),
+            foreign: dead.is_foreign(),
+        }
+    }
+}
+
+/// The DLQ of `queue`: `queue` itself when it already is one.
+fn dlq_name(queue: &str) -> String {
+    // `dead_letter_queue("")` is the suffix alone.
+    if queue.ends_with(&dead_letter_queue("")) {
+        queue.to_owned()
+    } else {
+        dead_letter_queue(queue)
+    }
+}
+
+/// A DLQ opened for reading.
+struct Opened {
+    connection: Connection,
+    channel: Channel,
+    dlq: String,
+    ready: u32,
+}
+
+impl Opened {
+    /// Connects and checks that the DLQ of `queue` exists.
+    async fn new(services: &Services, queue: &str) -> Result<Opened> {
+        let connection = services.broker().await?;
+        let dlq = dlq_name(queue);
+        let opened = async {
+            let Some(depth) = queue_depth(&connection, &dlq).await? else {
+                return Err(OpsError::DeadLetterQueueNotFound {
+                    queue: queue.to_owned(),
+                    dlq: dlq.clone(),
+                });
+            };
+            Ok((connection.create_channel().await?, depth.ready))
+        }
+        .await;
+        match opened {
+            Ok((channel, ready)) => Ok(Opened {
+                connection,
+                channel,
+                dlq,
+                ready,
+            }),
+            Err(e) => {
+                close(&connection).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The next dead letter, unacknowledged: it stays on this channel until
+    /// acked (deleted) or the channel closes (back into the DLQ).
+    async fn next(&self) -> Result<Option<Delivery>> {
+        let got = self
+            .channel
+            .basic_get(self.dlq.as_str().into(), BasicGetOptions { no_ack: false })
+            .await
+            .map_err(|source| OpsError::ReadQueue {
+                queue: self.dlq.clone(),
+                source,
+            })?;
+        Ok(got.map(|m| m.delivery))
+    }
+
+    /// Walks the DLQ once and returns what `selection` and `keep` pick, at
+    /// most `limit`.
+    async fn scan(
+        &self,
+        selection: &Selection,
+        limit: usize,
+        mut keep: impl FnMut(&Delivery) -> bool,
+    ) -> Result<Vec<Delivery>> {
+        let mut picked = Vec::new();
+        while picked.len() < limit {
+            let Some(delivery) = self.next().await? else {
+                break;
+            };
+            if selection.matches(&DeadLetterSummary::of(&delivery)) && keep(&delivery) {
+                picked.push(delivery);
+            }
+        }
+        Ok(picked)
+    }
+
+    /// Closes the channel (every dead letter not acked goes back into the
+    /// DLQ, after the acks sent) and the connection.
+    async fn close(self, why: &str) {
+        let _ = self.channel.close(200, why.into()).await;
+        close(&self.connection).await;
+    }
+}
+
+/// The dead letters [`list`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Listing {
+    /// The DLQ.
+    pub dlq: String,
+    /// How many messages it held when opened.
+    pub ready: u32,
+    /// The dead letters picked, in the DLQ's order.
+    pub dead_letters: Vec<DeadLetterSummary>,
+}
+
+/// Lists at most `limit` dead letters of `queue` that `selection` picks.
+/// They all stay in the DLQ, in their order.
+///
+/// ```no_run
+/// use idempo::ops::{Services, dlq};
+///
+/// # async fn doc(services: Services) -> idempo::ops::Result<()> {
+/// let listing = dlq::list(&services, "payments", &dlq::Selection::default(), 100).await?;
+/// for dead in &listing.dead_letters {
+///     println!("{:?}: {} ({:?})", dead.message_id, dead.reason, dead.error);
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`OpsError::DeadLetterQueueNotFound`]; connection and channel errors.
+pub async fn list(
+    services: &Services,
+    queue: &str,
+    selection: &Selection,
+    limit: usize,
+) -> Result<Listing> {
+    let opened = Opened::new(services, queue).await?;
+    let found = opened.scan(selection, limit, |_| true).await;
+    let (dlq, ready) = (opened.dlq.clone(), opened.ready);
+    opened.close("browsed").await;
+    Ok(Listing {
+        dlq,
+        ready,
+        dead_letters: found?.iter().map(DeadLetterSummary::of).collect(),
+    })
+}
+
+/// One dead letter in full.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetterDetail {
+    /// Its summary.
+    pub summary: DeadLetterSummary,
+    /// Every header, as text ([`DeadLetter::headers_for_display`]).
+    pub headers: BTreeMap<String, String>,
+    /// Its body.
+    pub body: Vec<u8>,
+}
+
+/// The first dead letter of `queue` with `message_id`. It stays in the DLQ.
+///
+/// # Errors
+/// [`OpsError::DeadLetterNotFound`], [`OpsError::DeadLetterQueueNotFound`];
+/// connection and channel errors.
+pub async fn show(services: &Services, queue: &str, message_id: &str) -> Result<DeadLetterDetail> {
+    let opened = Opened::new(services, queue).await?;
+    let selection = Selection {
+        ids: vec![message_id.to_owned()],
+        ..Selection::default()
+    };
+    let found = opened.scan(&selection, 1, |_| true).await;
+    let dlq = opened.dlq.clone();
+    opened.close("browsed").await;
+    let Some(delivery) = found?.into_iter().next() else {
+        return Err(OpsError::DeadLetterNotFound {
+            message_id: message_id.to_owned(),
+            dlq,
+        });
+    };
+    Ok(DeadLetterDetail {
+        summary: DeadLetterSummary::of(&delivery),
+        headers: DeadLetter::from_delivery(&delivery).headers_for_display(),
+        body: delivery.data,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(id: &str, reason: &str) -> DeadLetterSummary {
+        DeadLetterSummary {
+            message_id: Some(id.into()),
+            reason: reason.into(),
+            attempts: None,
+            error: None,
+            first_failure: None,
+            last_failure: None,
+            consumer: None,
+            original_queue: None,
+            routing_key: String::new(),
+            size: 0,
+            foreign: false,
+        }
+    }
+
+    #[test]
+    fn a_queue_or_its_dlq_names_the_dlq() {
+        assert_eq!(dlq_name("payments"), "payments.dlq");
+        assert_eq!(dlq_name("payments.dlq"), "payments.dlq");
+    }
+
+    #[test]
+    fn selections_pick_by_id_and_reason_together() {
+        let all = Selection::default();
+        let by_id = Selection {
+            ids: vec!["a".into()],
+            reason: None,
+        };
+        let both = Selection {
+            ids: vec!["a".into()],
+            reason: Some("foreign".into()),
+        };
+        let a = summary("a", "max attempts exceeded");
+        assert!(all.matches(&a));
+        assert!(by_id.matches(&a));
+        assert!(!by_id.matches(&summary("b", "foreign")));
+        assert!(!both.matches(&a));
+        assert!(both.matches(&summary("a", "foreign")));
+    }
+}

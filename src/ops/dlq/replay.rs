@@ -1,0 +1,312 @@
+//! [`replay`]: dead letters back to their work queue, each published with
+//! confirms before its DLQ copy is acked.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use lapin::message::Delivery;
+use lapin::options::BasicAckOptions;
+use sqlx::PgPool;
+
+use super::{DeadLetterSummary, Opened, Selection};
+use crate::amqp::{ConfirmChannel, DeadLetter};
+use crate::inbox::{self, Claim};
+use crate::ops::{OpsError, Result, Services, queue_depth};
+
+/// How long a replayed copy may wait for the broker's confirm.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How [`replay`] runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplayOptions {
+    /// Every dead letter (required when the [`Selection`] is empty).
+    pub all: bool,
+    /// Say what would be replayed; move nothing.
+    pub dry_run: bool,
+    /// The work queue for foreign dead letters (those without an original queue).
+    pub to: Option<String>,
+    /// Replay ids already processed with a different payload too (the
+    /// consumer dead-letters them again, as a reused id).
+    pub force: bool,
+    /// Wait this long after each replayed message (spreads a large replay out).
+    pub throttle: Option<Duration>,
+    /// At most this many dead letters (selected ones, replayed or skipped).
+    pub limit: Option<usize>,
+}
+
+/// Why a selected dead letter was not replayed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// Idempo did not dead-letter it, so it names no work queue, and
+    /// [`ReplayOptions::to`] names none either.
+    Foreign,
+    /// Its consumer already processed its id with a different body: the
+    /// copy would be dead-lettered again (unless [`ReplayOptions::force`]).
+    PayloadMismatch,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Refusal::Foreign => "foreign (no x-idempo-original-queue): it needs a target queue",
+            Refusal::PayloadMismatch => "its id was already processed with a different payload",
+        })
+    }
+}
+
+/// What [`replay`] reports as it goes, in order.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub enum ReplayEvent<'a> {
+    /// The DLQ is open; at most `total` dead letters will be looked at.
+    Started {
+        /// The DLQ.
+        dlq: &'a str,
+        /// Its ready messages, or the limit if lower.
+        total: u32,
+    },
+    /// A selected dead letter stays in the DLQ.
+    Skipped {
+        /// Its id.
+        message_id: Option<&'a str>,
+        /// Why.
+        refusal: Refusal,
+    },
+    /// A dry run would replay it to `queue`.
+    WouldReplay {
+        /// Its id.
+        message_id: Option<&'a str>,
+        /// Its work queue.
+        queue: &'a str,
+    },
+    /// It was replayed to `queue` (confirmed) and deleted from the DLQ.
+    Replayed {
+        /// Its id.
+        message_id: Option<&'a str>,
+        /// Its work queue.
+        queue: &'a str,
+    },
+}
+
+/// What [`replay`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReplaySummary {
+    /// Replayed (or, in a dry run, would have been).
+    pub replayed: u64,
+    /// Whether it was a dry run.
+    pub dry_run: bool,
+    /// Selected dead letters left in the DLQ, per refusal.
+    pub skipped: BTreeMap<Refusal, u64>,
+}
+
+impl ReplaySummary {
+    /// How many were skipped.
+    pub fn skipped_total(&self) -> u64 {
+        self.skipped.values().sum()
+    }
+}
+
+/// Replays the dead letters of `queue` that `selection` picks to their work
+/// queue (or [`ReplayOptions::to`]), each with its id, body and properties,
+/// the attempt counters moved into its history
+/// ([`DeadLetter::replay_properties`]), so that its consumer retries it
+/// afresh. `on_event` hears of each dead letter as it goes.
+///
+/// # Guarantee
+/// Each copy is published `mandatory` with publisher confirms, and only
+/// after the broker confirmed it is the dead letter acked (deleted). A crash
+/// before the confirm leaves the dead letter in the DLQ; a crash between the
+/// confirm and the ack leaves both, and replaying again publishes a second
+/// copy that the consumer drops as a duplicate. Unselected and refused dead
+/// letters stay in the DLQ, in their order.
+///
+/// # Refusals
+/// A foreign dead letter without a target, and one whose id its consumer
+/// already processed with a different body (unless forced), are skipped and
+/// counted in [`ReplaySummary::skipped`].
+///
+/// # Errors
+/// [`OpsError::NothingSelected`] when neither the selection nor
+/// [`ReplayOptions::all`] says what to replay; [`OpsError::TargetQueueNotFound`]
+/// when a work queue does not exist; [`OpsError::NotConfirmed`]; connection,
+/// channel and query errors. What was replayed before the error stays replayed.
+///
+/// ```no_run
+/// use idempo::ops::{Services, dlq};
+///
+/// # async fn doc(services: Services) -> idempo::ops::Result<()> {
+/// let selection = dlq::Selection { reason: Some("max attempts exceeded".into()), ..Default::default() };
+/// let summary = dlq::replay(&services, "payments", &selection, &Default::default(), |event| {
+///     if let dlq::ReplayEvent::Replayed { message_id, queue } = event {
+///         println!("{message_id:?} -> {queue}");
+///     }
+/// })
+/// .await?;
+/// println!("replayed {}, skipped {}", summary.replayed, summary.skipped_total());
+/// # Ok(()) }
+/// ```
+pub async fn replay(
+    services: &Services,
+    queue: &str,
+    selection: &Selection,
+    options: &ReplayOptions,
+    mut on_event: impl FnMut(ReplayEvent<'_>),
+) -> Result<ReplaySummary> {
+    if !options.all && selection.ids.is_empty() && selection.reason.is_none() {
+        return Err(OpsError::NothingSelected);
+    }
+    let pool = services.database().await?;
+    let opened = Opened::new(services, queue).await?;
+    let confirms = if options.dry_run {
+        Ok(None)
+    } else {
+        ConfirmChannel::open(&opened.connection, CONFIRM_TIMEOUT)
+            .await
+            .map(Some)
+    };
+    let outcome = match confirms {
+        Ok(confirms) => {
+            let mut run = Run {
+                pool,
+                opened: &opened,
+                confirms: confirms.as_ref(),
+                options,
+                checked: Vec::new(),
+            };
+            let outcome = run.all(selection, &mut on_event).await;
+            if let Some(confirms) = &confirms {
+                confirms.close().await;
+            }
+            outcome
+        }
+        Err(e) => Err(e.into()),
+    };
+    opened.close("replayed").await;
+    outcome
+}
+
+/// One replay in progress.
+struct Run<'a> {
+    pool: &'a PgPool,
+    opened: &'a Opened,
+    /// `None` in a dry run.
+    confirms: Option<&'a ConfirmChannel>,
+    options: &'a ReplayOptions,
+    /// Work queues known to exist.
+    checked: Vec<String>,
+}
+
+impl Run<'_> {
+    async fn all(
+        &mut self,
+        selection: &Selection,
+        on_event: &mut impl FnMut(ReplayEvent<'_>),
+    ) -> Result<ReplaySummary> {
+        let limit = self.options.limit.unwrap_or(usize::MAX);
+        on_event(ReplayEvent::Started {
+            dlq: &self.opened.dlq,
+            total: self.opened.ready.min(limit.try_into().unwrap_or(u32::MAX)),
+        });
+        let mut summary = ReplaySummary {
+            dry_run: self.options.dry_run,
+            ..ReplaySummary::default()
+        };
+        let mut seen = 0usize;
+        while seen < limit {
+            let Some(delivery) = self.opened.next().await? else {
+                break;
+            };
+            let dead = DeadLetterSummary::of(&delivery);
+            if !selection.matches(&dead) {
+                continue; // stays unacked: back into the DLQ when the channel closes
+            }
+            seen += 1;
+            let message_id = dead.message_id.as_deref();
+            let target = match self.refusal(&delivery).await? {
+                Err(refusal) => {
+                    *summary.skipped.entry(refusal).or_default() += 1;
+                    on_event(ReplayEvent::Skipped {
+                        message_id,
+                        refusal,
+                    });
+                    continue;
+                }
+                Ok(target) => target,
+            };
+            self.check(&target).await?;
+            let Some(confirms) = self.confirms else {
+                summary.replayed += 1;
+                on_event(ReplayEvent::WouldReplay {
+                    message_id,
+                    queue: &target,
+                });
+                continue;
+            };
+            // Crash here: nothing published; the message is in the DLQ.
+            let properties = DeadLetter::from_delivery(&delivery).replay_properties();
+            confirms
+                .publish("", &target, &delivery.data, properties)
+                .await
+                .map_err(|source| OpsError::NotConfirmed {
+                    message_id: dead.message_id.clone(),
+                    queue: target.clone(),
+                    source: Box::new(source),
+                })?;
+            // Crash here: the copy is in the work queue and the original in the
+            // DLQ; a second replay publishes it again and the consumer drops it
+            // as a duplicate.
+            self.opened
+                .channel
+                .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
+                .await
+                .map_err(OpsError::Ack)?;
+            summary.replayed += 1;
+            on_event(ReplayEvent::Replayed {
+                message_id,
+                queue: &target,
+            });
+            if let Some(pause) = self.options.throttle {
+                tokio::time::sleep(pause).await;
+            }
+        }
+        Ok(summary)
+    }
+
+    /// The work queue to replay `delivery` to, or why not.
+    async fn refusal(&self, delivery: &Delivery) -> Result<Result<String, Refusal>> {
+        let dead = DeadLetter::from_delivery(delivery);
+        let target = dead.original_queue().or_else(|| self.options.to.clone());
+        let mismatch = match (dead.consumer(), dead.message_id()) {
+            (Some(consumer), Some(id)) => {
+                inbox::lookup(self.pool, &consumer, &id, &delivery.data).await? == Claim::Mismatch
+            }
+            _ => false,
+        };
+        Ok(match target {
+            None => Err(Refusal::Foreign),
+            Some(_) if mismatch && !self.options.force => Err(Refusal::PayloadMismatch),
+            Some(target) => Ok(target),
+        })
+    }
+
+    /// Checks once per work queue that it exists: a publish to a missing
+    /// queue through the default exchange would be returned.
+    async fn check(&mut self, target: &str) -> Result<()> {
+        if self.checked.iter().any(|q| q == target) {
+            return Ok(());
+        }
+        if queue_depth(&self.opened.connection, target)
+            .await?
+            .is_none()
+        {
+            return Err(OpsError::TargetQueueNotFound {
+                queue: target.to_owned(),
+            });
+        }
+        self.checked.push(target.to_owned());
+        Ok(())
+    }
+}

@@ -1,0 +1,298 @@
+//! The operations behind the `idempo` command, as library functions
+//! (feature `ops`): what an operator asks of idempo's tables and queues,
+//! for any front end (the command, a web dashboard, a test).
+//!
+//! - [`status()`]: claims per consumer, queue depths, the outbox, HTTP keys
+//!   and window entries, with the [`Warning`]s an operator must act on;
+//! - [`dlq`]: browse dead letters, [replay](dlq::replay) them to their work
+//!   queue (confirmed before the DLQ copy is acked), [purge](dlq::purge) them;
+//! - [`maintenance`]: the migrations' state, and the retention and expiry
+//!   deletes run once.
+//!
+//! Each operation takes the [`Services`] (where PostgreSQL and RabbitMQ are;
+//! it connects only to what the operation needs) and returns typed values,
+//! serialisable with serde where a front end prints them as JSON. Errors are
+//! [`OpsError`]s.
+//!
+//! # Example
+//! ```no_run
+//! use idempo::ops::{self, Services, StatusOptions};
+//!
+//! # async fn doc() -> Result<(), ops::OpsError> {
+//! let services = Services::new(
+//!     "amqp://guest:guest@127.0.0.1:5672/%2f",
+//!     "postgres://postgres@127.0.0.1:5432/postgres",
+//! );
+//! let status = ops::status(&services, &StatusOptions::default()).await?;
+//! for consumer in &status.consumers {
+//!     println!("{}: {} claims", consumer.consumer, consumer.claims);
+//! }
+//! for warning in &status.warnings {
+//!     println!("WARNING: {warning}");
+//! }
+//! # Ok(()) }
+//! ```
+
+pub mod dlq;
+mod error;
+pub mod maintenance;
+mod status;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::options::QueueDeclareOptions;
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::FieldTable;
+use lapin::{Connection, ErrorKind};
+use serde::Serialize;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::sync::OnceCell;
+
+use crate::amqp::{Broker, redacted};
+
+pub use error::{OpsError, Result};
+pub use status::{
+    ConsumerStatus, DelayQueueStatus, QueueStatus, Status, StatusOptions, Warning, status,
+};
+
+/// Where PostgreSQL and RabbitMQ are. Operations connect to what they need:
+/// the database once (a pool of 2, kept for later operations), the broker
+/// once per operation (its connection is closed at the end).
+///
+/// # Default
+/// Connection name `idempo-ops` on the broker; 10 s to connect to either.
+#[derive(Clone)]
+pub struct Services {
+    amqp_url: String,
+    database_url: String,
+    pool: Arc<OnceCell<PgPool>>,
+    connection_name: String,
+}
+
+/// How long connecting to either service may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl fmt::Debug for Services {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Services")
+            .field("amqp_url", &self.amqp_urls())
+            .field("database_url", &redacted(&self.database_url))
+            .field("connection_name", &self.connection_name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Services {
+    /// RabbitMQ at `amqp_url` (one or more comma-separated URLs, one per
+    /// node) and PostgreSQL at `database_url`. Nothing is connected yet.
+    pub fn new(amqp_url: impl Into<String>, database_url: impl Into<String>) -> Self {
+        Services {
+            amqp_url: amqp_url.into(),
+            database_url: database_url.into(),
+            pool: Arc::default(),
+            connection_name: "idempo-ops".into(),
+        }
+    }
+
+    /// RabbitMQ at `amqp_url` and the database behind `pool` (for an
+    /// application that has one already, such as a dashboard).
+    pub fn with_pool(amqp_url: impl Into<String>, pool: PgPool) -> Self {
+        Services {
+            pool: Arc::new(OnceCell::new_with(Some(pool))),
+            ..Services::new(amqp_url, "")
+        }
+    }
+
+    /// The name the broker connections carry (shown in RabbitMQ's management UI).
+    #[must_use]
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = name.into();
+        self
+    }
+
+    /// The database pool, connected on first use.
+    ///
+    /// # Errors
+    /// [`OpsError::DatabaseUnreachable`].
+    pub async fn database(&self) -> Result<&PgPool> {
+        self.pool
+            .get_or_try_init(|| async {
+                PgPoolOptions::new()
+                    .max_connections(2)
+                    .acquire_timeout(CONNECT_TIMEOUT)
+                    .connect(&self.database_url)
+                    .await
+                    .map_err(|source| OpsError::DatabaseUnreachable {
+                        url: redacted(&self.database_url),
+                        source,
+                    })
+            })
+            .await
+    }
+
+    /// A new broker connection (close it when done).
+    ///
+    /// # Errors
+    /// [`OpsError::InvalidBrokerUrl`], [`OpsError::BrokerUnreachable`].
+    pub async fn broker(&self) -> Result<Connection> {
+        let broker = Broker::new(&self.amqp_url)
+            .map_err(|source| OpsError::InvalidBrokerUrl {
+                urls: self.amqp_urls(),
+                source,
+            })?
+            .connection_timeout(CONNECT_TIMEOUT);
+        broker
+            .connect(&self.connection_name)
+            .await
+            .map_err(|source| OpsError::BrokerUnreachable {
+                urls: self.amqp_urls(),
+                source,
+            })
+    }
+
+    /// The broker URLs without their passwords.
+    fn amqp_urls(&self) -> String {
+        self.amqp_url
+            .split(',')
+            .map(|u| redacted(u.trim()))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// A queue's ready messages and consumers, from a passive declare.
+/// (Unacknowledged messages are not counted: that needs the management API.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct QueueDepth {
+    /// Messages ready for delivery.
+    pub ready: u32,
+    /// Consumers attached.
+    pub consumers: u32,
+}
+
+/// The depth of `queue`, or `None` when it does not exist. Declares nothing:
+/// a passive declare on a channel of its own (a failed one closes its channel).
+///
+/// # Errors
+/// [`OpsError::InspectQueue`] when the broker refuses for another reason
+/// (access refused), [`OpsError::Amqp`] when no channel opens.
+pub async fn queue_depth(connection: &Connection, queue: &str) -> Result<Option<QueueDepth>> {
+    let channel = connection.create_channel().await?;
+    let declared = channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match declared {
+        Ok(q) => {
+            let _ = channel.close(200, "bye".into()).await;
+            Ok(Some(QueueDepth {
+                ready: q.message_count(),
+                consumers: q.consumer_count(),
+            }))
+        }
+        Err(e) if not_found(&e) => Ok(None),
+        Err(source) => Err(OpsError::InspectQueue {
+            queue: queue.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// The broker's channel error `NOT_FOUND` (404).
+fn not_found(error: &lapin::Error) -> bool {
+    match error.kind() {
+        ErrorKind::ProtocolError(e) => {
+            matches!(e.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND))
+        }
+        _ => false,
+    }
+}
+
+/// PostgreSQL's `undefined_table` (42P01): a table of a feature whose
+/// migration did not run.
+fn undefined_table(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|e| e.code())
+        .is_some_and(|code| code == "42P01")
+}
+
+/// [`undefined_table`] for the crate's error.
+fn missing_table(error: &crate::Error) -> bool {
+    matches!(error, crate::Error::Database(e) if undefined_table(e))
+}
+
+/// A duration as the operations print it: one unit, rounded down (`250ms`,
+/// `90s`, `45m`, `36h`, `7d`).
+///
+/// ```
+/// use std::time::Duration;
+/// use idempo::ops::short_duration;
+///
+/// assert_eq!(short_duration(Duration::from_millis(250)), "250ms");
+/// assert_eq!(short_duration(Duration::from_secs(90)), "90s");
+/// assert_eq!(short_duration(Duration::from_secs(7 * 86_400)), "7d");
+/// ```
+pub fn short_duration(d: Duration) -> String {
+    match d.as_secs() {
+        0 => format!("{}ms", d.as_millis()),
+        s if s < 120 => format!("{s}s"),
+        s if s < 7_200 => format!("{}m", s / 60),
+        s if s < 172_800 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+/// Closes a broker connection, ignoring errors (it is being let go).
+async fn close(connection: &Connection) {
+    let _ = connection.close(200, "bye".into()).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_print_in_one_unit() {
+        let s = Duration::from_secs;
+        assert_eq!(short_duration(Duration::ZERO), "0ms");
+        assert_eq!(short_duration(s(119)), "119s");
+        assert_eq!(short_duration(s(120)), "2m");
+        assert_eq!(short_duration(s(7_199)), "119m");
+        assert_eq!(short_duration(s(7_200)), "2h");
+        assert_eq!(short_duration(s(172_800)), "2d");
+    }
+
+    #[test]
+    fn errors_stay_small() {
+        // Results of operations move these around: no large variant.
+        assert!(std::mem::size_of::<OpsError>() <= 112);
+    }
+
+    #[test]
+    fn services_never_show_passwords() {
+        let services = Services::new(
+            "amqp://guest:secret@a:5672/%2f, amqp://guest:secret@b:5672/%2f",
+            "postgres://app:hunter2@db/app",
+        );
+        let shown = format!("{services:?}");
+        assert!(
+            !shown.contains("secret") && !shown.contains("hunter2"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("amqp://guest:***@a:5672/%2f,amqp://guest:***@b:5672/%2f"),
+            "{shown}"
+        );
+    }
+}

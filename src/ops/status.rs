@@ -1,0 +1,428 @@
+//! [`status()`]: claims, queues, outbox, HTTP keys and window entries at a
+//! glance, and the [`Warning`]s among them.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Serialize, Serializer};
+
+use super::{
+    OpsError, Result, Services, close, missing_table, queue_depth, short_duration, undefined_table,
+};
+use crate::amqp::{RedeliveryPolicy, dead_letter_queue, delay_queue};
+use crate::cleanup::StateCount;
+use crate::outbox::OutboxStatus;
+
+/// What [`status()`] looks at.
+///
+/// # Default
+/// Every consumer with claims, one queue per such consumer (named like it),
+/// the default [`RedeliveryPolicy`]'s delays, RabbitMQ's default
+/// `consumer_timeout` of 30 minutes, no retention check, DLQs not warned about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusOptions {
+    /// Only these consumers (all when empty).
+    pub consumers: Vec<String>,
+    /// The queues to inspect (when empty: one per consumer with claims, and
+    /// a missing one is reported, not an error).
+    pub queues: Vec<String>,
+    /// The consumers' retry delays (the default policy's when empty): their
+    /// delay queues are inspected, and they make up the redelivery horizon.
+    pub retry_delays: Vec<Duration>,
+    /// The broker's `consumer_timeout`: the longest a delivery can stay
+    /// unacknowledged before the broker redelivers it.
+    pub consumer_timeout: Duration,
+    /// The claims' retention (the reaper's `older_than`), checked against the
+    /// redelivery horizon.
+    pub retention: Option<Duration>,
+    /// Warn when a DLQ holds messages.
+    pub fail_on_dlq: bool,
+}
+
+impl Default for StatusOptions {
+    fn default() -> Self {
+        StatusOptions {
+            consumers: Vec::new(),
+            queues: Vec::new(),
+            retry_delays: Vec::new(),
+            consumer_timeout: Duration::from_secs(30 * 60),
+            retention: None,
+            fail_on_dlq: false,
+        }
+    }
+}
+
+/// What [`status()`] found. Serialises as the `idempo status --json` object
+/// (durations in seconds, fields named `..._secs`).
+#[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
+pub struct Status {
+    /// The claims of each consumer, by name.
+    pub consumers: Vec<ConsumerStatus>,
+    /// The queues inspected.
+    pub queues: Vec<QueueStatus>,
+    /// The outbox (`None`: its table does not exist).
+    #[serde(serialize_with = "outbox_json")]
+    pub outbox: Option<OutboxStatus>,
+    /// HTTP idempotency keys per state (`None`: the table does not exist).
+    pub http_keys: Option<Vec<StateCount>>,
+    /// Deduplication window entries per state (`None`: the table does not exist).
+    pub window: Option<Vec<StateCount>>,
+    /// What an operator must act on, in the order found.
+    pub warnings: Vec<Warning>,
+}
+
+impl Status {
+    /// Whether there is a warning: the `idempo status` command then exits with 2.
+    pub fn needs_attention(&self) -> bool {
+        !self.warnings.is_empty()
+    }
+}
+
+/// One consumer's claims.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct ConsumerStatus {
+    /// The consumer.
+    pub consumer: String,
+    /// How many claims it holds.
+    pub claims: i64,
+    /// How long ago its oldest claim was made.
+    #[serde(rename = "oldest_age_secs", serialize_with = "optional_secs")]
+    pub oldest_age: Option<Duration>,
+    /// How long ago its newest claim was made.
+    #[serde(rename = "newest_age_secs", serialize_with = "optional_secs")]
+    pub newest_age: Option<Duration>,
+    /// The longest a copy of a message can come back after its first
+    /// delivery: the retry delays plus the `consumer_timeout`. Claims must be
+    /// kept at least this long.
+    #[serde(rename = "redelivery_horizon_secs", serialize_with = "secs")]
+    pub redelivery_horizon: Duration,
+}
+
+/// One queue, its DLQ and its delay queues.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct QueueStatus {
+    /// The work queue.
+    pub queue: String,
+    /// Whether it exists.
+    pub exists: bool,
+    /// Its ready messages.
+    pub ready: Option<u32>,
+    /// Its consumers.
+    pub consumers: Option<u32>,
+    /// The ready messages of its DLQ (`None`: no DLQ).
+    pub dlq_ready: Option<u32>,
+    /// Its delay queues that exist.
+    pub delay_queues: Vec<DelayQueueStatus>,
+}
+
+/// One delay queue.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct DelayQueueStatus {
+    /// Its name (`<queue>.retry.<delay>`).
+    pub queue: String,
+    /// Messages waiting for their retry.
+    pub ready: u32,
+}
+
+/// Something an operator must act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Warning {
+    /// The inbox table does not exist: the migrations did not run.
+    NotMigrated,
+    /// The claims are deleted before every copy of their messages can have
+    /// come back: a late redelivery would be processed again.
+    RetentionTooShort {
+        /// The retention.
+        retention: Duration,
+        /// The redelivery horizon: `retries + consumer_timeout`.
+        horizon: Duration,
+        /// The retry delays, summed.
+        retries: Duration,
+        /// The broker's `consumer_timeout`.
+        consumer_timeout: Duration,
+    },
+    /// A DLQ holds messages (only with [`StatusOptions::fail_on_dlq`]).
+    DeadLetters {
+        /// The DLQ.
+        dlq: String,
+        /// How many.
+        ready: u32,
+    },
+    /// The outbox relay gave up on messages.
+    OutboxFailed {
+        /// How many.
+        failed: i64,
+    },
+}
+
+impl fmt::Display for Warning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Warning::NotMigrated => {
+                f.write_str("idempo's tables do not exist: run `idempo migrate`")
+            }
+            Warning::RetentionTooShort {
+                retention,
+                horizon,
+                retries,
+                consumer_timeout,
+            } => write!(
+                f,
+                "retention {} is shorter than the redelivery horizon {} (retries {} + consumer_timeout {}): \
+                 a late redelivery would be processed again",
+                short_duration(*retention),
+                short_duration(*horizon),
+                short_duration(*retries),
+                short_duration(*consumer_timeout)
+            ),
+            Warning::DeadLetters { dlq, ready } => write!(f, "{dlq} holds {ready} dead letter(s)"),
+            Warning::OutboxFailed { failed } => write!(
+                f,
+                "the outbox holds {failed} failed message(s) the relay gave up on"
+            ),
+        }
+    }
+}
+
+/// A warning serialises as its text.
+impl Serialize for Warning {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+fn secs<S: Serializer>(d: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_f64(d.as_secs_f64())
+}
+
+fn optional_secs<S: Serializer>(d: &Option<Duration>, serializer: S) -> Result<S::Ok, S::Error> {
+    d.map(|d| d.as_secs_f64()).serialize(serializer)
+}
+
+fn outbox_json<S: Serializer>(o: &Option<OutboxStatus>, serializer: S) -> Result<S::Ok, S::Error> {
+    #[derive(Serialize)]
+    struct Json {
+        pending: i64,
+        failed: i64,
+        oldest_pending_age_secs: Option<f64>,
+    }
+    o.map(|o| Json {
+        pending: o.pending,
+        failed: o.failed,
+        oldest_pending_age_secs: o.oldest_pending_age.map(|d| d.as_secs_f64()),
+    })
+    .serialize(serializer)
+}
+
+/// Claims per consumer, queue depths (passive declares: the broker is asked
+/// only when there is a queue to inspect), the outbox, HTTP keys and window
+/// entries, and the [`Warning`]s among them.
+///
+/// # Errors
+/// [`OpsError::QueueNotFound`] when a queue named in
+/// [`StatusOptions::queues`] does not exist; connection and query errors.
+pub async fn status(services: &Services, options: &StatusOptions) -> Result<Status> {
+    let pool = services.database().await?;
+    let mut warnings = Vec::new();
+    let delays = if options.retry_delays.is_empty() {
+        RedeliveryPolicy::default().delays().to_vec()
+    } else {
+        options.retry_delays.clone()
+    };
+    let retries: Duration = delays.iter().sum();
+    let horizon = retries + options.consumer_timeout;
+
+    let claims = match crate::inbox::claims_per_consumer(pool, &options.consumers).await {
+        Ok(claims) => claims,
+        Err(e) if missing_table(&e) => {
+            warnings.push(Warning::NotMigrated);
+            Vec::new()
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if let Some(retention) = options.retention
+        && retention < horizon
+    {
+        warnings.push(Warning::RetentionTooShort {
+            retention,
+            horizon,
+            retries,
+            consumer_timeout: options.consumer_timeout,
+        });
+    }
+
+    let names: Vec<String> = if options.queues.is_empty() {
+        claims.iter().map(|c| c.consumer.clone()).collect()
+    } else {
+        options.queues.clone()
+    };
+    let mut queues = Vec::new();
+    if !names.is_empty() {
+        let connection = services.broker().await?;
+        let inspected = inspect(&connection, &names, &delays, options, &mut warnings).await;
+        close(&connection).await;
+        queues = inspected?;
+    }
+
+    let outbox = match crate::outbox::status(pool).await {
+        Ok(outbox) => Some(outbox),
+        Err(e) if undefined_table(&e) => None,
+        Err(e) => return Err(e.into()),
+    };
+    if let Some(outbox) = outbox
+        && outbox.failed > 0
+    {
+        warnings.push(Warning::OutboxFailed {
+            failed: outbox.failed,
+        });
+    }
+    let absent = |counts: crate::Result<Vec<StateCount>>| match counts {
+        Ok(counts) => Ok(Some(counts)),
+        Err(e) if missing_table(&e) => Ok(None),
+        Err(e) => Err(OpsError::from(e)),
+    };
+    let http_keys = absent(
+        crate::http::PostgresStore::new(pool.clone())
+            .count_by_state()
+            .await,
+    )?;
+    let window = absent(
+        crate::window::PostgresWindow::new(pool.clone())
+            .count_by_state()
+            .await,
+    )?;
+
+    Ok(Status {
+        consumers: claims
+            .into_iter()
+            .map(|c| ConsumerStatus {
+                consumer: c.consumer,
+                claims: c.claims,
+                oldest_age: c.oldest,
+                newest_age: c.newest,
+                redelivery_horizon: horizon,
+            })
+            .collect(),
+        queues,
+        outbox,
+        http_keys,
+        window,
+        warnings,
+    })
+}
+
+/// The work queue, DLQ and delay queues of each of `names`.
+async fn inspect(
+    connection: &lapin::Connection,
+    names: &[String],
+    delays: &[Duration],
+    options: &StatusOptions,
+    warnings: &mut Vec<Warning>,
+) -> Result<Vec<QueueStatus>> {
+    let mut queues = Vec::new();
+    for queue in names {
+        let work = queue_depth(connection, queue).await?;
+        if work.is_none() && !options.queues.is_empty() {
+            return Err(OpsError::QueueNotFound {
+                queue: queue.clone(),
+            });
+        }
+        let dlq_name = dead_letter_queue(queue);
+        let dlq = queue_depth(connection, &dlq_name).await?;
+        let mut delay_queues = Vec::new();
+        for delay in delays {
+            let name = delay_queue(queue, *delay);
+            if let Some(depth) = queue_depth(connection, &name).await? {
+                delay_queues.push(DelayQueueStatus {
+                    queue: name,
+                    ready: depth.ready,
+                });
+            }
+        }
+        if let Some(dlq) = dlq
+            && dlq.ready > 0
+            && options.fail_on_dlq
+        {
+            warnings.push(Warning::DeadLetters {
+                dlq: dlq_name,
+                ready: dlq.ready,
+            });
+        }
+        queues.push(QueueStatus {
+            queue: queue.clone(),
+            exists: work.is_some(),
+            ready: work.map(|w| w.ready),
+            consumers: work.map(|w| w.consumers),
+            dlq_ready: dlq.map(|d| d.ready),
+            delay_queues,
+        });
+    }
+    Ok(queues)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warnings_read_as_the_command_prints_them() {
+        let short = Warning::RetentionTooShort {
+            retention: Duration::from_secs(60),
+            horizon: Duration::from_secs(2_556),
+            retries: Duration::from_secs(756),
+            consumer_timeout: Duration::from_secs(1_800),
+        };
+        assert_eq!(
+            short.to_string(),
+            "retention 60s is shorter than the redelivery horizon 42m (retries 12m + consumer_timeout 30m): \
+             a late redelivery would be processed again"
+        );
+        let dlq = Warning::DeadLetters {
+            dlq: "payments.dlq".into(),
+            ready: 3,
+        };
+        assert_eq!(
+            serde_json::to_value(&dlq).unwrap(),
+            "payments.dlq holds 3 dead letter(s)"
+        );
+    }
+
+    #[test]
+    fn status_serialises_durations_as_seconds() {
+        let status = Status {
+            consumers: vec![ConsumerStatus {
+                consumer: "c1".into(),
+                claims: 3,
+                oldest_age: Some(Duration::from_millis(1_500)),
+                newest_age: None,
+                redelivery_horizon: Duration::from_secs(2_556),
+            }],
+            queues: Vec::new(),
+            outbox: Some(OutboxStatus::default()),
+            http_keys: None,
+            window: Some(Vec::new()),
+            warnings: vec![Warning::NotMigrated],
+        };
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "consumers": [{
+                    "consumer": "c1", "claims": 3, "oldest_age_secs": 1.5,
+                    "newest_age_secs": null, "redelivery_horizon_secs": 2556.0,
+                }],
+                "queues": [],
+                "outbox": {"pending": 0, "failed": 0, "oldest_pending_age_secs": null},
+                "http_keys": null,
+                "window": [],
+                "warnings": ["idempo's tables do not exist: run `idempo migrate`"],
+            })
+        );
+        assert!(status.needs_attention());
+    }
+}
