@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use crate::Result;
+use crate::error::Result;
 
 /// How many entries of one state a PostgreSQL store holds, live and expired
 /// (expired entries stay until a cleanup deletes them). Returned by

@@ -62,7 +62,7 @@ pub enum Error {
 
     /// A message id is missing, empty or too long.
     #[error(transparent)]
-    InvalidMessageId(#[from] crate::inbox::InvalidMessageId),
+    InvalidMessageId(#[from] crate::message_id::InvalidMessageId),
 
     /// The claim of a message id was no longer in the transaction at commit:
     /// the caller ended the transaction itself (`ROLLBACK`, `COMMIT`). Nothing
@@ -111,8 +111,8 @@ pub enum Error {
     Config(String),
 
     /// An error of one of idempo's feature modules, kept whole (the
-    /// outbox's [`OutboxError`](crate::outbox::OutboxError) when a staging
-    /// is refused, say): ask it with [`downcast_ref`](Error::downcast_ref).
+    /// outbox's `OutboxError` when a staging is refused, say): ask it with
+    /// [`downcast_ref`](Error::downcast_ref).
     /// The ground floor names no feature, so this is how `?` carries their
     /// errors into an `idempo::Error`.
     #[error(transparent)]

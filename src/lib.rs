@@ -86,6 +86,7 @@ mod hex;
 pub mod inbox;
 #[cfg(any(feature = "http", feature = "retry"))]
 mod key;
+mod message_id;
 mod migrate;
 #[cfg_attr(
     not(any(

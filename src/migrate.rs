@@ -3,7 +3,7 @@
 use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 
-use crate::Result;
+use crate::error::Result;
 
 /// The table in which idempo records which of *its own* migrations ran.
 ///
@@ -43,7 +43,7 @@ pub fn migrator() -> Migrator {
 /// ```
 ///
 /// # Errors
-/// [`Error::Migrate`](crate::Error::Migrate) when the database is unreachable
+/// [`Error::Migrate`](crate::error::Error::Migrate) when the database is unreachable
 /// or a migration fails.
 pub async fn migrate(pool: &PgPool) -> Result<()> {
     migrator().run(pool).await?;

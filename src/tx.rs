@@ -43,7 +43,7 @@ use tokio::sync::{Mutex, MutexGuard};
 ///
 /// idempo takes the transaction back when the handler's future completes
 /// and commits or rolls it back; a `Tx` clone kept beyond that point only
-/// yields [`Error::TransactionFinished`](crate::Error::TransactionFinished).
+/// yields [`Error::TransactionFinished`](crate::error::Error::TransactionFinished).
 #[derive(Clone)]
 pub struct Tx {
     inner: Arc<Mutex<Option<Transaction<'static, Postgres>>>>,
@@ -114,17 +114,17 @@ impl Tx {
     /// statements of one transaction in sequence.
     ///
     /// # Errors
-    /// - [`Error::TransactionBusy`](crate::Error::TransactionBusy) when a guard
+    /// - [`Error::TransactionBusy`](crate::error::Error::TransactionBusy) when a guard
     ///   is already held;
-    /// - [`Error::TransactionFinished`](crate::Error::TransactionFinished) when
+    /// - [`Error::TransactionFinished`](crate::error::Error::TransactionFinished) when
     ///   called after the handler returned.
-    pub fn try_lock(&self) -> crate::Result<TxGuard<'_>> {
+    pub fn try_lock(&self) -> crate::error::Result<TxGuard<'_>> {
         let guard = self
             .inner
             .try_lock()
-            .map_err(|_| crate::Error::TransactionBusy)?;
+            .map_err(|_| crate::error::Error::TransactionBusy)?;
         if guard.is_none() {
-            return Err(crate::Error::TransactionFinished);
+            return Err(crate::error::Error::TransactionFinished);
         }
         Ok(TxGuard {
             guard,
