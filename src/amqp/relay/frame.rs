@@ -1,0 +1,95 @@
+//! An outbox message as an AMQP publish: its properties, and its JSON
+//! headers as an AMQP table; and the broker's size limit read from its
+//! refusal.
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldArray, FieldTable};
+
+use crate::amqp::publish::OutgoingFrame;
+use crate::outbox::packed::Staged;
+
+/// The broker's `max_message_size`, when it closed the channel over a
+/// message larger than that ("message size 2097152 is larger than
+/// configured max size 1048576").
+pub(super) fn broker_size_limit(reason: &str) -> Option<usize> {
+    let (_, after) = reason.split_once("larger than configured max size ")?;
+    let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// A message as a publish.
+pub(super) fn frame(row: &Staged) -> OutgoingFrame<'_> {
+    let mut properties = BasicProperties::default()
+        .with_message_id(row.message_id.as_str().into())
+        .with_delivery_mode(if row.persistent { 2 } else { 1 });
+    if let Some(content_type) = &row.content_type {
+        properties = properties.with_content_type(content_type.as_str().into());
+    }
+    if let Some(correlation_id) = &row.correlation_id {
+        properties = properties.with_correlation_id(correlation_id.as_str().into());
+    }
+    if let Ok(serde_json::Value::Object(headers)) = serde_json::from_str(&row.headers)
+        && !headers.is_empty()
+    {
+        properties = properties.with_headers(table(&headers));
+    }
+    OutgoingFrame {
+        exchange: &row.exchange,
+        routing_key: &row.routing_key,
+        body: &row.body,
+        properties,
+    }
+}
+
+/// JSON headers as an AMQP table.
+fn table(object: &serde_json::Map<String, serde_json::Value>) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (name, value) in object {
+        table.insert(name.as_str().into(), amqp_value(value));
+    }
+    table
+}
+
+fn amqp_value(value: &serde_json::Value) -> AMQPValue {
+    use serde_json::Value;
+    match value {
+        Value::Null => AMQPValue::Void,
+        Value::Bool(b) => AMQPValue::Boolean(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => AMQPValue::LongLongInt(i),
+            None => AMQPValue::Double(n.as_f64().unwrap_or_default()),
+        },
+        Value::String(s) => AMQPValue::LongString(s.as_str().into()),
+        Value::Array(items) => AMQPValue::FieldArray(FieldArray::from(
+            items.iter().map(amqp_value).collect::<Vec<_>>(),
+        )),
+        Value::Object(object) => AMQPValue::FieldTable(table(object)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_broker_size_limit_is_read_from_its_reason() {
+        let why =
+            "PRECONDITION_FAILED - message size 2097152 is larger than configured max size 1048576";
+        assert_eq!(broker_size_limit(why), Some(1_048_576));
+        assert_eq!(broker_size_limit("NOT_FOUND - no exchange"), None);
+    }
+
+    #[test]
+    fn json_headers_become_amqp_values() {
+        let headers =
+            serde_json::json!({"s": "x", "i": 3, "b": true, "f": 1.5, "a": [1], "o": {"k": "v"}});
+        let table = table(headers.as_object().unwrap());
+        let inner = table.inner();
+        assert_eq!(inner.get("i"), Some(&AMQPValue::LongLongInt(3)));
+        assert_eq!(inner.get("b"), Some(&AMQPValue::Boolean(true)));
+        assert_eq!(inner.get("f"), Some(&AMQPValue::Double(1.5)));
+        assert!(matches!(inner.get("s"), Some(AMQPValue::LongString(_))));
+        assert!(matches!(inner.get("a"), Some(AMQPValue::FieldArray(_))));
+        assert!(matches!(inner.get("o"), Some(AMQPValue::FieldTable(_))));
+    }
+}
