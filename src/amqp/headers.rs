@@ -190,6 +190,16 @@ mod tests {
             rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
             "2000-02-29T00:00:00.000Z"
         );
+        // Sub-millisecond digits are cut, not rounded; a time before the
+        // epoch (a clock set wrong) is written as the epoch.
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_nanos(1_999_999)),
+            "1970-01-01T00:00:00.001Z"
+        );
+        assert_eq!(
+            rfc3339(UNIX_EPOCH - Duration::from_secs(1)),
+            "1970-01-01T00:00:00.000Z"
+        );
     }
 
     #[test]

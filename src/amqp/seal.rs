@@ -204,6 +204,53 @@ mod tests {
     }
 
     #[test]
+    fn hmac_matches_rfc_4231_with_a_key_longer_than_a_block() {
+        // Test case 6: a 131-byte key, hashed first.
+        let mac = hmac_sha256(
+            &[0xaa; 131],
+            &[b"Test Using Larger Than Block-Size Key - Hash Key First"],
+        );
+        assert_eq!(
+            crate::hex::to_hex(&mac),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+        );
+    }
+
+    /// Copies sealed by an earlier build of idempo sit in retry queues and
+    /// DLQs: their seals must still verify, so the seal of a given (key,
+    /// consumer, id, body) never changes.
+    #[test]
+    fn seals_keep_their_format() {
+        const SEALED_BEFORE: &str =
+            "4f1a88296d56eae915265b342220dc01896ec2b2b55230c33ee498e8bf0d1877";
+        let seal = Seal::for_test("payments", [7; 32]);
+        let body = br#"{"account":"a","amount_cents":1}"#;
+        let plain = Message::for_test_with_headers(body, Default::default());
+        assert_eq!(seal.seal("pay-A", &plain), SEALED_BEFORE);
+        let header = |v: &str| lapin::types::AMQPValue::LongString(v.into());
+        let copy = |sealed: &str| {
+            let table: std::collections::BTreeMap<lapin::types::ShortString, _> = [
+                (MESSAGE_ID_HEADER.into(), header("pay-A")),
+                (MESSAGE_ID_SEAL_HEADER.into(), header(sealed)),
+            ]
+            .into();
+            Message::for_test_with_headers(body, table.into())
+        };
+        assert_eq!(
+            seal.carried_id(&copy(SEALED_BEFORE)).as_deref(),
+            Some("pay-A")
+        );
+        // One digit changed, upper case, cut short, one digit too many.
+        let tampered = SEALED_BEFORE.replacen('4', "5", 1);
+        let upper = SEALED_BEFORE.to_uppercase();
+        let short = &SEALED_BEFORE[..63];
+        let long = format!("{SEALED_BEFORE}0");
+        for forged in [tampered.as_str(), upper.as_str(), short, long.as_str()] {
+            assert_eq!(seal.carried_id(&copy(forged)), None, "{forged}");
+        }
+    }
+
+    #[test]
     fn only_a_valid_seal_carries_an_id_forward() {
         let seal = Seal::for_test("payments", [7; 32]);
         let body = br#"{"account":"a","amount_cents":1}"#;
