@@ -41,7 +41,7 @@ pub(crate) fn uuid_v7() -> String {
 
 /// The 8-4-4-4-12 form of 16 bytes.
 pub(crate) fn hyphenated(b: &[u8; 16]) -> String {
-    let hex = crate::hex::to_hex(b);
+    let hex = hex::encode(b);
     format!(
         "{}-{}-{}-{}-{}",
         &hex[0..8],

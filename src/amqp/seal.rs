@@ -125,7 +125,7 @@ impl Seal {
 
     /// The seal of `id` on a copy of `message`, as lowercase hex.
     pub(crate) fn seal(&self, id: &str, message: &Message) -> String {
-        crate::hex::to_hex(&self.mac(id, message))
+        hex::encode(self.mac(id, message))
     }
 
     /// The id an idempo copy carries forward, if `message` is one: the
@@ -198,7 +198,7 @@ mod tests {
         // Test case 2: key "Jefe".
         let mac = hmac_sha256(b"Jefe", &[b"what do ya want for nothing?"]);
         assert_eq!(
-            crate::hex::to_hex(&mac),
+            hex::encode(mac),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
         );
     }
@@ -211,7 +211,7 @@ mod tests {
             &[b"Test Using Larger Than Block-Size Key - Hash Key First"],
         );
         assert_eq!(
-            crate::hex::to_hex(&mac),
+            hex::encode(mac),
             "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
         );
     }
