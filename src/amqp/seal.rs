@@ -13,8 +13,10 @@
 
 use std::time::Duration;
 
-use sha2::{Digest, Sha256};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 use sqlx::PgPool;
+use subtle::ConstantTimeEq;
 use tokio::sync::OnceCell;
 
 use super::Message;
@@ -135,7 +137,7 @@ impl Seal {
         let seal = message.header(MESSAGE_ID_SEAL_HEADER).and_then(header_text);
         let expected = self.seal(&id, message);
         match seal {
-            Some(seal) if constant_time_eq(seal.as_bytes(), expected.as_bytes()) => Some(id),
+            Some(seal) if bool::from(seal.as_bytes().ct_eq(expected.as_bytes())) => Some(id),
             _ => {
                 tracing::warn!(
                     header = MESSAGE_ID_HEADER,
@@ -161,32 +163,18 @@ pub(crate) fn claimed_id(message: &Message) -> Option<String> {
         .filter(|id| !id.is_empty())
 }
 
-/// HMAC-SHA256 (RFC 2104) of the length-prefixed `parts`, so that no two
-/// different tuples hash alike.
+/// HMAC-SHA256 (RFC 2104) of `parts`, each prefixed with its length (a
+/// big-endian u64) when there is more than one, so that no two different
+/// tuples hash alike. A single part is MACed as it is (the RFC 4231 vectors).
 fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    let mut block = [0u8; 64];
-    if key.len() > 64 {
-        block[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        block[..key.len()].copy_from_slice(key);
-    }
-    let pad = |byte: u8| block.map(|b| b ^ byte);
-    let mut inner = Sha256::new();
-    inner.update(pad(0x36));
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
     for part in parts {
         if parts.len() > 1 {
-            inner.update((part.len() as u64).to_be_bytes());
+            mac.update(&(part.len() as u64).to_be_bytes());
         }
-        inner.update(part);
+        mac.update(part);
     }
-    let mut outer = Sha256::new();
-    outer.update(pad(0x5c));
-    outer.update(inner.finalize());
-    outer.finalize().into()
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    mac.finalize().into_bytes().into()
 }
 
 #[cfg(test)]
