@@ -19,10 +19,9 @@ pub(crate) fn bytes<const N: usize>() -> [u8; N] {
     allow(dead_code)
 )]
 pub(crate) fn uuid_v4() -> String {
-    let mut b = bytes::<16>();
-    b[6] = (b[6] & 0x0f) | 0x40; // version 4
-    b[8] = (b[8] & 0x3f) | 0x80; // RFC 4122 variant
-    hyphenated(&b)
+    uuid::Builder::from_random_bytes(bytes())
+        .into_uuid()
+        .to_string()
 }
 
 /// A time-ordered (version 7) UUID: 48 bits of Unix milliseconds, then 74
@@ -32,24 +31,9 @@ pub(crate) fn uuid_v7() -> String {
     let millis = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    let mut b = bytes::<16>();
-    b[..6].copy_from_slice(&millis.to_be_bytes()[2..]);
-    b[6] = (b[6] & 0x0f) | 0x70; // version 7
-    b[8] = (b[8] & 0x3f) | 0x80; // RFC 4122 variant
-    hyphenated(&b)
-}
-
-/// The 8-4-4-4-12 form of 16 bytes.
-pub(crate) fn hyphenated(b: &[u8; 16]) -> String {
-    let hex = hex::encode(b);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    )
+    uuid::Builder::from_unix_timestamp_millis(millis, &bytes())
+        .into_uuid()
+        .to_string()
 }
 
 /// A random positive token (63 bits), for proving ownership of a lease.

@@ -350,10 +350,8 @@ pub fn derived_message_id(incoming_id: &str, purpose: &str) -> String {
         .chain_update([0])
         .chain_update(purpose.as_bytes())
         .finalize();
-    let mut b: [u8; 16] = digest[..16].try_into().expect("16 of 32 bytes");
-    b[6] = (b[6] & 0x0f) | 0x80; // version 8: custom
-    b[8] = (b[8] & 0x3f) | 0x80; // RFC 4122 variant
-    crate::random::hyphenated(&b)
+    let b: [u8; 16] = digest[..16].try_into().expect("16 of 32 bytes");
+    uuid::Builder::from_custom_bytes(b).into_uuid().to_string()
 }
 
 tokio::task_local! {
