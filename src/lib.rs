@@ -82,7 +82,6 @@ mod backoff;
 #[cfg(any(feature = "http", feature = "window"))]
 mod cleanup;
 mod error;
-mod hex;
 pub mod inbox;
 #[cfg(any(feature = "http", feature = "retry"))]
 mod key;

@@ -19,10 +19,9 @@ pub(crate) fn bytes<const N: usize>() -> [u8; N] {
     allow(dead_code)
 )]
 pub(crate) fn uuid_v4() -> String {
-    let mut b = bytes::<16>();
-    b[6] = (b[6] & 0x0f) | 0x40; // version 4
-    b[8] = (b[8] & 0x3f) | 0x80; // RFC 4122 variant
-    hyphenated(&b)
+    uuid::Builder::from_random_bytes(bytes())
+        .into_uuid()
+        .to_string()
 }
 
 /// A time-ordered (version 7) UUID: 48 bits of Unix milliseconds, then 74
@@ -32,24 +31,9 @@ pub(crate) fn uuid_v7() -> String {
     let millis = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    let mut b = bytes::<16>();
-    b[..6].copy_from_slice(&millis.to_be_bytes()[2..]);
-    b[6] = (b[6] & 0x0f) | 0x70; // version 7
-    b[8] = (b[8] & 0x3f) | 0x80; // RFC 4122 variant
-    hyphenated(&b)
-}
-
-/// The 8-4-4-4-12 form of 16 bytes.
-pub(crate) fn hyphenated(b: &[u8; 16]) -> String {
-    let hex = crate::hex::to_hex(b);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    )
+    uuid::Builder::from_unix_timestamp_millis(millis, &bytes())
+        .into_uuid()
+        .to_string()
 }
 
 /// A random positive token (63 bits), for proving ownership of a lease.
@@ -78,6 +62,46 @@ mod tests {
         let b = uuid_v7();
         assert!(a < b, "{a} then {b}");
         assert_eq!(&a[14..15], "7");
+    }
+
+    /// Lowercase 8-4-4-4-12 hex, the RFC 4122 variant: the form ids have
+    /// always been stored and compared in.
+    fn assert_hyphenated(id: &str) {
+        assert_eq!(id.len(), 36, "{id}");
+        for (i, c) in id.char_indices() {
+            if [8, 13, 18, 23].contains(&i) {
+                assert_eq!(c, '-', "{id}");
+            } else {
+                assert!(matches!(c, '0'..='9' | 'a'..='f'), "{id}");
+            }
+        }
+        assert!(matches!(&id[19..20], "8" | "9" | "a" | "b"), "{id}");
+    }
+
+    #[test]
+    fn uuids_are_lowercase_and_hyphenated() {
+        for _ in 0..100 {
+            assert_hyphenated(&uuid_v4());
+            assert_hyphenated(&uuid_v7());
+        }
+    }
+
+    #[test]
+    fn v7_uuids_start_with_the_unix_milliseconds() {
+        let millis = || {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as u64
+        };
+        let before = millis();
+        let id = uuid_v7();
+        let after = millis();
+        let stamp = u64::from_str_radix(&id[..13].replace('-', ""), 16).unwrap();
+        assert!(
+            (before..=after).contains(&stamp),
+            "{id}: {before}..={after}"
+        );
     }
 
     #[test]

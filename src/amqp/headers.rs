@@ -107,28 +107,15 @@ fn as_u32(value: &AMQPValue) -> Option<u32> {
     u32::try_from(n).ok()
 }
 
-/// `2026-12-01T02:19:47.123Z`. Hand-rolled to keep a date crate out of the
-/// dependency tree (days-from-civil, Howard Hinnant's algorithm).
+/// `2026-12-01T02:19:47.123Z`. A time RFC 3339 cannot write (a clock set
+/// wrong: before 1970, which humantime refuses, or after 9999) is clamped.
 pub(crate) fn rfc3339(t: SystemTime) -> String {
-    let since = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
-    let secs = since.as_secs() as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        since.subsec_millis()
-    )
+    const LAST_MILLIS: u64 = 253_402_300_799_999; // 9999-12-31T23:59:59.999Z
+    let t = t.max(UNIX_EPOCH);
+    let t = UNIX_EPOCH
+        .checked_add(Duration::from_millis(LAST_MILLIS))
+        .map_or(t, |last| t.min(last));
+    humantime::format_rfc3339_millis(t).to_string()
 }
 
 /// A header value as text: a string, UTF-8 bytes, or an integer.
@@ -189,6 +176,20 @@ mod tests {
         assert_eq!(
             rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
             "2000-02-29T00:00:00.000Z"
+        );
+        // Sub-millisecond digits are cut, not rounded; a time before the
+        // epoch (a clock set wrong) is written as the epoch.
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_nanos(1_999_999)),
+            "1970-01-01T00:00:00.001Z"
+        );
+        assert_eq!(
+            rfc3339(UNIX_EPOCH - Duration::from_secs(1)),
+            "1970-01-01T00:00:00.000Z"
+        );
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_secs(400 * 146_097 * 86_400)),
+            "9999-12-31T23:59:59.999Z"
         );
     }
 

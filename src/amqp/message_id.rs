@@ -59,9 +59,7 @@ impl MessageIdSource {
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(message)))
                     .map_err(|_| InvalidMessageId::FunctionPanicked)?
             }
-            MessageIdSource::ContentHash => {
-                Some(crate::hex::to_hex(&payload_sha256(message.body())))
-            }
+            MessageIdSource::ContentHash => Some(hex::encode(payload_sha256(message.body()))),
         };
         let id = id.ok_or(InvalidMessageId::Missing)?;
         validate_message_id(&id)?;

@@ -13,8 +13,10 @@
 
 use std::time::Duration;
 
-use sha2::{Digest, Sha256};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 use sqlx::PgPool;
+use subtle::ConstantTimeEq;
 use tokio::sync::OnceCell;
 
 use super::Message;
@@ -125,7 +127,7 @@ impl Seal {
 
     /// The seal of `id` on a copy of `message`, as lowercase hex.
     pub(crate) fn seal(&self, id: &str, message: &Message) -> String {
-        crate::hex::to_hex(&self.mac(id, message))
+        hex::encode(self.mac(id, message))
     }
 
     /// The id an idempo copy carries forward, if `message` is one: the
@@ -135,7 +137,7 @@ impl Seal {
         let seal = message.header(MESSAGE_ID_SEAL_HEADER).and_then(header_text);
         let expected = self.seal(&id, message);
         match seal {
-            Some(seal) if constant_time_eq(seal.as_bytes(), expected.as_bytes()) => Some(id),
+            Some(seal) if bool::from(seal.as_bytes().ct_eq(expected.as_bytes())) => Some(id),
             _ => {
                 tracing::warn!(
                     header = MESSAGE_ID_HEADER,
@@ -161,32 +163,18 @@ pub(crate) fn claimed_id(message: &Message) -> Option<String> {
         .filter(|id| !id.is_empty())
 }
 
-/// HMAC-SHA256 (RFC 2104) of the length-prefixed `parts`, so that no two
-/// different tuples hash alike.
+/// HMAC-SHA256 (RFC 2104) of `parts`, each prefixed with its length (a
+/// big-endian u64) when there is more than one, so that no two different
+/// tuples hash alike. A single part is MACed as it is (the RFC 4231 vectors).
 fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    let mut block = [0u8; 64];
-    if key.len() > 64 {
-        block[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        block[..key.len()].copy_from_slice(key);
-    }
-    let pad = |byte: u8| block.map(|b| b ^ byte);
-    let mut inner = Sha256::new();
-    inner.update(pad(0x36));
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
     for part in parts {
         if parts.len() > 1 {
-            inner.update((part.len() as u64).to_be_bytes());
+            mac.update(&(part.len() as u64).to_be_bytes());
         }
-        inner.update(part);
+        mac.update(part);
     }
-    let mut outer = Sha256::new();
-    outer.update(pad(0x5c));
-    outer.update(inner.finalize());
-    outer.finalize().into()
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    mac.finalize().into_bytes().into()
 }
 
 #[cfg(test)]
@@ -198,9 +186,56 @@ mod tests {
         // Test case 2: key "Jefe".
         let mac = hmac_sha256(b"Jefe", &[b"what do ya want for nothing?"]);
         assert_eq!(
-            crate::hex::to_hex(&mac),
+            hex::encode(mac),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
         );
+    }
+
+    #[test]
+    fn hmac_matches_rfc_4231_with_a_key_longer_than_a_block() {
+        // Test case 6: a 131-byte key, hashed first.
+        let mac = hmac_sha256(
+            &[0xaa; 131],
+            &[b"Test Using Larger Than Block-Size Key - Hash Key First"],
+        );
+        assert_eq!(
+            hex::encode(mac),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+        );
+    }
+
+    /// Copies sealed by an earlier build of idempo sit in retry queues and
+    /// DLQs: their seals must still verify, so the seal of a given (key,
+    /// consumer, id, body) never changes.
+    #[test]
+    fn seals_keep_their_format() {
+        const SEALED_BEFORE: &str =
+            "4f1a88296d56eae915265b342220dc01896ec2b2b55230c33ee498e8bf0d1877";
+        let seal = Seal::for_test("payments", [7; 32]);
+        let body = br#"{"account":"a","amount_cents":1}"#;
+        let plain = Message::for_test_with_headers(body, Default::default());
+        assert_eq!(seal.seal("pay-A", &plain), SEALED_BEFORE);
+        let header = |v: &str| lapin::types::AMQPValue::LongString(v.into());
+        let copy = |sealed: &str| {
+            let table: std::collections::BTreeMap<lapin::types::ShortString, _> = [
+                (MESSAGE_ID_HEADER.into(), header("pay-A")),
+                (MESSAGE_ID_SEAL_HEADER.into(), header(sealed)),
+            ]
+            .into();
+            Message::for_test_with_headers(body, table.into())
+        };
+        assert_eq!(
+            seal.carried_id(&copy(SEALED_BEFORE)).as_deref(),
+            Some("pay-A")
+        );
+        // One digit changed, upper case, cut short, one digit too many.
+        let tampered = SEALED_BEFORE.replacen('4', "5", 1);
+        let upper = SEALED_BEFORE.to_uppercase();
+        let short = &SEALED_BEFORE[..63];
+        let long = format!("{SEALED_BEFORE}0");
+        for forged in [tampered.as_str(), upper.as_str(), short, long.as_str()] {
+            assert_eq!(seal.carried_id(&copy(forged)), None, "{forged}");
+        }
     }
 
     #[test]

@@ -7,7 +7,6 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use sha2::{Digest, Sha256};
 
-use crate::hex::to_hex as hex;
 use crate::{Error, Result};
 
 /// Names one idempotent operation: the `Idempotency-Key` *scoped* by user,
@@ -60,7 +59,7 @@ impl RecordKey {
 
     /// [`digest`](Self::digest) in lowercase hex.
     pub fn hex(&self) -> String {
-        hex(&self.digest)
+        hex::encode(self.digest)
     }
 
     /// The user the operation belongs to (`None`: a request without one).
@@ -130,7 +129,7 @@ impl Fingerprint {
 
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({})", hex(&self.0))
+        write!(f, "Fingerprint({})", hex::encode(self.0))
     }
 }
 

@@ -8,7 +8,6 @@ use redis::aio::ConnectionManager;
 
 use super::record::{Fingerprint, RecordKey, StoredResponse};
 use super::store::{Begin, FencingToken, IdempotencyStore, Operation};
-use crate::hex::to_hex as hex;
 use crate::redis_connection::px;
 use crate::{Error, Result};
 
@@ -153,7 +152,7 @@ impl RedisStore {
 /// The lease key's value: whose lease it is (`<token>:`) and for which
 /// request (the fingerprint in hex, 64 characters).
 fn lease_value(token: FencingToken, fingerprint: &Fingerprint) -> String {
-    format!("{}{}", owner(token), hex(fingerprint.as_bytes()))
+    format!("{}{}", owner(token), hex::encode(fingerprint.as_bytes()))
 }
 
 /// The prefix of the lease value that proves ownership.
@@ -181,7 +180,7 @@ impl IdempotencyStore for RedisStore {
         match reply {
             (0, _, _) => Ok(Begin::Started(token)),
             (1, stored, _) => {
-                let expected = hex(operation.fingerprint.as_bytes());
+                let expected = hex::encode(operation.fingerprint.as_bytes());
                 let Some((fingerprint, response)) = stored.split_at_checked(FINGERPRINT_HEX) else {
                     return Err(Error::CorruptRecord("stored record is truncated".into()));
                 };
@@ -191,7 +190,7 @@ impl IdempotencyStore for RedisStore {
                 Ok(Begin::Completed(StoredResponse::decode(response)?))
             }
             (2, holder, left_ms) => {
-                let expected = hex(operation.fingerprint.as_bytes());
+                let expected = hex::encode(operation.fingerprint.as_bytes());
                 if holder.ends_with(expected.as_bytes()) {
                     let lease_left = u64::try_from(left_ms).ok().map(Duration::from_millis);
                     Ok(Begin::InProgress { lease_left })

@@ -44,6 +44,36 @@ fn finite(v: f64) -> Result<(), serde_json::Error> {
     }
 }
 
+/// Scalars and unit shapes without a float in them: nothing to check.
+macro_rules! accept {
+    ($($method:ident($($arg:ty),*);)*) => {$(
+        fn $method(self, $(_: $arg),*) -> Result<(), Self::Error> {
+            Ok(())
+        }
+    )*};
+}
+
+/// The compound shapes: check each element (after the `&'static str` field
+/// name, for structs), then end with nothing.
+macro_rules! check_each {
+    ($($compound:ident::$method:ident($($name:ty)?);)*) => {$(
+        impl ser::$compound for Finite {
+            type Ok = ();
+            type Error = serde_json::Error;
+            fn $method<T: ?Sized + Serialize>(
+                &mut self,
+                $(_: $name,)?
+                value: &T,
+            ) -> Result<(), Self::Error> {
+                value.serialize(Finite)
+            }
+            fn end(self) -> Result<(), Self::Error> {
+                Ok(())
+            }
+        }
+    )*};
+}
+
 impl ser::Serializer for Finite {
     type Ok = ();
     type Error = serde_json::Error;
@@ -61,67 +91,28 @@ impl ser::Serializer for Finite {
     fn serialize_f64(self, v: f64) -> Result<(), Self::Error> {
         finite(v)
     }
-    fn serialize_bool(self, _: bool) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_i8(self, _: i8) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_i16(self, _: i16) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_i32(self, _: i32) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_i64(self, _: i64) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_i128(self, _: i128) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_u8(self, _: u8) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_u16(self, _: u16) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_u32(self, _: u32) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_u64(self, _: u64) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_u128(self, _: u128) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_char(self, _: char) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_str(self, _: &str) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_bytes(self, _: &[u8]) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_none(self) -> Result<(), Self::Error> {
-        Ok(())
+    accept! {
+        serialize_bool(bool);
+        serialize_i8(i8);
+        serialize_i16(i16);
+        serialize_i32(i32);
+        serialize_i64(i64);
+        serialize_i128(i128);
+        serialize_u8(u8);
+        serialize_u16(u16);
+        serialize_u32(u32);
+        serialize_u64(u64);
+        serialize_u128(u128);
+        serialize_char(char);
+        serialize_str(&str);
+        serialize_bytes(&[u8]);
+        serialize_none();
+        serialize_unit();
+        serialize_unit_struct(&'static str);
+        serialize_unit_variant(&'static str, u32, &'static str);
     }
     fn serialize_some<T: ?Sized + Serialize>(self, value: &T) -> Result<(), Self::Error> {
         value.serialize(self)
-    }
-    fn serialize_unit(self) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_unit_struct(self, _: &'static str) -> Result<(), Self::Error> {
-        Ok(())
-    }
-    fn serialize_unit_variant(
-        self,
-        _: &'static str,
-        _: u32,
-        _: &'static str,
-    ) -> Result<(), Self::Error> {
-        Ok(())
     }
     fn serialize_newtype_struct<T: ?Sized + Serialize>(
         self,
@@ -174,50 +165,16 @@ impl ser::Serializer for Finite {
     }
 }
 
-impl ser::SerializeSeq for Finite {
-    type Ok = ();
-    type Error = serde_json::Error;
-    fn serialize_element<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<(), Self::Error> {
-        value.serialize(Finite)
-    }
-    fn end(self) -> Result<(), Self::Error> {
-        Ok(())
-    }
+check_each! {
+    SerializeSeq::serialize_element();
+    SerializeTuple::serialize_element();
+    SerializeTupleStruct::serialize_field();
+    SerializeTupleVariant::serialize_field();
+    SerializeStruct::serialize_field(&'static str);
+    SerializeStructVariant::serialize_field(&'static str);
 }
 
-impl ser::SerializeTuple for Finite {
-    type Ok = ();
-    type Error = serde_json::Error;
-    fn serialize_element<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<(), Self::Error> {
-        value.serialize(Finite)
-    }
-    fn end(self) -> Result<(), Self::Error> {
-        Ok(())
-    }
-}
-
-impl ser::SerializeTupleStruct for Finite {
-    type Ok = ();
-    type Error = serde_json::Error;
-    fn serialize_field<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<(), Self::Error> {
-        value.serialize(Finite)
-    }
-    fn end(self) -> Result<(), Self::Error> {
-        Ok(())
-    }
-}
-
-impl ser::SerializeTupleVariant for Finite {
-    type Ok = ();
-    type Error = serde_json::Error;
-    fn serialize_field<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<(), Self::Error> {
-        value.serialize(Finite)
-    }
-    fn end(self) -> Result<(), Self::Error> {
-        Ok(())
-    }
-}
-
+/// A map: its keys are checked as well as its values.
 impl ser::SerializeMap for Finite {
     type Ok = ();
     type Error = serde_json::Error;
@@ -225,36 +182,6 @@ impl ser::SerializeMap for Finite {
         key.serialize(Finite)
     }
     fn serialize_value<T: ?Sized + Serialize>(&mut self, value: &T) -> Result<(), Self::Error> {
-        value.serialize(Finite)
-    }
-    fn end(self) -> Result<(), Self::Error> {
-        Ok(())
-    }
-}
-
-impl ser::SerializeStruct for Finite {
-    type Ok = ();
-    type Error = serde_json::Error;
-    fn serialize_field<T: ?Sized + Serialize>(
-        &mut self,
-        _: &'static str,
-        value: &T,
-    ) -> Result<(), Self::Error> {
-        value.serialize(Finite)
-    }
-    fn end(self) -> Result<(), Self::Error> {
-        Ok(())
-    }
-}
-
-impl ser::SerializeStructVariant for Finite {
-    type Ok = ();
-    type Error = serde_json::Error;
-    fn serialize_field<T: ?Sized + Serialize>(
-        &mut self,
-        _: &'static str,
-        value: &T,
-    ) -> Result<(), Self::Error> {
         value.serialize(Finite)
     }
     fn end(self) -> Result<(), Self::Error> {
@@ -301,6 +228,41 @@ mod tests {
         ] {
             assert!(error.to_string().contains("no JSON form"), "{error}");
         }
+    }
+
+    #[test]
+    fn every_serde_shape_is_searched_for_non_finite_floats() {
+        #[derive(Serialize, Deserialize)]
+        struct Pair(u8, f64);
+        #[derive(Serialize, Deserialize)]
+        struct Wrapped(f32);
+        #[derive(Serialize, Deserialize)]
+        enum Shape {
+            Unit,
+            Newtype(f64),
+            Tuple(bool, f64),
+            Struct { name: String, value: f64 },
+        }
+        let nan = f64::NAN;
+        for error in [
+            round_trip(&(1_u8, 'c', nan)).unwrap_err(),
+            round_trip(&Pair(1, nan)).unwrap_err(),
+            round_trip(&Wrapped(f32::INFINITY)).unwrap_err(),
+            round_trip(&Shape::Newtype(nan)).unwrap_err(),
+            round_trip(&Shape::Tuple(true, nan)).unwrap_err(),
+            round_trip(&Shape::Struct {
+                name: "n".into(),
+                value: nan,
+            })
+            .unwrap_err(),
+        ] {
+            assert!(error.to_string().contains("no JSON form"), "{error}");
+        }
+        // The same shapes with finite floats (and every scalar) pass.
+        assert!(round_trip(&(1_u8, 'c', 2.5, "s".to_owned(), -3_i128, 3_u128, ())).is_ok());
+        assert!(round_trip(&Pair(1, 0.5)).is_ok());
+        assert!(round_trip(&vec![Shape::Unit, Shape::Newtype(1.0)]).is_ok());
+        assert!(round_trip(&Shape::Tuple(false, 1.0)).is_ok());
     }
 
     #[test]

@@ -44,7 +44,7 @@ impl DedupId {
 
     /// The content-based id of `body`: its SHA-256 in lowercase hex.
     pub fn content(body: &[u8]) -> Self {
-        DedupId(crate::hex::to_hex(&Sha256::digest(body)))
+        DedupId(hex::encode(Sha256::digest(body)))
     }
 
     /// The id.

@@ -58,7 +58,7 @@ impl Properties {
             {
                 problems.push(format!(
                     "{what} is not valid UTF-8 (hex {})",
-                    crate::hex::to_hex(bytes)
+                    hex::encode(bytes)
                 ));
             }
         };
@@ -85,7 +85,7 @@ pub(super) fn table_problems(table: &[(Vec<u8>, Value)], problems: &mut Vec<Stri
         if std::str::from_utf8(name).is_err() {
             problems.push(format!(
                 "a header name is not valid UTF-8 (hex {})",
-                crate::hex::to_hex(name)
+                hex::encode(name)
             ));
         }
         value_problems(value, problems);
