@@ -68,7 +68,7 @@ use crate::{Error, Result};
 /// # Shutdown
 /// When the [`ShutdownHandle`] fires (or a signal arrives), the runtime cancels
 /// its broker subscription, lets the handlers in flight finish (bounded by
-/// [`ConsumerBuilder::shutdown_timeout`]), commits and acks them, closes the
+/// [`ConsumerBuilder::shutdown_timeout`](super::ConsumerBuilder::shutdown_timeout)), commits and acks them, closes the
 /// channel and the connection, and returns `Ok`. Deliveries that had not
 /// started go back to the queue when the channel closes. Handlers still
 /// running at the timeout (or at [`ShutdownHandle::shutdown_now`], or at a

@@ -148,7 +148,7 @@ impl Drop for Publishing<'_> {
 ///   commits), and polls every 5 s as a fallback;
 /// - a refused (nacked) or unroutable message is retried with exponential
 ///   backoff (1 s doubling to 5 min, jittered), and after 10 attempts marked
-///   `failed` with its reason ([`outbox::failed`], [`outbox::retry_failed`]);
+///   `failed` with its reason ([`outbox::failed`](crate::outbox::failed), [`outbox::retry_failed`](crate::outbox::retry_failed));
 /// - published rows are deleted at once (see [`keep_published`](Self::keep_published));
 /// - takeover: a relay whose host vanished mid-batch loses its row locks after
 ///   15 s (`idle_in_transaction_session_timeout`); a killed relay's locks go at
@@ -203,7 +203,7 @@ impl Relay {
     /// at `amqp_url` (one URL, or comma-separated node URLs).
     ///
     /// # Errors
-    /// [`Error::Config`] when the URL does not parse.
+    /// [`Error::Config`](crate::Error::Config) when the URL does not parse.
     pub fn new(amqp_url: &str, pool: PgPool) -> Result<Self> {
         Ok(Self::with_broker(Broker::new(amqp_url)?, pool))
     }

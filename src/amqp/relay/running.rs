@@ -21,9 +21,9 @@ use crate::outbox::packed::Staged;
 use crate::{Error, Result};
 
 impl Relay {
-    /// Publishes until the [`ShutdownHandle`] fires. A graceful shutdown
+    /// Publishes until the [`ShutdownHandle`](crate::amqp::ShutdownHandle) fires. A graceful shutdown
     /// finishes the batch in flight and what is pending, then returns; a
-    /// [`shutdown_now`](ShutdownHandle::shutdown_now) drops the batch in
+    /// [`shutdown_now`](crate::amqp::ShutdownHandle::shutdown_now) drops the batch in
     /// flight (its transaction rolls back: those rows are published again
     /// later, with the same ids). Broker and database losses are retried,
     /// not returned.
