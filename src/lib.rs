@@ -97,6 +97,7 @@ mod migrate;
     allow(dead_code)
 )]
 mod random;
+mod redact;
 #[cfg(feature = "redis")]
 mod redis_connection;
 mod tx;
@@ -149,6 +150,7 @@ pub struct ReadmeDoctests;
 /// [`http`] layer, sent by the [`retry`] client.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 pub use migrate::{MIGRATIONS_TABLE, migrate, migrator};
+pub use redact::redact_url;
 #[cfg(all(feature = "redis", feature = "tls"))]
 #[cfg_attr(docsrs, doc(cfg(all(feature = "redis", feature = "tls"))))]
 pub use redis_connection::RedisTls;

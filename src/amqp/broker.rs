@@ -9,6 +9,7 @@ use lapin::tcp::OwnedTLSConfig;
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
 
+use crate::redact::redact_url;
 use crate::{Error, Result};
 
 /// How long a connection attempt to one node may take, by default.
@@ -52,7 +53,7 @@ pub struct Broker {
 impl fmt::Debug for Broker {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Addresses carry passwords: shown without them.
-        let addresses: Vec<String> = self.addresses.iter().map(|a| redacted(a)).collect();
+        let addresses: Vec<String> = self.addresses.iter().map(|a| redact_url(a)).collect();
         f.debug_struct("Broker")
             .field("addresses", &addresses)
             .field("shuffle", &self.shuffle)
@@ -62,43 +63,6 @@ impl fmt::Debug for Broker {
             .field("client_certificate", &self.identity.is_some())
             .finish()
     }
-}
-
-/// `url` as it may be printed: the password of its user info, and the value
-/// of every query parameter whose name contains `password` (PostgreSQL's
-/// `?password=`, `?sslpassword=`), replaced by `***`; the rest as written
-/// (user, host, port, vhost or database). A string that does not parse as a
-/// URL is not shown at all: it could hold a password anywhere.
-///
-/// One function for every URL idempo prints (broker addresses in `Debug`
-/// output, logs and errors; the operations' connection errors).
-pub(crate) fn redacted(url: &str) -> String {
-    const HIDDEN: &str = "***";
-    // Without `//` after the scheme, `user:password@host` would parse as a
-    // scheme and a path: refused too.
-    let Some(mut parsed) = url::Url::parse(url).ok().filter(|u| !u.cannot_be_a_base()) else {
-        return "<an address that does not parse>".into();
-    };
-    if parsed.password().is_some() {
-        // Only a URL without a host cannot take a password, and it has none.
-        let _ = parsed.set_password(Some(HIDDEN));
-    }
-    let secret = |name: &str| name.to_ascii_lowercase().contains("password");
-    if parsed.query_pairs().any(|(name, _)| secret(&name)) {
-        let pairs: Vec<(String, String)> = parsed
-            .query_pairs()
-            .map(|(name, value)| {
-                let value = if secret(&name) {
-                    HIDDEN.into()
-                } else {
-                    value.into_owned()
-                };
-                (name.into_owned(), value)
-            })
-            .collect();
-        parsed.query_pairs_mut().clear().extend_pairs(pairs);
-    }
-    parsed.into()
 }
 
 impl Broker {
@@ -135,7 +99,7 @@ impl Broker {
     /// [`Error::Config`] when it is not an AMQP URL.
     pub fn address(mut self, address: &str) -> Result<Self> {
         AMQPUri::from_str(address).map_err(|e| {
-            Error::Config(format!("{:?} is not an AMQP URL: {e}", redacted(address)))
+            Error::Config(format!("{:?} is not an AMQP URL: {e}", redact_url(address)))
         })?;
         self.addresses.push(address.to_owned());
         Ok(self)
@@ -212,7 +176,7 @@ impl Broker {
     pub(crate) fn uri(&self, index: usize) -> Result<AMQPUri> {
         let address = &self.addresses[index % self.addresses.len()];
         let mut uri = AMQPUri::from_str(address)
-            .map_err(|e| Error::Config(format!("{:?}: {e}", redacted(address))))?;
+            .map_err(|e| Error::Config(format!("{:?}: {e}", redact_url(address))))?;
         if let Some(heartbeat) = self.heartbeat {
             uri.query.heartbeat = Some(heartbeat.as_secs().clamp(1, u64::from(u16::MAX)) as u16);
         }
@@ -262,16 +226,16 @@ impl Broker {
             match outcome {
                 Ok(Ok(connection)) => return Ok((connection, index)),
                 Ok(Err(e)) => {
-                    tracing::warn!(node = %redacted(&self.addresses[index]), error = %e, "cannot connect to this node");
+                    tracing::warn!(node = %redact_url(&self.addresses[index]), error = %e, "cannot connect to this node");
                     if tls && crate::error::looks_like_tls_failure(&e.to_string()) {
-                        tls_failures.push(format!("{}: {e}", redacted(&self.addresses[index])));
+                        tls_failures.push(format!("{}: {e}", redact_url(&self.addresses[index])));
                     }
                     last_error = Some(Error::Amqp(e));
                 }
                 Err(_) => {
                     last_error = Some(Error::Config(format!(
                         "{} did not answer within {:?}",
-                        redacted(&self.addresses[index]),
+                        redact_url(&self.addresses[index]),
                         self.connection_timeout * 2
                     )));
                 }
@@ -322,33 +286,6 @@ mod tests {
         let shown = format!("{broker:?}");
         assert!(!shown.contains("secret"), "{shown}");
         assert!(shown.contains("rabbit:5672"), "{shown}");
-    }
-
-    #[test]
-    fn passwords_are_replaced_and_the_rest_is_kept() {
-        assert_eq!(
-            redacted("amqp://guest:secret@host:5672/%2f"),
-            "amqp://guest:***@host:5672/%2f"
-        );
-        assert_eq!(
-            redacted("postgres://postgres@h/db"),
-            "postgres://postgres@h/db"
-        );
-        assert_eq!(redacted("amqps://rabbit:5671"), "amqps://rabbit:5671");
-        let query = redacted("postgres://u@h/db?sslmode=require&password=secret&SSLPassword=x");
-        assert!(
-            !query.contains("secret") && !query.contains("=x"),
-            "{query}"
-        );
-        assert!(query.contains("sslmode=require"), "{query}");
-        // Not a URL: nothing of it is shown, since a password could be anywhere.
-        let shown = redacted("guest:secret@host");
-        assert!(!shown.contains("secret"), "{shown}");
-        assert_eq!(
-            redacted("host=h password=secret"),
-            "<an address that does not parse>"
-        );
-        assert_eq!(redacted("postgres:///db"), "postgres:///db");
     }
 
     #[test]

@@ -81,8 +81,6 @@ mod watched;
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
 pub mod window;
 
-#[cfg(feature = "ops")]
-pub(crate) use broker::redacted;
 pub use broker::{Broker, DEFAULT_CONNECTION_TIMEOUT};
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;

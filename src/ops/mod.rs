@@ -51,7 +51,8 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::OnceCell;
 
-use crate::amqp::{Broker, redacted};
+use crate::amqp::Broker;
+use crate::redact_url as redacted;
 
 pub use error::{OpsError, Result};
 pub use status::{
