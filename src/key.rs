@@ -23,7 +23,8 @@ pub enum KeyError {
         /// The key's length.
         len: usize,
     },
-    /// A character outside visible ASCII (`!` to `~`); spaces included.
+    /// A character outside visible ASCII (`!` to `~`), or, in a quoted key,
+    /// outside printable ASCII (space to `~`).
     #[error("the Idempotency-Key has a character outside visible ASCII at position {position}")]
     InvalidCharacter {
         /// Zero-based position in the (unquoted) key.
@@ -37,15 +38,17 @@ pub enum KeyError {
     Repeated,
 }
 
-/// The key one header value names: 1 to [`MAX_KEY_LEN`] characters of
-/// visible ASCII, as a plain token (`8e03978e-40d5`) or the structured-field
-/// string of the IETF draft (`"8e03978e-40d5"`, with `\"` and `\\` escapes;
-/// the quotes are not part of the key).
+/// The key one header value names: 1 to [`MAX_KEY_LEN`] characters, as a
+/// plain token of visible ASCII (`8e03978e-40d5`) or the structured-field
+/// string of the IETF draft (`"8e03978e-40d5"`, `"order 42"`: printable ASCII,
+/// spaces included, as RFC 8941 allows, with `\"` and `\\` escapes; the
+/// quotes are not part of the key). Control characters are refused in both.
 pub(crate) fn parse(value: &[u8]) -> Result<String, KeyError> {
-    let key = match value {
-        [b'"', inner @ .., b'"'] => unquote(inner)?,
+    let (key, allowed): (Vec<u8>, fn(&u8) -> bool) = match value {
+        [b'"', inner @ .., b'"'] => (unquote(inner)?, |b| (b' '..=b'~').contains(b)),
         [b'"', ..] => return Err(KeyError::Unterminated),
-        plain => plain.to_vec(),
+        // A plain token has no blanks: HTTP strips them at its ends.
+        plain => (plain.to_vec(), u8::is_ascii_graphic),
     };
     if key.is_empty() {
         return Err(KeyError::Empty);
@@ -53,10 +56,10 @@ pub(crate) fn parse(value: &[u8]) -> Result<String, KeyError> {
     if key.len() > MAX_KEY_LEN {
         return Err(KeyError::TooLong { len: key.len() });
     }
-    if let Some(position) = key.iter().position(|b| !b.is_ascii_graphic()) {
+    if let Some(position) = key.iter().position(|b| !allowed(b)) {
         return Err(KeyError::InvalidCharacter { position });
     }
-    // Visible ASCII is valid UTF-8.
+    // Printable ASCII is valid UTF-8.
     Ok(String::from_utf8(key).expect("checked ASCII"))
 }
 

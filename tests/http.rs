@@ -435,6 +435,20 @@ async fn malformed_and_missing_keys_are_400<St: TestStore>() {
         .post(Some(&long[..255]), "alice", payment("acc-1", 5), &[])
         .await;
     assert_eq!(max.status, 201, "255 characters are allowed");
+    // A quoted key may hold spaces (an RFC 8941 string), not control
+    // characters; its copy with the same spaces is the same key.
+    let spaced = app
+        .post(Some(b"\"order 42\""), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(spaced.status, 201, "{spaced:?}");
+    let again = app
+        .post(Some(b"\"order 42\""), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert!(again.replayed(), "{again:?}");
+    let tab = app
+        .post(Some(b"\"order\t42\""), "alice", payment("acc-1", 5), &[])
+        .await;
+    assert_eq!(tab.status, 400, "a tab in a quoted key: {tab:?}");
     let missing = app.post(None, "alice", payment("acc-1", 5), &[]).await;
     assert_eq!(missing.status, 400);
     assert_eq!(missing.problem(), "missing-key");
@@ -449,7 +463,7 @@ async fn malformed_and_missing_keys_are_400<St: TestStore>() {
         .await
         .unwrap();
     assert_eq!(twice.status(), 400);
-    assert_eq!(app.effects().await, 1);
+    assert_eq!(app.effects().await, 2);
 }
 
 async fn an_expired_record_counts_as_absent<St: TestStore>() {

@@ -111,6 +111,22 @@ mod tests {
             IdempotencyKey::parse(b"\"a\\nb\""),
             Err(KeyError::Unterminated)
         );
+        // Control characters stay refused in a quoted key.
+        assert_eq!(
+            IdempotencyKey::parse(b"\"a\tb\""),
+            Err(KeyError::InvalidCharacter { position: 1 })
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"\"a\x7fb\""),
+            Err(KeyError::InvalidCharacter { position: 1 })
+        );
+    }
+
+    #[test]
+    fn a_quoted_key_may_hold_spaces_as_rfc_8941_allows() {
+        let key = IdempotencyKey::parse(b"\"order 42 \\\"x\\\"\"").unwrap();
+        assert_eq!(key.as_str(), "order 42 \"x\"");
+        assert_eq!(IdempotencyKey::parse(b"\" \"").unwrap().as_str(), " ");
     }
 
     #[test]

@@ -233,8 +233,8 @@ impl RetryingClient {
     /// [`saga::idempotency_key`](crate#feature-flags)).
     ///
     /// The key must be what idempo's server accepts: 1 to 255 characters of
-    /// visible ASCII, plain or as a quoted string (`"k"`, which names the key
-    /// `k`); it is sent as given.
+    /// visible ASCII as a plain token, or a quoted string (`"k"`, which names
+    /// the key `k`; spaces allowed inside: `"order 42"`); it is sent as given.
     ///
     /// A request whose body cannot be cloned (a stream) is sent once.
     ///
