@@ -15,7 +15,19 @@
 //! - `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`):
 //!   the payments, and the keys with the `postgres` store
 //! - `REDIS_URL` (default `redis://127.0.0.1:6379`) for the `redis` store
+//! - `HTTP_HEADER_TIMEOUT_MS` (default 10000): how long a client has to send
+//!   a request's headers, and how long a kept-alive connection may sit idle
+//!   before the next request; slower ones are closed (slowloris)
+//! - `HTTP_MAX_CONNECTIONS` (default 512): connections served at once; past
+//!   it, new ones wait in the listen backlog until one closes, so a flood of
+//!   connections cannot use up the process's file descriptors
+//! - `PAYMENTS_MIGRATE` (default 1): 0 only checks that the tables are there,
+//!   for a role without `CREATE`
 //!
+//! Those connection limits are the server's job, not the idempotency layer's:
+//! the layer bounds what it buffers per request (body size, body timeout) and
+//! the store calls; a server in front of it must bound connections and header
+//! reads (this example's `serve`, or your reverse proxy).
 //! With `postgres`, the insert and the stored response commit in one
 //! transaction (the handler takes a `Tx`). Runs until SIGTERM or SIGINT,
 //! then stops accepting, and waits (up to 30 s) for the handlers still
@@ -25,15 +37,21 @@
 #[path = "common/http_payments.rs"]
 mod http_payments;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use axum::Router;
 use axum::routing::post;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use idempo::http::{
     IdempotencyLayer, IdempotencyStore, InFlight, MemoryStore, PostgresStore, RedisStore,
 };
 use sqlx::PgPool;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 fn env_or(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
@@ -55,6 +73,84 @@ fn app<St: IdempotencyStore + Clone>(pool: PgPool, store: St) -> (Router, InFlig
     (router, in_flight)
 }
 
+/// What one client may hold of the server.
+struct Limits {
+    header_timeout: Duration,
+    max_connections: usize,
+}
+
+/// `axum::serve` with the protections a public HTTP/1 server needs (axum's
+/// own `serve` has no knob for them; this follows axum's
+/// `serve-with-hyper` example): a bound on connections, and a timeout on
+/// reading each request's headers that also closes kept-alive connections
+/// idle that long. On `stop`, stops accepting and lets each connection
+/// finish the request in flight.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    limits: Limits,
+    stop: CancellationToken,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let connections = TaskTracker::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    let mut full = false;
+    loop {
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => {
+                full = false;
+                slot
+            }
+            Err(_) => {
+                // Once per episode, not once per waiting connection.
+                if !std::mem::replace(&mut full, true) {
+                    tracing::warn!(
+                        max = limits.max_connections,
+                        "connection limit reached; new connections wait"
+                    );
+                }
+                tokio::select! {
+                    slot = slots.clone().acquire_owned() => slot.expect("never closed"),
+                    () = stop.cancelled() => break,
+                }
+            }
+        };
+        let (socket, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of descriptors, say: pause instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = stop.cancelled() => break,
+        };
+        let connection =
+            http.serve_connection(TokioIo::new(socket), TowerToHyperService::new(app.clone()));
+        let stop = stop.clone();
+        connections.spawn(async move {
+            let _slot = slot;
+            let mut connection = std::pin::pin!(connection);
+            let served = tokio::select! {
+                served = connection.as_mut() => served,
+                () = stop.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(e) = served {
+                tracing::debug!(%peer, error = %e, "connection closed");
+            }
+        });
+    }
+    connections.close();
+    connections.wait().await;
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -68,11 +164,26 @@ async fn main() -> anyhow::Result<()> {
         "DATABASE_URL",
         "postgres://postgres@127.0.0.1:5432/postgres",
     );
-    let pool = PgPool::connect(&database_url)
-        .await
-        .with_context(|| format!("connect to PostgreSQL at {database_url}"))?;
-    idempo::migrate(&pool).await.context("idempo migrations")?;
-    http_payments::create_table(&pool).await?;
+    let pool = PgPool::connect(&database_url).await.with_context(|| {
+        format!(
+            "connect to PostgreSQL at {}",
+            idempo::redact_url(&database_url)
+        )
+    })?;
+    // Least privilege: with PAYMENTS_MIGRATE=0 nothing here needs CREATE.
+    match env_or("PAYMENTS_MIGRATE", "1").as_str() {
+        "1" => {
+            idempo::migrate(&pool).await.context("idempo migrations")?;
+            http_payments::create_table(&pool).await?;
+        }
+        "0" => {
+            idempo::check_migrations(&pool).await?;
+            http_payments::check_table(&pool).await?;
+        }
+        other => anyhow::bail!(
+            "PAYMENTS_MIGRATE={other:?} is invalid: 1 migrates at start, 0 only checks"
+        ),
+    }
 
     let kind = env_or("IDEMPOTENCY_STORE", "postgres");
     let (app, in_flight) = match kind.as_str() {
@@ -81,7 +192,7 @@ async fn main() -> anyhow::Result<()> {
             let url = env_or("REDIS_URL", "redis://127.0.0.1:6379");
             let store = RedisStore::connect(&url)
                 .await
-                .with_context(|| format!("connect to Redis at {url}"))?;
+                .with_context(|| format!("connect to Redis at {}", idempo::redact_url(&url)))?;
             app(pool, store)
         }
         "memory" => app(pool, MemoryStore::new()),
@@ -94,18 +205,29 @@ async fn main() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("bind {addr}"))?;
     tracing::info!(addr = %listener.local_addr()?, store = %kind, "http_payments listening");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("SIGTERM handler");
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            tracing::info!("shutting down");
-        })
-        .await?;
+    let limits = Limits {
+        header_timeout: Duration::from_millis(
+            env_or("HTTP_HEADER_TIMEOUT_MS", "10000")
+                .parse()
+                .context("HTTP_HEADER_TIMEOUT_MS must be a number of milliseconds")?,
+        ),
+        max_connections: env_or("HTTP_MAX_CONNECTIONS", "512")
+            .parse()
+            .context("HTTP_MAX_CONNECTIONS must be a number")?,
+    };
+    let stop = CancellationToken::new();
+    let signalled = stop.clone();
+    tokio::spawn(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down");
+        signalled.cancel();
+    });
+    serve(listener, app, limits, stop).await;
     // Handlers of clients that disconnected are not tied to a connection:
     // let them finish and store (or release) their keys.
     let running = in_flight.len();

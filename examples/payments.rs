@@ -14,8 +14,12 @@
 //! - `PAYMENTS_QUEUE` (default `payments`; dead letters go to `$PAYMENTS_QUEUE.dlq`)
 //! - `PAYMENTS_FAIL_RATE` (default 0): probability of a transient error after
 //!   the handler wrote its rows, to watch the rollback and the retry
-//! - `PAYMENTS_CONCURRENCY` (default 16), `PAYMENTS_PREFETCH` (default 100,
-//!   or three times the batch size)
+//! - `PAYMENTS_CONCURRENCY` (default 16, at most 65535), `PAYMENTS_PREFETCH`
+//!   (default 100, or three times the batch size)
+//! - `PAYMENTS_MIGRATE` (default 1): 1 applies idempo's migrations and creates
+//!   the example's tables at start (DDL only when something is missing); 0
+//!   only checks that they are there and refuses to start otherwise, for a
+//!   role without `CREATE`
 //! - `PAYMENTS_BATCH` (default 0): 0 processes one message per transaction;
 //!   N > 0 turns on batch mode with batches of up to N and a batch handler
 //!   that writes with one bulk insert and one grouped balance upsert
@@ -40,19 +44,9 @@ mod payments;
 use std::time::Duration;
 
 use anyhow::Context;
+use idempo::Schema;
 use idempo::amqp::{Consumer, RedeliveryPolicy};
 use sqlx::postgres::PgPoolOptions;
-
-/// `url` with its password (if any) replaced, for error messages.
-fn without_password(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut parsed) if parsed.password().is_some() => {
-            let _ = parsed.set_password(Some("***"));
-            parsed.to_string()
-        }
-        _ => url.to_owned(),
-    }
-}
 
 fn env_or(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
@@ -72,20 +66,8 @@ where
 
 /// `250ms`, `5s`, `2m`, `1h`.
 fn parse_delay(text: &str) -> anyhow::Result<Duration> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .with_context(|| format!("delay {text:?} has no unit (ms, s, m, h)"))?;
-    let (number, unit) = text.split_at(split);
-    let n: u64 = number
-        .parse()
-        .with_context(|| format!("delay {text:?} does not start with a number"))?;
-    Ok(match unit {
-        "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        "m" => Duration::from_secs(n * 60),
-        "h" => Duration::from_secs(n * 3600),
-        _ => anyhow::bail!("delay {text:?}: unknown unit {unit:?} (ms, s, m, h)"),
+    humantime::parse_duration(text.trim()).with_context(|| {
+        format!("PAYMENTS_RETRY_DELAYS: {text:?} is not a delay such as 250ms, 5s, 2m")
     })
 }
 
@@ -116,7 +98,16 @@ async fn main() -> anyhow::Result<()> {
         fail_rate,
         forward_to: forward_to.as_deref().map(Into::into),
     };
-    let concurrency: usize = env_parse("PAYMENTS_CONCURRENCY", 16)?;
+    // The broker's prefetch is 16 bits, and it bounds the handlers at work.
+    let concurrency: u16 = env_parse("PAYMENTS_CONCURRENCY", 16)?;
+    anyhow::ensure!(concurrency > 0, "PAYMENTS_CONCURRENCY must be at least 1");
+    let migrate = match env_or("PAYMENTS_MIGRATE", "1").as_str() {
+        "1" => true,
+        "0" => false,
+        other => anyhow::bail!(
+            "PAYMENTS_MIGRATE={other:?} is invalid: 1 migrates at start, 0 only checks the schema"
+        ),
+    };
     let batch: usize = env_parse("PAYMENTS_BATCH", 0)?;
     let prefetch: u16 = env_parse("PAYMENTS_PREFETCH", (batch * 3).clamp(100, 65_535) as u16)?;
     let retry = match std::env::var("PAYMENTS_RETRY_DELAYS") {
@@ -141,23 +132,30 @@ async fn main() -> anyhow::Result<()> {
     }
 
     let pool = PgPoolOptions::new()
-        .max_connections(concurrency as u32 + 2)
+        .max_connections(u32::from(concurrency) + 2)
         .acquire_timeout(Duration::from_secs(10))
         .connect(&database_url)
         .await
         .with_context(|| {
             format!(
                 "cannot connect to PostgreSQL at {}",
-                without_password(&database_url)
+                idempo::redact_url(&database_url)
             )
         })?;
-    idempo::migrate(&pool).await?;
-    payments::create_tables(&pool).await?;
+    // Least privilege: with PAYMENTS_MIGRATE=0 nothing here needs CREATE.
+    let schema = if migrate {
+        payments::create_tables(&pool).await?;
+        Schema::Migrate
+    } else {
+        payments::check_tables(&pool).await?;
+        Schema::Check
+    };
 
     let mut consumer = Consumer::builder(amqp_url, pool)
         .queue(queue)
-        .prefetch(prefetch.max(concurrency as u16))
-        .concurrency(concurrency)
+        .prefetch(prefetch.max(concurrency))
+        .concurrency(usize::from(concurrency))
+        .schema(schema)
         .retry(retry);
     if let Some(to) = &forward_to {
         tracing::info!(queue = %to, "forwarding applied payments through the outbox");

@@ -106,6 +106,17 @@ pub enum Error {
         reason: String,
     },
 
+    /// Some of idempo's migrations are not applied to the database, and this
+    /// process was told not to apply them (`Schema::Check`).
+    #[error(
+        "idempo's schema is behind: migration(s) {missing:?} not applied; run `idempo migrate` \
+         (or `idempo::migrate`) as a role that may create tables"
+    )]
+    SchemaBehind {
+        /// The versions that are missing.
+        missing: Vec<i64>,
+    },
+
     /// A builder was given an impossible configuration.
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -149,7 +149,7 @@ pub struct ReadmeDoctests;
 /// The request header that carries an idempotency key: read by the
 /// [`http`] layer, sent by the [`retry`] client.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
-pub use migrate::{MIGRATIONS_TABLE, migrate, migrator};
+pub use migrate::{MIGRATIONS_TABLE, Schema, check_migrations, migrate, migrator};
 pub use redact::redact_url;
 #[cfg(all(feature = "redis", feature = "tls"))]
 #[cfg_attr(docsrs, doc(cfg(all(feature = "redis", feature = "tls"))))]

@@ -45,15 +45,76 @@ pub fn migrator() -> Migrator {
 /// # Errors
 /// [`Error::Migrate`](crate::error::Error::Migrate) when the database is unreachable
 /// or a migration fails.
+///
+/// When every migration is already applied it runs no DDL at all, so a role
+/// without `CREATE` (least privilege, the usual production setup) can call
+/// it at every start once someone with the right to has migrated.
 pub async fn migrate(pool: &PgPool) -> Result<()> {
+    match check_migrations(pool).await {
+        Ok(()) => return Ok(()),
+        // Unreachable: say so, rather than what the migrator makes of it.
+        Err(e) if e.is_connection_error() => return Err(e),
+        Err(_) => {}
+    }
     migrator().run(pool).await?;
     Ok(())
+}
+
+/// Checks, without any DDL, that every one of idempo's migrations is applied
+/// to the database behind `pool`: what a process without the right to
+/// migrate does at start (see [`Schema::Check`]).
+///
+/// # Errors
+/// [`Error::SchemaBehind`](crate::error::Error::SchemaBehind) naming the
+/// versions that are missing (all of them when [`MIGRATIONS_TABLE`] does not
+/// exist); [`Error::Database`](crate::error::Error::Database) when the check
+/// itself fails.
+pub async fn check_migrations(pool: &PgPool) -> Result<()> {
+    let applied = applied_versions(pool).await?;
+    let missing: Vec<i64> = migrator()
+        .iter()
+        .map(|m| m.version)
+        .filter(|v| !applied.contains(v))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(crate::error::Error::SchemaBehind { missing })
+}
+
+/// What a [`Consumer`](crate::amqp::Consumer) does with idempo's schema when
+/// it starts (`ConsumerBuilder::schema`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Schema {
+    /// Nothing: the application migrates (with [`migrate`], the `idempo
+    /// migrate` command, or its own copy of the SQL). The default.
+    #[default]
+    Unchecked,
+    /// Apply the migrations ([`migrate`]; DDL only when some are missing).
+    Migrate,
+    /// Check that every migration is applied and refuse to start otherwise
+    /// ([`check_migrations`]): no DDL, so a role without `CREATE` can run.
+    Check,
+}
+
+impl Schema {
+    /// Does what this says on `pool`.
+    ///
+    /// # Errors
+    /// As [`migrate`] or [`check_migrations`].
+    pub async fn apply(self, pool: &PgPool) -> Result<()> {
+        match self {
+            Schema::Unchecked => Ok(()),
+            Schema::Migrate => migrate(pool).await,
+            Schema::Check => check_migrations(pool).await,
+        }
+    }
 }
 
 /// The versions of idempo's migrations that ran successfully in the
 /// database behind `pool`, in order (none when [`MIGRATIONS_TABLE`] does not
 /// exist yet).
-#[cfg(feature = "ops")]
 pub(crate) async fn applied_versions(pool: &PgPool) -> Result<Vec<i64>> {
     let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
         .bind(MIGRATIONS_TABLE)

@@ -2,10 +2,17 @@
 //! its passwords hidden.
 
 /// `url` as it may be printed: the password of its user info, and the value
-/// of every query parameter whose name contains `password` (PostgreSQL's
-/// `?password=`, `?sslpassword=`), replaced by `***`; the rest as written
-/// (user, host, port, vhost or database). A string that does not parse as a
-/// URL is not shown at all: it could hold a password anywhere.
+/// of every parameter whose name contains `password` (PostgreSQL's
+/// `?password=`, `?sslpassword=`, or `password=` in a libpq key/value string),
+/// replaced by `***`; the rest as written (user, host, port, vhost or
+/// database).
+///
+/// It reads the text rather than parsing a URL, because the passwords that
+/// leak are the ones a parser gets wrong: one holding an unencoded `/`, `?`,
+/// `#` or `@` (`postgres://app:se/cret@db/pay` parses as host `app`, port
+/// `se`). The user info is everything between `://` and the **last** `@`, so
+/// an address with an `@` in its query is hidden up to that `@`: more than
+/// needed, never less.
 ///
 /// One function for every URL idempo prints (broker addresses in `Debug`
 /// output, logs and errors; the operations' connection errors); use it for
@@ -16,34 +23,63 @@
 ///     idempo::redact_url("postgres://app:S3cret@db:5432/pay?sslpassword=x"),
 ///     "postgres://app:***@db:5432/pay?sslpassword=***"
 /// );
+/// assert_eq!(
+///     idempo::redact_url("postgres://app:se/cret@db/pay"),
+///     "postgres://app:***@db/pay"
+/// );
 /// ```
 pub fn redact_url(url: &str) -> String {
-    const HIDDEN: &str = "***";
-    // Without `//` after the scheme, `user:password@host` would parse as a
-    // scheme and a path: refused too.
-    let Some(mut parsed) = url::Url::parse(url).ok().filter(|u| !u.cannot_be_a_base()) else {
-        return "<an address that does not parse>".into();
+    let (scheme, rest) = match url.split_once("://") {
+        Some((scheme, rest)) => (Some(scheme), rest),
+        None => (None, url),
     };
-    if parsed.password().is_some() {
-        // Only a URL without a host cannot take a password, and it has none.
-        let _ = parsed.set_password(Some(HIDDEN));
+    let (userinfo, address) = match rest.rfind('@') {
+        Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
+        None => (None, rest),
+    };
+    let mut shown = String::with_capacity(url.len());
+    if let Some(scheme) = scheme {
+        shown.push_str(scheme);
+        shown.push_str("://");
     }
-    let secret = |name: &str| name.to_ascii_lowercase().contains("password");
-    if parsed.query_pairs().any(|(name, _)| secret(&name)) {
-        let pairs: Vec<(String, String)> = parsed
-            .query_pairs()
-            .map(|(name, value)| {
-                let value = if secret(&name) {
-                    HIDDEN.into()
-                } else {
-                    value.into_owned()
-                };
-                (name.into_owned(), value)
-            })
-            .collect();
-        parsed.query_pairs_mut().clear().extend_pairs(pairs);
+    if let Some(userinfo) = userinfo {
+        match userinfo.split_once(':') {
+            Some((user, _password)) => {
+                shown.push_str(user);
+                shown.push_str(":***");
+            }
+            None => shown.push_str(userinfo),
+        }
+        shown.push('@');
     }
-    parsed.into()
+    shown.push_str(&hide_password_parameters(address));
+    shown
+}
+
+/// `name=value` pieces (separated by `&`, `?`, `;` or blanks) whose name
+/// contains `password`, with the value hidden.
+fn hide_password_parameters(text: &str) -> String {
+    let mut shown = String::with_capacity(text.len());
+    let mut piece_start = 0;
+    let is_separator = |c: char| matches!(c, '&' | '?' | ';' | '#') || c.is_whitespace();
+    for (i, c) in text.char_indices().chain([(text.len(), ' ')]) {
+        if i < text.len() && !is_separator(c) {
+            continue;
+        }
+        let piece = &text[piece_start..i];
+        match piece.split_once('=') {
+            Some((name, _)) if name.to_ascii_lowercase().contains("password") => {
+                shown.push_str(name);
+                shown.push_str("=***");
+            }
+            _ => shown.push_str(piece),
+        }
+        if i < text.len() {
+            shown.push(c);
+        }
+        piece_start = i + c.len_utf8();
+    }
+    shown
 }
 
 #[cfg(test)]
@@ -71,9 +107,34 @@ mod tests {
         let shown = redact_url("guest:secret@host");
         assert!(!shown.contains("secret"), "{shown}");
         assert_eq!(
-            redact_url("host=h password=secret"),
-            "<an address that does not parse>"
+            redact_url("host=h password=secret port=1"),
+            "host=h password=*** port=1"
         );
         assert_eq!(redact_url("postgres:///db"), "postgres:///db");
+    }
+
+    #[test]
+    fn passwords_that_a_url_parser_misreads_are_hidden_too() {
+        for (url, password) in [
+            ("postgres://postgres:se/cret@127.0.0.1:5432/db", "se/cret"),
+            ("postgres://u:123/456@host/db", "123/456"),
+            ("amqp://u:pa?ss#w@rd@rabbit/%2f", "pa?ss#w@rd"),
+            ("redis://:S3cretPW@127.0.0.1:6379", "S3cretPW"),
+            ("postgres://u@h/db?password=QpW&sslmode=require", "QpW"),
+        ] {
+            let shown = redact_url(url);
+            assert!(!shown.contains(password), "{url} -> {shown}");
+            assert!(shown.contains("***"), "{url} -> {shown}");
+        }
+        assert_eq!(
+            redact_url("postgres://postgres:se/cret@127.0.0.1:5432/db"),
+            "postgres://postgres:***@127.0.0.1:5432/db"
+        );
+        assert_eq!(
+            redact_url("redis://:S3cretPW@h:6379"),
+            "redis://:***@h:6379"
+        );
+        // Written as the user wrote it: no normalisation.
+        assert_eq!(redact_url("amqp://rabbit"), "amqp://rabbit");
     }
 }

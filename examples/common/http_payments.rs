@@ -17,6 +17,19 @@ pub struct NewPayment {
     pub amount_cents: i64,
 }
 
+/// Checks that the table of [`create_table`] exists, without DDL (for a role
+/// that may not create tables).
+pub async fn check_table(pool: &PgPool) -> anyhow::Result<()> {
+    let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass('http_payments')::text")
+        .fetch_one(pool)
+        .await?;
+    anyhow::ensure!(
+        exists.is_some(),
+        "table \"http_payments\" does not exist: start once with PAYMENTS_MIGRATE=1 as a role that may create tables"
+    );
+    Ok(())
+}
+
 pub async fn create_table(pool: &PgPool) -> sqlx::Result<()> {
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS http_payments (

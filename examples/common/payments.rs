@@ -104,6 +104,22 @@ pub async fn create_tables(pool: &PgPool) -> sqlx::Result<()> {
     Ok(())
 }
 
+/// Checks that the tables of [`create_tables`] exist, without DDL (for a
+/// role that may not create tables).
+pub async fn check_tables(pool: &PgPool) -> anyhow::Result<()> {
+    for table in ["payments", "account_balances"] {
+        let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+            .bind(table)
+            .fetch_one(pool)
+            .await?;
+        anyhow::ensure!(
+            exists.is_some(),
+            "table {table:?} does not exist: start once with PAYMENTS_MIGRATE=1 as a role that may create tables"
+        );
+    }
+    Ok(())
+}
+
 /// Applies one payment in the claim's transaction: insert the payment row,
 /// then add the amount to the account's balance (a non-idempotent delta).
 ///

@@ -16,11 +16,12 @@ use super::health::Health;
 use super::message::FromMessage;
 use super::mode::{Batched, IntoDispatch, NoHandler, Parts, PerMessage};
 use super::outbox::Forwarding;
+use super::redelivery::delay_queue;
 use super::shutdown::ShutdownHandle;
 use super::stats::Stats;
-use super::topology::{QueueType, Topology, dead_letter_queue};
+use super::topology::{QueueType, Topology, check_name, dead_letter_queue};
 use super::{MessageIdSource, RedeliveryPolicy};
-use crate::{Error, Result};
+use crate::{Error, Result, Schema};
 
 /// Configures a [`Consumer`]. Created by [`Consumer::builder`].
 ///
@@ -74,6 +75,7 @@ pub(crate) struct Settings {
     wait_for_topology: bool,
     also_declare: Vec<String>,
     relay: bool,
+    schema: Schema,
 }
 
 /// How long a batch waits for more deliveries after its first one.
@@ -133,6 +135,7 @@ impl ConsumerBuilder<NoHandler> {
                 wait_for_topology: false,
                 also_declare: Vec::new(),
                 relay: cfg!(feature = "outbox"),
+                schema: Schema::default(),
             },
             mode: NoHandler(()),
         }
@@ -414,6 +417,18 @@ impl<Mode> ConsumerBuilder<Mode> {
         self
     }
 
+    /// What the consumer does with idempo's schema at start (default
+    /// [`Schema::Unchecked`]: the application migrates). [`Schema::Migrate`]
+    /// applies the migrations (DDL only when some are missing);
+    /// [`Schema::Check`] refuses to start with
+    /// [`Error::SchemaBehind`](crate::Error::SchemaBehind) when they are not
+    /// all applied, and runs no DDL, for a role without `CREATE`. While the
+    /// database is unreachable at start, the consumer waits for it.
+    pub fn schema(mut self, schema: Schema) -> Self {
+        self.settings.schema = schema;
+        self
+    }
+
     /// The connection name shown in RabbitMQ's management UI and `rabbitmqctl`
     /// (default: `idempo:<consumer>:<pid>`).
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
@@ -503,6 +518,25 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
     let dead_letter_queue = s
         .dead_letter_queue
         .unwrap_or_else(|| dead_letter_queue(&queue));
+    // Every name the runtime will send, derived ones included, fits AMQP.
+    check_name("queue", &queue)?;
+    check_name("dead-letter queue", &dead_letter_queue)?;
+    if s.declare {
+        for delay in s.redelivery.delays() {
+            check_name("delay queue", &delay_queue(&queue, *delay))?;
+        }
+    }
+    for other in &s.also_declare {
+        check_name("queue", other)?;
+        check_name(
+            "dead-letter queue",
+            &super::topology::dead_letter_queue(other),
+        )?;
+    }
+    for (exchange, routing_key) in &s.bindings {
+        check_name("exchange", exchange)?;
+        check_name("routing key", routing_key)?;
+    }
     let broker = match s.broker {
         Some(broker) => broker,
         None => Broker::new(&s.amqp_url)?,
@@ -553,6 +587,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
             connection_name,
             wait_for_topology: s.wait_for_topology,
             also_declare: s.also_declare,
+            schema: s.schema,
         },
         dispatch,
         forwarding,

@@ -9,6 +9,7 @@ use super::broker::Broker;
 use super::message_id::MessageIdSource;
 use super::redelivery::RedeliveryPolicy;
 use super::topology::Topology;
+use crate::Schema;
 
 /// RabbitMQ's default `consumer_timeout`: an unacked delivery older than this
 /// makes the broker close the channel, and the message is redelivered.
@@ -33,6 +34,8 @@ pub(crate) struct Config {
     pub(crate) wait_for_topology: bool,
     /// Queues declared like the work queue (for a consumer downstream).
     pub(crate) also_declare: Vec<String>,
+    /// What to do with idempo's schema at start.
+    pub(crate) schema: Schema,
 }
 
 impl Config {

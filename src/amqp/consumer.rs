@@ -189,6 +189,9 @@ impl Consumer {
         if let Some(refusal) = postgres_tls_refusal(&config.pool).await {
             return Err(refusal);
         }
+        if !schema_ready(&config, &shutdown).await? {
+            return Ok(());
+        }
         let reaper = config.retention.map(|retention| {
             tokio::spawn(retention::reap_periodically(
                 config.pool.clone(),
@@ -217,6 +220,27 @@ impl Consumer {
             reaper.abort();
         }
         result
+    }
+}
+
+/// Migrates or checks idempo's schema as configured; while the database is
+/// unreachable, waits for it (`false`: shutdown came first).
+async fn schema_ready(config: &Config, shutdown: &ShutdownHandle) -> Result<bool> {
+    let mut backoff =
+        crate::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+    loop {
+        match config.schema.apply(&config.pool).await {
+            Ok(()) => return Ok(true),
+            Err(e) if e.is_connection_error() => {
+                let pause = backoff.next_delay();
+                tracing::warn!(error = %e, ?pause, "cannot reach PostgreSQL to check idempo's schema; waiting");
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    () = shutdown.graceful_token().cancelled() => return Ok(false),
+                }
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 

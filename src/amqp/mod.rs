@@ -101,7 +101,7 @@ pub use redelivery::{RedeliveryPolicy, delay_queue};
 pub use relay::{Relay, RelayHealth, RelaySnapshot, RelayState};
 pub use shutdown::ShutdownHandle;
 pub use stats::{Stats, StatsSnapshot};
-pub use topology::{QueueType, dead_letter_queue};
+pub use topology::{MAX_NAME_LEN, QueueType, check_name, dead_letter_queue};
 pub use watched::Watched;
 
 pub use lapin;

@@ -44,6 +44,31 @@ pub fn dead_letter_queue(queue: &str) -> String {
     format!("{queue}.dlq")
 }
 
+/// The longest name AMQP carries (a queue, an exchange, a routing key): a
+/// short string of 255 bytes.
+pub const MAX_NAME_LEN: usize = 255;
+
+/// Checks that `name` (a `what`: "queue", "exchange", "routing key") fits an
+/// AMQP short string, so that an overlong name is refused up front with the
+/// name in the error, instead of failing deep in the client.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) naming the name and its length.
+pub fn check_name(what: &str, name: &str) -> Result<()> {
+    if name.len() <= MAX_NAME_LEN {
+        return Ok(());
+    }
+    let mut shown = MAX_NAME_LEN.min(60);
+    while !name.is_char_boundary(shown) {
+        shown -= 1;
+    }
+    Err(crate::Error::Config(format!(
+        "the {what} name {:?}… is {} bytes long; AMQP names hold at most {MAX_NAME_LEN} bytes",
+        &name[..shown],
+        name.len()
+    )))
+}
+
 /// What to declare, derived from the builder.
 #[derive(Debug, Clone)]
 pub(crate) struct Topology {

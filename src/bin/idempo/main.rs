@@ -104,7 +104,7 @@ fn main() -> ExitCode {
     match outcome {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("idempo: {e:#}");
+            eprintln!("idempo: {}", output::error_line(&e));
             ExitCode::FAILURE
         }
     }

@@ -277,3 +277,21 @@ impl Progress {
         }
     }
 }
+
+/// An error and its causes on one line, each cause once: a library error
+/// often shows its cause in its own message too (`database error: X`, then
+/// `X` as its source), which `{:#}` would print twice.
+pub(crate) fn error_line(error: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
