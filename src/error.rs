@@ -172,6 +172,30 @@ impl Error {
         }
     }
 
+    /// Whether the database cannot take this write *now*, for a reason that
+    /// is the server's and not the statement's: every
+    /// [connection error](Error::is_connection_error), and these SQLSTATEs
+    /// (whatever the severity):
+    ///
+    /// | SQLSTATE | meaning | what it looks like |
+    /// |---|---|---|
+    /// | `08xxx` but `08P01` | connection exception | a server gone, a refused or lost connection |
+    /// | `25006` | read-only SQL transaction | a demoted primary, a replica behind a failover address, `default_transaction_read_only` |
+    /// | `53xxx` | insufficient resources | disk full (53100), out of memory (53200), too many clients (53300), a configuration limit (53400) |
+    /// | `57P01`–`57P05` | operator intervention | admin or crash shutdown, cannot connect now, database dropped, idle session timeout |
+    /// | `58xxx` | system error | an I/O error (58030), a missing file (58P01) |
+    ///
+    /// A delivery of the AMQP consumer that meets one waits at the database
+    /// gate: no attempt is spent, nothing is dead-lettered; the HTTP layer
+    /// answers 503. Unlike a connection error, a statement refused this way
+    /// took no effect.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            Error::Database(e) => sqlx_unavailable(e),
+            _ => false,
+        }
+    }
+
     /// Whether a statement ran in a transaction that an earlier failed
     /// statement had aborted (SQLSTATE 25P02): nothing of that transaction
     /// can commit.
@@ -255,17 +279,33 @@ pub(crate) fn sqlx_connection_error(error: &sqlx::Error) -> bool {
     }
 }
 
-/// Whether an error of any type (a handler's) is, or wraps, a lost database
-/// connection ([`Error::is_connection_error`]).
+/// [`Error::is_unavailable`] for a bare sqlx error.
+pub(crate) fn sqlx_unavailable(error: &sqlx::Error) -> bool {
+    if sqlx_connection_error(error) {
+        return true;
+    }
+    let sqlx::Error::Database(db) = error else {
+        return false;
+    };
+    db.code().is_some_and(|code| {
+        code == "25006"
+            || code.starts_with("53")
+            || code.starts_with("58")
+            || matches!(&*code, "57P01" | "57P02" | "57P03" | "57P04" | "57P05")
+    })
+}
+
+/// Whether an error of any type (a handler's) is, or wraps, a database that
+/// cannot take writes now ([`Error::is_unavailable`]).
 #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-pub(crate) fn lost_connection(error: &(dyn StdError + 'static)) -> bool {
+pub(crate) fn database_unavailable(error: &(dyn StdError + 'static)) -> bool {
     let mut current = Some(error);
     while let Some(e) = current {
         if let Some(sqlx) = e.downcast_ref::<sqlx::Error>() {
-            return sqlx_connection_error(sqlx);
+            return sqlx_unavailable(sqlx);
         }
         if let Some(ours) = e.downcast_ref::<Error>() {
-            return ours.is_connection_error();
+            return ours.is_unavailable();
         }
         current = e.source();
     }

@@ -494,6 +494,124 @@ async fn a_database_in_maintenance_dead_letters_nothing() {
     }
 }
 
+/// A read-only database (a demoted primary, a replica behind a failover
+/// address) is an outage, not the messages' fault: the deliveries wait at the
+/// gate, spend no attempt, and are applied once the database takes writes
+/// again. The connections opened while it was read-only stay read-only: the
+/// gate's probe replaces them (no kick after the reopening).
+#[tokio::test]
+async fn a_read_only_database_holds_deliveries_and_dead_letters_nothing() {
+    for batch in [None, Some(10)] {
+        let iso = support::IsolatedDb::new().await;
+        let broker = Broker::connect().await;
+        let queue = unique("readonly");
+        broker.declare(&queue).await;
+        let base = Consumer::builder(support::amqp_url(), iso.db.pool.clone())
+            .queue(&queue)
+            // One attempt: a refusal taken for the message's failure would
+            // dead-letter it at once.
+            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1));
+        let consumer = match batch {
+            None => Running::start(base.handler(|tx, m| payments::handle(tx, m, 0.0))),
+            Some(size) => Running::start(
+                base.handler(|tx, m| payments::handle(tx, m, 0.0))
+                    .prefetch(30)
+                    .batch(size),
+            ),
+        };
+        broker.publish_payment(&queue, "pay-before", "ro", 1).await;
+        consumer.settled(1).await;
+        iso.admin("ALTER ROLE {name} SET default_transaction_read_only = on")
+            .await;
+        iso.kick().await;
+        for n in 0..10 {
+            broker
+                .publish_payment(&queue, &format!("pay-{n}"), "ro", 1)
+                .await;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(consumer.stats().dead_lettered, 0, "{batch:?}");
+        assert!(
+            consumer.stats().database_outages >= 1,
+            "{batch:?}: the gate closed: {:?}",
+            consumer.stats()
+        );
+        iso.admin("ALTER ROLE {name} RESET default_transaction_read_only")
+            .await;
+        let stats = consumer.finish(11).await;
+        assert_eq!(
+            (stats.processed, stats.dead_lettered, stats.retried),
+            (11, 0, 0),
+            "{batch:?}: {stats:?}"
+        );
+        assert!(stats.database_outages >= 1, "{stats:?}");
+        assert_eq!(broker.ready(&format!("{queue}.dlq")).await, 0);
+        assert_eq!(iso.db.balances().await["ro"], 11);
+        iso.drop().await;
+    }
+}
+
+/// Each line of `idempo::Error::is_unavailable`'s SQLSTATE table, raised by
+/// the server in the handler's transaction (the first two passes of each
+/// message): the delivery waits at the gate and is applied once, spending no
+/// attempt; with one attempt allowed, anything else would dead-letter it.
+#[tokio::test]
+async fn every_state_of_a_database_that_cannot_write_now_waits_at_the_gate() {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    const STATES: [&str; 15] = [
+        "08006", "25006", "53000", "53100", "53200", "53300", "53400", "57P01", "57P02", "57P03",
+        "57P04", "57P05", "58000", "58030", "58P01",
+    ];
+    for batch in [None, Some(5)] {
+        let (db, broker, queue) = support::setup().await;
+        for state in STATES {
+            broker
+                .publish_payment(&queue, &format!("state-{state}"), "st", 1)
+                .await;
+        }
+        let seen = Arc::new(Mutex::new(HashMap::<String, usize>::new()));
+        let handler = move |tx: idempo::Tx, message: idempo::amqp::Message| {
+            let seen = seen.clone();
+            async move {
+                let passes = {
+                    let mut seen = seen.lock().unwrap();
+                    let passes = seen.entry(message.id().to_owned()).or_default();
+                    *passes += 1;
+                    *passes
+                };
+                if passes <= 2 {
+                    let state = message.id().trim_start_matches("state-");
+                    let raise = format!(
+                        "DO $$ BEGIN RAISE EXCEPTION 'simulated' USING ERRCODE = '{state}'; END $$"
+                    );
+                    sqlx::query(sqlx::AssertSqlSafe(raise))
+                        .execute(&mut *tx.try_lock()?)
+                        .await?;
+                }
+                let payment: payments::Payment = message.json()?;
+                payments::apply(tx, message.id(), &payment, 0.0).await?;
+                Ok(())
+            }
+        };
+        let base = consumer_for(&db, &queue)
+            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1));
+        let consumer = match batch {
+            None => Running::start(base.handler(handler)),
+            Some(size) => Running::start(base.handler(handler).prefetch(20).batch(size)),
+        };
+        let stats = consumer.finish(STATES.len() as u64).await;
+        assert_eq!(
+            (stats.processed, stats.dead_lettered, stats.retried),
+            (STATES.len() as u64, 0, 0),
+            "{batch:?}: {stats:?}"
+        );
+        assert!(stats.database_outages >= 1, "{stats:?}");
+        assert_eq!(broker.ready(&format!("{queue}.dlq")).await, 0);
+        assert_eq!(db.balances().await["st"], STATES.len() as i64);
+    }
+}
+
 /// `?` on a database error that the same data will raise again (here a
 /// division by zero, 22012) dead-letters at once; a statement timeout
 /// (57014) is retried; the handler's explicit kind overrides the default.

@@ -17,9 +17,9 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use support::example::{
     Example, Load, POISON_EACH, assert_poison_dead_lettered, doubled_payments, metric,
-    publish_load, publish_poison, scrape, signal, spawn_example, wait_exit,
+    publish_load, publish_poison, scrape, signal, spawn_example_to, wait_exit,
 };
-use support::{Broker, Db, cluster, eventually, unique};
+use support::{Broker, Db, cluster, eventually, eventually_showing, unique};
 
 const WAIT: Duration = Duration::from_secs(180);
 
@@ -176,7 +176,13 @@ fn spawn_consumer(db_url: &str, queue: &str, first: usize) -> (Example, String) 
         let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         probe.local_addr().unwrap().to_string()
     };
-    let example = spawn_example(
+    // Each consumer's warnings go to a file of its own: when the test fails,
+    // they say which node each one was on and what it retried.
+    let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "cluster-{queue}-consumer-{first}-{}.log",
+        unique("run")
+    ));
+    let example = spawn_example_to(
         db_url,
         queue,
         &[
@@ -184,7 +190,9 @@ fn spawn_consumer(db_url: &str, queue: &str, first: usize) -> (Example, String) 
             ("PAYMENTS_FAIL_RATE", "0.1"),
             ("PAYMENTS_CONCURRENCY", "3"),
             ("METRICS_ADDR", &metrics),
+            ("RUST_LOG", "warn"),
         ],
+        std::fs::File::create(&log).expect("create the consumer's log"),
     );
     (example, metrics)
 }
@@ -277,10 +285,17 @@ async fn cluster_node_stops_and_kills_leave_every_payment_applied_exactly_once()
     let applied_ids = ids + POISON_EACH;
 
     let inspect = Broker::on_cluster_node(nodes.running()[0]).await;
-    eventually("every payment applied, every queue empty", WAIT, || async {
-        db.claims().await as usize == applied_ids
-            && inspect.ready(&queue).await == 0
-            && inspect.ready(&format!("{queue}.retry.50ms")).await == 0
+    eventually_showing("every payment applied, every queue empty", WAIT, || async {
+        let claims = db.claims().await as usize;
+        let ready = inspect.ready(&queue).await;
+        let retrying = inspect.ready(&format!("{queue}.retry.50ms")).await;
+        let done = claims == applied_ids && ready == 0 && retrying == 0;
+        let state = format!(
+            "{claims} of {applied_ids} claimed, {ready} ready, {retrying} in the delay queue; \
+             consumer logs in {}",
+            env!("CARGO_TARGET_TMPDIR")
+        );
+        (done, state)
     })
     .await;
     let dlq = format!("{queue}.dlq");

@@ -2,9 +2,11 @@
 //!
 //! An outage of the database is not a property of a message: it must not use
 //! up retry attempts, dead-letter anything, or spin through redeliveries. A
-//! delivery that meets a connection-level error rolls back, reports it here,
-//! waits until a probe (`SELECT 1`, with exponential backoff) succeeds, and
-//! then runs again from the claim. It is never acked in between.
+//! delivery that meets a database that cannot take writes
+//! ([`Error::is_unavailable`](crate::Error::is_unavailable): unreachable,
+//! read-only, out of disk, shutting down) rolls back, reports it here, waits
+//! until a probe *write* succeeds (with exponential backoff), and then runs
+//! again from the claim. It is never acked in between.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,15 +77,48 @@ impl DatabaseGate {
                 () = tokio::time::sleep(backoff.next_delay()) => {}
                 () = self.stop.cancelled() => return,
             }
-            match sqlx::query("SELECT 1").execute(&self.pool).await {
-                Ok(_) => {
-                    tracing::info!("database reachable again");
+            match probe_write(&self.pool).await {
+                Ok(()) => {
+                    tracing::info!("database takes writes again");
                     self.health.set_database(true, None);
                     self.available.send_replace(true);
                     return;
                 }
-                Err(e) => tracing::debug!(error = %e, "database still unreachable"),
+                Err(e) => tracing::debug!(error = %e, "database still cannot take writes"),
             }
         }
     }
+}
+
+/// Whether the database takes a write: a temporary table created and rolled
+/// back (`SELECT 1` answers on a read-only server too). A connection whose
+/// session is read-only (`default_transaction_read_only` set when it was
+/// opened, or a standby behind a failover address) stays so until it is
+/// closed: it is closed, and the next one from the pool is tried, so that
+/// the pool's connections follow the server back to writable.
+async fn probe_write(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let mut last = None;
+    for _ in 0..=pool.options().get_max_connections() {
+        let mut conn = pool.acquire().await?;
+        let written = async {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            sqlx::query("CREATE TEMPORARY TABLE idempo_gate_probe ()")
+                .execute(&mut *tx)
+                .await?;
+            tx.rollback().await
+        }
+        .await;
+        match written {
+            Ok(()) => return Ok(()),
+            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("25006") => {
+                conn.close_on_drop();
+                last = Some(sqlx::Error::Database(db));
+            }
+            // The server answers and refuses for another reason than an
+            // outage (a role without TEMPORARY): it takes statements.
+            Err(e) if !crate::error::sqlx_unavailable(&e) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.expect("the loop ran at least once"))
 }

@@ -149,7 +149,7 @@ impl ErrorKind {
     /// | `23xxx` | integrity constraint (unique, foreign key, check, not null) | permanent |
     /// | `42xxx` | syntax error or access rule (undefined table or column, permission) | permanent |
     /// | `40001`, `40P01`, `55P03`, `57014` | serialization failure, deadlock, lock not available, statement timeout | transient |
-    /// | connection errors ([`idempo::Error::is_connection_error`](crate::Error::is_connection_error)) | the database is down | transient (and the delivery waits at the gate) |
+    /// | connection errors, `25006`, `53xxx`, `57P01`–`57P05`, `58xxx` ([`idempo::Error::is_unavailable`](crate::Error::is_unavailable)) | the database cannot take writes now (down, read-only, out of disk) | the delivery waits at the database gate, spending no attempt |
     /// | anything else, and errors that are not database errors | | transient |
     pub fn of(error: &(dyn StdError + 'static)) -> ErrorKind {
         let mut current = Some(error);

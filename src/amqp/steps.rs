@@ -38,7 +38,7 @@ use super::outcome::{
 };
 use super::stats::{Counter, Stats};
 use crate::Error;
-use crate::error::lost_connection;
+use crate::error::database_unavailable;
 use crate::inbox::{self, Claim};
 
 /// The claim relies on READ COMMITTED (a duplicate's follow-up read must see
@@ -267,8 +267,11 @@ impl InboxSteps {
             HandlerRun::Done => Step::Commit(unit, tx, staging),
             HandlerRun::Failed(e) => {
                 rollback(tx).await;
-                if lost_connection(e.source()) {
-                    return Step::AwaitDatabase(unit, format!("handler lost its connection: {e}"));
+                if database_unavailable(e.source()) {
+                    return Step::AwaitDatabase(
+                        unit,
+                        format!("the database refused the handler: {e}"),
+                    );
                 }
                 Step::Failed(unit, handler_failed(e))
             }
@@ -304,6 +307,10 @@ impl InboxSteps {
                 // the redelivery) is either claimed as a duplicate or runs afresh.
                 self.stats.incr(Counter::CommitFailures);
                 Step::AwaitDatabase(unit, format!("commit outcome unknown: {e}"))
+            }
+            Err(e) if e.is_unavailable() => {
+                // Refused, so not committed (a read-only or full server).
+                Step::AwaitDatabase(unit, format!("commit refused: {e}"))
             }
             Err(Error::ClaimLost { .. }) => Step::Failed(
                 unit,
@@ -354,9 +361,10 @@ impl InboxSteps {
 /// What a unit's handler staged in the outbox, for its commit.
 type Staging = super::outbox::Unit;
 
-/// A connection error goes to the gate; anything else fails the unit.
+/// A database that cannot take writes now sends the unit to the gate;
+/// anything else fails it.
 fn database_error(unit: Unit, context: &str, e: Error) -> Step {
-    if e.is_connection_error() {
+    if e.is_unavailable() {
         Step::AwaitDatabase(unit, format!("{context}: {e}"))
     } else {
         Step::Failed(unit, retry(context, e))

@@ -173,12 +173,12 @@ impl Problem {
 /// `?` on idempo's (and, through it, sqlx's) errors in an axum handler: a
 /// problem answer that the idempotency layer never stores, so the key is
 /// released and a retry runs the request again. 503 when the database is
-/// unreachable (or out of connections), 500 otherwise; the error itself is
+/// unreachable, read-only or out of resources ([`Error::is_unavailable`](crate::Error::is_unavailable)), 500 otherwise; the error itself is
 /// logged, not sent.
 impl axum_core::response::IntoResponse for crate::Error {
     fn into_response(self) -> axum_core::response::Response {
         tracing::warn!(error = %self, "request failed");
-        if self.is_connection_error() || self.is_too_many_clients() {
+        if self.is_unavailable() {
             Problem::DatabaseUnavailable.into_response()
         } else {
             Problem::HandlerFailed.into_response()

@@ -422,11 +422,19 @@ impl Broker {
     }
 
     /// Messages ready in `queue` (not counting unacked ones).
+    ///
+    /// A quorum queue may not answer for a few seconds while a cluster node
+    /// stops (its leader moves): asked again for up to 15 s.
     pub async fn ready(&self, queue: &str) -> u32 {
-        self.inspect(queue)
-            .await
-            .unwrap_or_else(|| panic!("queue {queue} should exist"))
-            .message_count()
+        let mut last = None;
+        for _ in 0..30 {
+            match self.declare_passive(queue).await {
+                Ok(declared) => return declared.message_count(),
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        panic!("queue {queue} should exist: {}", last.unwrap())
     }
 
     /// Whether `queue` exists.
@@ -442,16 +450,19 @@ impl Broker {
     }
 
     async fn inspect(&self, queue: &str) -> Option<lapin::Queue> {
+        self.declare_passive(queue).await.ok()
+    }
+
+    async fn declare_passive(&self, queue: &str) -> lapin::Result<lapin::Queue> {
         // A passive declare of a missing queue closes its channel: use a throwaway one.
-        let channel = self.connection.create_channel().await.unwrap();
+        let channel = self.connection.create_channel().await?;
         let passive = QueueDeclareOptions {
             passive: true,
             ..Default::default()
         };
         let declared = channel
             .queue_declare(queue.into(), passive, FieldTable::default())
-            .await
-            .ok();
+            .await;
         let _ = channel.close(200, "".into()).await;
         declared
     }
@@ -536,6 +547,27 @@ pub async fn eventually_ready(broker: &Broker, queue: &str, n: u32) {
         || async { broker.ready(queue).await == n },
     )
     .await;
+}
+
+/// [`eventually`] for a condition that also describes what it saw: the last
+/// description is in the failure message.
+pub async fn eventually_showing<F, Fut>(what: &str, timeout: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = (bool, String)>,
+{
+    let start = Instant::now();
+    loop {
+        let (holds, seen) = condition().await;
+        if holds {
+            return;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for: {what}; last seen: {seen}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Polls `condition` every 50 ms until it holds or `timeout` passes.
