@@ -1456,3 +1456,126 @@ async fn a_graceful_shutdown_waits_for_a_disconnected_clients_handler_postgres()
 async fn a_graceful_shutdown_waits_for_a_disconnected_clients_handler_redis() {
     a_graceful_shutdown_waits_for_a_disconnected_clients_handler("redis").await
 }
+
+/// Slow clients against the `http_payments` example as a real process
+/// (issue: slowloris). A client that trickles its headers one line at a time,
+/// or sends nothing, is closed after `HTTP_HEADER_TIMEOUT_MS`; past
+/// `HTTP_MAX_CONNECTIONS` new connections wait instead of using up file
+/// descriptors; a real request made while 40 of them hang is answered.
+#[tokio::test]
+async fn the_example_server_closes_slow_clients_and_answers_real_requests() {
+    use std::time::Instant;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    let db = Db::new().await;
+    let addr = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap()
+    };
+    let mut server = std::process::Command::new(support::example_binary("http_payments"))
+        .env("DATABASE_URL", &db.url)
+        .env("IDEMPOTENCY_STORE", "memory")
+        .env("HTTP_ADDR", addr.to_string())
+        .env("HTTP_HEADER_TIMEOUT_MS", "500")
+        .env("HTTP_MAX_CONNECTIONS", "8")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start the http_payments example");
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _server = Kill(&mut server);
+    support::eventually("the example listens", Duration::from_secs(60), || async {
+        TcpStream::connect(addr).await.is_ok()
+    })
+    .await;
+
+    // Twenty that send nothing, twenty that trickle a header every 200 ms.
+    let mut silent = Vec::new();
+    for _ in 0..20 {
+        silent.push(TcpStream::connect(addr).await.unwrap());
+    }
+    let mut trickling = Vec::new();
+    for n in 0..20 {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        trickling.push(tokio::spawn(async move {
+            let started = Instant::now();
+            if stream
+                .write_all(b"POST /payments HTTP/1.1\r\n")
+                .await
+                .is_err()
+            {
+                return started.elapsed();
+            }
+            let mut buf = [0u8; 1024];
+            for line in 0.. {
+                let header = format!("X-Slow-{n}-{line}: a\r\n");
+                if stream.write_all(header.as_bytes()).await.is_err() {
+                    break;
+                }
+                match tokio::time::timeout(Duration::from_millis(200), stream.read(&mut buf)).await
+                {
+                    Ok(Ok(0) | Err(_)) => break,
+                    _ => {}
+                }
+                if started.elapsed() > Duration::from_secs(30) {
+                    break;
+                }
+            }
+            started.elapsed()
+        }));
+    }
+
+    // A real request while they hang: answered once slots free up.
+    let body = r#"{"account":"acc-slow","amount_cents":5}"#;
+    let request = format!(
+        "POST /payments HTTP/1.1\r\nHost: {addr}\r\nIdempotency-Key: slow-1\r\n\
+         X-User-Id: alice\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let answered = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await.unwrap();
+        answer
+    })
+    .await
+    .expect("a real request is answered while slow clients hang");
+    assert!(answer_status(&answered) == 201, "{answered}");
+
+    for (n, trickle) in trickling.into_iter().enumerate() {
+        let held = trickle.await.unwrap();
+        assert!(
+            held < Duration::from_secs(10),
+            "trickling client {n} was held {held:?}: the header-read timeout is 500 ms"
+        );
+    }
+    for (n, mut stream) in silent.into_iter().enumerate() {
+        let mut buf = [0u8; 64];
+        let closed = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf)).await;
+        assert!(closed.is_ok(), "silent client {n} is still open after 10 s");
+    }
+    assert_eq!(
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM http_payments")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap(),
+        1
+    );
+}
+
+fn answer_status(answer: &str) -> u16 {
+    answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0)
+}
