@@ -434,6 +434,35 @@ async fn bad_messages_are_refused_at_staging_with_a_clear_error() {
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
 }
 
+#[tokio::test]
+async fn headers_over_an_amqp_frame_are_refused_at_staging_with_a_typed_error() {
+    let db = Db::new().await;
+    let mut tx = db.pool.begin().await.unwrap();
+    // Each header is fine; together they do not fit in one frame.
+    let fat = (0..40).fold(OutboxMessage::new("", "q", b"x".to_vec()), |m, i| {
+        m.header(format!("x-part-{i}"), "h".repeat(4_000))
+    });
+    let e = outbox::stage(&mut tx, fat).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            OutboxError::HeadersTooLarge { size, limit: outbox::MAX_HEADER_FRAME } if size > 160_000
+        ),
+        "{e}"
+    );
+    assert!(e.is_permanent());
+    // Just under the frame, with the generated id and a trace context: staged.
+    let fits = OutboxMessage::new("", "q", b"x".to_vec()).header("x-big", "h".repeat(130_000));
+    outbox::with_traceparent(
+        Some(format!("00-{}-{}-01", "a".repeat(32), "b".repeat(16))),
+        async {
+            outbox::stage(&mut tx, fits).await.unwrap();
+        },
+    )
+    .await;
+    tx.rollback().await.unwrap();
+}
+
 /// A downstream idempo consumer of `queue` that applies payments.
 fn downstream(
     db: &Db,
