@@ -434,6 +434,35 @@ async fn bad_messages_are_refused_at_staging_with_a_clear_error() {
     assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
 }
 
+#[tokio::test]
+async fn headers_over_an_amqp_frame_are_refused_at_staging_with_a_typed_error() {
+    let db = Db::new().await;
+    let mut tx = db.pool.begin().await.unwrap();
+    // Each header is fine; together they do not fit in one frame.
+    let fat = (0..40).fold(OutboxMessage::new("", "q", b"x".to_vec()), |m, i| {
+        m.header(format!("x-part-{i}"), "h".repeat(4_000))
+    });
+    let e = outbox::stage(&mut tx, fat).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            OutboxError::HeadersTooLarge { size, limit: outbox::MAX_HEADER_FRAME } if size > 160_000
+        ),
+        "{e}"
+    );
+    assert!(e.is_permanent());
+    // Just under the frame, with the generated id and a trace context: staged.
+    let fits = OutboxMessage::new("", "q", b"x".to_vec()).header("x-big", "h".repeat(130_000));
+    outbox::with_traceparent(
+        Some(format!("00-{}-{}-01", "a".repeat(32), "b".repeat(16))),
+        async {
+            outbox::stage(&mut tx, fits).await.unwrap();
+        },
+    )
+    .await;
+    tx.rollback().await.unwrap();
+}
+
 /// A downstream idempo consumer of `queue` that applies payments.
 fn downstream(
     db: &Db,
@@ -1038,4 +1067,83 @@ async fn a_backlog_of_packed_rows_drains_without_waiting_for_the_poll() {
     );
     assert_eq!(arrived.len(), 1500, "each once");
     relay.stop().await;
+}
+
+/// A row as an older staging (or another writer) could leave it: headers
+/// larger than the broker's frame (128 KiB by default), which the broker
+/// answers by closing the whole connection (`FRAME_ERROR`).
+async fn insert_row_with_oversize_headers(pool: &PgPool, queue: &str, message_id: &str) {
+    sqlx::query(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, headers) \
+         VALUES ('', $1, $2, 'fat', jsonb_build_object('x-big', repeat('h', 200000)))",
+    )
+    .bind(queue)
+    .bind(message_id)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_row_for_a_missing_exchange_or_with_oversize_headers_does_not_hold_back_the_rest() {
+    let (db, broker, queue) = setup().await;
+    // A typo in an exchange name: the broker closes the channel (NOT_FOUND).
+    let mut tx = db.pool.begin().await.unwrap();
+    outbox::stage(
+        &mut tx,
+        OutboxMessage::new(unique("no-such-exchange"), "rk", b"typo".to_vec()).message_id("typo"),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    insert_row_with_oversize_headers(&db.pool, &queue, "fat").await;
+    // Behind them, in id order.
+    let good = stage_payments(&db.pool, &queue, 500, None).await;
+    let relay = relay(&db.pool).max_attempts(3);
+    let health = relay.health();
+    let started = std::time::Instant::now();
+    let running = Running::start(relay);
+    let arrived = collect_ids(&broker, &queue, 500).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the good rows waited {:?} behind the bad ones",
+        started.elapsed()
+    );
+    assert_eq!(
+        arrived.iter().collect::<HashSet<_>>(),
+        good.iter().collect::<HashSet<_>>(),
+        "every good row, and nothing else"
+    );
+    eventually("both bad rows are failed", SOON, || async {
+        outbox::status(&db.pool).await.unwrap().failed == 2
+    })
+    .await;
+    let failed = outbox::failed(&db.pool, 10).await.unwrap();
+    let typo = failed.iter().find(|f| f.message_id == "typo").unwrap();
+    let reason = typo.last_error.as_deref().unwrap_or("");
+    assert_eq!(typo.attempts, 3, "an attempt per refusal: {reason}");
+    assert!(reason.contains("NOT_FOUND"), "{reason}");
+    let fat = failed.iter().find(|f| f.message_id == "fat").unwrap();
+    let reason = fat.last_error.as_deref().unwrap_or("");
+    assert!(fat.attempts >= 1, "{reason}");
+    assert!(reason.contains("frame"), "{reason}");
+    assert_eq!(pending(&db.pool).await, 0);
+    assert_eq!(health.snapshot().failed, 2);
+    #[cfg(feature = "ops")]
+    {
+        use idempo::ops::{self, Services, StatusOptions, Warning};
+        let services = Services::with_pool(amqp_url(), db.pool.clone());
+        let status = ops::status(&services, &StatusOptions::default())
+            .await
+            .unwrap();
+        assert!(status.needs_attention(), "`idempo status` exits 2");
+        assert!(
+            status
+                .warnings
+                .contains(&Warning::OutboxFailed { failed: 2 }),
+            "{:?}",
+            status.warnings
+        );
+    }
+    running.stop().await;
 }

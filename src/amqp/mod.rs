@@ -54,6 +54,8 @@ mod database_gate;
 mod dead_letter;
 mod delivery;
 mod dispatch;
+#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+mod frame_size;
 mod handler;
 mod headers;
 mod health;

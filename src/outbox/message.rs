@@ -12,6 +12,16 @@ use crate::inbox::validate_message_id;
 /// handler, instead of at the relay.
 pub const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
 
+/// RabbitMQ's default `frame_max` (128 KiB): a message's properties and
+/// headers travel in one frame no larger than the connection's, and a
+/// broker that receives a larger one closes the whole connection
+/// (`FRAME_ERROR`). Staging refuses what would not fit in the default.
+pub const MAX_HEADER_FRAME: usize = 131_072;
+
+/// The content header frame's bytes besides the properties (type, channel,
+/// size, class, weight, body size, end marker) and the property flags.
+const HEADER_FRAME_FIXED: usize = 22;
+
 /// AMQP short strings (exchange, routing key, header names) hold at most 255 bytes.
 const MAX_SHORT_STRING: usize = 255;
 
@@ -120,6 +130,9 @@ impl OutboxMessage {
 
     /// An AMQP header: a string, an integer, a float, a bool, or JSON arrays
     /// and objects of those (sent as AMQP arrays and tables).
+    /// The properties and headers together must fit in one AMQP frame
+    /// ([`MAX_HEADER_FRAME`]): staging refuses more with
+    /// [`OutboxError::HeadersTooLarge`].
     pub fn header(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
         self.headers.insert(name.into(), value.into());
         self
@@ -186,12 +199,38 @@ impl OutboxMessage {
         serde_json::to_string(&self.headers).expect("a JSON map serialises")
     }
 
+    /// The bytes of the AMQP content header frame the relay sends for this
+    /// message: its properties and its headers as an AMQP table (the relay
+    /// maps JSON as `amqp::relay`'s `frame` does; a test there checks that
+    /// both agree).
+    pub(crate) fn header_frame_size(&self) -> usize {
+        let short = |s: Option<&str>| s.map_or(0, |s| 1 + s.len());
+        let headers = if self.headers.is_empty() {
+            0
+        } else {
+            table_size(&self.headers)
+        };
+        HEADER_FRAME_FIXED
+            + short(self.content_type.as_deref())
+            + headers
+            + 1 // delivery mode
+            + short(self.correlation_id.as_deref())
+            + short(self.message_id.as_deref())
+    }
+
     /// Everything a broker or PostgreSQL would refuse, as a clear error now.
     pub(crate) fn validate(&self) -> Result<(), OutboxError> {
         if self.body.len() > self.max_body_size {
             return Err(OutboxError::TooLarge {
                 size: self.body.len(),
                 limit: self.max_body_size,
+            });
+        }
+        let header_frame = self.header_frame_size();
+        if header_frame > MAX_HEADER_FRAME {
+            return Err(OutboxError::HeadersTooLarge {
+                size: header_frame,
+                limit: MAX_HEADER_FRAME,
             });
         }
         if let Some(id) = &self.message_id {
@@ -213,6 +252,27 @@ impl OutboxMessage {
             }
         }
         Ok(())
+    }
+}
+
+/// The encoded size of JSON headers as an AMQP field table.
+fn table_size(object: &Map<String, Value>) -> usize {
+    4 + object
+        .iter()
+        .map(|(name, value)| 1 + name.len() + value_size(value))
+        .sum::<usize>()
+}
+
+/// The encoded size of a JSON value as an AMQP field value (type byte
+/// included): null is void, numbers are 64-bit, strings are long strings.
+fn value_size(value: &Value) -> usize {
+    1 + match value {
+        Value::Null => 0,
+        Value::Bool(_) => 1,
+        Value::Number(_) => 8,
+        Value::String(s) => 4 + s.len(),
+        Value::Array(items) => 4 + items.iter().map(value_size).sum::<usize>(),
+        Value::Object(object) => table_size(object),
     }
 }
 
@@ -266,6 +326,11 @@ mod tests {
         );
         let nul = OutboxMessage::new("", "q", b"x".to_vec()).ordering_key("a\0b");
         assert!(nul.validate().unwrap_err().to_string().contains("NUL"));
+        let fat = OutboxMessage::new("", "q", b"x".to_vec()).header("x-big", "h".repeat(200_000));
+        assert!(matches!(
+            fat.validate(),
+            Err(OutboxError::HeadersTooLarge { limit: MAX_HEADER_FRAME, size }) if size > 200_000
+        ));
         let empty_id = OutboxMessage::new("", "q", b"x".to_vec()).message_id("");
         assert!(matches!(
             empty_id.validate(),

@@ -61,7 +61,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
-pub use message::{DEFAULT_MAX_BODY_SIZE, OutboxMessage, TRACEPARENT_HEADER};
+pub use message::{DEFAULT_MAX_BODY_SIZE, MAX_HEADER_FRAME, OutboxMessage, TRACEPARENT_HEADER};
 pub(crate) use stage::commit_unit;
 pub use stage::{StageTarget, stage, stage_all};
 pub(crate) use unit::UnitOutbox;
@@ -77,6 +77,18 @@ pub enum OutboxError {
     #[error("the message body is {size} bytes, above the limit of {limit} bytes")]
     TooLarge {
         /// The body's size.
+        size: usize,
+        /// The limit it broke.
+        limit: usize,
+    },
+    /// The message's properties and headers are larger than one AMQP frame
+    /// of RabbitMQ's default size ([`MAX_HEADER_FRAME`]): the broker would
+    /// close the relay's connection over it.
+    #[error(
+        "the message's properties and headers take {size} bytes, above the {limit} bytes of an AMQP frame"
+    )]
+    HeadersTooLarge {
+        /// The content header frame's size.
         size: usize,
         /// The limit it broke.
         limit: usize,

@@ -101,7 +101,6 @@ pub async fn stage_all(
     }
     let traceparent = current_traceparent();
     for m in &mut messages {
-        m.validate()?;
         if m.message_id.is_none() {
             m.message_id = Some(crate::random::uuid_v7());
         }
@@ -110,6 +109,8 @@ pub async fn stage_all(
                 .entry(TRACEPARENT_HEADER)
                 .or_insert_with(|| tp.clone().into());
         }
+        // With its id and trace context: the header frame as it will go out.
+        m.validate()?;
     }
     let (conn, unit) = conn.target();
     // On a consumer unit's guard, unkeyed messages wait for the commit's

@@ -79,6 +79,42 @@ mod tests {
         assert_eq!(broker_size_limit("NOT_FOUND - no exchange"), None);
     }
 
+    /// Staging refuses what would not fit in a frame by its own count of the
+    /// bytes: it must be the client's.
+    #[test]
+    fn staging_counts_the_header_frame_as_the_client_encodes_it() {
+        use crate::amqp::frame_size::header_frame_size;
+        use crate::outbox::OutboxMessage;
+        let staged = |m: &OutboxMessage| Staged {
+            exchange: m.exchange.clone(),
+            routing_key: m.routing_key.clone(),
+            message_id: m.message_id.clone().unwrap(),
+            content_type: m.content_type.clone(),
+            correlation_id: m.correlation_id.clone(),
+            persistent: m.persistent,
+            headers: m.headers_text(),
+            body: m.body.clone(),
+        };
+        let bare = OutboxMessage::new("", "q", b"x".to_vec())
+            .message_id("id-1")
+            .transient();
+        let full = OutboxMessage::new("ex", "rk", b"body".to_vec())
+            .message_id("id-2")
+            .content_type("application/json")
+            .correlation_id("corr")
+            .header("s", "x".repeat(300))
+            .header("i", 3)
+            .header("f", 1.5)
+            .header("b", true)
+            .header("n", serde_json::Value::Null)
+            .header("a", serde_json::json!([1, "two", [3.5, null]]))
+            .header("o", serde_json::json!({"k": {"v": "w"}, "e": {}}));
+        for m in [bare, full] {
+            let sent = header_frame_size(&frame(&staged(&m)).properties);
+            assert_eq!(m.header_frame_size(), sent, "{m:?}");
+        }
+    }
+
     #[test]
     fn json_headers_become_amqp_values() {
         let headers =

@@ -17,6 +17,7 @@
 //! with the same ids. `idle_in_transaction_session_timeout` bounds how long a
 //! relay whose host vanished keeps its locks.
 
+mod broker_link;
 mod frame;
 mod running;
 
@@ -47,6 +48,10 @@ pub enum RelayState {
     Connecting,
     /// Publishing (or waiting for `NOTIFY`).
     Running,
+    /// Connected, but the broker blocks publishing (`connection.blocked`: a
+    /// memory or disk alarm): rows wait, nothing is retried or failed
+    /// ([`RelaySnapshot::broker_blocked`] says why).
+    Blocked,
     /// The broker connection was lost; waiting before reconnecting.
     Reconnecting,
     /// `run` returned.
@@ -67,6 +72,10 @@ pub struct RelaySnapshot {
     pub outbox: OutboxStatus,
     /// The last error the relay met, if any.
     pub last_error: Option<String>,
+    /// The broker's reason while it blocks the relay's connection
+    /// (`connection.blocked`, e.g. `"low on memory"`); also the gauge
+    /// `idempo_broker_blocked` (1 while blocked).
+    pub broker_blocked: Option<String>,
 }
 
 /// Live health of a [`Relay`]: [`snapshot`](Watched::snapshot) and
@@ -80,6 +89,7 @@ fn relay_health(state: RelayState) -> RelayHealth {
         failed: 0,
         outbox: OutboxStatus::default(),
         last_error: None,
+        broker_blocked: None,
     })
 }
 
@@ -149,6 +159,17 @@ impl Drop for Publishing<'_> {
 /// - a refused (nacked) or unroutable message is retried with exponential
 ///   backoff (1 s doubling to 5 min, jittered), and after 10 attempts marked
 ///   `failed` with its reason ([`outbox::failed`](crate::outbox::failed), [`outbox::retry_failed`](crate::outbox::retry_failed));
+/// - a message over which the broker closes the channel (`NOT_FOUND`: a
+///   missing exchange; `PRECONDITION_FAILED`) is refused the same way: the
+///   batch's unanswered messages are published again one at a time, on a
+///   new channel after each close, so the refusal is that message's attempt
+///   and the others go out; one whose properties and headers do not fit in
+///   the connection's `frame_max` is never sent (the broker would close the
+///   whole connection) and is `failed` at once;
+/// - while the broker blocks the connection (`connection.blocked`: a memory
+///   or disk alarm), rows wait without using attempts:
+///   [`RelayState::Blocked`], [`RelaySnapshot::broker_blocked`], the gauge
+///   `idempo_broker_blocked`, one warning; the outbox gauges keep counting;
 /// - published rows are deleted at once (see [`keep_published`](Self::keep_published));
 /// - takeover: a relay whose host vanished mid-batch loses its row locks after
 ///   15 s (`idle_in_transaction_session_timeout`); a killed relay's locks go at

@@ -2,7 +2,7 @@
 //! wake-ups (`NOTIFY`, the consumer's link, the poll), and each batch:
 //! lock rows, publish with confirms, write down what the broker said.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -10,9 +10,11 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use tracing::Instrument;
 
+use super::broker_link::BrokerLink;
 use super::frame::{broker_size_limit, frame};
 use super::{CLEANUP_BATCH, CONTENDED_RETRY, LOCAL_LINGER, Publishing, Relay, RelayState};
-use crate::amqp::publish::{ConfirmChannel, PublishError};
+use crate::amqp::frame_size::check_header_frame;
+use crate::amqp::publish::PublishError;
 use crate::amqp::reconnect::{self, Reconnect, Session, Sessions};
 use crate::backoff::Backoff;
 use crate::outbox;
@@ -68,8 +70,49 @@ struct Envelope {
     id: i64,
     attempts: i32,
     packed: bool,
+    key: Option<String>,
     messages: Vec<Staged>,
 }
+
+/// What the broker said about one message of a batch.
+enum Said {
+    Confirmed,
+    /// Refused because of the message itself (nacked, returned, a channel
+    /// error over it, a header frame too large); `certain`: it can never
+    /// go out (given up at once).
+    Refused {
+        error: String,
+        certain: bool,
+    },
+    /// No answer that can be attributed: the broker may or may not hold it
+    /// (the row stays pending and is published again, no attempt counted).
+    Unknown(String),
+}
+
+impl Said {
+    fn from_batch(result: std::result::Result<(), PublishError>) -> Said {
+        match result {
+            Ok(()) => Said::Confirmed,
+            Err(e @ (PublishError::Nacked | PublishError::Returned(_))) => Said::Refused {
+                error: e.to_string(),
+                certain: false,
+            },
+            Err(e) => Said::Unknown(e.to_string()),
+        }
+    }
+
+    fn unknown(&self) -> Option<&str> {
+        match self {
+            Said::Unknown(why) => Some(why),
+            _ => None,
+        }
+    }
+}
+
+/// How much longer than the confirm timeout a publish may take before it is
+/// dropped: `ConfirmChannel` closes a timed-out channel, and a blocked
+/// connection never sends that close.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// What one batch did, and when the next is worth running.
 struct BatchOutcome {
@@ -80,6 +123,8 @@ struct BatchOutcome {
     settled: usize,
     /// The broker connection failed mid-batch: reconnect before the next.
     broker_lost: Option<String>,
+    /// The broker blocks the connection (a resource alarm): wait for it.
+    blocked: Option<String>,
     /// A key waits: for another relay (soon) or for a retry (its time).
     retry_in: Option<Duration>,
 }
@@ -142,29 +187,19 @@ impl<'a> Running<'a> {
     async fn session_on(&self, link: &mut Reconnect) -> std::result::Result<(), String> {
         let relay = self.relay;
         let connection = link.connect().await.map_err(|e| e.to_string())?;
-        let channel = match ConfirmChannel::open(&connection, relay.confirm_timeout).await {
-            Ok(channel) => channel,
-            Err(e) => {
-                let _ = connection.close(200, "idempo relay".into()).await;
-                return Err(e.to_string());
-            }
-        };
+        let mut broker = BrokerLink::open(connection, relay.confirm_timeout).await?;
         relay.set_state(RelayState::Running);
         let publishing = Publishing::start(&relay.link);
-        let outcome = self.publish_until_stopped(&channel).await;
+        let outcome = self.publish_until_stopped(&mut broker).await;
         drop(publishing);
-        channel.close().await;
-        let _ = tokio::time::timeout(
-            Duration::from_secs(2),
-            connection.close(200, "idempo relay stopped".into()),
-        )
-        .await;
+        self.set_blocked(None);
+        broker.close().await;
         outcome
     }
 
     async fn publish_until_stopped(
         &self,
-        channel: &ConfirmChannel,
+        broker: &mut BrokerLink,
     ) -> std::result::Result<(), String> {
         let relay = self.relay;
         let graceful = relay.shutdown.graceful_token();
@@ -178,11 +213,16 @@ impl<'a> Running<'a> {
             }
             // Drain: batch after batch while they come back full.
             let wait = loop {
-                if !channel.is_open().await {
-                    return Err("the relay's channel was closed".into());
+                if let Some(reason) = broker.blocked() {
+                    self.wait_while_blocked(broker, reason).await;
+                    if graceful.is_cancelled() {
+                        return Ok(());
+                    }
                 }
+                // A channel the broker closed over a row: a new one.
+                broker.ensure_channel().await?;
                 let outcome = tokio::select! {
-                    outcome = self.batch(channel) => outcome,
+                    outcome = self.batch(broker) => outcome,
                     () = now.cancelled() => return Ok(()),
                 };
                 match outcome {
@@ -191,6 +231,9 @@ impl<'a> Running<'a> {
                         self.refresh_status().await;
                         if let Some(lost) = outcome.broker_lost {
                             return Err(lost);
+                        }
+                        if outcome.blocked.is_some() {
+                            continue;
                         }
                         // A full batch: more may be due, unless every row
                         // was held back (its key's first row is elsewhere).
@@ -270,10 +313,50 @@ impl<'a> Running<'a> {
         }
     }
 
+    /// Waits out a broker that blocks the connection (a memory or disk
+    /// alarm: it reads no publish, confirms nothing): says so once in the
+    /// log, in the health and in `idempo_broker_blocked`, and keeps the
+    /// outbox gauges true meanwhile. Returns once unblocked, the connection
+    /// lost, or on a graceful shutdown.
+    async fn wait_while_blocked(&self, broker: &mut BrokerLink, reason: String) {
+        tracing::warn!(%reason, "outbox relay: the broker blocks publishing (a resource alarm); the outbox waits");
+        self.set_blocked(Some(reason));
+        let since = Instant::now();
+        let graceful = self.relay.shutdown.graceful_token();
+        loop {
+            self.refresh_status().await;
+            tokio::select! {
+                () = broker.unblocked() => break,
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                () = graceful.cancelled() => return,
+            }
+        }
+        if broker.is_connected() {
+            tracing::info!(waited = ?since.elapsed(), "outbox relay: the broker unblocked publishing");
+        }
+        self.set_blocked(None);
+    }
+
+    /// Reports the broker's block of the connection (`Some(reason)`) or its end.
+    fn set_blocked(&self, reason: Option<String>) {
+        metrics::gauge!("idempo_broker_blocked").set(if reason.is_some() { 1.0 } else { 0.0 });
+        self.relay.health.update(|s| {
+            match &reason {
+                Some(why) => {
+                    s.state = RelayState::Blocked;
+                    s.last_error = Some(format!("the broker blocks publishing: {why}"));
+                }
+                None if s.state == RelayState::Blocked => s.state = RelayState::Running,
+                None => {}
+            }
+            s.broker_blocked = reason;
+        });
+    }
+
     /// One batch, in one transaction.
     async fn batch(
         &self,
-        channel: &ConfirmChannel,
+        broker: &mut BrokerLink,
     ) -> std::result::Result<BatchOutcome, sqlx::Error> {
         let relay = self.relay;
         let parked: Vec<String> = {
@@ -305,6 +388,7 @@ impl<'a> Running<'a> {
                 full: false,
                 settled: 0,
                 broker_lost: None,
+                blocked: None,
                 retry_in: None,
             });
         }
@@ -323,11 +407,13 @@ impl<'a> Running<'a> {
             for row in rows {
                 let (id, attempts, packed) = (row.id, row.attempts, row.packed.is_some());
                 let first_id = row.message_id.clone();
+                let key = row.ordering_key.clone();
                 match row.unpack() {
                     Ok(messages) => envelopes.push(Envelope {
                         id,
                         attempts,
                         packed,
+                        key,
                         messages,
                     }),
                     Err(why) => failures.push(
@@ -338,51 +424,43 @@ impl<'a> Running<'a> {
                     ),
                 }
             }
-            let frames = envelopes
+            let mut said = self.publish(broker, &envelopes).await;
+            let unknown = said
                 .iter()
-                .flat_map(|e| e.messages.iter().map(frame))
-                .collect();
-            let mut outcomes = channel.publish_all(frames).await.into_iter();
+                .flatten()
+                .find_map(Said::unknown)
+                .map(str::to_owned);
+            let (broker_lost, blocked) = match unknown {
+                None => (None, None),
+                Some(why) if !broker.is_connected() => (Some(why), None),
+                Some(why) => match broker.blocked() {
+                    Some(reason) => (None, Some(reason)),
+                    // No answer in time on a live connection: the next
+                    // batch goes on a new channel, so that nothing late on
+                    // this one is credited to it.
+                    None => match broker.replace_channel().await {
+                        Ok(()) => (None, None),
+                        Err(e) => (Some(format!("{why}; {e}")), None),
+                    },
+                },
+            };
             let mut confirmed = Vec::new();
             let mut unpacked = Vec::new();
-            let mut broker_lost = None;
             let mut published = 0;
-            for envelope in &envelopes {
-                let results: Vec<_> = outcomes.by_ref().take(envelope.messages.len()).collect();
-                let too_large = results.iter().find_map(|o| match o {
-                    Err(PublishError::Lost(why)) => broker_size_limit(why),
-                    _ => None,
-                });
-                // Per message: None confirmed, Some((error, certain)) refused.
-                let mut refused = Vec::with_capacity(results.len());
-                let mut lost = false;
-                for (message, result) in envelope.messages.iter().zip(results) {
-                    refused.push(match result {
-                        Ok(()) => None,
-                        Err(e @ (PublishError::Nacked | PublishError::Returned(_))) => {
-                            Some((e.to_string(), false))
-                        }
-                        Err(e) if too_large.is_some_and(|limit| message.body.len() > limit) => {
-                            Some((format!("the broker refused it: {e}"), true))
-                        }
-                        // The broker closed the channel over another message
-                        // of this row: not sent; an attempt, retried.
-                        Err(e) if too_large.is_some() => {
-                            broker_lost.get_or_insert_with(|| e.to_string());
-                            Some((format!("not sent: {e}"), false))
-                        }
-                        Err(e) => {
-                            // The broker may or may not hold it: the row
-                            // stays pending and is published again.
-                            broker_lost.get_or_insert_with(|| e.to_string());
-                            lost = true;
-                            None
-                        }
-                    });
-                }
-                if lost {
+            for (envelope, said) in envelopes.iter().zip(said.drain(..)) {
+                if said.iter().any(|s| s.unknown().is_some()) {
+                    // The broker may or may not hold some of it: the row
+                    // stays pending and is published again.
                     continue;
                 }
+                // Per message: None confirmed, Some((error, certain)) refused.
+                let mut refused: Vec<Option<(String, bool)>> = said
+                    .into_iter()
+                    .map(|s| match s {
+                        Said::Refused { error, certain } => Some((error, certain)),
+                        _ => None,
+                    })
+                    .collect();
                 let accepted = refused.iter().filter(|r| r.is_none()).count();
                 published += accepted;
                 if accepted == refused.len() {
@@ -442,11 +520,163 @@ impl<'a> Running<'a> {
                 full,
                 settled: published + failures.attempts(),
                 broker_lost,
+                blocked,
                 retry_in,
             })
         }
         .instrument(span)
         .await
+    }
+
+    /// Publishes the batch's messages with their confirms in flight
+    /// together; then, if the channel failed under them on a live
+    /// connection, the unanswered ones one at a time. Says what became of
+    /// each message of each envelope.
+    async fn publish(&self, broker: &mut BrokerLink, envelopes: &[Envelope]) -> Vec<Vec<Said>> {
+        let relay = self.relay;
+        let frame_max = broker.frame_max();
+        let mut said: Vec<Vec<Said>> = Vec::with_capacity(envelopes.len());
+        let mut sent = Vec::new();
+        let mut frames = Vec::new();
+        for (e, envelope) in envelopes.iter().enumerate() {
+            let mut row = Vec::with_capacity(envelope.messages.len());
+            for (i, message) in envelope.messages.iter().enumerate() {
+                let frame = frame(message);
+                // A header frame over frame_max closes the whole connection
+                // (FRAME_ERROR): never sent.
+                match check_header_frame(&frame.properties, frame_max) {
+                    Ok(()) => {
+                        sent.push((e, i));
+                        frames.push(frame);
+                        row.push(Said::Unknown(String::new()));
+                    }
+                    Err(size) => row.push(Said::Refused {
+                        error: format!(
+                            "its properties and headers take {size} bytes, above the connection's \
+                             frame_max of {frame_max} bytes (the broker would close the connection: FRAME_ERROR)"
+                        ),
+                        certain: true,
+                    }),
+                }
+            }
+            said.push(row);
+        }
+        if frames.is_empty() {
+            return said;
+        }
+        let deadline = Instant::now() + relay.confirm_timeout;
+        // Bounded here too: a timed-out channel is closed, and a blocked
+        // connection never sends the close.
+        let results = tokio::time::timeout(
+            relay.confirm_timeout + CLOSE_GRACE,
+            broker.channel().publish_all(frames),
+        )
+        .await;
+        match results {
+            Ok(results) => {
+                for ((e, i), result) in sent.into_iter().zip(results) {
+                    said[e][i] = Said::from_batch(result);
+                }
+            }
+            Err(_) => {
+                let why = format!("no publisher confirm within {:?}", relay.confirm_timeout);
+                for (e, i) in sent {
+                    said[e][i] = Said::Unknown(why.clone());
+                }
+            }
+        }
+        let unanswered = said.iter().flatten().any(|s| s.unknown().is_some());
+        if unanswered && broker.is_connected() && broker.blocked().is_none() {
+            self.isolate(broker, envelopes, &mut said, deadline).await;
+        }
+        said
+    }
+
+    /// After the channel failed under a batch on a live connection (the
+    /// broker closes a channel over one message: `NOT_FOUND` for a missing
+    /// exchange, `PRECONDITION_FAILED`), finds that message so that the
+    /// error is its refusal (an attempt) and the others go out: the
+    /// unanswered messages are published again on a new channel, those the
+    /// broker's reason names (the missing exchange, a body over its size
+    /// limit) one at a time first, the rest together, halved while a half
+    /// keeps failing. A key with a refused message keeps its later ones for
+    /// after its retry. Stops at `deadline` (the batch's rows stay locked
+    /// meanwhile), or when the connection is lost or blocked: the rest stay
+    /// unknown.
+    async fn isolate(
+        &self,
+        broker: &mut BrokerLink,
+        envelopes: &[Envelope],
+        said: &mut [Vec<Said>],
+        deadline: Instant,
+    ) {
+        let mut groups = VecDeque::new();
+        let mut failed: Vec<(usize, usize)> = positions(said, |s| s.unknown().is_some());
+        loop {
+            if !failed.is_empty() {
+                if !broker.is_connected()
+                    || broker.blocked().is_some()
+                    || broker.channel().is_usable()
+                {
+                    // Not a channel the broker closed over a message: no answer.
+                    return;
+                }
+                let (e, i) = failed[0];
+                let why = said[e][i].unknown().unwrap_or_default().to_owned();
+                if let [(e, i)] = failed[..] {
+                    // The one message the channel failed under.
+                    let message = &envelopes[e].messages[i];
+                    // A body over the broker's max_message_size never fits.
+                    let certain =
+                        broker_size_limit(&why).is_some_and(|limit| message.body.len() > limit);
+                    said[e][i] = Said::Refused {
+                        error: format!("the broker closed the channel over it: {why}"),
+                        certain,
+                    };
+                } else {
+                    let (named, others): (Vec<_>, Vec<_>) = failed
+                        .drain(..)
+                        .partition(|&(e, i)| named_by(&why, &envelopes[e].messages[i]));
+                    if named.is_empty() {
+                        let (first, second) = others.split_at(others.len() / 2);
+                        groups.push_front(second.to_vec());
+                        groups.push_front(first.to_vec());
+                    } else {
+                        groups.push_front(others);
+                        for one in named.into_iter().rev() {
+                            groups.push_front(vec![one]);
+                        }
+                    }
+                }
+            }
+            let Some(group) = groups.pop_front() else {
+                return;
+            };
+            if Instant::now() >= deadline
+                || broker.blocked().is_some()
+                || broker.ensure_channel().await.is_err()
+            {
+                return;
+            }
+            let group = publishable(envelopes, said, group);
+            let frames = group
+                .iter()
+                .map(|&(e, i)| frame(&envelopes[e].messages[i]))
+                .collect();
+            let results = tokio::time::timeout_at(
+                (deadline + CLOSE_GRACE).into(),
+                broker.channel().publish_all(frames),
+            )
+            .await;
+            let Ok(results) = results else { return };
+            for (&(e, i), result) in group.iter().zip(results) {
+                said[e][i] = Said::from_batch(result);
+            }
+            failed = group
+                .into_iter()
+                .filter(|&(e, i)| said[e][i].unknown().is_some())
+                .collect();
+        }
     }
 
     /// Parks the keys whose first row waits for its retry until then; says
@@ -537,4 +767,52 @@ impl Sessions for Running<'_> {
         self.relay.health.update(|s| s.last_error = Some(error));
         self.relay.set_state(RelayState::Reconnecting);
     }
+}
+
+/// The (envelope, message) positions whose outcome satisfies `which`, in
+/// batch order.
+fn positions(said: &[Vec<Said>], which: impl Fn(&Said) -> bool) -> Vec<(usize, usize)> {
+    said.iter()
+        .enumerate()
+        .flat_map(|(e, row)| row.iter().enumerate().map(move |(i, s)| (e, i, s)))
+        .filter(|(_, _, s)| which(s))
+        .map(|(e, i, _)| (e, i))
+        .collect()
+}
+
+/// The messages of `group` that may go out now: not those of a key whose
+/// earlier message was refused or is still unanswered outside the group
+/// (the channel keeps the group's own order).
+fn publishable(
+    envelopes: &[Envelope],
+    said: &[Vec<Said>],
+    group: Vec<(usize, usize)>,
+) -> Vec<(usize, usize)> {
+    let mut kept = Vec::with_capacity(group.len());
+    let mut in_group = HashSet::new();
+    for (e, i) in group {
+        let held = envelopes[e].key.as_deref().is_some_and(|key| {
+            (0..e).any(|earlier| {
+                envelopes[earlier].key.as_deref() == Some(key)
+                    && said[earlier].iter().enumerate().any(|(j, s)| match s {
+                        Said::Refused { .. } => true,
+                        Said::Unknown(_) => !in_group.contains(&(earlier, j)),
+                        Said::Confirmed => false,
+                    })
+            })
+        });
+        if !held {
+            kept.push((e, i));
+            in_group.insert((e, i));
+        }
+    }
+    kept
+}
+
+/// Whether the broker's reason for closing the channel names `message`:
+/// its exchange (`NOT_FOUND - no exchange 'x'`, `ACCESS_REFUSED`), or its
+/// body's size (`message size .. is larger than configured max size ..`).
+fn named_by(reason: &str, message: &Staged) -> bool {
+    (!message.exchange.is_empty() && reason.contains(&format!("exchange '{}'", message.exchange)))
+        || broker_size_limit(reason).is_some_and(|limit| message.body.len() > limit)
 }
