@@ -35,6 +35,10 @@ pub enum DeadLetterReason {
     PermanentError,
     /// Transient failures used up the [`RedeliveryPolicy`](super::RedeliveryPolicy)'s attempts.
     AttemptsExhausted,
+    /// A retry copy with the failure headers added would not fit one frame
+    /// of the connection (its own headers are too large), so it cannot be
+    /// retried through a delay queue.
+    HeadersTooLarge,
 }
 
 impl DeadLetterReason {
@@ -48,6 +52,7 @@ impl DeadLetterReason {
             DeadLetterReason::PayloadMismatch => "message id reused with a different payload",
             DeadLetterReason::PermanentError => "permanent handler error",
             DeadLetterReason::AttemptsExhausted => "max attempts exceeded",
+            DeadLetterReason::HeadersTooLarge => "headers too large to retry",
         }
     }
 }

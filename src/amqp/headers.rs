@@ -28,6 +28,12 @@ pub const MESSAGE_ID_HEADER: &str = "x-idempo-message-id";
 /// the id and the body's hash under a per-consumer secret. Only an id with a
 /// valid seal is carried forward; a header without one is ignored.
 pub const MESSAGE_ID_SEAL_HEADER: &str = "x-idempo-message-id-seal";
+/// The headers removed from a dead letter so that it fits the broker's frame
+/// size, as `name=bytes` pairs, largest first (for example
+/// `x-pad=130811`). RabbitMQ closes the connection on a larger header frame,
+/// so a copy that would not fit is trimmed: first the largest headers that
+/// are not idempo's, then the error text and the replay history.
+pub const TRIMMED_HEADERS_HEADER: &str = "x-idempo-trimmed-headers";
 /// How many attempts have failed so far (an integer).
 pub const ATTEMPTS_HEADER: &str = "x-idempo-attempts";
 /// When the first attempt failed (RFC 3339, UTC).

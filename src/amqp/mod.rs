@@ -54,6 +54,7 @@ mod database_gate;
 mod dead_letter;
 mod delivery;
 mod dispatch;
+mod fit;
 mod handler;
 mod headers;
 mod health;
@@ -89,7 +90,7 @@ pub use handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
     MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER,
-    REASON_HEADER, ROUTING_KEY_HEADER,
+    REASON_HEADER, ROUTING_KEY_HEADER, TRIMMED_HEADERS_HEADER,
 };
 pub use health::{Health, HealthSnapshot, RuntimeState};
 pub use message::{DecodeError, FromMessage, JsonBody, Message};
