@@ -29,7 +29,7 @@ use super::acks::{AckTracker, Misplaced};
 use super::dead_letter::DeadLetterReason;
 use super::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
-    QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, original_routing_key,
+    QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
 };
 use super::health::Health;
 use super::outcome::{Abandon, Decide, Outcome, Settled, invalid_id};
@@ -481,16 +481,4 @@ async fn ack(acker: &Acker, multiple: bool) {
             tracing::warn!(error = %e, "ack failed; the redelivery will be deduplicated")
         }
     }
-}
-
-/// `text`, cut at a character boundary to at most `max` bytes.
-fn truncate(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
 }

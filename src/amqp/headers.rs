@@ -124,6 +124,19 @@ pub(crate) fn rfc3339(t: SystemTime) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
+/// `text`, cut at a character boundary to at most `max` bytes (a frame
+/// carries the headers whole, so long texts in them are bounded).
+pub(crate) fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 /// A header value as text: a string, UTF-8 bytes, or an integer.
 pub(crate) fn header_text(value: &AMQPValue) -> Option<String> {
     match value {

@@ -85,7 +85,10 @@ pub mod window;
 pub use broker::{Broker, DEFAULT_CONNECTION_TIMEOUT};
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
-pub use dead_letter::{DeadLetter, DeadLetterReason, REPLAY_HISTORY_HEADER, ReplayRecord};
+pub use dead_letter::{
+    DeadLetter, DeadLetterReason, MAX_REPLAY_HISTORY, REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER,
+    ReplayRecord,
+};
 pub use handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
