@@ -932,3 +932,106 @@ async fn a_delivery_that_keeps_killing_the_connection_is_reported_in_health() {
     // Nothing lost: the message is still there for a human.
     support::eventually_ready(&broker, &queue, 1).await;
 }
+
+/// A message whose headers nearly fill RabbitMQ's frame (131,072 bytes): its
+/// dead letter, with idempo's headers added, would not fit, and RabbitMQ
+/// would close the whole connection (`FRAME_ERROR`), again on every
+/// redelivery. The copy is trimmed to fit instead (the trimming recorded),
+/// and the payments behind it apply without a single reconnect, in
+/// per-message and in batch mode.
+#[tokio::test]
+async fn a_dead_letter_too_large_for_a_frame_is_trimmed_and_the_connection_survives() {
+    use idempo::amqp::{REASON_HEADER, TRIMMED_HEADERS_HEADER};
+    use lapin::types::{AMQPValue, FieldTable};
+    for batch in [None, Some(10)] {
+        let (db, broker, queue) = support::setup().await;
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "x-pad".into(),
+            AMQPValue::LongString("p".repeat(130_800).into()),
+        );
+        let big = lapin::BasicProperties::default()
+            .with_message_id("big".into())
+            .with_headers(headers);
+        broker.publish_props(&queue, big, b"not json").await;
+        let payments: Vec<(String, Vec<u8>)> = (0..50)
+            .map(|i| (format!("pay-{i}"), support::payment_body("ann", 1)))
+            .collect();
+        broker.publish_many(&queue, &payments).await;
+
+        let consumer = match batch {
+            None => Running::start(payments_consumer(&db, &queue)),
+            Some(size) => Running::start(
+                consumer_for(&db, &queue)
+                    .prefetch(60)
+                    .handler(|tx, m| payments::handle(tx, m, 0.0))
+                    .batch(size),
+            ),
+        };
+        eventually("the 50 payments applied", WAIT, || async {
+            db.payments().await == 50
+        })
+        .await;
+        let stats = consumer.finish(51).await;
+
+        assert_eq!(
+            (stats.processed, stats.dead_lettered, stats.reconnects),
+            (50, 1, 0),
+            "{batch:?}: {stats:?}"
+        );
+        let dead = broker.drain(&format!("{queue}.dlq")).await;
+        assert_eq!(dead.len(), 1, "{batch:?}");
+        let h = &dead[0].headers;
+        assert_eq!(h[REASON_HEADER], "undecodable body");
+        assert_eq!(dead[0].message_id.as_deref(), Some("big"));
+        assert_eq!(dead[0].body, b"not json");
+        assert!(
+            !h.contains_key("x-pad"),
+            "{batch:?}: the padding was trimmed"
+        );
+        assert!(
+            h[TRIMMED_HEADERS_HEADER].starts_with("x-pad="),
+            "{}",
+            h[TRIMMED_HEADERS_HEADER]
+        );
+        assert!(h.contains_key(ERROR_HEADER) && h.contains_key(QUEUE_HEADER));
+        assert_eq!(db.balances().await["ann"], 50);
+        assert_eq!(broker.ready(&queue).await, 0);
+    }
+}
+
+/// A retry copy that would not fit the frame cannot be retried at all: it is
+/// dead-lettered (trimmed) with reason `headers too large to retry`.
+#[tokio::test]
+async fn a_retry_too_large_for_a_frame_is_dead_lettered_instead() {
+    use idempo::amqp::TRIMMED_HEADERS_HEADER;
+    use lapin::types::{AMQPValue, FieldTable};
+    let (db, broker, queue) = support::setup().await;
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "x-pad".into(),
+        AMQPValue::LongString("p".repeat(130_800).into()),
+    );
+    let big = lapin::BasicProperties::default()
+        .with_message_id("big".into())
+        .with_headers(headers);
+    broker
+        .publish_props(&queue, big, &support::payment_body("ann", 1))
+        .await;
+    let (seen, handler) = counting_payments(usize::MAX, None);
+    let consumer = Running::start(consumer_for(&db, &queue).handler(handler));
+    let stats = consumer.finish(1).await;
+
+    assert_eq!(seen.lock().unwrap().headers.len(), 1, "one attempt");
+    assert_eq!(
+        (stats.retried, stats.dead_lettered, stats.reconnects),
+        (0, 1, 0),
+        "{stats:?}"
+    );
+    let dead = broker.drain(&format!("{queue}.dlq")).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason(), "headers too large to retry");
+    assert!(dead[0].headers[ERROR_HEADER].contains("downstream unavailable"));
+    assert!(dead[0].headers[TRIMMED_HEADERS_HEADER].starts_with("x-pad="));
+    assert_eq!(db.payments().await, 0);
+}

@@ -8,6 +8,7 @@ mod support;
 use std::time::{Duration, SystemTime};
 
 use idempo::amqp::lapin::options::{BasicGetOptions, BasicNackOptions};
+use idempo::amqp::lapin::types::AMQPValue;
 use idempo::amqp::{DeadLetter, DeadLetterReason, RedeliveryPolicy, dead_letter_queue};
 use idempo::ops::dlq::{self, ReplayEvent, ReplayOptions, Selection};
 use idempo::ops::{self, Services, StatusOptions, Warning, maintenance};
@@ -155,4 +156,200 @@ async fn a_dead_letter_the_runtime_wrote_reads_back_and_replays_once() {
             .dead_letters
             .is_empty()
     );
+}
+
+/// Publishes a dead letter into `queue`'s DLQ as the runtime writes one.
+async fn dead_letter(broker: &support::Broker, queue: &str, id: &str, body: &[u8]) {
+    use idempo::amqp::lapin::BasicProperties;
+    use idempo::amqp::lapin::types::FieldTable;
+    use idempo::amqp::{CONSUMER_HEADER, QUEUE_HEADER, REASON_HEADER};
+    let mut headers = FieldTable::default();
+    let text = |s: &str| AMQPValue::LongString(s.into());
+    headers.insert(QUEUE_HEADER.into(), text(queue));
+    headers.insert(CONSUMER_HEADER.into(), text(queue));
+    headers.insert(REASON_HEADER.into(), text("max attempts exceeded"));
+    let properties = BasicProperties::default()
+        .with_message_id(id.into())
+        .with_headers(headers);
+    broker
+        .publish_props(&dead_letter_queue(queue), properties, body)
+        .await;
+}
+
+/// A broker policy set for one test and removed when it ends.
+struct Policy(String);
+
+impl Policy {
+    fn set(name: &str, pattern: &str, definition: &str) -> Policy {
+        let out = support::rabbitmqctl()
+            .args(["set_policy", name, pattern, definition])
+            .args(["--apply-to", "queues", "--priority", "10"])
+            .output()
+            .expect("run rabbitmqctl");
+        assert!(out.status.success(), "{out:?}");
+        Policy(name.to_owned())
+    }
+}
+
+impl Drop for Policy {
+    fn drop(&mut self) {
+        let _ = support::rabbitmqctl()
+            .args(["clear_policy", &self.0])
+            .output();
+    }
+}
+
+/// A quorum DLQ under a `delivery-limit` policy (RabbitMQ 4's default for
+/// every quorum queue is 20) dropped its dead letters once they had been
+/// browsed that many times: handing a message back counts as a failed
+/// delivery. Browsing now spends no delivery attempt: 25 listings (and a
+/// show and a purge that is not confirmed in between) lose nothing.
+#[tokio::test]
+async fn browsing_a_dlq_under_a_delivery_limit_loses_nothing() {
+    let (db, broker, queue) = support::setup().await;
+    let dlq_name = dead_letter_queue(&queue);
+    let _limit = Policy::set(
+        &format!("{queue}-limit"),
+        &format!("^{dlq_name}$"),
+        r#"{"delivery-limit":20,"expires":300000}"#,
+    );
+    for i in 0..11 {
+        dead_letter(
+            &broker,
+            &queue,
+            &format!("pay-{i}"),
+            &support::payment_body("ann", 1),
+        )
+        .await;
+    }
+    let services = Services::with_pool(support::amqp_url(), db.pool.clone());
+    let ids = |listing: &dlq::Listing| -> Vec<String> {
+        listing
+            .dead_letters
+            .iter()
+            .map(|d| d.message_id.clone().unwrap())
+            .collect()
+    };
+    let expected: Vec<String> = (0..11).map(|i| format!("pay-{i}")).collect();
+    for pass in 0..25 {
+        let listing = dlq::list(&services, &queue, &Selection::default(), 100)
+            .await
+            .unwrap();
+        let mut got = ids(&listing);
+        if pass <= 10 {
+            assert_eq!(got, expected, "pass {pass}: all there, in order");
+        }
+        // `show` stopped at pay-3: what it read moved behind the rest.
+        got.sort_by_key(|id| id[4..].parse::<u32>().unwrap());
+        assert_eq!(got, expected, "pass {pass}: all there");
+        if pass == 10 {
+            let shown = dlq::show(&services, &queue, "pay-3").await.unwrap();
+            assert_eq!(shown.summary.message_id.as_deref(), Some("pay-3"));
+            let plan = dlq::purge(
+                &services,
+                &queue,
+                &Selection::default(),
+                &Default::default(),
+            )
+            .await
+            .unwrap();
+            assert_eq!(plan.len(), 11);
+            plan.keep().await;
+        }
+    }
+    eventually_ready(&broker, &dlq_name, 11).await;
+    // Not one delivery attempt spent.
+    let got = broker
+        .channel
+        .basic_get(dlq_name.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
+    let headers = got
+        .delivery
+        .properties
+        .headers()
+        .clone()
+        .unwrap_or_default();
+    let count = headers.inner().get("x-delivery-count");
+    assert!(
+        matches!(count, None | Some(AMQPValue::LongLongInt(0))),
+        "{count:?}"
+    );
+}
+
+/// `replay --all` used to replay whatever came back during the run: two
+/// runs at once replayed the poison round and round. A run now works on the
+/// dead letters present when it started, and two runs at once replay each
+/// one once between them; the replay history stays bounded however often a
+/// dead letter is replayed.
+#[tokio::test]
+async fn a_replay_sends_each_dead_letter_once_and_its_history_stays_bounded() {
+    let (db, broker, queue) = support::setup().await;
+    let dlq_name = dead_letter_queue(&queue);
+    for i in 0..20 {
+        dead_letter(
+            &broker,
+            &queue,
+            &format!("pay-{i}"),
+            &support::payment_body("ann", 1),
+        )
+        .await;
+    }
+    for i in 0..5 {
+        dead_letter(
+            &broker,
+            &queue,
+            &format!("neg-{i}"),
+            &support::payment_body("neg", -1),
+        )
+        .await;
+    }
+    let working = Running::start(payments_consumer(&db, &queue));
+    let services = Services::with_pool(support::amqp_url(), db.pool.clone());
+    let options = ReplayOptions {
+        all: true,
+        throttle: Some(Duration::from_millis(20)),
+        ..ReplayOptions::default()
+    };
+    let all = Selection::default();
+    let (a, b) = tokio::join!(
+        dlq::replay(&services, &queue, &all, &options, |_| {}),
+        dlq::replay(&services, &queue, &all, &options, |_| {}),
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.replayed + b.replayed, 25, "{a:?} {b:?}");
+    eventually(
+        "the 20 payments applied",
+        Duration::from_secs(30),
+        || async { db.payments().await == 20 },
+    )
+    .await;
+    eventually_ready(&broker, &dlq_name, 5).await;
+
+    // Replayed again and again: the poison comes back each time.
+    for pass in 2..=8u64 {
+        let summary = dlq::replay(&services, &queue, &all, &options, |_| {})
+            .await
+            .unwrap();
+        assert_eq!(summary.replayed, 5, "pass {pass}");
+        eventually("the poison back", Duration::from_secs(30), || async {
+            working.stats().dead_lettered >= 5 * pass
+        })
+        .await;
+        eventually_ready(&broker, &dlq_name, 5).await;
+    }
+    let stats = working.stats();
+    assert_eq!(stats.dead_lettered, 40, "{stats:?}");
+    working.stop().await.unwrap();
+    let dead = broker.drain(&dlq_name).await;
+    assert_eq!(dead.len(), 5);
+    for d in &dead {
+        let history = &d.headers[idempo::amqp::REPLAY_HISTORY_HEADER];
+        let records: Vec<serde_json::Value> = serde_json::from_str(history).unwrap();
+        assert_eq!(records.len(), idempo::amqp::MAX_REPLAY_HISTORY, "{history}");
+        assert_eq!(d.headers[idempo::amqp::REPLAY_COUNT_HEADER], "8");
+        assert!(history.len() < 4_000, "{}", history.len());
+    }
+    assert_eq!(db.payments().await, 20);
 }

@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use super::headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, header_text,
+    MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, header_text, rfc3339,
+    truncate,
 };
 
 /// Why a delivery went to the dead-letter queue. Each one is final:
@@ -35,6 +36,10 @@ pub enum DeadLetterReason {
     PermanentError,
     /// Transient failures used up the [`RedeliveryPolicy`](super::RedeliveryPolicy)'s attempts.
     AttemptsExhausted,
+    /// A retry copy with the failure headers added would not fit one frame
+    /// of the connection (its own headers are too large), so it cannot be
+    /// retried through a delay queue.
+    HeadersTooLarge,
 }
 
 impl DeadLetterReason {
@@ -48,6 +53,7 @@ impl DeadLetterReason {
             DeadLetterReason::PayloadMismatch => "message id reused with a different payload",
             DeadLetterReason::PermanentError => "permanent handler error",
             DeadLetterReason::AttemptsExhausted => "max attempts exceeded",
+            DeadLetterReason::HeadersTooLarge => "headers too large to retry",
         }
     }
 }
@@ -59,9 +65,22 @@ impl fmt::Display for DeadLetterReason {
 }
 
 /// The header a replayed copy carries its failure history in: a JSON array
-/// with one [`ReplayRecord`] per replay, oldest first. Written by
+/// of [`ReplayRecord`]s, one per replay, oldest first, of the last
+/// [`MAX_REPLAY_HISTORY`] replays only (the header would otherwise grow
+/// with every replay until the message no longer fits a frame). Written by
 /// [`DeadLetter::replay_properties`], read by [`DeadLetter::replay_history`].
 pub const REPLAY_HISTORY_HEADER: &str = "x-idempo-replay-history";
+
+/// How many times the message was replayed in all (an integer), including
+/// the replays whose records left the [`REPLAY_HISTORY_HEADER`].
+pub const REPLAY_COUNT_HEADER: &str = "x-idempo-replay-count";
+
+/// How many [`ReplayRecord`]s the [`REPLAY_HISTORY_HEADER`] keeps.
+pub const MAX_REPLAY_HISTORY: usize = 5;
+
+/// A record's error text is cut to this many bytes (the full text of the
+/// last failure stays in the dead letter's own error header).
+const MAX_RECORDED_ERROR: usize = 512;
 
 /// Headers a replay drops: the attempt counters start again (their values
 /// move into the [`REPLAY_HISTORY_HEADER`]).
@@ -128,6 +147,9 @@ pub struct ReplayRecord {
     pub first_failure: Option<String>,
     /// When its last attempt failed.
     pub last_failure: Option<String>,
+    /// When it was replayed (absent in records written before this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replayed_at: Option<String>,
 }
 
 impl<'a> DeadLetter<'a> {
@@ -204,12 +226,27 @@ impl<'a> DeadLetter<'a> {
         humantime::parse_rfc3339(&self.header(name)?).ok()
     }
 
-    /// What it looked like before each earlier replay, oldest first (empty
-    /// when it was never replayed, or the header does not parse).
+    /// What it looked like before each of its last replays (at most
+    /// [`MAX_REPLAY_HISTORY`]), oldest first (empty when it was never
+    /// replayed, or the header does not parse).
     pub fn replay_history(&self) -> Vec<ReplayRecord> {
         self.header(REPLAY_HISTORY_HEADER)
             .and_then(|h| serde_json::from_str(&h).ok())
             .unwrap_or_default()
+    }
+
+    /// How many times it was replayed in all: the [`REPLAY_COUNT_HEADER`],
+    /// or (written before that header) the length of its history.
+    pub fn replay_count(&self) -> u64 {
+        self.header(REPLAY_COUNT_HEADER)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| self.replay_history().len() as u64)
+    }
+
+    /// When it was last replayed, if its history says.
+    pub fn last_replayed(&self) -> Option<SystemTime> {
+        let last = self.replay_history().pop()?.replayed_at?;
+        humantime::parse_rfc3339(&last).ok()
     }
 
     /// Whether idempo did not dead-letter it: it has no
@@ -243,9 +280,15 @@ impl<'a> DeadLetter<'a> {
     /// The properties of the copy a replay publishes to the work queue: the
     /// same id, properties and other headers, without the attempt counters
     /// (reason, error, attempts, first and last failure), which are appended
-    /// to the [`REPLAY_HISTORY_HEADER`] instead. The consumer then gets its
+    /// to the [`REPLAY_HISTORY_HEADER`] instead (with the time of this
+    /// replay; the last [`MAX_REPLAY_HISTORY`] records are kept, and the
+    /// [`REPLAY_COUNT_HEADER`] counts them all). The consumer then gets its
     /// full number of attempts again.
     pub fn replay_properties(&self) -> BasicProperties {
+        self.replay_properties_at(SystemTime::now())
+    }
+
+    fn replay_properties_at(&self, now: SystemTime) -> BasicProperties {
         // Earlier entries are kept as they are, whatever their shape.
         let mut history: Vec<serde_json::Value> = self
             .header(REPLAY_HISTORY_HEADER)
@@ -253,17 +296,26 @@ impl<'a> DeadLetter<'a> {
             .unwrap_or_default();
         let record = ReplayRecord {
             reason: self.reason(),
-            error: self.error(),
+            error: self
+                .error()
+                .map(|e| truncate(&e, MAX_RECORDED_ERROR).to_owned()),
             attempts: self.attempts(),
             first_failure: self.header(FIRST_FAILURE_HEADER),
             last_failure: self.header(LAST_FAILURE_HEADER),
+            replayed_at: Some(rfc3339(now)),
         };
+        let count = self.replay_count() + 1;
         history.push(serde_json::to_value(record).expect("a record serialises"));
+        let excess = history.len().saturating_sub(MAX_REPLAY_HISTORY);
+        history.drain(..excess);
         let mut headers = FieldTable::default();
         if let Some(old) = self.properties.headers() {
             for (name, value) in old.inner() {
                 let name_str = name.as_str();
-                if !RESET_ON_REPLAY.contains(&name_str) && name_str != REPLAY_HISTORY_HEADER {
+                if !RESET_ON_REPLAY.contains(&name_str)
+                    && name_str != REPLAY_HISTORY_HEADER
+                    && name_str != REPLAY_COUNT_HEADER
+                {
                     headers.insert(name.clone(), value.clone());
                 }
             }
@@ -271,6 +323,10 @@ impl<'a> DeadLetter<'a> {
         headers.insert(
             REPLAY_HISTORY_HEADER.into(),
             AMQPValue::LongString(serde_json::Value::Array(history).to_string().into()),
+        );
+        headers.insert(
+            REPLAY_COUNT_HEADER.into(),
+            AMQPValue::LongLongInt(i64::try_from(count).unwrap_or(i64::MAX)),
         );
         self.properties.clone().with_headers(headers)
     }
@@ -396,5 +452,57 @@ mod tests {
             history[1].reason.as_deref(),
             Some("permanent handler error")
         );
+    }
+
+    #[test]
+    fn the_replay_history_keeps_the_last_records_and_counts_every_replay() {
+        let mut p = dead_letter_as_the_runtime_writes_it();
+        let long_error = "e".repeat(4000);
+        let start = UNIX_EPOCH + Duration::from_secs(1_796_091_587);
+        let mut sizes = Vec::new();
+        for pass in 0..12u64 {
+            // Dead-lettered again with a long error, then replayed again.
+            let mut headers = p.headers().clone().unwrap_or_default();
+            headers.insert(REASON_HEADER.into(), text("permanent handler error"));
+            headers.insert(ERROR_HEADER.into(), text(&long_error));
+            let dead = p.clone().with_headers(headers);
+            p = DeadLetter::new(&dead).replay_properties_at(start + Duration::from_secs(pass));
+            let history = DeadLetter::new(&p).header(REPLAY_HISTORY_HEADER).unwrap();
+            sizes.push(history.len());
+        }
+        let copy = DeadLetter::new(&p);
+        assert_eq!(copy.replay_count(), 12);
+        let history = copy.replay_history();
+        assert_eq!(history.len(), MAX_REPLAY_HISTORY);
+        assert_eq!(
+            history[0].replayed_at.as_deref(),
+            Some("2026-12-01T02:19:54.000Z"),
+            "the oldest kept is the 8th replay"
+        );
+        assert_eq!(copy.last_replayed(), Some(start + Duration::from_secs(11)));
+        assert!(
+            history
+                .iter()
+                .all(|r| r.error.as_ref().unwrap().len() == MAX_RECORDED_ERROR),
+            "error texts are cut"
+        );
+        // Bounded: the header stops growing once the history is full.
+        assert!(
+            sizes[MAX_REPLAY_HISTORY..].windows(2).all(|w| w[0] == w[1]),
+            "{sizes:?}"
+        );
+        assert!(*sizes.last().unwrap() < 4_000, "{sizes:?}");
+    }
+
+    #[test]
+    fn a_history_written_before_the_count_counts_its_records() {
+        let old = r#"[{"reason":"a"},{"reason":"b"}]"#;
+        let p = properties(&[(REPLAY_HISTORY_HEADER, text(old))]);
+        let dead = DeadLetter::new(&p);
+        assert_eq!(dead.replay_count(), 2);
+        assert_eq!(dead.last_replayed(), None);
+        let once = dead.replay_properties();
+        assert_eq!(DeadLetter::new(&once).replay_count(), 3);
+        assert_eq!(DeadLetter::new(&once).replay_history().len(), 3);
     }
 }

@@ -7,7 +7,9 @@
 //! received ─► id ─┬─ missing/invalid ─► DeadLetter
 //!                 └─ decide (steps.rs) ─► Outcome
 //! settle = Processed, Duplicate ─► ack (batch mode: one multiple ack over settled tags)
-//!          DeadLetter ─► publish to <queue>.dlq (confirmed) ─► ack
+//!          DeadLetter ─► publish to <queue>.dlq (confirmed; headers trimmed to fit the frame) ─► ack
+//!                        even idempo's headers do not fit ─► reject: the broker dead-letters it
+//!          Retry whose copy does not fit the frame ─► DeadLetter (headers too large to retry)
 //!          Retry ─► publish to <queue>.retry.<delay> (confirmed) ─► ack; attempts used up: DeadLetter;
 //!                   requeue policy: pause ─► nack(requeue)
 //!          a copy that is not confirmed ─► pause ─► nack(requeue): never acked
@@ -18,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::Acker;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use lapin::types::AMQPValue;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, field};
@@ -27,7 +29,7 @@ use super::acks::{AckTracker, Misplaced};
 use super::dead_letter::DeadLetterReason;
 use super::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
-    QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, original_routing_key,
+    QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
 };
 use super::health::Health;
 use super::outcome::{Abandon, Decide, Outcome, Settled, invalid_id};
@@ -299,6 +301,15 @@ impl Pipeline {
                         self.stats.incr(Counter::Retried);
                         ack(&item.acker, false).await;
                     }
+                    // Sent, it would close the connection, and the original
+                    // would come back to fail the same way: it never can be
+                    // retried.
+                    Err(e @ PublishError::TooLarge { .. }) => {
+                        let error = format!("{e}; the last failure: {error}");
+                        return self
+                            .dead_letter(item, DeadLetterReason::HeadersTooLarge, &error, failures)
+                            .await;
+                    }
                     Err(e) => {
                         let error = format!("cannot publish the retry to {queue:?}: {e}");
                         self.publish_failed(&item.acker, error).await;
@@ -320,13 +331,28 @@ impl Pipeline {
         headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
         match self
             .republisher
-            .publish(&self.dead_letter_queue, &item.message, headers)
+            .publish_trimmed(&self.dead_letter_queue, &item.message, headers)
             .await
         {
-            Ok(()) => {
+            Ok(trimmed) => {
                 self.stats.incr(Counter::DeadLettered);
-                tracing::warn!(%reason, %error, "dead-lettered");
+                if trimmed.is_empty() {
+                    tracing::warn!(%reason, %error, "dead-lettered");
+                } else {
+                    tracing::warn!(%reason, %error, ?trimmed, "dead-lettered with headers trimmed to fit the frame size");
+                }
                 ack(&item.acker, false).await;
+                Settled::DeadLettered
+            }
+            Err(e @ PublishError::TooLarge { .. }) => {
+                // Even idempo's own headers do not fit (a tiny frame size):
+                // the broker's own dead-lettering (the work queue's
+                // dead-letter exchange) moves the original as it is.
+                let error = format!("cannot dead-letter ({reason}): {e}; rejecting the original");
+                tracing::error!(%error);
+                self.health.record_error(error);
+                self.stats.incr(Counter::DeadLettered);
+                reject(&item.acker).await;
                 Settled::DeadLettered
             }
             Err(e) => {
@@ -435,6 +461,15 @@ async fn nack_after(acker: &Acker, pause: Duration) {
     }
 }
 
+/// Rejects without requeue: the queue's dead-letter exchange takes it.
+async fn reject(acker: &Acker) {
+    match acker.reject(BasicRejectOptions { requeue: false }).await {
+        Ok(true) => {}
+        Ok(false) => tracing::warn!("reject not sent (channel closed); the broker will redeliver"),
+        Err(e) => tracing::warn!(error = %e, "reject failed; the broker will redeliver"),
+    }
+}
+
 async fn ack(acker: &Acker, multiple: bool) {
     // Either way the work is durable; the redelivery will be claimed as a duplicate.
     match acker.ack(BasicAckOptions { multiple }).await {
@@ -446,16 +481,4 @@ async fn ack(acker: &Acker, multiple: bool) {
             tracing::warn!(error = %e, "ack failed; the redelivery will be deduplicated")
         }
     }
-}
-
-/// `text`, cut at a character boundary to at most `max` bytes.
-fn truncate(text: &str, max: usize) -> &str {
-    if text.len() <= max {
-        return text;
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
 }

@@ -28,6 +28,12 @@ pub const MESSAGE_ID_HEADER: &str = "x-idempo-message-id";
 /// the id and the body's hash under a per-consumer secret. Only an id with a
 /// valid seal is carried forward; a header without one is ignored.
 pub const MESSAGE_ID_SEAL_HEADER: &str = "x-idempo-message-id-seal";
+/// The headers removed from a dead letter so that it fits the broker's frame
+/// size, as `name=bytes` pairs, largest first (for example
+/// `x-pad=130811`). RabbitMQ closes the connection on a larger header frame,
+/// so a copy that would not fit is trimmed: first the largest headers that
+/// are not idempo's, then the error text and the replay history.
+pub const TRIMMED_HEADERS_HEADER: &str = "x-idempo-trimmed-headers";
 /// How many attempts have failed so far (an integer).
 pub const ATTEMPTS_HEADER: &str = "x-idempo-attempts";
 /// When the first attempt failed (RFC 3339, UTC).
@@ -116,6 +122,19 @@ pub(crate) fn rfc3339(t: SystemTime) -> String {
         .checked_add(Duration::from_millis(LAST_MILLIS))
         .map_or(t, |last| t.min(last));
     humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// `text`, cut at a character boundary to at most `max` bytes (a frame
+/// carries the headers whole, so long texts in them are bounded).
+pub(crate) fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 /// A header value as text: a string, UTF-8 bytes, or an integer.

@@ -54,8 +54,7 @@ mod database_gate;
 mod dead_letter;
 mod delivery;
 mod dispatch;
-#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
-mod frame_size;
+mod fit;
 mod handler;
 mod headers;
 mod health;
@@ -86,12 +85,15 @@ pub mod window;
 pub use broker::{Broker, DEFAULT_CONNECTION_TIMEOUT};
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
-pub use dead_letter::{DeadLetter, DeadLetterReason, REPLAY_HISTORY_HEADER, ReplayRecord};
+pub use dead_letter::{
+    DeadLetter, DeadLetterReason, MAX_REPLAY_HISTORY, REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER,
+    ReplayRecord,
+};
 pub use handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
     MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER,
-    REASON_HEADER, ROUTING_KEY_HEADER,
+    REASON_HEADER, ROUTING_KEY_HEADER, TRIMMED_HEADERS_HEADER,
 };
 pub use health::{Health, HealthSnapshot, RuntimeState};
 pub use message::{DecodeError, FromMessage, JsonBody, Message};

@@ -45,6 +45,19 @@ pub enum PublishError {
     /// The channel stayed busy with other publishes: nothing was sent.
     #[error("the publishing channel stayed busy for {0:?}; nothing was sent")]
     Busy(Duration),
+    /// The message's properties (its headers) do not fit one frame of the
+    /// connection: RabbitMQ would close the whole connection, so nothing was
+    /// sent.
+    #[error(
+        "the message's properties need a {size}-byte frame, more than the connection's \
+         frame size of {frame_max} bytes; nothing was sent"
+    )]
+    TooLarge {
+        /// The header frame the properties need, in bytes.
+        size: usize,
+        /// The connection's negotiated frame size.
+        frame_max: usize,
+    },
 }
 
 impl PublishError {
@@ -59,6 +72,7 @@ impl PublishError {
             PublishError::Nacked
             | PublishError::Returned(_)
             | PublishError::Busy(_)
+            | PublishError::TooLarge { .. }
             | PublishError::Closed(_) => true,
             PublishError::Amqp(e) => refused_before_routing(e),
             PublishError::Lost(_) | PublishError::Timeout(_) => false,
@@ -111,6 +125,8 @@ pub struct ConfirmChannel {
     /// for the publish in progress.
     status: Channel,
     confirm_timeout: Duration,
+    /// The connection's frame size: larger properties are refused unsent.
+    frame_max: usize,
 }
 
 impl std::fmt::Debug for ConfirmChannel {
@@ -137,6 +153,7 @@ impl ConfirmChannel {
             status: channel.clone(),
             channel: Mutex::new(channel),
             confirm_timeout,
+            frame_max: super::fit::frame_max(connection),
         })
     }
 
@@ -145,8 +162,9 @@ impl ConfirmChannel {
     /// confirm timeout.
     ///
     /// # Errors
-    /// [`PublishError`]: nacked, returned (unroutable), timed out, or the
-    /// channel failed. After a timeout the channel is closed (a late confirm
+    /// [`PublishError`]: nacked, returned (unroutable), timed out, the
+    /// channel failed, or the properties do not fit a frame (refused before
+    /// sending). After a timeout the channel is closed (a late confirm
     /// must not be credited to the next publish): open a new one.
     ///
     /// # Cancel safety
@@ -174,6 +192,10 @@ impl ConfirmChannel {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
+        super::fit::check(&properties, self.frame_max).map_err(|e| PublishError::TooLarge {
+            size: e.size,
+            frame_max: e.frame_max,
+        })?;
         let Ok(channel) = timeout_at(deadline, self.channel.lock()).await else {
             return Err(PublishError::Busy(self.confirm_timeout));
         };

@@ -8,6 +8,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection};
 
 use super::Message;
+use super::fit;
 use super::headers::ORIGINAL_EXPIRATION_HEADER;
 use super::publish::{ConfirmChannel, PublishError};
 
@@ -20,6 +21,8 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 pub(crate) struct Republisher {
     channels: Vec<ConfirmChannel>,
     next: AtomicUsize,
+    /// The connection's frame size, which a copy's properties must fit.
+    frame_max: usize,
 }
 
 impl Republisher {
@@ -32,11 +35,16 @@ impl Republisher {
         Ok(Republisher {
             channels: opened,
             next: AtomicUsize::new(0),
+            frame_max: fit::frame_max(connection),
         })
     }
 
     /// Publishes a copy of `message` to `queue` with `headers` added, and
     /// returns once the broker confirmed it. Only then may the original be acked.
+    ///
+    /// # Errors
+    /// [`PublishError::TooLarge`] (nothing sent) when the copy's properties
+    /// do not fit the connection's frame; any other publish error.
     pub(crate) async fn publish(
         &self,
         queue: &str,
@@ -44,6 +52,38 @@ impl Republisher {
         headers: impl IntoIterator<Item = (&'static str, AMQPValue)>,
     ) -> Result<(), PublishError> {
         let properties = copy_properties(message, headers);
+        self.send(queue, message, properties).await
+    }
+
+    /// [`publish`](Self::publish) for a dead letter, which must reach the DLQ
+    /// even when its headers do not fit the frame: they are trimmed until they
+    /// do ([`fit::trim`]). Returns the headers removed (name, bytes).
+    ///
+    /// # Errors
+    /// [`PublishError::TooLarge`] when even idempo's own headers do not fit;
+    /// any other publish error.
+    pub(crate) async fn publish_trimmed(
+        &self,
+        queue: &str,
+        message: &Message,
+        headers: impl IntoIterator<Item = (&'static str, AMQPValue)>,
+    ) -> Result<Vec<(String, usize)>, PublishError> {
+        let properties = copy_properties(message, headers);
+        let (properties, trimmed) =
+            fit::trim(properties, self.frame_max).map_err(|e| PublishError::TooLarge {
+                size: e.size,
+                frame_max: e.frame_max,
+            })?;
+        self.send(queue, message, properties).await?;
+        Ok(trimmed)
+    }
+
+    async fn send(
+        &self,
+        queue: &str,
+        message: &Message,
+        properties: BasicProperties,
+    ) -> Result<(), PublishError> {
         let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.channels.len();
         self.channels[slot]
             .publish("", queue, message.body(), properties)

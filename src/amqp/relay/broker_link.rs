@@ -70,8 +70,8 @@ impl BrokerLink {
 
     /// The connection's negotiated `frame_max`: a message's header frame
     /// must fit in it.
-    pub(super) fn frame_max(&self) -> u32 {
-        self.connection.configuration().frame_max()
+    pub(super) fn frame_max(&self) -> usize {
+        crate::amqp::fit::frame_max(&self.connection)
     }
 
     /// Whether the connection is still up.

@@ -83,7 +83,7 @@ mod tests {
     /// bytes: it must be the client's.
     #[test]
     fn staging_counts_the_header_frame_as_the_client_encodes_it() {
-        use crate::amqp::frame_size::header_frame_size;
+        use crate::amqp::fit::header_frame_len as header_frame_size;
         use crate::outbox::OutboxMessage;
         let staged = |m: &OutboxMessage| Staged {
             exchange: m.exchange.clone(),

@@ -13,7 +13,7 @@ use tracing::Instrument;
 use super::broker_link::BrokerLink;
 use super::frame::{broker_size_limit, frame};
 use super::{CLEANUP_BATCH, CONTENDED_RETRY, LOCAL_LINGER, Publishing, Relay, RelayState};
-use crate::amqp::frame_size::check_header_frame;
+use crate::amqp::fit;
 use crate::amqp::publish::PublishError;
 use crate::amqp::reconnect::{self, Reconnect, Session, Sessions};
 use crate::backoff::Backoff;
@@ -544,13 +544,13 @@ impl<'a> Running<'a> {
                 let frame = frame(message);
                 // A header frame over frame_max closes the whole connection
                 // (FRAME_ERROR): never sent.
-                match check_header_frame(&frame.properties, frame_max) {
+                match fit::check(&frame.properties, frame_max) {
                     Ok(()) => {
                         sent.push((e, i));
                         frames.push(frame);
                         row.push(Said::Unknown(String::new()));
                     }
-                    Err(size) => row.push(Said::Refused {
+                    Err(fit::TooLarge { size, .. }) => row.push(Said::Refused {
                         error: format!(
                             "its properties and headers take {size} bytes, above the connection's \
                              frame_max of {frame_max} bytes (the broker would close the connection: FRAME_ERROR)"

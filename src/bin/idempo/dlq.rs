@@ -14,7 +14,8 @@ use crate::{ATTENTION, Ctx};
 
 #[derive(Subcommand)]
 pub(crate) enum DlqCommand {
-    /// List dead letters (they stay in the DLQ, in their order).
+    /// List dead letters (they stay in the DLQ, put back without spending a
+    /// delivery attempt; a listing that stopped early moves them to its back).
     List {
         /// The work queue (its DLQ is `<queue>.dlq`) or the DLQ itself.
         queue: String,

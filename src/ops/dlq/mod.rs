@@ -1,10 +1,26 @@
 //! Dead letters: [`list`], [`show`], [`replay`] to the work queue, [`purge`].
 //!
 //! Dead letters are read with `basic.get` and held unacknowledged while an
-//! operation runs: none comes twice, and closing the channel puts every one
-//! not deleted back into the DLQ, in its order. Only [`replay`] (after the
-//! broker confirmed the copy) and [`PurgePlan::delete`] acknowledge, that is
-//! delete, dead letters.
+//! operation runs, so none comes twice. Only [`replay`] (after the broker
+//! confirmed the copy) and [`PurgePlan::delete`] delete dead letters.
+//!
+//! # Browsing spends no delivery attempts
+//!
+//! A dead letter handed back to a quorum queue (by `basic.nack`, or by
+//! closing the channel) counts as a failed delivery on RabbitMQ 3.x and 4.0
+//! to 4.2: its `x-delivery-count` grows, and once it reaches the queue's
+//! `delivery-limit` (a policy; on 4.x every quorum queue has 20 unless told
+//! otherwise) the broker drops it. So an operation does not hand a dead
+//! letter back: when it ends, every dead letter it read and did not delete
+//! is published again to the DLQ as a new message (same body and
+//! properties, without the broker's `x-delivery-count`/`x-acquired-count`),
+//! confirmed, and only then the one read is acknowledged. The dead letters
+//! read move, in their order, to the back of the DLQ: a browse of the whole
+//! DLQ keeps its order; one that stopped early (a limit, `show`) puts what
+//! it read behind the rest. A dead letter whose copy is not confirmed is
+//! handed back by closing the channel instead. A crash between the confirm
+//! and the ack leaves a dead letter twice (replaying both is harmless: the
+//! consumer drops the second as a duplicate).
 //!
 //! A queue is named by its work queue (`payments`, whose DLQ is
 //! [`dead_letter_queue`]`("payments")`) or by the DLQ itself
@@ -15,13 +31,16 @@ mod replay;
 
 use std::collections::BTreeMap;
 
+use std::time::Duration;
+
 use lapin::message::Delivery;
-use lapin::options::BasicGetOptions;
-use lapin::{Channel, Connection};
+use lapin::options::{BasicAckOptions, BasicGetOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection};
 use serde::Serialize;
 
 use super::{OpsError, Result, Services, close, queue_depth};
-use crate::amqp::{DeadLetter, dead_letter_queue};
+use crate::amqp::{ConfirmChannel, DeadLetter, dead_letter_queue};
 
 pub use purge::{PurgeOptions, PurgePlan, purge};
 pub use replay::{Refusal, ReplayEvent, ReplayOptions, ReplaySummary, replay};
@@ -113,12 +132,32 @@ fn dlq_name(queue: &str) -> String {
     }
 }
 
+/// How long a copy (a replay, or a dead letter put back) may wait for its
+/// confirm.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Headers the broker adds to a delivery, which a dead letter put back must
+/// not carry (the copy is a new message, delivered zero times).
+const BROKER_DELIVERY_HEADERS: [&str; 2] = ["x-delivery-count", "x-acquired-count"];
+
+/// A dead letter read and not deleted yet: what putting it back needs.
+struct Held {
+    tag: u64,
+    properties: BasicProperties,
+    body: Vec<u8>,
+}
+
 /// A DLQ opened for reading.
 struct Opened {
     connection: Connection,
     channel: Channel,
+    /// Copies (replays, dead letters put back), confirmed one at a time.
+    confirms: ConfirmChannel,
     dlq: String,
+    /// Its ready messages when opened.
     ready: u32,
+    /// Every dead letter read and not acked, in the order read.
+    held: std::sync::Mutex<Vec<Held>>,
 }
 
 impl Opened {
@@ -133,15 +172,19 @@ impl Opened {
                     dlq: dlq.clone(),
                 });
             };
-            Ok((connection.create_channel().await?, depth.ready))
+            let channel = connection.create_channel().await?;
+            let confirms = ConfirmChannel::open(&connection, CONFIRM_TIMEOUT).await?;
+            Ok((channel, confirms, depth.ready))
         }
         .await;
         match opened {
-            Ok((channel, ready)) => Ok(Opened {
+            Ok((channel, confirms, ready)) => Ok(Opened {
                 connection,
                 channel,
+                confirms,
                 dlq,
                 ready,
+                held: std::sync::Mutex::default(),
             }),
             Err(e) => {
                 close(&connection).await;
@@ -151,7 +194,7 @@ impl Opened {
     }
 
     /// The next dead letter, unacknowledged: it stays on this channel until
-    /// acked (deleted) or the channel closes (back into the DLQ).
+    /// acked (deleted) or put back by [`close`](Self::close).
     async fn next(&self) -> Result<Option<Delivery>> {
         let got = self
             .channel
@@ -161,7 +204,28 @@ impl Opened {
                 queue: self.dlq.clone(),
                 source,
             })?;
-        Ok(got.map(|m| m.delivery))
+        let delivery = got.map(|m| m.delivery);
+        if let Some(d) = &delivery {
+            self.held().push(Held {
+                tag: d.delivery_tag,
+                properties: d.properties.clone(),
+                body: d.data.clone(),
+            });
+        }
+        Ok(delivery)
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Vec<Held>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Acknowledges (deletes) a dead letter read.
+    async fn ack(&self, tag: u64) -> lapin::Result<()> {
+        self.channel
+            .basic_ack(tag, BasicAckOptions::default())
+            .await?;
+        self.held().retain(|h| h.tag != tag);
+        Ok(())
     }
 
     /// Walks the DLQ once and returns what `selection` and `keep` pick, at
@@ -184,12 +248,54 @@ impl Opened {
         Ok(picked)
     }
 
-    /// Closes the channel (every dead letter not acked goes back into the
-    /// DLQ, after the acks sent) and the connection.
+    /// Puts every dead letter read and not acked back at the end of the DLQ
+    /// as a new message (see the module docs: a dead letter handed back
+    /// would spend a delivery attempt), then closes the channels (any left
+    /// unacked go back into the DLQ, after the acks sent) and the connection.
     async fn close(self, why: &str) {
+        let held = std::mem::take(&mut *self.held());
+        for letter in held {
+            let properties = without_broker_headers(letter.properties);
+            let put_back = self
+                .confirms
+                .publish("", &self.dlq, &letter.body, properties)
+                .await;
+            match put_back {
+                Ok(()) => {
+                    let acked = self
+                        .channel
+                        .basic_ack(letter.tag, BasicAckOptions::default())
+                        .await;
+                    if acked.is_err() {
+                        // The channel is gone: the original is back in the
+                        // DLQ beside its copy, and nothing more can be acked.
+                        tracing::warn!(dlq = %self.dlq, "a dead letter put back is now in the DLQ twice");
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(dlq = %self.dlq, error = %e, "a dead letter is handed back instead of put back");
+                }
+            }
+        }
+        self.confirms.close().await;
         let _ = self.channel.close(200, why.into()).await;
         close(&self.connection).await;
     }
+}
+
+/// `properties` without the headers the broker added on delivery.
+fn without_broker_headers(properties: BasicProperties) -> BasicProperties {
+    let Some(headers) = properties.headers().clone() else {
+        return properties;
+    };
+    let kept: std::collections::BTreeMap<_, _> = headers
+        .inner()
+        .iter()
+        .filter(|(name, _)| !BROKER_DELIVERY_HEADERS.contains(&name.as_str()))
+        .map(|(name, value)| (name.clone(), value.clone()))
+        .collect();
+    properties.with_headers(FieldTable::from(kept))
 }
 
 /// The dead letters [`list`] found.
@@ -205,7 +311,8 @@ pub struct Listing {
 }
 
 /// Lists at most `limit` dead letters of `queue` that `selection` picks.
-/// They all stay in the DLQ, in their order.
+/// They all stay in the DLQ: put back, without spending a delivery attempt
+/// (see the module docs), in their order.
 ///
 /// ```no_run
 /// use idempo::ops::{Services, dlq};

@@ -4,7 +4,6 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
 
 use super::{DeadLetterSummary, Opened, Selection};
 use crate::amqp::DeadLetter;
@@ -65,11 +64,7 @@ impl PurgePlan {
     pub async fn delete(self) -> Result<usize> {
         let mut acked = Ok(());
         for delivery in &self.picked {
-            acked = self
-                .opened
-                .channel
-                .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
-                .await;
+            acked = self.opened.ack(delivery.delivery_tag).await;
             if acked.is_err() {
                 break;
             }
@@ -80,7 +75,8 @@ impl PurgePlan {
         Ok(self.picked.len())
     }
 
-    /// Deletes nothing: every dead letter picked goes back into the DLQ.
+    /// Deletes nothing: every dead letter picked is put back into the DLQ
+    /// (without spending a delivery attempt: see the [module docs](super)).
     pub async fn keep(self) {
         self.opened.close("not purged").await;
     }

@@ -3,19 +3,15 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
 use sqlx::PgPool;
 
 use super::{DeadLetterSummary, Opened, Selection};
-use crate::amqp::{ConfirmChannel, DeadLetter};
+use crate::amqp::{DeadLetter, PublishError};
 use crate::inbox::{self, Claim};
 use crate::ops::{OpsError, Result, Services, queue_depth};
-
-/// How long a replayed copy may wait for the broker's confirm.
-const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How [`replay`] runs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -45,6 +41,13 @@ pub enum Refusal {
     /// Its consumer already processed its id with a different body: the
     /// copy would be dead-lettered again (unless [`ReplayOptions::force`]).
     PayloadMismatch,
+    /// It was replayed after this replay started (by this replay, or by
+    /// another one running beside it) and failed again: a replay sends each
+    /// dead letter once.
+    ReplayedDuringRun,
+    /// Its replay copy (with its replay history) would not fit one frame of
+    /// the connection.
+    TooLarge,
 }
 
 impl fmt::Display for Refusal {
@@ -52,6 +55,10 @@ impl fmt::Display for Refusal {
         f.write_str(match self {
             Refusal::Foreign => "foreign (no x-idempo-original-queue): it needs a target queue",
             Refusal::PayloadMismatch => "its id was already processed with a different payload",
+            Refusal::ReplayedDuringRun => {
+                "it was replayed after this replay started and failed again"
+            }
+            Refusal::TooLarge => "its replay copy would not fit the connection's frame size",
         })
     }
 }
@@ -121,7 +128,19 @@ impl ReplaySummary {
 /// before the confirm leaves the dead letter in the DLQ; a crash between the
 /// confirm and the ack leaves both, and replaying again publishes a second
 /// copy that the consumer drops as a duplicate. Unselected and refused dead
-/// letters stay in the DLQ, in their order.
+/// letters stay in the DLQ (put back without spending a delivery attempt:
+/// see the [module docs](super)).
+///
+/// # Once per run
+/// A replay works on the dead letters present when it started: it reads at
+/// most as many as the DLQ held then, so the copies that fail again and
+/// come back during the run (behind them) are not replayed again by it. Two
+/// replays of one DLQ at once share its dead letters (the broker hands each
+/// to one of them); a dead letter that one replayed and that came back
+/// before the other finished carries a replay record dated after the other's
+/// start and is skipped ([`Refusal::ReplayedDuringRun`]). So no dead letter
+/// is replayed twice over both runs, provided the clocks of the hosts
+/// running them agree (the record's time is the replaying host's).
 ///
 /// # Refusals
 /// A foreign dead letter without a target, and one whose id its consumer
@@ -159,31 +178,18 @@ pub async fn replay(
         return Err(OpsError::NothingSelected);
     }
     let pool = services.database().await?;
+    // Before the DLQ's count is taken: a replay record dated later is one
+    // made during this run (records are written to the millisecond).
+    let started = SystemTime::now() - Duration::from_millis(1);
     let opened = Opened::new(services, queue).await?;
-    let confirms = if options.dry_run {
-        Ok(None)
-    } else {
-        ConfirmChannel::open(&opened.connection, CONFIRM_TIMEOUT)
-            .await
-            .map(Some)
+    let mut run = Run {
+        pool,
+        opened: &opened,
+        options,
+        checked: Vec::new(),
+        started,
     };
-    let outcome = match confirms {
-        Ok(confirms) => {
-            let mut run = Run {
-                pool,
-                opened: &opened,
-                confirms: confirms.as_ref(),
-                options,
-                checked: Vec::new(),
-            };
-            let outcome = run.all(selection, &mut on_event).await;
-            if let Some(confirms) = &confirms {
-                confirms.close().await;
-            }
-            outcome
-        }
-        Err(e) => Err(e.into()),
-    };
+    let outcome = run.all(selection, &mut on_event).await;
     opened.close("replayed").await;
     outcome
 }
@@ -192,11 +198,11 @@ pub async fn replay(
 struct Run<'a> {
     pool: &'a PgPool,
     opened: &'a Opened,
-    /// `None` in a dry run.
-    confirms: Option<&'a ConfirmChannel>,
     options: &'a ReplayOptions,
     /// Work queues known to exist.
     checked: Vec<String>,
+    /// When the run started.
+    started: SystemTime,
 }
 
 impl Run<'_> {
@@ -215,13 +221,18 @@ impl Run<'_> {
             ..ReplaySummary::default()
         };
         let mut seen = 0usize;
-        while seen < limit {
+        // The dead letters present at the start, and no more: what comes
+        // back during the run queues up behind them.
+        let snapshot = self.opened.ready as usize;
+        let mut read = 0usize;
+        while seen < limit && read < snapshot {
             let Some(delivery) = self.opened.next().await? else {
                 break;
             };
+            read += 1;
             let dead = DeadLetterSummary::of(&delivery);
             if !selection.matches(&dead) {
-                continue; // stays unacked: back into the DLQ when the channel closes
+                continue; // put back when the run ends
             }
             seen += 1;
             let message_id = dead.message_id.as_deref();
@@ -237,30 +248,44 @@ impl Run<'_> {
                 Ok(target) => target,
             };
             self.check(&target).await?;
-            let Some(confirms) = self.confirms else {
+            if self.options.dry_run {
                 summary.replayed += 1;
                 on_event(ReplayEvent::WouldReplay {
                     message_id,
                     queue: &target,
                 });
                 continue;
-            };
+            }
             // Crash here: nothing published; the message is in the DLQ.
             let properties = DeadLetter::from_delivery(&delivery).replay_properties();
-            confirms
+            let published = self
+                .opened
+                .confirms
                 .publish("", &target, &delivery.data, properties)
-                .await
-                .map_err(|source| OpsError::NotConfirmed {
-                    message_id: dead.message_id.clone(),
-                    queue: target.clone(),
-                    source: Box::new(source),
-                })?;
+                .await;
+            match published {
+                Ok(()) => {}
+                Err(PublishError::TooLarge { .. }) => {
+                    *summary.skipped.entry(Refusal::TooLarge).or_default() += 1;
+                    on_event(ReplayEvent::Skipped {
+                        message_id,
+                        refusal: Refusal::TooLarge,
+                    });
+                    continue;
+                }
+                Err(source) => {
+                    return Err(OpsError::NotConfirmed {
+                        message_id: dead.message_id.clone(),
+                        queue: target.clone(),
+                        source: Box::new(source),
+                    });
+                }
+            }
             // Crash here: the copy is in the work queue and the original in the
             // DLQ; a second replay publishes it again and the consumer drops it
             // as a duplicate.
             self.opened
-                .channel
-                .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
+                .ack(delivery.delivery_tag)
                 .await
                 .map_err(OpsError::Ack)?;
             summary.replayed += 1;
@@ -278,6 +303,10 @@ impl Run<'_> {
     /// The work queue to replay `delivery` to, or why not.
     async fn refusal(&self, delivery: &Delivery) -> Result<Result<String, Refusal>> {
         let dead = DeadLetter::from_delivery(delivery);
+        // Replayed by this run (or one beside it) and dead-lettered again.
+        if dead.last_replayed().is_some_and(|at| at >= self.started) {
+            return Ok(Err(Refusal::ReplayedDuringRun));
+        }
         let target = dead.original_queue().or_else(|| self.options.to.clone());
         let mismatch = match (dead.consumer(), dead.message_id()) {
             (Some(consumer), Some(id)) => {
