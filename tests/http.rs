@@ -1519,10 +1519,9 @@ async fn the_example_server_closes_slow_clients_and_answers_real_requests() {
                 if stream.write_all(header.as_bytes()).await.is_err() {
                     break;
                 }
-                match tokio::time::timeout(Duration::from_millis(200), stream.read(&mut buf)).await
-                {
-                    Ok(Ok(0) | Err(_)) => break,
-                    _ => {}
+                let read = tokio::time::timeout(Duration::from_millis(200), stream.read(&mut buf));
+                if let Ok(Ok(0) | Err(_)) = read.await {
+                    break;
                 }
                 if started.elapsed() > Duration::from_secs(30) {
                     break;
