@@ -143,24 +143,34 @@ async fn publish_batch(
     let (_, channel) = channel.ok_or("no connection")?;
     let publish = async {
         for (id, body) in messages {
-            channel
+            let confirmation = channel
                 .basic_publish(
                     "".into(),
                     queue.into(),
-                    BasicPublishOptions::default(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
                     body,
                     BasicProperties::default()
                         .with_message_id(id.as_str().into())
                         .with_delivery_mode(2),
                 )
-                .await?
-                .await?;
+                .await
+                .map_err(|e| e.to_string())?
+                .await
+                .map_err(|e| e.to_string())?;
+            // A quorum queue electing a leader nacks publishes; a nacked (or
+            // returned) message is not in the queue: the batch goes again.
+            match confirmation {
+                lapin::Confirmation::Ack(None) => {}
+                other => return Err(format!("{id} not taken by the broker: {other:?}")),
+            }
         }
-        Ok::<_, lapin::Error>(())
+        Ok::<_, String>(())
     };
     match tokio::time::timeout(Duration::from_secs(10), publish).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
+        Ok(result) => result,
         Err(_) => Err("confirms did not come within 10 s".into()),
     }
 }
@@ -217,6 +227,10 @@ async fn progress(db: &Db, n: i64, what: &str) -> Duration {
 async fn cluster_node_stops_and_kills_leave_every_payment_applied_exactly_once() {
     support::init_tracing();
     cluster::require().await;
+    // Build the example first: a build that outlasts the test queues' idle
+    // expiry (5 minutes, a policy of the test broker) would delete the
+    // queue with the load published into it before the consumers start.
+    support::payments_example_binary();
     let started = Instant::now();
     let db = Db::new().await;
     let queue = unique("cluster");
@@ -299,8 +313,24 @@ async fn cluster_node_stops_and_kills_leave_every_payment_applied_exactly_once()
     })
     .await;
     let dlq = format!("{queue}.dlq");
-    eventually("every poison message dead-lettered", WAIT, || async {
-        inspect.ready(&dlq).await as usize >= 4 * POISON_EACH
+    let mut each_node = Vec::new();
+    for n in nodes.running() {
+        each_node.push((n, Broker::on_cluster_node(n).await));
+    }
+    eventually_showing("every poison message dead-lettered", WAIT, || async {
+        let dead = inspect.ready(&dlq).await as usize;
+        // What each running node says, in case one member lags.
+        let mut per_node = Vec::new();
+        for (n, node) in &each_node {
+            per_node.push(format!("node {n}: {}", node.ready(&dlq).await));
+        }
+        let seen = format!(
+            "{dead} of {} in {dlq} ({}); consumer logs in {}",
+            4 * POISON_EACH,
+            per_node.join(", "),
+            env!("CARGO_TARGET_TMPDIR")
+        );
+        (dead >= 4 * POISON_EACH, seen)
     })
     .await;
 

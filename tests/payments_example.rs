@@ -18,6 +18,8 @@ const WAIT: Duration = Duration::from_secs(120);
 #[tokio::test]
 async fn sigkill_mid_load_then_restart_applies_every_payment_exactly_once() {
     let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("pay"));
+    // Built before the queue waits idle (see `publish_load`).
+    support::payments_example_binary();
     broker.declare(&queue).await;
     let load = publish_load(&broker, &queue, 4000, true).await;
 
@@ -70,6 +72,8 @@ async fn sigkill_mid_load_then_restart_applies_every_payment_exactly_once() {
 #[tokio::test]
 async fn sigterm_under_load_exits_0_and_leaves_each_payment_applied_once_or_queued() {
     let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("pay"));
+    // Built before the queue waits idle (see `publish_load`).
+    support::payments_example_binary();
     broker.declare(&queue).await;
     // No duplicates: then a payment both applied and still queued would mean
     // committed work was handed back unacked instead of being acked.
@@ -141,6 +145,8 @@ async fn chaos_in_batch_mode_leaves_every_payment_applied_exactly_once() {
 async fn chaos(batch: &str) {
     let started = std::time::Instant::now();
     let (db, broker, queue) = (Db::new().await, Broker::connect().await, unique("chaos"));
+    // Built before the queue waits idle (see `publish_load`).
+    support::payments_example_binary();
     broker.declare(&queue).await;
     let dlq = format!("{queue}.dlq");
 

@@ -22,6 +22,11 @@ pub async fn publish_load(
     unique_payments: usize,
     duplicates: bool,
 ) -> Load {
+    // The example must be built before a load waits in its queue: a build
+    // that outlasts the test queues' idle expiry (a 5-minute broker policy)
+    // would delete the queue, load and all, before the example consumes it.
+    // Callers build it before they declare; this catches one that did not.
+    super::payments_example_binary();
     let mut load = Load {
         ids: BTreeSet::new(),
         expected: BTreeMap::new(),
