@@ -698,7 +698,24 @@ pub fn example_binary(name: &str) -> std::path::PathBuf {
         return path.clone();
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = std::process::Command::new(cargo)
+    let mut command = std::process::Command::new(cargo);
+    // The variables cargo sets for a test process are not the shell's:
+    // `ring`'s build script reruns when CARGO_MANIFEST_DIR changes, which
+    // rebuilt the whole TLS stack (minutes) on the first example of a run.
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        if key == "CARGO_MANIFEST_DIR"
+            || key == "CARGO_MANIFEST_PATH"
+            || key == "CARGO_CRATE_NAME"
+            || key == "CARGO_PRIMARY_PACKAGE"
+            || key == "CARGO_TARGET_TMPDIR"
+            || key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_BIN_")
+        {
+            command.env_remove(&*key);
+        }
+    }
+    let out = command
         .args([
             "build",
             "--all-features",
