@@ -252,11 +252,12 @@ async fn postgres_tls_refusal(pool: &PgPool) -> Option<Error> {
         Ok(Err(error)) => error,
         _ => return None,
     };
-    // rustls's refusals reach sqlx as I/O errors ("invalid peer certificate"):
-    // only the text tells them from a refused TCP connection.
+    // rustls's refusals of the handshake reach sqlx as I/O errors that carry
+    // the rustls error: told from a refused TCP connection by its type.
     let tls = match &error {
         sqlx::Error::Tls(_) => true,
-        sqlx::Error::Io(_) => crate::error::looks_like_tls_failure(&error.to_string()),
+        #[cfg(feature = "tls")]
+        sqlx::Error::Io(io) => crate::error::tls_failure(io).is_some(),
         _ => false,
     };
     tls.then(|| Error::Tls {
