@@ -2,6 +2,7 @@
 //! to reach it (TLS, timeouts), and the connection that finds a live node.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -13,8 +14,86 @@ use crate::error::NodeFailure;
 use crate::redact::redact_url;
 use crate::{Error, Result};
 
-/// How long a connection attempt to one node may take, by default.
+/// How long a connection attempt to one node may take, by default: the TCP
+/// connect, the TLS handshake and the AMQP handshake together.
 pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The environment variable naming a PEM file of CA certificates to trust
+/// for `amqps://` instead of the system's roots ([`BrokerTlsFiles::from_env`]).
+pub const AMQP_CA_FILE: &str = "AMQP_CA_FILE";
+/// The environment variable naming the PEM file of a client certificate (and
+/// its chain) to present for `amqps://`; it goes with [`AMQP_CLIENT_KEY_FILE`].
+pub const AMQP_CLIENT_CERT_FILE: &str = "AMQP_CLIENT_CERT_FILE";
+/// The environment variable naming the PEM file of the client certificate's
+/// private key (unencrypted PKCS#8, PKCS#1 or SEC1).
+pub const AMQP_CLIENT_KEY_FILE: &str = "AMQP_CLIENT_KEY_FILE";
+
+/// The certificate files of an `amqps://` connection, as the binaries take
+/// them (the `payments` example and the `idempo` command read them with
+/// [`from_env`](Self::from_env)); [`Broker::tls_files`] reads and checks them.
+///
+/// ```
+/// use idempo::amqp::{Broker, BrokerTlsFiles};
+///
+/// let files = BrokerTlsFiles::from_env(); // AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE
+/// let broker = Broker::new("amqps://guest:guest@rabbit:5671/%2f")?.tls_files(&files)?;
+/// # Ok::<_, idempo::Error>(())
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BrokerTlsFiles {
+    /// CA certificates to trust instead of the system's roots.
+    pub ca_file: Option<PathBuf>,
+    /// The client certificate (mutual TLS).
+    pub client_cert_file: Option<PathBuf>,
+    /// The client certificate's private key.
+    pub client_key_file: Option<PathBuf>,
+}
+
+impl BrokerTlsFiles {
+    /// No files: the system's roots, no client certificate.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The files named by [`AMQP_CA_FILE`], [`AMQP_CLIENT_CERT_FILE`] and
+    /// [`AMQP_CLIENT_KEY_FILE`] (unset or empty: none).
+    pub fn from_env() -> Self {
+        let var = |name| {
+            std::env::var_os(name)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
+        BrokerTlsFiles {
+            ca_file: var(AMQP_CA_FILE),
+            client_cert_file: var(AMQP_CLIENT_CERT_FILE),
+            client_key_file: var(AMQP_CLIENT_KEY_FILE),
+        }
+    }
+
+    /// Trusts the CA certificates in this file.
+    #[must_use]
+    pub fn ca_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.ca_file = Some(path.into());
+        self
+    }
+
+    /// Presents the client certificate and key in these files.
+    #[must_use]
+    pub fn client_identity_files(
+        mut self,
+        certificate: impl Into<PathBuf>,
+        key: impl Into<PathBuf>,
+    ) -> Self {
+        self.client_cert_file = Some(certificate.into());
+        self.client_key_file = Some(key.into());
+        self
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ca_file.is_none() && self.client_cert_file.is_none() && self.client_key_file.is_none()
+    }
+}
 
 /// The broker a consumer (or a publisher) connects to: one or more node
 /// addresses, tried in order (or shuffled) until one answers; TLS settings
@@ -158,6 +237,49 @@ impl Broker {
     ) -> Self {
         self.identity = Some((certificate.into(), key.into()));
         self
+    }
+
+    /// Reads and checks the certificate files of `files`, and uses them as
+    /// [`ca_pem`](Self::ca_pem) and
+    /// [`client_identity_pem`](Self::client_identity_pem) do. Nothing given:
+    /// the broker unchanged.
+    ///
+    /// # Errors
+    /// [`Error::Certificate`] naming the file that is missing or unusable;
+    /// [`Error::Config`] for a client certificate without its key (or the
+    /// reverse), or files without idempo's `tls` feature.
+    pub fn tls_files(self, files: &BrokerTlsFiles) -> Result<Self> {
+        if files.is_empty() {
+            return Ok(self);
+        }
+        #[cfg(not(feature = "tls"))]
+        return Err(Error::Config(format!(
+            "{AMQP_CA_FILE}, {AMQP_CLIENT_CERT_FILE} and {AMQP_CLIENT_KEY_FILE} need idempo's `tls` feature"
+        )));
+        #[cfg(feature = "tls")]
+        {
+            use crate::certificate::{read_ca_file, read_certificate_file, read_key_file};
+            let mut broker = self;
+            if let Some(path) = &files.ca_file {
+                let pem = read_ca_file(path)?;
+                broker = broker.ca_pem(String::from_utf8_lossy(&pem).into_owned());
+            }
+            match (&files.client_cert_file, &files.client_key_file) {
+                (Some(certificate), Some(key)) => {
+                    broker = broker.client_identity_pem(
+                        read_certificate_file(certificate)?,
+                        read_key_file(key)?,
+                    );
+                }
+                (None, None) => {}
+                _ => {
+                    return Err(Error::Config(format!(
+                        "a client certificate needs both {AMQP_CLIENT_CERT_FILE} and {AMQP_CLIENT_KEY_FILE}"
+                    )));
+                }
+            }
+            Ok(broker)
+        }
     }
 
     /// The lapin TLS configuration of these settings.
