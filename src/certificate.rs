@@ -300,6 +300,8 @@ mod tests {
         path
     }
 
+    type Reader = fn(&Path) -> Result<Vec<u8>, CertificateError>;
+
     const CERT: &[u8] = b"-----BEGIN CERTIFICATE-----\nMAA=\n-----END CERTIFICATE-----\n";
     const KEY: &[u8] = b"-----BEGIN PRIVATE KEY-----\nMAA=\n-----END PRIVATE KEY-----\n";
     const ENCRYPTED: &[u8] =
@@ -307,12 +309,7 @@ mod tests {
 
     #[test]
     fn each_mistake_names_the_file_and_what_is_wrong() {
-        let cases: [(
-            &str,
-            &[u8],
-            fn(&Path) -> Result<Vec<u8>, CertificateError>,
-            &str,
-        ); 8] = [
+        let cases: [(&str, &[u8], Reader, &str); 8] = [
             ("empty.pem", b"\n", |p| read_ca_file(p), "is empty"),
             (
                 "garbage.pem",
