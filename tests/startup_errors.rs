@@ -612,3 +612,146 @@ fn the_payments_example_exits_on_a_wrong_password_with_the_cause_in_one_line() {
     );
     assert_no_secret(&out, "payments, a wrong password");
 }
+
+/// A file of this test run holding `contents`.
+fn scratch_file(name: &str, contents: &[u8]) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("target/tmp")
+        .join(unique("files"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+#[test]
+fn certificate_file_mistakes_stop_the_payments_example_naming_the_file() {
+    let garbage = scratch_file("garbage.pem", b"this is no certificate\n");
+    let empty = scratch_file("empty.pem", b"");
+    let db = database_url();
+    let sep = if db.contains('?') { '&' } else { '?' };
+    let verify = format!("{db}{sep}sslmode=verify-ca&sslrootcert={}", empty.display());
+    let queue = unique("cert_files");
+    let amqps = support::cluster::AMQPS_URL;
+    let cases: [(Vec<(&str, String)>, String); 3] = [
+        (
+            vec![
+                ("AMQP_URL", amqps.into()),
+                ("SSL_CERT_FILE", garbage.display().to_string()),
+            ],
+            format!("no certificate in PEM file {}", garbage.display()),
+        ),
+        (
+            vec![("DATABASE_URL", verify)],
+            format!("certificate file {} is empty", empty.display()),
+        ),
+        (
+            vec![
+                ("AMQP_URL", amqps.into()),
+                ("AMQP_CA_FILE", "/nonexistent/idempo/ca.pem".into()),
+            ],
+            "certificate file not found: /nonexistent/idempo/ca.pem".into(),
+        ),
+    ];
+    for (env, expected) in cases {
+        let mut all: Vec<(&str, String)> = vec![
+            ("DATABASE_URL", database_url()),
+            ("AMQP_URL", amqp_url()),
+            ("PAYMENTS_QUEUE", queue.clone()),
+        ];
+        all.extend(env);
+        // The last value of a variable wins.
+        let all: Vec<(&str, &str)> = all.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let (code, out) = run_for(
+            &example_binary("payments"),
+            &all,
+            &[],
+            Duration::from_secs(60),
+        );
+        assert!(matches!(code, Some(c) if c != 0), "exits: {code:?}\n{out}");
+        assert!(out.contains(&expected), "expected {expected:?}:\n{out}");
+    }
+}
+
+#[tokio::test]
+async fn payments_and_idempo_take_the_amqp_ca_and_client_certificate_from_the_environment() {
+    use support::cluster;
+    let probe = cluster::connect(1).await;
+    let _ = probe.close(200, "probe".into()).await;
+    let db = Db::new().await;
+    let queue = unique("amqps_env");
+    let publish = support::Broker::on_cluster_node(1).await;
+    publish.declare(&queue).await;
+    publish
+        .publish_payment(&queue, "amqps-env-1", "alice", 7)
+        .await;
+    let ca = cluster::cert("ca.pem").display().to_string();
+    let client = cluster::cert("client.pem").display().to_string();
+    let key = cluster::cert("client.key").display().to_string();
+    let log = std::fs::File::create(format!(
+        "{}/target/tmp/amqps-env.log",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .expect("the example's log");
+    let example = support::example::spawn_example_to(
+        &db.url,
+        &queue,
+        &[
+            ("RUST_LOG", "info"),
+            ("AMQP_URL", cluster::AMQPS_URL),
+            ("AMQP_CA_FILE", &ca),
+            ("AMQP_CLIENT_CERT_FILE", &client),
+            ("AMQP_CLIENT_KEY_FILE", &key),
+        ],
+        log,
+    );
+    support::eventually(
+        "the payment applied over amqps",
+        Duration::from_secs(60),
+        || async { db.payments_for("amqps-env-1").await == 1 },
+    )
+    .await;
+    let listing = cluster::ctl(
+        1,
+        &[
+            "list_connections",
+            "client_properties",
+            "peer_cert_subject",
+            "-q",
+            "--no-table-headers",
+        ],
+    );
+    assert!(
+        listing
+            .lines()
+            .any(|l| l.contains(&queue) && l.contains("idempo client")),
+        "the example's connection presents the client certificate:\n{listing}"
+    );
+    drop(example);
+
+    // The command reads the same variables; a flag replaces one.
+    let idempo = |ca_flag: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idempo"));
+        command
+            .args(["--amqp-url", cluster::AMQPS_URL, "--database-url", &db.url])
+            .env("AMQP_CA_FILE", &ca)
+            .env("AMQP_CLIENT_CERT_FILE", &client)
+            .env("AMQP_CLIENT_KEY_FILE", &key);
+        if let Some(file) = ca_flag {
+            command.args(["--amqp-ca-file", file]);
+        }
+        command.args(["status", "--queue", &queue]);
+        command.output().expect("run idempo")
+    };
+    let out = idempo(None);
+    assert!(
+        matches!(out.status.code(), Some(0 | 2)),
+        "status over amqps: {}",
+        text(&out)
+    );
+    assert!(text(&out).contains(&queue), "{}", text(&out));
+    let wrong = cluster::cert("wrong-ca.pem").display().to_string();
+    let out = idempo(Some(&wrong));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("UnknownIssuer"), "{}", text(&out));
+}
