@@ -7,10 +7,14 @@
 //! Environment:
 //! - `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`): one URL, or
 //!   several separated by commas, one per node of a cluster (tried in order;
-//!   after a lost connection, the next); `amqps://` with the system's roots
+//!   after a lost connection, the next); `amqps://` with the system's roots,
+//!   or with `AMQP_CA_FILE` (a PEM file of CA certificates to trust instead),
+//!   and a client certificate with `AMQP_CLIENT_CERT_FILE` and
+//!   `AMQP_CLIENT_KEY_FILE` (PEM, the key unencrypted); `SSL_CERT_FILE`
+//!   replaces the system's roots as for any rustls client
 //! - `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`),
 //!   with any `sslmode` (`require`, `verify-ca` and `verify-full` with
-//!   `sslrootcert=...`)
+//!   `sslrootcert=...`; the files it names are checked at start)
 //! - `PAYMENTS_QUEUE` (default `payments`; dead letters go to `$PAYMENTS_QUEUE.dlq`)
 //! - `PAYMENTS_FAIL_RATE` (default 0): probability of a transient error after
 //!   the handler wrote its rows, to watch the rollback and the retry
@@ -45,7 +49,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use idempo::Schema;
-use idempo::amqp::{Consumer, RedeliveryPolicy};
+use idempo::amqp::{Broker, BrokerTlsFiles, Consumer, RedeliveryPolicy};
 use sqlx::postgres::PgPoolOptions;
 
 fn env_or(name: &str, default: &str) -> String {
@@ -131,6 +135,11 @@ async fn main() -> anyhow::Result<()> {
         tracing::info!("Prometheus metrics on http://{addr}/metrics");
     }
 
+    // Named and explained before a client meets them: a bad certificate
+    // file would show as a TLS failure, or as a file error without its path.
+    idempo::certificate::check_database_url(&database_url)?;
+    let broker = Broker::new(&amqp_url)?.tls_files(&BrokerTlsFiles::from_env())?;
+
     let pool = PgPoolOptions::new()
         .max_connections(u32::from(concurrency) + 2)
         .acquire_timeout(Duration::from_secs(10))
@@ -152,6 +161,7 @@ async fn main() -> anyhow::Result<()> {
     };
 
     let mut consumer = Consumer::builder(amqp_url, pool)
+        .broker(broker)
         .queue(queue)
         .prefetch(prefetch.max(concurrency))
         .concurrency(usize::from(concurrency))

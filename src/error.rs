@@ -106,6 +106,50 @@ pub enum Error {
         reason: String,
     },
 
+    /// No broker node could be connected to: each node tried, and why it
+    /// failed (refused, no answer within the connection timeout, lost). An
+    /// outage: the consumer, the relay and the publishers retry it.
+    #[cfg(feature = "amqp")]
+    #[error("cannot connect to RabbitMQ: {}", NodeFailure::list(.nodes))]
+    BrokerUnreachable {
+        /// Each node tried, in order.
+        nodes: Vec<NodeFailure>,
+    },
+
+    /// The broker refused this client's configuration at connect time: a
+    /// wrong user name or password (`ACCESS_REFUSED`), a vhost that does not
+    /// exist or that the user may not access (`NOT_ALLOWED`), a port that
+    /// speaks TLS to an `amqp://` URL. No retry can fix it: at start it is
+    /// returned; after a connection once worked, it is retried (and reported
+    /// in `Health`), as an operator may be fixing the broker.
+    #[cfg(feature = "amqp")]
+    #[error("RabbitMQ refused the connection: {}", NodeFailure::list(.nodes))]
+    BrokerRefused {
+        /// Each node tried, in order, and why it failed.
+        nodes: Vec<NodeFailure>,
+    },
+
+    /// The broker refused an operation for lack of a permission
+    /// (`ACCESS_REFUSED`, 403): configure on a queue the consumer declares,
+    /// read on the queue it consumes. Returned at start, like
+    /// [`TopologyConflict`](Error::TopologyConflict).
+    #[cfg(feature = "amqp")]
+    #[error(
+        "RabbitMQ refused to {operation} ({broker}): grant the user the permission \
+         (rabbitmqctl set_permissions), or manage the queues yourself with declare(false)"
+    )]
+    AccessRefused {
+        /// What was refused, e.g. `declare queue "payments"`.
+        operation: String,
+        /// What the broker said.
+        broker: String,
+    },
+
+    /// A certificate or key file is missing or unusable: the error names the
+    /// file and what is wrong with it.
+    #[error(transparent)]
+    Certificate(#[from] crate::certificate::CertificateError),
+
     /// Some of idempo's migrations are not applied to the database, and this
     /// process was told not to apply them (`Schema::Check`).
     #[error(
@@ -138,6 +182,29 @@ pub enum Error {
     /// the transaction was already committed or rolled back.
     #[error("the transaction was already finished: a Tx handle outlived its handler")]
     TransactionFinished,
+}
+
+/// One broker node that could not be used, and why (in
+/// [`Error::BrokerUnreachable`] and [`Error::BrokerRefused`]).
+#[cfg(feature = "amqp")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NodeFailure {
+    /// The node's address, without its password.
+    pub node: String,
+    /// Why it failed.
+    pub reason: String,
+}
+
+#[cfg(feature = "amqp")]
+impl NodeFailure {
+    fn list(nodes: &[NodeFailure]) -> String {
+        nodes
+            .iter()
+            .map(|n| format!("{}: {}", n.node, n.reason))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
 }
 
 impl From<sqlx::migrate::MigrateError> for Error {
@@ -218,24 +285,34 @@ impl Error {
     }
 }
 
-/// Whether a client's error text says the TLS handshake itself failed (a
-/// certificate not trusted or not naming the host, a peer that does not speak
-/// TLS), as opposed to a refused or lost TCP connection. The clients (lapin,
-/// redis) give no typed TLS error, hence the text.
-#[cfg_attr(not(any(feature = "amqp", feature = "redis")), allow(dead_code))]
-pub(crate) fn looks_like_tls_failure(text: &str) -> bool {
-    let text = text.to_lowercase();
-    [
-        "certificate",
-        "corrupt message",
-        "handshake",
-        "tls",
-        "peer sent",
-        "alert",
-        "invalid peer",
-    ]
-    .iter()
-    .any(|needle| text.contains(needle))
+/// The TLS failure behind a client's error, if it is one: a rustls error
+/// anywhere in the chain of sources, or inside an I/O error of it (how
+/// lapin, redis and sqlx carry them). Typed, so that a vhost or a queue
+/// named `alerts` or `tls` is not taken for one.
+#[cfg(feature = "tls")]
+pub(crate) fn tls_failure<'a>(error: &'a (dyn StdError + 'static)) -> Option<&'a rustls::Error> {
+    let mut current = Some(error);
+    while let Some(e) = current {
+        // redis keeps its I/O error as an `Arc<dyn Error>`, whose `source`
+        // skips the error itself.
+        let e = match e.downcast_ref::<std::sync::Arc<dyn StdError + Send + Sync>>() {
+            Some(shared) => &**shared as &(dyn StdError + 'static),
+            None => e,
+        };
+        if let Some(rustls) = e.downcast_ref::<rustls::Error>() {
+            return Some(rustls);
+        }
+        // io::Error's `source` skips the error it carries, too.
+        if let Some(rustls) = e
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        {
+            return Some(rustls);
+        }
+        current = e.source();
+    }
+    None
 }
 
 /// [`Error::is_connection_error`] for a bare sqlx error.

@@ -79,6 +79,7 @@
 
 #[cfg_attr(not(any(feature = "amqp", feature = "retry")), allow(dead_code))]
 mod backoff;
+pub mod certificate;
 #[cfg(any(feature = "http", feature = "window"))]
 mod cleanup;
 mod error;
@@ -130,6 +131,9 @@ pub mod retry;
 #[cfg_attr(docsrs, doc(cfg(feature = "ops")))]
 pub mod ops;
 
+#[cfg(feature = "amqp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+pub use error::NodeFailure;
 pub use error::{Error, Result};
 
 /// The README's examples, compiled as doctests so that they cannot drift

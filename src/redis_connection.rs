@@ -83,19 +83,54 @@ pub(crate) async fn connect(url: &str, tls: Option<TlsCertificates>) -> Result<C
         .set_number_of_retries(1);
     // The manager connects before it returns: a refused handshake is reported
     // here, at start, rather than on the first request.
-    ConnectionManager::new_with_config(client, config)
+    match ConnectionManager::new_with_config(client.clone(), config).await {
+        Ok(manager) => Ok(manager),
+        Err(e) => Err(connect_error(url, &client, e).await),
+    }
+}
+
+/// Why a `rediss://` connection failed, when TLS is the reason: a rustls
+/// error (an untrusted certificate, a refused client certificate), or a
+/// server that answers plain RESP (it never answers the TLS hello: the
+/// client only times out).
+async fn connect_error(url: &str, client: &redis::Client, error: redis::RedisError) -> Error {
+    #[cfg(feature = "tls")]
+    if let redis::ConnectionAddr::TcpTls { host, port, .. } = client.get_connection_info().addr() {
+        let reason = match crate::error::tls_failure(&error) {
+            Some(rustls) => Some(format!("TLS handshake failed: {rustls}")),
+            None if speaks_plain_resp(host, *port).await => Some(
+                "the server does not speak TLS: it answers plain Redis (use redis://)".to_owned(),
+            ),
+            None => None,
+        };
+        if let Some(reason) = reason {
+            return Error::Tls {
+                service: "Redis".into(),
+                reason: format!("{}: {reason}", crate::redact_url(url)),
+            };
+        }
+    }
+    let _ = (url, client);
+    Error::Redis(error)
+}
+
+/// Whether `host:port` answers a plain `PING` in RESP (`+PONG`, or an error
+/// such as `-NOAUTH`): a server without TLS.
+#[cfg(feature = "tls")]
+async fn speaks_plain_resp(host: &str, port: u16) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut stream = tokio::net::TcpStream::connect((host, port)).await.ok()?;
+        stream.write_all(b"PING\r\n").await.ok()?;
+        let mut first = [0u8; 1];
+        stream.read_exact(&mut first).await.ok()?;
+        Some(matches!(first[0], b'+' | b'-'))
+    };
+    tokio::time::timeout(Duration::from_secs(2), probe)
         .await
-        .map_err(|e| {
-            if url.starts_with("rediss://") && crate::error::looks_like_tls_failure(&e.to_string())
-            {
-                Error::Tls {
-                    service: "Redis".into(),
-                    reason: e.to_string(),
-                }
-            } else {
-                Error::Redis(e)
-            }
-        })
+        .ok()
+        .flatten()
+        .unwrap_or(false)
 }
 
 #[cfg(feature = "tls")]

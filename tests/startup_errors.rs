@@ -7,6 +7,7 @@ mod support;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use idempo::amqp::Consumer;
 use support::{Db, amqp_url, database_url, example_binary, unique};
 
 /// Passwords that must never appear in any output.
@@ -366,4 +367,391 @@ async fn a_role_without_create_runs_once_the_schema_is_current_and_is_told_when_
         matches!(&behind, idempo::Error::SchemaBehind { missing } if !missing.is_empty()),
         "{behind}"
     );
+}
+
+/// A throw-away RabbitMQ user (password `pw`) and vhost on the shared broker,
+/// with the permissions given; both deleted at the end.
+struct BrokerUser {
+    user: String,
+    vhost: String,
+}
+
+fn ctl(args: &[&str]) {
+    let out = support::rabbitmqctl()
+        .args(args)
+        .output()
+        .expect("run rabbitmqctl");
+    assert!(out.status.success(), "rabbitmqctl {args:?}: {out:?}");
+}
+
+impl BrokerUser {
+    /// `permissions`: configure, write, read (regexps); `None`: no access.
+    fn new(permissions: Option<[&str; 3]>) -> BrokerUser {
+        let (user, vhost) = (unique("user"), unique("vhost"));
+        ctl(&["add_user", &user, "pw"]);
+        ctl(&["add_vhost", &vhost]);
+        if let Some([configure, write, read]) = permissions {
+            ctl(&[
+                "set_permissions",
+                "-p",
+                &vhost,
+                &user,
+                configure,
+                write,
+                read,
+            ]);
+        }
+        BrokerUser { user, vhost }
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://{}:pw@127.0.0.1:5672/{}", self.user, self.vhost)
+    }
+}
+
+impl Drop for BrokerUser {
+    fn drop(&mut self) {
+        let _ = support::rabbitmqctl()
+            .args(["delete_user", &self.user])
+            .output();
+        let _ = support::rabbitmqctl()
+            .args(["delete_vhost", &self.vhost])
+            .output();
+    }
+}
+
+/// Runs a consumer that must refuse to start, and returns its error.
+async fn refused_at_start(builder: impl support::consumer::Build) -> idempo::Error {
+    let running = support::consumer::Running::start(builder);
+    tokio::time::timeout(Duration::from_secs(30), running.task)
+        .await
+        .expect("a configuration error ends run() instead of a reconnect loop")
+        .expect("no panic")
+        .expect_err("a consumer the broker refuses does not run")
+}
+
+#[tokio::test]
+async fn broker_configuration_errors_end_the_start_with_the_cause_in_either_mode() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let no_access = BrokerUser::new(None);
+    // May read and write, may not declare (configure) anything.
+    let no_configure = BrokerUser::new(Some(["", ".*", ".*"]));
+    let queue = unique("refused");
+    let cases = [
+        (
+            "amqp://guest:wrongpw@127.0.0.1:5672/%2f".to_owned(),
+            "ACCESS_REFUSED",
+        ),
+        // Words that a text match once took for TLS failures, or did not.
+        (
+            "amqp://guest:guest@127.0.0.1:5672/alerts".to_owned(),
+            "vhost alerts not found",
+        ),
+        (
+            "amqp://guest:guest@127.0.0.1:5672/billing".to_owned(),
+            "vhost billing not found",
+        ),
+        (no_access.url(), "refused for user"),
+    ];
+    for batch in [false, true] {
+        for (url, cause) in &cases {
+            let builder = Consumer::builder(url.clone(), db.pool.clone()).queue(&queue);
+            let error = if batch {
+                refused_at_start(
+                    builder
+                        .batch_handler(|tx, batch| support::payments::handle_batch(tx, batch, 0.0)),
+                )
+                .await
+            } else {
+                refused_at_start(
+                    builder.handler(|tx, message| support::payments::handle(tx, message, 0.0)),
+                )
+                .await
+            };
+            assert!(
+                matches!(error, idempo::Error::BrokerRefused { .. }),
+                "{url} (batch: {batch}): {error:?}"
+            );
+            let line = error.to_string();
+            assert!(line.contains(cause), "{url}: {line}");
+            assert!(!line.contains('\n'), "one line: {line}");
+            assert!(!line.contains("wrongpw"), "no password: {line}");
+        }
+        // Connected, then refused the declaration of its queue.
+        let builder = Consumer::builder(no_configure.url(), db.pool.clone()).queue(&queue);
+        let error = if batch {
+            refused_at_start(
+                builder.batch_handler(|tx, batch| support::payments::handle_batch(tx, batch, 0.0)),
+            )
+            .await
+        } else {
+            refused_at_start(
+                builder.handler(|tx, message| support::payments::handle(tx, message, 0.0)),
+            )
+            .await
+        };
+        match &error {
+            idempo::Error::AccessRefused { operation, broker } => {
+                assert!(operation.contains(&queue), "{error}");
+                assert!(broker.contains("ACCESS_REFUSED"), "{error}");
+            }
+            other => panic!("expected AccessRefused (batch: {batch}), got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_refusal_after_a_good_start_is_retried_reported_and_counted() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let user = BrokerUser::new(Some([".*", ".*", ".*"]));
+    let queue = unique("refused_later");
+    let name = unique("refused_later_conn");
+    let running = support::consumer::Running::start(
+        Consumer::builder(user.url(), db.pool.clone())
+            .queue(&queue)
+            .connection_name(&name)
+            .handler(|tx, message| support::payments::handle(tx, message, 0.0)),
+    );
+    let publisher = idempo::amqp::Broker::new(&user.url())
+        .unwrap()
+        .connect("idempo-test-refused-later")
+        .await
+        .expect("the user connects");
+    let publish = support::Broker::with(publisher, &user.url()).await;
+    support::eventually("the queue declared", Duration::from_secs(30), || async {
+        publish.exists(&queue).await
+    })
+    .await;
+    publish.publish_payment(&queue, "rl-1", "alice", 5).await;
+    running.settled(1).await;
+
+    // The operator changes the password: the consumer's next sessions are refused.
+    ctl(&["change_password", &user.user, "other"]);
+    support::close_connections_named(&name);
+    support::eventually("a refusal counted", Duration::from_secs(30), || async {
+        running.stats().broker_refusals >= 1
+    })
+    .await;
+    let error = running.health.snapshot().last_error.unwrap_or_default();
+    assert!(error.contains("ACCESS_REFUSED"), "{error}");
+    assert!(
+        !running.task.is_finished(),
+        "retried, not fatal, after a good start"
+    );
+
+    // Fixed: it consumes again.
+    ctl(&["change_password", &user.user, "pw"]);
+    publish.publish_payment(&queue, "rl-2", "alice", 5).await;
+    running.settled(2).await;
+    assert_eq!(db.payments_for("rl-2").await, 1);
+    running.stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_hung_node_and_a_refused_node_are_both_named_within_one_timeout_each() {
+    // Accepts TCP and never answers.
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hung_port = hung.local_addr().unwrap().port();
+    let closed_port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let broker = idempo::amqp::Broker::new(&format!(
+        "amqp://127.0.0.1:{hung_port},amqp://127.0.0.1:{closed_port}"
+    ))
+    .unwrap();
+    let started = std::time::Instant::now();
+    let error = broker.connect("idempo-test-hung").await.unwrap_err();
+    let took = started.elapsed();
+    drop(hung);
+    eprintln!("{took:?}: {error}");
+    let timeout = idempo::amqp::DEFAULT_CONNECTION_TIMEOUT;
+    assert!(
+        took >= timeout && took < timeout + Duration::from_secs(3),
+        "one documented timeout for the hung node: took {took:?}"
+    );
+    match &error {
+        idempo::Error::BrokerUnreachable { nodes } => {
+            assert_eq!(nodes.len(), 2, "{error}");
+            assert!(nodes[0].node.contains(&hung_port.to_string()), "{error}");
+            assert!(nodes[0].reason.contains("no answer within 10s"), "{error}");
+            assert!(nodes[1].node.contains(&closed_port.to_string()), "{error}");
+            assert!(nodes[1].reason.contains("refused"), "{error}");
+        }
+        other => panic!("expected BrokerUnreachable, got {other:?}"),
+    }
+    assert!(
+        !error.to_string().contains("invalid configuration"),
+        "{error}"
+    );
+}
+
+#[test]
+fn the_payments_example_exits_on_a_wrong_password_with_the_cause_in_one_line() {
+    let (code, out) = run_for(
+        &example_binary("payments"),
+        &[
+            ("DATABASE_URL", &database_url()),
+            ("AMQP_URL", "amqp://guest:Pw2nd@127.0.0.1:5672/%2f"),
+            ("PAYMENTS_QUEUE", &unique("wrong_password")),
+        ],
+        &[],
+        Duration::from_secs(60),
+    );
+    assert!(matches!(code, Some(c) if c != 0), "exits: {code:?}\n{out}");
+    let last = out
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or_default();
+    assert!(
+        last.contains("ACCESS_REFUSED"),
+        "the cause, last: {last}\n{out}"
+    );
+    assert_no_secret(&out, "payments, a wrong password");
+}
+
+/// A file of this test run holding `contents`.
+fn scratch_file(name: &str, contents: &[u8]) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("target/tmp")
+        .join(unique("files"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+#[test]
+fn certificate_file_mistakes_stop_the_payments_example_naming_the_file() {
+    let garbage = scratch_file("garbage.pem", b"this is no certificate\n");
+    let empty = scratch_file("empty.pem", b"");
+    let db = database_url();
+    let sep = if db.contains('?') { '&' } else { '?' };
+    let verify = format!("{db}{sep}sslmode=verify-ca&sslrootcert={}", empty.display());
+    let queue = unique("cert_files");
+    let amqps = support::cluster::AMQPS_URL;
+    let cases: [(Vec<(&str, String)>, String); 3] = [
+        (
+            vec![
+                ("AMQP_URL", amqps.into()),
+                ("SSL_CERT_FILE", garbage.display().to_string()),
+            ],
+            format!("no certificate in PEM file {}", garbage.display()),
+        ),
+        (
+            vec![("DATABASE_URL", verify)],
+            format!("certificate file {} is empty", empty.display()),
+        ),
+        (
+            vec![
+                ("AMQP_URL", amqps.into()),
+                ("AMQP_CA_FILE", "/nonexistent/idempo/ca.pem".into()),
+            ],
+            "certificate file not found: /nonexistent/idempo/ca.pem".into(),
+        ),
+    ];
+    for (env, expected) in cases {
+        let mut all: Vec<(&str, String)> = vec![
+            ("DATABASE_URL", database_url()),
+            ("AMQP_URL", amqp_url()),
+            ("PAYMENTS_QUEUE", queue.clone()),
+        ];
+        all.extend(env);
+        // The last value of a variable wins.
+        let all: Vec<(&str, &str)> = all.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let (code, out) = run_for(
+            &example_binary("payments"),
+            &all,
+            &[],
+            Duration::from_secs(60),
+        );
+        assert!(matches!(code, Some(c) if c != 0), "exits: {code:?}\n{out}");
+        assert!(out.contains(&expected), "expected {expected:?}:\n{out}");
+    }
+}
+
+#[tokio::test]
+async fn payments_and_idempo_take_the_amqp_ca_and_client_certificate_from_the_environment() {
+    use support::cluster;
+    let probe = cluster::connect(1).await;
+    let _ = probe.close(200, "probe".into()).await;
+    let db = Db::new().await;
+    let queue = unique("amqps_env");
+    let publish = support::Broker::on_cluster_node(1).await;
+    publish.declare(&queue).await;
+    publish
+        .publish_payment(&queue, "amqps-env-1", "alice", 7)
+        .await;
+    let ca = cluster::cert("ca.pem").display().to_string();
+    let client = cluster::cert("client.pem").display().to_string();
+    let key = cluster::cert("client.key").display().to_string();
+    let log = std::fs::File::create(format!(
+        "{}/target/tmp/amqps-env.log",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .expect("the example's log");
+    let example = support::example::spawn_example_to(
+        &db.url,
+        &queue,
+        &[
+            ("RUST_LOG", "info"),
+            ("AMQP_URL", cluster::AMQPS_URL),
+            ("AMQP_CA_FILE", &ca),
+            ("AMQP_CLIENT_CERT_FILE", &client),
+            ("AMQP_CLIENT_KEY_FILE", &key),
+        ],
+        log,
+    );
+    support::eventually(
+        "the payment applied over amqps",
+        Duration::from_secs(60),
+        || async { db.payments_for("amqps-env-1").await == 1 },
+    )
+    .await;
+    let listing = cluster::ctl(
+        1,
+        &[
+            "list_connections",
+            "client_properties",
+            "peer_cert_subject",
+            "-q",
+            "--no-table-headers",
+        ],
+    );
+    assert!(
+        listing
+            .lines()
+            .any(|l| l.contains(&queue) && l.contains("idempo client")),
+        "the example's connection presents the client certificate:\n{listing}"
+    );
+    drop(example);
+
+    // The command reads the same variables; a flag replaces one.
+    let idempo = |ca_flag: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idempo"));
+        command
+            .args(["--amqp-url", cluster::AMQPS_URL, "--database-url", &db.url])
+            .env("AMQP_CA_FILE", &ca)
+            .env("AMQP_CLIENT_CERT_FILE", &client)
+            .env("AMQP_CLIENT_KEY_FILE", &key);
+        if let Some(file) = ca_flag {
+            command.args(["--amqp-ca-file", file]);
+        }
+        command.args(["status", "--queue", &queue]);
+        command.output().expect("run idempo")
+    };
+    let out = idempo(None);
+    assert!(
+        matches!(out.status.code(), Some(0 | 2)),
+        "status over amqps: {}",
+        text(&out)
+    );
+    assert!(text(&out).contains(&queue), "{}", text(&out));
+    let wrong = cluster::cert("wrong-ca.pem").display().to_string();
+    let out = idempo(Some(&wrong));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("UnknownIssuer"), "{}", text(&out));
 }

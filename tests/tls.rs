@@ -297,3 +297,141 @@ async fn rediss_misconfigurations_fail_fast() {
         }
     }
 }
+
+/// Node 1 of the local cluster (its amqps listener), without waiting for
+/// the others: failover tests elsewhere may have one of them stopped.
+async fn require_node_1() {
+    let probe = cluster::connect(1).await;
+    let _ = probe.close(200, "probe".into()).await;
+}
+
+#[tokio::test]
+async fn amqp_to_the_tls_port_says_to_use_amqps() {
+    support::init_tracing();
+    require_node_1().await;
+    let db = Db::new().await;
+    let plain_to_tls = Broker::new("amqp://guest:guest@localhost:5691/%2f")
+        .unwrap()
+        .connection_timeout(Duration::from_secs(5));
+    let refusal =
+        run_until_refused(payments_consumer(&db, &unique("tls")).broker(plain_to_tls)).await;
+    assert!(
+        matches!(refusal, idempo::Error::BrokerRefused { .. }),
+        "{refusal:?}"
+    );
+    let text = refusal.to_string();
+    assert!(text.contains("use amqps://"), "{text}");
+    assert!(text.contains("localhost:5691"), "{text}");
+    assert!(!text.contains("ParserErrors"), "{text}");
+}
+
+#[tokio::test]
+async fn rediss_to_a_plain_redis_says_it_does_not_speak_tls() {
+    let started = Instant::now();
+    let error = RedisWindow::connect("rediss://127.0.0.1:6379")
+        .await
+        .expect_err("a plain Redis cannot carry rediss://");
+    eprintln!("{:?}: {error}", started.elapsed());
+    assert_tls_error(&error, "Redis");
+    assert!(error.to_string().contains("does not speak TLS"), "{error}");
+    assert!(started.elapsed() < FAST);
+}
+
+/// Writes `contents` to a fresh file of this test run and returns its path.
+fn scratch_file(name: &str, contents: &[u8]) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("target/tmp")
+        .join(unique("certs"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+/// The cluster's client key, encrypted with a passphrase (PKCS#8).
+fn encrypted_client_key() -> std::path::PathBuf {
+    let path = scratch_file("encrypted.key", b"");
+    let out = std::process::Command::new("openssl")
+        .args([
+            "pkcs8",
+            "-topk8",
+            "-v2",
+            "aes-256-cbc",
+            "-passout",
+            "pass:secret",
+            "-in",
+        ])
+        .arg(cluster::cert("client.key"))
+        .arg("-out")
+        .arg(&path)
+        .output()
+        .expect("run openssl");
+    assert!(out.status.success(), "openssl: {out:?}");
+    path
+}
+
+#[tokio::test]
+async fn certificate_file_mistakes_name_the_file_and_what_is_wrong() {
+    require_node_1().await;
+    use idempo::amqp::BrokerTlsFiles;
+    let client = cluster::cert("client.pem");
+    let key = cluster::cert("client.key");
+    let missing = std::path::PathBuf::from("/nonexistent/idempo/ca.pem");
+    let cases = [
+        (
+            BrokerTlsFiles::new().ca_file(scratch_file("garbage.pem", b"not a certificate")),
+            "no certificate in PEM",
+        ),
+        (
+            BrokerTlsFiles::new().ca_file(scratch_file("empty.pem", b"")),
+            "is empty",
+        ),
+        (
+            BrokerTlsFiles::new().ca_file(&key),
+            "holds a private key, not a certificate",
+        ),
+        (
+            BrokerTlsFiles::new().ca_file(&missing),
+            "certificate file not found: /nonexistent/idempo/ca.pem",
+        ),
+        (
+            BrokerTlsFiles::new()
+                .ca_file(cluster::cert("ca.pem"))
+                .client_identity_files(&client, encrypted_client_key()),
+            "encrypted private key: decrypt it first",
+        ),
+        (
+            BrokerTlsFiles::new()
+                .ca_file(cluster::cert("ca.pem"))
+                .client_identity_files(&client, &client),
+            "holds a certificate, not a private key",
+        ),
+    ];
+    for (files, expected) in cases {
+        let error = Broker::new(cluster::AMQPS_URL)
+            .unwrap()
+            .tls_files(&files)
+            .expect_err("an unusable file is refused before connecting");
+        let text = error.to_string();
+        let named = match &error {
+            idempo::Error::Certificate(e) => e.path().to_owned(),
+            other => panic!("expected Error::Certificate, got {other:?}"),
+        };
+        assert!(text.contains(expected), "{text}");
+        assert!(
+            text.contains(&*named.to_string_lossy()),
+            "names the file: {text}"
+        );
+    }
+    // The right files connect.
+    let broker = Broker::new(cluster::AMQPS_URL)
+        .unwrap()
+        .tls_files(
+            &BrokerTlsFiles::new()
+                .ca_file(cluster::cert("ca.pem"))
+                .client_identity_files(&client, &key),
+        )
+        .unwrap();
+    let connection = broker.connect("idempo-test-tls-files").await.unwrap();
+    let _ = connection.close(200, "bye".into()).await;
+}

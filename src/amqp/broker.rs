@@ -2,6 +2,7 @@
 //! to reach it (TLS, timeouts), and the connection that finds a live node.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -9,11 +10,90 @@ use lapin::tcp::OwnedTLSConfig;
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
 
+use crate::error::NodeFailure;
 use crate::redact::redact_url;
 use crate::{Error, Result};
 
-/// How long a connection attempt to one node may take, by default.
+/// How long a connection attempt to one node may take, by default: the TCP
+/// connect, the TLS handshake and the AMQP handshake together.
 pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The environment variable naming a PEM file of CA certificates to trust
+/// for `amqps://` instead of the system's roots ([`BrokerTlsFiles::from_env`]).
+pub const AMQP_CA_FILE: &str = "AMQP_CA_FILE";
+/// The environment variable naming the PEM file of a client certificate (and
+/// its chain) to present for `amqps://`; it goes with [`AMQP_CLIENT_KEY_FILE`].
+pub const AMQP_CLIENT_CERT_FILE: &str = "AMQP_CLIENT_CERT_FILE";
+/// The environment variable naming the PEM file of the client certificate's
+/// private key (unencrypted PKCS#8, PKCS#1 or SEC1).
+pub const AMQP_CLIENT_KEY_FILE: &str = "AMQP_CLIENT_KEY_FILE";
+
+/// The certificate files of an `amqps://` connection, as the binaries take
+/// them (the `payments` example and the `idempo` command read them with
+/// [`from_env`](Self::from_env)); [`Broker::tls_files`] reads and checks them.
+///
+/// ```
+/// use idempo::amqp::{Broker, BrokerTlsFiles};
+///
+/// let files = BrokerTlsFiles::from_env(); // AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE
+/// let broker = Broker::new("amqps://guest:guest@rabbit:5671/%2f")?.tls_files(&files)?;
+/// # Ok::<_, idempo::Error>(())
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BrokerTlsFiles {
+    /// CA certificates to trust instead of the system's roots.
+    pub ca_file: Option<PathBuf>,
+    /// The client certificate (mutual TLS).
+    pub client_cert_file: Option<PathBuf>,
+    /// The client certificate's private key.
+    pub client_key_file: Option<PathBuf>,
+}
+
+impl BrokerTlsFiles {
+    /// No files: the system's roots, no client certificate.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The files named by [`AMQP_CA_FILE`], [`AMQP_CLIENT_CERT_FILE`] and
+    /// [`AMQP_CLIENT_KEY_FILE`] (unset or empty: none).
+    pub fn from_env() -> Self {
+        let var = |name| {
+            std::env::var_os(name)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
+        BrokerTlsFiles {
+            ca_file: var(AMQP_CA_FILE),
+            client_cert_file: var(AMQP_CLIENT_CERT_FILE),
+            client_key_file: var(AMQP_CLIENT_KEY_FILE),
+        }
+    }
+
+    /// Trusts the CA certificates in this file.
+    #[must_use]
+    pub fn ca_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.ca_file = Some(path.into());
+        self
+    }
+
+    /// Presents the client certificate and key in these files.
+    #[must_use]
+    pub fn client_identity_files(
+        mut self,
+        certificate: impl Into<PathBuf>,
+        key: impl Into<PathBuf>,
+    ) -> Self {
+        self.client_cert_file = Some(certificate.into());
+        self.client_key_file = Some(key.into());
+        self
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ca_file.is_none() && self.client_cert_file.is_none() && self.client_key_file.is_none()
+    }
+}
 
 /// The broker a consumer (or a publisher) connects to: one or more node
 /// addresses, tried in order (or shuffled) until one answers; TLS settings
@@ -126,7 +206,9 @@ impl Broker {
         self
     }
 
-    /// How long an attempt to reach one node may take before the next is tried.
+    /// How long an attempt to reach one node may take before the next is
+    /// tried: the TCP connect, the TLS handshake and the AMQP handshake
+    /// together.
     #[must_use]
     pub fn connection_timeout(mut self, timeout: Duration) -> Self {
         self.connection_timeout = timeout.max(Duration::from_millis(1));
@@ -155,6 +237,49 @@ impl Broker {
     ) -> Self {
         self.identity = Some((certificate.into(), key.into()));
         self
+    }
+
+    /// Reads and checks the certificate files of `files`, and uses them as
+    /// [`ca_pem`](Self::ca_pem) and
+    /// [`client_identity_pem`](Self::client_identity_pem) do. Nothing given:
+    /// the broker unchanged.
+    ///
+    /// # Errors
+    /// [`Error::Certificate`] naming the file that is missing or unusable;
+    /// [`Error::Config`] for a client certificate without its key (or the
+    /// reverse), or files without idempo's `tls` feature.
+    pub fn tls_files(self, files: &BrokerTlsFiles) -> Result<Self> {
+        if files.is_empty() {
+            return Ok(self);
+        }
+        #[cfg(not(feature = "tls"))]
+        return Err(Error::Config(format!(
+            "{AMQP_CA_FILE}, {AMQP_CLIENT_CERT_FILE} and {AMQP_CLIENT_KEY_FILE} need idempo's `tls` feature"
+        )));
+        #[cfg(feature = "tls")]
+        {
+            use crate::certificate::{read_ca_file, read_certificate_file, read_key_file};
+            let mut broker = self;
+            if let Some(path) = &files.ca_file {
+                let pem = read_ca_file(path)?;
+                broker = broker.ca_pem(String::from_utf8_lossy(&pem).into_owned());
+            }
+            match (&files.client_cert_file, &files.client_key_file) {
+                (Some(certificate), Some(key)) => {
+                    broker = broker.client_identity_pem(
+                        read_certificate_file(certificate)?,
+                        read_key_file(key)?,
+                    );
+                }
+                (None, None) => {}
+                _ => {
+                    return Err(Error::Config(format!(
+                        "a client certificate needs both {AMQP_CLIENT_CERT_FILE} and {AMQP_CLIENT_KEY_FILE}"
+                    )));
+                }
+            }
+            Ok(broker)
+        }
     }
 
     /// The lapin TLS configuration of these settings.
@@ -199,67 +324,164 @@ impl Broker {
     }
 
     /// Connects to the first node that answers, starting after `last`.
-    /// Returns the connection and the index of its node.
+    /// Returns the connection and the index of its node. Each node gets the
+    /// [`connection_timeout`](Self::connection_timeout) for the TCP connect,
+    /// the TLS handshake and the AMQP handshake together.
     ///
     /// # Errors
+    /// Each names every node tried and why it failed:
     /// [`Error::Tls`] when every node refused the TLS handshake (a wrong CA,
     /// a host name the certificate does not name, a port that does not speak
-    /// TLS): retrying cannot help. [`Error::Amqp`] with the last node's error
-    /// otherwise.
+    /// TLS); [`Error::BrokerRefused`] when every node refused the connection
+    /// for a configuration reason (credentials, vhost, TLS, an `amqp://` URL
+    /// to a TLS port); [`Error::BrokerUnreachable`] otherwise (refused TCP
+    /// connections, nodes that did not answer in time, lost connections);
+    /// [`Error::Certificate`] when `SSL_CERT_FILE` names an unusable file.
     pub(crate) async fn connect_from(
         &self,
         last: Option<usize>,
         name: &str,
     ) -> Result<(Connection, usize)> {
-        let mut tls_failures = Vec::new();
-        let mut last_error = None;
+        let mut failures = Vec::new();
         for index in self.order(last) {
             let uri = self.uri(index)?;
             let tls = uri.scheme == AMQPScheme::AMQPS;
+            if tls && self.ca_pem.is_none() {
+                // The AMQP client reads it for the roots; a bad one would show
+                // as an untrusted certificate.
+                crate::certificate::check_ssl_cert_file()?;
+            }
             let properties =
                 ConnectionProperties::default().with_connection_name(name.to_owned().into());
             let runtime = lapin::runtime::default_runtime()?;
             let connecting =
                 Connection::connect_uri_with_config(uri, properties, self.tls(), runtime);
-            // The URL's timeout bounds the TCP connect; this, the handshake too.
-            let outcome = tokio::time::timeout(self.connection_timeout * 2, connecting).await;
-            match outcome {
+            let node = redact_url(&self.addresses[index]);
+            // One bound for TCP, TLS and AMQP together: lapin's async connect
+            // does not apply the URL's timeout, and a node that accepts TCP and
+            // never answers would otherwise hold us forever.
+            let failure = match tokio::time::timeout(self.connection_timeout, connecting).await {
                 Ok(Ok(connection)) => return Ok((connection, index)),
-                Ok(Err(e)) => {
-                    tracing::warn!(node = %redact_url(&self.addresses[index]), error = %e, "cannot connect to this node");
-                    if tls && crate::error::looks_like_tls_failure(&e.to_string()) {
-                        tls_failures.push(format!("{}: {e}", redact_url(&self.addresses[index])));
-                    }
-                    last_error = Some(Error::Amqp(e));
-                }
-                Err(_) => {
-                    last_error = Some(Error::Config(format!(
-                        "{} did not answer within {:?}",
-                        redact_url(&self.addresses[index]),
-                        self.connection_timeout * 2
-                    )));
-                }
-            }
+                Ok(Err(e)) => classify(&e, tls),
+                Err(_) => (
+                    Failure::Outage,
+                    format!(
+                        "no answer within {:?} (the connection timeout)",
+                        self.connection_timeout
+                    ),
+                ),
+            };
+            tracing::warn!(%node, reason = %failure.1, "cannot connect to this node");
+            failures.push((
+                failure.0,
+                NodeFailure {
+                    node,
+                    reason: failure.1,
+                },
+            ));
         }
-        if tls_failures.len() == self.addresses.len() {
+        let every = |kind: &[Failure]| failures.iter().all(|(f, _)| kind.contains(f));
+        let nodes = || failures.iter().map(|(_, n)| n.clone()).collect::<Vec<_>>();
+        if failures.is_empty() {
+            return Err(Error::Config("no broker address".into()));
+        }
+        if every(&[Failure::Tls]) {
             return Err(Error::Tls {
                 service: "RabbitMQ".into(),
-                reason: tls_failures.join("; "),
+                reason: nodes()
+                    .iter()
+                    .map(|n| format!("{}: {}", n.node, n.reason))
+                    .collect::<Vec<_>>()
+                    .join("; "),
             });
         }
-        Err(last_error.unwrap_or_else(|| Error::Config("no broker address".into())))
+        if every(&[Failure::Tls, Failure::Refused]) {
+            return Err(Error::BrokerRefused { nodes: nodes() });
+        }
+        Err(Error::BrokerUnreachable { nodes: nodes() })
     }
 
     /// Connects to the first node that answers (for publishers and tools).
     ///
     /// # Errors
     /// As for the consumer: [`Error::Tls`] when every node refused the TLS
-    /// handshake, [`Error::Amqp`] otherwise.
+    /// handshake, [`Error::BrokerRefused`] when every node refused the
+    /// credentials, the vhost or the scheme, [`Error::BrokerUnreachable`]
+    /// otherwise; each names every node tried and why it failed.
     pub async fn connect(&self, connection_name: &str) -> Result<Connection> {
         self.connect_from(None, connection_name)
             .await
             .map(|(connection, _)| connection)
     }
+}
+
+/// How a connection attempt to one node failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// The TLS handshake failed: a configuration error.
+    Tls,
+    /// The broker refused the credentials, the vhost or the protocol: a
+    /// configuration error.
+    Refused,
+    /// Refused TCP, no answer, a lost connection: an outage.
+    Outage,
+}
+
+/// Why lapin could not connect to one node, from the error's type: AMQP
+/// close codes, rustls's errors inside the I/O error, a parser error.
+fn classify(error: &lapin::Error, tls: bool) -> (Failure, String) {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => {
+            let said = amqp.get_message();
+            match amqp.get_id() {
+                // ACCESS_REFUSED at connect time: the login.
+                403 => (
+                    Failure::Refused,
+                    format!("the user name or password was refused ({said})"),
+                ),
+                // NOT_ALLOWED (and INVALID_PATH): the vhost.
+                530 | 402 => (
+                    Failure::Refused,
+                    format!("the vhost does not exist or the user may not access it ({said})"),
+                ),
+                _ => (Failure::Outage, error.to_string()),
+            }
+        }
+        lapin::ErrorKind::AuthProviderError(e) => {
+            (Failure::Refused, format!("cannot authenticate: {e}"))
+        }
+        // The first bytes back were not AMQP: a TLS listener answers a
+        // plain client with a TLS alert.
+        lapin::ErrorKind::ParsingError(_) | lapin::ErrorKind::InvalidProtocolVersion(_) if !tls => {
+            (
+                Failure::Refused,
+                "the node did not answer in AMQP: this port probably speaks TLS (use amqps://)"
+                    .into(),
+            )
+        }
+        lapin::ErrorKind::IOError(io) if tls => match tls_failure(io) {
+            Some(reason) => (Failure::Tls, reason),
+            None => (Failure::Outage, error.to_string()),
+        },
+        _ => (Failure::Outage, error.to_string()),
+    }
+}
+
+/// The TLS failure inside an I/O error of the handshake, if it is one.
+#[cfg(feature = "tls")]
+fn tls_failure(io: &std::io::Error) -> Option<String> {
+    let rustls = crate::error::tls_failure(io)?;
+    Some(match rustls {
+        rustls::Error::InvalidMessage(_) => {
+            format!("the port does not speak TLS (use amqp://): {rustls}")
+        }
+        _ => format!("TLS handshake failed: {rustls}"),
+    })
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_failure(_: &std::io::Error) -> Option<String> {
+    None
 }
 
 #[cfg(test)]

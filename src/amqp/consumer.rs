@@ -175,7 +175,16 @@ impl Consumer {
     /// configuration error that no reconnect can fix. [`Error::Tls`] when
     /// PostgreSQL or every broker node refuses the TLS handshake at start
     /// (a wrong CA, a host name the certificate does not name, a port without
-    /// TLS). Connection failures are retried, not returned.
+    /// TLS). [`Error::BrokerRefused`] when, before any connection worked,
+    /// every broker node refuses the credentials (`ACCESS_REFUSED`), the
+    /// vhost (`NOT_ALLOWED`) or the scheme (`amqp://` to a TLS port);
+    /// [`Error::AccessRefused`] when, before consuming ever worked, the
+    /// broker refuses to declare a queue (configure permission) or to
+    /// consume from it (read permission); [`Error::Certificate`] when
+    /// `SSL_CERT_FILE` is unusable. After a good start, the same refusals
+    /// are retried with backoff, reported in [`Health`] and counted in
+    /// `idempo_broker_refusals_total`. Connection failures (refused TCP, no
+    /// answer within the connection timeout) are retried, not returned.
     pub async fn run(self) -> Result<()> {
         let Consumer {
             config,
@@ -252,11 +261,12 @@ async fn postgres_tls_refusal(pool: &PgPool) -> Option<Error> {
         Ok(Err(error)) => error,
         _ => return None,
     };
-    // rustls's refusals reach sqlx as I/O errors ("invalid peer certificate"):
-    // only the text tells them from a refused TCP connection.
+    // rustls's refusals of the handshake reach sqlx as I/O errors that carry
+    // the rustls error: told from a refused TCP connection by its type.
     let tls = match &error {
         sqlx::Error::Tls(_) => true,
-        sqlx::Error::Io(_) => crate::error::looks_like_tls_failure(&error.to_string()),
+        #[cfg(feature = "tls")]
+        sqlx::Error::Io(io) => crate::error::tls_failure(io).is_some(),
         _ => false,
     };
     tls.then(|| Error::Tls {

@@ -82,7 +82,10 @@ mod watched;
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
 pub mod window;
 
-pub use broker::{Broker, DEFAULT_CONNECTION_TIMEOUT};
+pub use broker::{
+    AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE, Broker, BrokerTlsFiles,
+    DEFAULT_CONNECTION_TIMEOUT,
+};
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
 pub use dead_letter::{

@@ -56,6 +56,9 @@ pub(crate) struct Runtime {
     unparseable: bool,
     /// The node of the last session: the quarantine's client goes there.
     node: Option<usize>,
+    /// A session reached consuming once: from then on, a refusal by the
+    /// broker (credentials, permissions) is retried, not fatal.
+    consumed: bool,
 }
 
 impl Runtime {
@@ -73,6 +76,7 @@ impl Runtime {
             unresponsive: false,
             unparseable: false,
             node: None,
+            consumed: false,
             config,
             dispatch,
             shutdown,
@@ -118,10 +122,15 @@ impl Runtime {
         let connection = tokio::select! {
             connected = link.connect() => match connected {
                 Ok(connection) => connection,
-                // A refused TLS handshake on every node, before anything ever
-                // worked: a configuration error, not an outage.
-                Err(e @ Error::Tls { .. }) if !link.has_connected() => return Session::Fatal(e),
-                Err(e) => return lost(format!("cannot connect to the broker: {e}")),
+                // Refused by every node (TLS, credentials, vhost) before
+                // anything ever worked: a configuration error, not an outage.
+                Err(e) if refusal(&e) && !link.has_connected() => return Session::Fatal(e),
+                Err(e) => {
+                    if refusal(&e) {
+                        self.stats.incr(Counter::BrokerRefusals);
+                    }
+                    return lost(e.to_string());
+                }
             },
             () = self.shutdown.graceful_token().cancelled() => return Session::Stopped,
         };
@@ -133,6 +142,13 @@ impl Runtime {
             }
             Ok(Err(e @ Error::TopologyConflict { .. })) if !self.config.wait_for_topology => {
                 Session::Fatal(e)
+            }
+            // A permission missing at start is a configuration error; once
+            // consuming worked, an operator is changing permissions: retried.
+            Ok(Err(e @ Error::AccessRefused { .. })) if !self.consumed => Session::Fatal(e),
+            Ok(Err(e @ Error::AccessRefused { .. })) => {
+                self.stats.incr(Counter::BrokerRefusals);
+                lost(format!("cannot set up the subscription: {e}"))
             }
             Ok(Err(e)) => lost(format!("cannot set up the subscription: {e}")),
             Err(_) => lost(format!(
@@ -202,7 +218,13 @@ impl Runtime {
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
-            .await?;
+            .await
+            .map_err(|e| {
+                access_refused(
+                    format!("consume from queue {:?}", config.topology.queue),
+                    e.into(),
+                )
+            })?;
         let pipeline = Arc::new(Pipeline {
             consumer: config.consumer.clone(),
             queue: config.topology.queue.clone(),
@@ -234,6 +256,7 @@ impl Runtime {
         pipeline: Arc<Pipeline>,
     ) -> Session<Error> {
         let config = &self.config;
+        self.consumed = true;
         self.health.set_state(RuntimeState::Consuming);
         tracing::info!(
             consumer = %config.consumer,
@@ -367,7 +390,8 @@ impl Sessions for Runtime {
 }
 
 /// A declaration the broker refused because the queue exists with other
-/// arguments (PRECONDITION_FAILED, 406) is a configuration error.
+/// arguments (PRECONDITION_FAILED, 406), or for lack of the configure
+/// permission (ACCESS_REFUSED, 403), is a configuration error.
 fn topology_error(queue: &str, error: Error) -> Error {
     match &error {
         Error::Amqp(e) => match e.kind() {
@@ -377,8 +401,33 @@ fn topology_error(queue: &str, error: Error) -> Error {
                     broker: amqp.get_message().to_string(),
                 }
             }
+            _ => access_refused(format!("declare queue {queue:?}"), error),
+        },
+        _ => error,
+    }
+}
+
+/// `operation`'s error as [`Error::AccessRefused`] when the broker refused
+/// it for lack of a permission (ACCESS_REFUSED, 403).
+fn access_refused(operation: String, error: Error) -> Error {
+    match &error {
+        Error::Amqp(e) => match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 403 => Error::AccessRefused {
+                operation,
+                broker: amqp.get_message().to_string(),
+            },
             _ => error,
         },
         _ => error,
     }
+}
+
+/// Whether connecting failed because the broker refused this client's
+/// configuration on every node (TLS, credentials, vhost, an unusable
+/// certificate file), as opposed to an outage.
+fn refusal(error: &Error) -> bool {
+    matches!(
+        error,
+        Error::Tls { .. } | Error::BrokerRefused { .. } | Error::Certificate(_)
+    )
 }

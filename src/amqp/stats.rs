@@ -18,6 +18,7 @@
 //! | `idempo_publish_failures_total` | counter |
 //! | `idempo_session_failures_total` | counter |
 //! | `idempo_poison_frames_total` | counter |
+//! | `idempo_broker_refusals_total` | counter |
 //! | `idempo_handler_duration_seconds` | histogram |
 //!
 //! Every counter's series exists (at zero) from the moment the consumer is
@@ -72,6 +73,10 @@ pub struct StatsSnapshot {
     pub poison_frames: u64,
     /// Times the database was found unreachable (deliveries then wait).
     pub database_outages: u64,
+    /// Broker sessions, after the first good one, that the broker refused
+    /// for a configuration reason (credentials, vhost, permissions, TLS):
+    /// retried with backoff, and reported in `Health`.
+    pub broker_refusals: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -88,10 +93,11 @@ pub(crate) enum Counter {
     PublishFailures,
     SessionFailures,
     PoisonFrames,
+    BrokerRefusals,
 }
 
 impl Counter {
-    const ALL: [Counter; 12] = [
+    const ALL: [Counter; 13] = [
         Counter::Deliveries,
         Counter::Processed,
         Counter::Duplicates,
@@ -104,6 +110,7 @@ impl Counter {
         Counter::PublishFailures,
         Counter::SessionFailures,
         Counter::PoisonFrames,
+        Counter::BrokerRefusals,
     ];
 
     fn metric(self) -> &'static str {
@@ -120,6 +127,7 @@ impl Counter {
             Counter::PublishFailures => "idempo_publish_failures_total",
             Counter::SessionFailures => "idempo_session_failures_total",
             Counter::PoisonFrames => "idempo_poison_frames_total",
+            Counter::BrokerRefusals => "idempo_broker_refusals_total",
         }
     }
 }
@@ -164,6 +172,7 @@ impl Stats {
             publish_failures: get(Counter::PublishFailures),
             session_failures: get(Counter::SessionFailures),
             poison_frames: get(Counter::PoisonFrames),
+            broker_refusals: get(Counter::BrokerRefusals),
         }
     }
 }

@@ -51,7 +51,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::OnceCell;
 
-use crate::amqp::Broker;
+use crate::amqp::{Broker, BrokerTlsFiles};
 use crate::redact_url as redacted;
 
 pub use error::{OpsError, Result};
@@ -71,6 +71,7 @@ pub struct Services {
     database_url: String,
     pool: Arc<OnceCell<PgPool>>,
     connection_name: String,
+    tls_files: BrokerTlsFiles,
 }
 
 /// How long connecting to either service may take.
@@ -95,6 +96,7 @@ impl Services {
             database_url: database_url.into(),
             pool: Arc::default(),
             connection_name: "idempo-ops".into(),
+            tls_files: BrokerTlsFiles::default(),
         }
     }
 
@@ -114,13 +116,25 @@ impl Services {
         self
     }
 
+    /// The CA and client certificate files for `amqps://` addresses (see
+    /// [`Broker::tls_files`]).
+    #[must_use]
+    pub fn broker_tls_files(mut self, files: BrokerTlsFiles) -> Self {
+        self.tls_files = files;
+        self
+    }
+
     /// The database pool, connected on first use.
     ///
     /// # Errors
+    /// [`OpsError::Idempo`] with [`Error::Certificate`](crate::Error::Certificate)
+    /// when a certificate file the URL names is unusable;
     /// [`OpsError::DatabaseUnreachable`].
     pub async fn database(&self) -> Result<&PgPool> {
         self.pool
             .get_or_try_init(|| async {
+                crate::certificate::check_database_url(&self.database_url)
+                    .map_err(crate::Error::from)?;
                 PgPoolOptions::new()
                     .max_connections(2)
                     .acquire_timeout(CONNECT_TIMEOUT)
@@ -137,20 +151,34 @@ impl Services {
     /// A new broker connection (close it when done).
     ///
     /// # Errors
-    /// [`OpsError::InvalidBrokerUrl`], [`OpsError::BrokerUnreachable`].
+    /// [`OpsError::InvalidBrokerUrl`]; [`OpsError::Idempo`] with an error
+    /// that names each node and why it failed
+    /// ([`BrokerUnreachable`](crate::Error::BrokerUnreachable),
+    /// [`BrokerRefused`](crate::Error::BrokerRefused),
+    /// [`Tls`](crate::Error::Tls)) or the certificate file that is unusable
+    /// ([`Certificate`](crate::Error::Certificate));
+    /// [`OpsError::BrokerUnreachable`] otherwise.
     pub async fn broker(&self) -> Result<Connection> {
         let broker = Broker::new(&self.amqp_url)
             .map_err(|source| OpsError::InvalidBrokerUrl {
                 urls: self.amqp_urls(),
                 source,
             })?
-            .connection_timeout(CONNECT_TIMEOUT);
+            .connection_timeout(CONNECT_TIMEOUT)
+            .tls_files(&self.tls_files)?;
         broker
             .connect(&self.connection_name)
             .await
-            .map_err(|source| OpsError::BrokerUnreachable {
-                urls: self.amqp_urls(),
-                source,
+            .map_err(|source| match source {
+                // These name every node already.
+                crate::Error::BrokerUnreachable { .. }
+                | crate::Error::BrokerRefused { .. }
+                | crate::Error::Tls { .. }
+                | crate::Error::Certificate(_) => OpsError::Idempo(source),
+                source => OpsError::BrokerUnreachable {
+                    urls: self.amqp_urls(),
+                    source,
+                },
             })
     }
 

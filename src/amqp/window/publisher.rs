@@ -219,8 +219,8 @@ impl<S: WindowStore> DedupPublisherBuilder<S> {
     ///
     /// # Errors
     /// [`Error::Config`] when the lease does not outlast the confirm timeout;
-    /// the broker's error when it cannot be reached ([`Error::Amqp`],
-    /// [`Error::Tls`]).
+    /// the broker's error when it cannot be reached
+    /// ([`Error::BrokerUnreachable`], [`Error::BrokerRefused`], [`Error::Tls`]).
     pub async fn build(self) -> Result<DedupPublisher<S>> {
         if self.lease <= self.confirm_timeout {
             return Err(Error::Config(format!(

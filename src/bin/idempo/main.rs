@@ -1,8 +1,10 @@
 //! `idempo`: the operations command for the people on call (issue #17).
 //!
 //! Status, dead letters (list, show, replay, purge), the migrations, and the
-//! retention and expiry deletes, run once. Every command reads `AMQP_URL` and
-//! `DATABASE_URL` (as the payments example does) and takes `--json`.
+//! retention and expiry deletes, run once. Every command reads `AMQP_URL`,
+//! `DATABASE_URL` and, for `amqps://`, `AMQP_CA_FILE`,
+//! `AMQP_CLIENT_CERT_FILE` and `AMQP_CLIENT_KEY_FILE` (as the payments
+//! example does; the flags win over the environment) and takes `--json`.
 //!
 //! A thin client of [`idempo::ops`]: each command file declares its
 //! arguments and calls one library function; `output.rs` prints.
@@ -15,6 +17,7 @@ mod status;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use idempo::amqp::BrokerTlsFiles;
 use idempo::ops::Services;
 
 /// Exit code of a command that worked but found something an operator must act on.
@@ -48,6 +51,17 @@ struct Cli {
         hide_env_values = true
     )]
     database_url: String,
+    /// CA certificates (PEM) to trust for amqps:// instead of the system's
+    /// [env: AMQP_CA_FILE].
+    #[arg(long, global = true, value_name = "FILE")]
+    amqp_ca_file: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for amqps:// [env: AMQP_CLIENT_CERT_FILE].
+    #[arg(long, global = true, value_name = "FILE")]
+    amqp_client_cert_file: Option<std::path::PathBuf>,
+    /// The client certificate's private key (PEM, unencrypted)
+    /// [env: AMQP_CLIENT_KEY_FILE].
+    #[arg(long, global = true, value_name = "FILE")]
+    amqp_client_key_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -88,9 +102,17 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // The environment is read by the library (as the payments example reads
+    // it); a flag replaces its variable.
+    let mut tls = BrokerTlsFiles::from_env();
+    tls.ca_file = cli.amqp_ca_file.or(tls.ca_file);
+    tls.client_cert_file = cli.amqp_client_cert_file.or(tls.client_cert_file);
+    tls.client_key_file = cli.amqp_client_key_file.or(tls.client_key_file);
     let ctx = Ctx {
         json: cli.json,
-        services: Services::new(cli.amqp_url, cli.database_url).connection_name("idempo-cli"),
+        services: Services::new(cli.amqp_url, cli.database_url)
+            .connection_name("idempo-cli")
+            .broker_tls_files(tls),
     };
     let outcome = runtime.block_on(async {
         match cli.command {
