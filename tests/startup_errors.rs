@@ -755,3 +755,68 @@ async fn payments_and_idempo_take_the_amqp_ca_and_client_certificate_from_the_en
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("UnknownIssuer"), "{}", text(&out));
 }
+
+/// A user who may read and declare but not publish (no write permission): a
+/// dead letter or retry copy is refused (`ACCESS_REFUSED` closes its
+/// channel). That is the copy's failure: the original is handed back, the
+/// channel reopened, and the session goes on; before, every refusal ended
+/// the session (a reconnect loop while the other messages waited).
+#[tokio::test]
+async fn a_refused_copy_does_not_end_the_session() {
+    support::init_tracing();
+    let db = Db::new().await;
+    // May only read: guest declares the queues (declaring needs write on the
+    // default exchange too).
+    let user = BrokerUser::new(Some(["", "", ".*"]));
+    ctl(&[
+        "set_permissions",
+        "-p",
+        &user.vhost,
+        "guest",
+        ".*",
+        ".*",
+        ".*",
+    ]);
+    let queue = unique("no_write");
+    let guest = format!("amqp://guest:guest@127.0.0.1:5672/{}", user.vhost);
+    let connection = lapin::Connection::connect(&guest, lapin::ConnectionProperties::default())
+        .await
+        .expect("guest connects to the test vhost");
+    let broker = support::Broker::with(connection, &guest).await;
+    broker.declare(&queue).await;
+    let running = support::consumer::Running::start(
+        Consumer::builder(user.url(), db.pool.clone())
+            .queue(&queue)
+            .declare(false)
+            .handler(|tx, message| support::payments::handle(tx, message, 0.0)),
+    );
+    // A permanent failure: its dead letter is refused, again and again.
+    broker
+        .publish_payment(&queue, "pay-negative", "nw", -1)
+        .await;
+    for n in 0..20 {
+        broker
+            .publish_payment(&queue, &format!("pay-{n}"), "nw", 1)
+            .await;
+    }
+    support::eventually(
+        "the 20 payments applied",
+        Duration::from_secs(60),
+        || async { db.payments().await == 20 },
+    )
+    .await;
+    // Let the refused dead letter go round a few times.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let stats = running.stats();
+    assert!(
+        stats.publish_failures >= 1,
+        "the copy was refused: {stats:?}"
+    );
+    assert_eq!(
+        (stats.reconnects, stats.session_failures),
+        (0, 0),
+        "a refused copy ended the session: {stats:?}"
+    );
+    assert!(!running.task.is_finished(), "the consumer still runs");
+    running.stop().await.expect("a graceful stop");
+}

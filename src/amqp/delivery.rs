@@ -436,7 +436,7 @@ impl Pipeline {
             tracing::debug!(%error, "requeueing the original instead");
         }
         self.health.record_error(error);
-        if !self.republisher.is_open().await {
+        if !self.republisher.is_open() {
             self.broken.cancel();
         }
         self.stats.incr(Counter::Retried);

@@ -359,7 +359,6 @@ impl ConfirmChannel {
     }
 
     /// [`is_open`](Self::is_open), without waiting for a publish in progress.
-    #[cfg_attr(not(feature = "window"), allow(dead_code))]
     pub(crate) fn is_usable(&self) -> bool {
         self.status.status().connected()
     }

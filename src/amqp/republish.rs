@@ -1,6 +1,7 @@
 //! Confirmed republishing of a delivery (to a delay queue or the DLQ) before it is acked.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -18,8 +19,14 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 /// Publishes copies of deliveries through the default exchange, `mandatory`
 /// and persistent, on a few [`ConfirmChannel`]s side by side (each carries
 /// one publish at a time), so that retries do not queue behind each other.
+///
+/// A channel the broker closed over one publish (`ACCESS_REFUSED` for a user
+/// without write permission, `NOT_FOUND`) is opened again on the same
+/// connection for the next copy: a refusal is that copy's failure, not the
+/// session's.
 pub(crate) struct Republisher {
-    channels: Vec<ConfirmChannel>,
+    connection: Arc<Connection>,
+    channels: Vec<tokio::sync::Mutex<Arc<ConfirmChannel>>>,
     next: AtomicUsize,
     /// The connection's frame size, which a copy's properties must fit.
     frame_max: usize,
@@ -27,12 +34,14 @@ pub(crate) struct Republisher {
 
 impl Republisher {
     /// Opens `channels` confirm-mode channels on `connection`.
-    pub(crate) async fn open(connection: &Connection, channels: usize) -> lapin::Result<Self> {
+    pub(crate) async fn open(connection: &Arc<Connection>, channels: usize) -> lapin::Result<Self> {
         let mut opened = Vec::with_capacity(channels);
         for _ in 0..channels.max(1) {
-            opened.push(ConfirmChannel::open(connection, CONFIRM_TIMEOUT).await?);
+            let channel = ConfirmChannel::open(connection, CONFIRM_TIMEOUT).await?;
+            opened.push(tokio::sync::Mutex::new(Arc::new(channel)));
         }
         Ok(Republisher {
+            connection: connection.clone(),
             channels: opened,
             next: AtomicUsize::new(0),
             frame_max: fit::frame_max(connection),
@@ -85,24 +94,33 @@ impl Republisher {
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
         let slot = self.next.fetch_add(1, Ordering::Relaxed) % self.channels.len();
-        self.channels[slot]
-            .publish("", queue, message.body(), properties)
-            .await
+        let channel = {
+            let mut current = self.channels[slot].lock().await;
+            if !current.is_usable() && self.is_open() {
+                // Closed by the broker over an earlier copy: a new one.
+                match ConfirmChannel::open(&self.connection, CONFIRM_TIMEOUT).await {
+                    Ok(reopened) => *current = Arc::new(reopened),
+                    Err(e) => tracing::debug!(error = %e, "cannot reopen a republishing channel"),
+                }
+            }
+            current.clone()
+        };
+        channel.publish("", queue, message.body(), properties).await
     }
 
     /// Closes every channel.
     pub(crate) async fn close(&self) {
-        futures::future::join_all(self.channels.iter().map(ConfirmChannel::close)).await;
+        let mut channels = Vec::with_capacity(self.channels.len());
+        for slot in &self.channels {
+            channels.push(slot.lock().await.clone());
+        }
+        futures::future::join_all(channels.iter().map(|c| c.close())).await;
     }
 
-    /// Whether every channel can still publish.
-    pub(crate) async fn is_open(&self) -> bool {
-        for channel in &self.channels {
-            if !channel.is_open().await {
-                return false;
-            }
-        }
-        true
+    /// Whether copies can still be published: the connection is up (a
+    /// channel the broker closed is opened again for the next copy).
+    pub(crate) fn is_open(&self) -> bool {
+        self.connection.status().connected()
     }
 }
 

@@ -121,7 +121,8 @@ impl Runtime {
         };
         let connection = tokio::select! {
             connected = link.connect() => match connected {
-                Ok(connection) => connection,
+                // Shared with the republisher, which reopens channels on it.
+                Ok(connection) => Arc::new(connection),
                 // Refused by every node (TLS, credentials, vhost) before
                 // anything ever worked: a configuration error, not an outage.
                 Err(e) if refusal(&e) && !link.has_connected() => return Session::Fatal(e),
@@ -183,7 +184,7 @@ impl Runtime {
 
     async fn subscribe(
         &self,
-        connection: &Connection,
+        connection: &Arc<Connection>,
     ) -> Result<(lapin::Channel, lapin::Consumer, Arc<Pipeline>)> {
         let config = &self.config;
         let channel = connection.create_channel().await?;
