@@ -62,8 +62,11 @@ use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
 pub use message::{DEFAULT_MAX_BODY_SIZE, MAX_HEADER_FRAME, OutboxMessage, TRACEPARENT_HEADER};
+// The consumer's commit of a unit's staging: used by the AMQP runtime only.
+#[cfg(feature = "amqp")]
 pub(crate) use stage::commit_unit;
 pub use stage::{StageTarget, stage, stage_all};
+#[cfg(feature = "amqp")]
 pub(crate) use unit::UnitOutbox;
 
 /// Why a message could not be staged.

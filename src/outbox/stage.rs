@@ -160,6 +160,7 @@ pub async fn stage_all(
 ///
 /// # Errors
 /// As [`inbox::commit`](crate::inbox::commit).
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) async fn commit_unit(
     unit: &UnitOutbox,
     tx: Transaction<'_, Postgres>,
