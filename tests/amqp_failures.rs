@@ -434,6 +434,27 @@ async fn a_commit_whose_connection_dies_is_resolved_through_the_claim() {
     assert_eq!(db.balances().await["kim"], 9);
 }
 
+/// The payments consumer on an isolated database, per message (`batch`
+/// `None`) or in batches, allowed `max_attempts`.
+fn payments_on_isolated(
+    iso: &support::IsolatedDb,
+    queue: &str,
+    batch: Option<usize>,
+    max_attempts: u32,
+) -> Running {
+    let base = Consumer::builder(support::amqp_url(), iso.db.pool.clone())
+        .queue(queue)
+        .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(max_attempts));
+    match batch {
+        None => Running::start(base.handler(|tx, m| payments::handle(tx, m, 0.0))),
+        Some(size) => Running::start(
+            base.handler(|tx, m| payments::handle(tx, m, 0.0))
+                .prefetch(30)
+                .batch(size),
+        ),
+    }
+}
+
 /// The database refuses connections in each way a maintenance window does:
 /// not accepting connections (55000), the role may not log in (28000), no
 /// connection slot for the role (53300). Each is the database being down: the
@@ -445,19 +466,9 @@ async fn a_database_in_maintenance_dead_letters_nothing() {
         let broker = Broker::connect().await;
         let queue = unique("maint");
         broker.declare(&queue).await;
-        let base = Consumer::builder(support::amqp_url(), iso.db.pool.clone())
-            .queue(&queue)
-            // Few attempts: a refusal taken for the message's failure would
-            // dead-letter it within a second.
-            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(2));
-        let consumer = match batch {
-            None => Running::start(base.handler(|tx, m| payments::handle(tx, m, 0.0))),
-            Some(size) => Running::start(
-                base.handler(|tx, m| payments::handle(tx, m, 0.0))
-                    .prefetch(30)
-                    .batch(size),
-            ),
-        };
+        // Few attempts: a refusal taken for the message's failure would
+        // dead-letter it within a second.
+        let consumer = payments_on_isolated(&iso, &queue, batch, 2);
         let mut published = 0;
         for (close, reopen) in [
             (
@@ -506,19 +517,9 @@ async fn a_read_only_database_holds_deliveries_and_dead_letters_nothing() {
         let broker = Broker::connect().await;
         let queue = unique("readonly");
         broker.declare(&queue).await;
-        let base = Consumer::builder(support::amqp_url(), iso.db.pool.clone())
-            .queue(&queue)
-            // One attempt: a refusal taken for the message's failure would
-            // dead-letter it at once.
-            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1));
-        let consumer = match batch {
-            None => Running::start(base.handler(|tx, m| payments::handle(tx, m, 0.0))),
-            Some(size) => Running::start(
-                base.handler(|tx, m| payments::handle(tx, m, 0.0))
-                    .prefetch(30)
-                    .batch(size),
-            ),
-        };
+        // One attempt: a refusal taken for the message's failure would
+        // dead-letter it at once.
+        let consumer = payments_on_isolated(&iso, &queue, batch, 1);
         broker.publish_payment(&queue, "pay-before", "ro", 1).await;
         consumer.settled(1).await;
         iso.admin("ALTER ROLE {name} SET default_transaction_read_only = on")

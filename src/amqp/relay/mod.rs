@@ -20,6 +20,7 @@
 mod broker_link;
 mod frame;
 mod running;
+mod said;
 
 use std::fmt;
 use std::sync::Arc;
