@@ -49,6 +49,7 @@ use idempo::http::{
     IdempotencyLayer, IdempotencyStore, InFlight, MemoryStore, PostgresStore, RedisStore,
 };
 use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -164,12 +165,18 @@ async fn main() -> anyhow::Result<()> {
         "DATABASE_URL",
         "postgres://postgres@127.0.0.1:5432/postgres",
     );
-    let pool = PgPool::connect(&database_url).await.with_context(|| {
-        format!(
-            "connect to PostgreSQL at {}",
-            idempo::redact_url(&database_url)
-        )
-    })?;
+    // sqlx retries a refused connection until the acquire timeout (30 s by
+    // default): a wrong address should fail a start sooner than that.
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&database_url)
+        .await
+        .with_context(|| {
+            format!(
+                "connect to PostgreSQL at {}",
+                idempo::redact_url(&database_url)
+            )
+        })?;
     // Least privilege: with PAYMENTS_MIGRATE=0 nothing here needs CREATE.
     match env_or("PAYMENTS_MIGRATE", "1").as_str() {
         "1" => {

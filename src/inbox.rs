@@ -14,35 +14,62 @@
 //!
 //! # Example: any worker loop (Kafka, NATS, cron, ...)
 //! ```no_run
-//! use idempo::inbox::{self, Claim};
+//! use idempo::inbox::{self, Begun};
 //!
 //! # async fn doc(pool: sqlx::PgPool, id: &str, body: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
-//! let mut tx = pool.begin().await?;
-//! match inbox::claim(&mut tx, "billing", id, body).await? {
-//!     Claim::Fresh => {
+//! // BEGIN and the claim travel together: one round trip.
+//! match inbox::begin_claim(&pool, "billing", id, body).await? {
+//!     Begun::Fresh(mut tx) => {
 //!         sqlx::query("UPDATE accounts SET balance = balance + 10 WHERE id = 1")
 //!             .execute(&mut *tx)
 //!             .await?;
-//!         // Effects and claim commit together; an aborted transaction
-//!         // (a failed statement that was ignored) is an error, not a silent rollback.
+//!         // The claim check and COMMIT travel together too. Effects and claim
+//!         // commit together; an aborted transaction (a failed statement that
+//!         // was ignored) is an error, not a silent rollback.
 //!         inbox::commit(tx, "billing", id).await?;
 //!     }
-//!     Claim::Duplicate => tx.rollback().await?, // already applied: just acknowledge
-//!     Claim::Mismatch => {
-//!         tx.rollback().await?;
+//!     Begun::Duplicate => {} // already applied: just acknowledge
+//!     Begun::Mismatch => {
 //!         // the id was reused for a different body: park the message for a human
 //!     }
 //! }
 //! # Ok(()) }
 //! ```
+//!
+//! [`claim`] does the same inside a transaction the caller opened.
+//!
+//! # The wire shape
+//! A fresh message costs two round trips of idempo's own around the
+//! caller's statements, fewer than a careful hand-written loop (`BEGIN`,
+//! claim, ..., `COMMIT`):
+//!
+//! 1. `SET TRANSACTION ISOLATION LEVEL READ COMMITTED; INSERT INTO
+//!    processed_messages ...; BEGIN` as one simple query. The insert has no
+//!    `ON CONFLICT`: a committed claim of the id fails it (`23505`), which ends
+//!    the implicit transaction of the message before its `BEGIN` runs, so the
+//!    connection is left idle, never inside a failed transaction. A duplicate
+//!    then costs one more round trip, the read of the stored body hash.
+//! 2. `SELECT 1 / count(*) FROM processed_messages WHERE <the claim>; COMMIT
+//!    AND CHAIN`. PostgreSQL stops a simple query at its first error: in an
+//!    aborted transaction the `SELECT` fails (`25P02`), and when the claim is
+//!    gone (the caller rolled back) it divides by zero, so in neither case
+//!    does `COMMIT` run. `AND CHAIN` leaves an empty transaction open for the
+//!    `ROLLBACK` that sqlx's `Transaction` sends when dropped; it travels with
+//!    the pool's check of the returned connection, not on the message's path.
+//!
+//! Values travel in the SQL text as literals (`src/literal.rs`): validated,
+//! quoted by libpq's rules, bytes as hex digits.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::postgres::PgTransactionManager;
+use sqlx::{AssertSqlSafe, PgExecutor, PgPool, Postgres, Transaction};
+use sqlx_core::transaction::TransactionManager;
 
 use crate::error::{Error, Result};
+use crate::literal;
 pub use crate::message_id::{InvalidMessageId, MAX_MESSAGE_ID_LEN, validate_message_id};
 
 /// What a claim found.
@@ -192,18 +219,8 @@ pub async fn claim_batch(
         let mut fresh: HashMap<String, bool> = inserted.into_iter().map(|id| (id, false)).collect();
         let mut stored: HashMap<String, Option<Vec<u8>>> = HashMap::new();
         if fresh.len() < ids.len() {
-            // A join with unnest, not `= ANY($2)`: the generic plan of the
-            // latter can scan the whole table. Also returns what this
-            // statement inserted, for ids that occur twice.
-            let rows: Vec<(String, Option<Vec<u8>>)> = sqlx::query_as(
-                "SELECT p.message_id, p.payload_sha256 FROM unnest($2::text[]) AS t(id) \
-                 JOIN processed_messages p ON p.consumer = $1 AND p.message_id = t.id",
-            )
-            .bind(consumer)
-            .bind(&ids)
-            .fetch_all(&mut **tx)
-            .await?;
-            stored.extend(rows);
+            // Also returns what this statement inserted, for ids that occur twice.
+            stored.extend(stored_hashes(&mut **tx, consumer, &ids).await?);
         }
         for (&i, hash) in open.iter().zip(&hashes) {
             let id = messages[i].0;
@@ -229,8 +246,208 @@ pub async fn claim_batch(
         .collect()
 }
 
+/// What [`begin_claim`] found, with the transaction it opened for a fresh
+/// claim.
+#[derive(Debug)]
+#[must_use]
+pub enum Begun {
+    /// First time this consumer sees the id: the claim is in this open
+    /// transaction (READ COMMITTED). Do the work in it, then [`commit`].
+    Fresh(Transaction<'static, Postgres>),
+    /// Already processed with the same body: acknowledge. No transaction is
+    /// open.
+    Duplicate,
+    /// Already processed with a *different* body: the id was reused. No
+    /// transaction is open.
+    Mismatch,
+}
+
+/// What [`begin_claim_batch`] found.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct ClaimedBatch {
+    /// One claim per message, in order.
+    pub claims: Vec<Claim>,
+    /// The open transaction that holds the fresh claims; `None` when no
+    /// claim is fresh.
+    pub tx: Option<Transaction<'static, Postgres>>,
+}
+
+/// Opens a transaction on `pool` with `message_id` claimed in it, in **one
+/// round trip**: [`claim`] without a `BEGIN` of its own. A duplicate costs a
+/// second round trip (the read of the stored body hash) and leaves no
+/// transaction open.
+///
+/// Commit a [`Begun::Fresh`] transaction with [`commit`] (one more round
+/// trip), or drop it to roll back. How the statements travel, and why every
+/// guarantee of [`claim`] and [`commit`] holds, is in the [module
+/// docs](self#the-wire-shape).
+///
+/// # Errors
+/// As [`claim`].
+pub async fn begin_claim(
+    pool: &PgPool,
+    consumer: &str,
+    message_id: &str,
+    body: &[u8],
+) -> Result<Begun> {
+    let mut claimed = begin_claim_batch(pool, consumer, &[(message_id, body)]).await?;
+    Ok(match (claimed.claims[0], claimed.tx.take()) {
+        (Claim::Fresh, Some(tx)) => Begun::Fresh(tx),
+        (Claim::Mismatch, _) => Begun::Mismatch,
+        _ => Begun::Duplicate,
+    })
+}
+
+/// [`begin_claim`] for many messages (`(message id, body)` pairs): one round
+/// trip opens the transaction with every claim in it, in sorted id order
+/// (two batches sharing ids cannot deadlock). When some ids were processed
+/// already, their stored hashes are read and the rest claimed again: a
+/// batch with duplicates costs two round trips more.
+///
+/// An id that occurs twice in `messages` is claimed by its first occurrence
+/// and the others are `Duplicate` (same body) or `Mismatch` (other body), as
+/// with [`claim_batch`].
+///
+/// # Errors
+/// As [`claim`].
+pub async fn begin_claim_batch(
+    pool: &PgPool,
+    consumer: &str,
+    messages: &[(&str, &[u8])],
+) -> Result<ClaimedBatch> {
+    let consumer_literal = literal::text("consumer", consumer)?;
+    let mut rows = Vec::with_capacity(messages.len());
+    for (id, body) in messages {
+        validate_message_id(id)?;
+        rows.push((*id, payload_sha256(body)));
+    }
+    // The first occurrence of each id is claimed; the others follow it.
+    let mut firsts: HashMap<&str, usize> = HashMap::with_capacity(rows.len());
+    for (i, (id, _)) in rows.iter().enumerate() {
+        firsts.entry(id).or_insert(i);
+    }
+    let mut open: Vec<usize> = firsts.values().copied().collect();
+    open.sort_unstable_by_key(|&i| rows[i].0);
+    let mut claims: Vec<Option<Claim>> = vec![None; rows.len()];
+    let mut stored: HashMap<String, Option<Vec<u8>>> = HashMap::new();
+    let mut tx = None;
+    // Bounded: each round decides the ids it conflicted on, unless their
+    // rows vanished (retention deleted them) in between.
+    for _ in 0..3 {
+        if open.is_empty() {
+            break;
+        }
+        let sql = claim_then_begin(&consumer_literal, open.iter().map(|&i| &rows[i]))?;
+        match pool.begin_with(AssertSqlSafe(sql)).await {
+            Ok(begun) => {
+                for &i in &open {
+                    claims[i] = Some(Claim::Fresh);
+                }
+                open.clear();
+                tx = Some(begun);
+                break;
+            }
+            Err(e) if is_unique_violation(&e) => {
+                // The claim's implicit transaction failed before its BEGIN:
+                // nothing is open. A new statement sees the committed rows.
+                let ids: Vec<&str> = open.iter().map(|&i| rows[i].0).collect();
+                stored.extend(stored_hashes(pool, consumer, &ids).await?);
+                for &i in &open {
+                    claims[i] = compare(stored.get(rows[i].0), &rows[i].1);
+                }
+                open.retain(|&i| claims[i].is_none());
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if !open.is_empty() {
+        return Err(vanished());
+    }
+    for (i, (id, hash)) in rows.iter().enumerate() {
+        let first = firsts[id];
+        if first != i {
+            claims[i] = Some(match claims[first] {
+                Some(Claim::Fresh) if rows[first].1 == *hash => Claim::Duplicate,
+                Some(Claim::Fresh) => Claim::Mismatch,
+                _ => compare(stored.get(*id), hash).ok_or_else(vanished)?,
+            });
+        }
+    }
+    Ok(ClaimedBatch {
+        claims: claims
+            .into_iter()
+            .map(|claim| claim.ok_or_else(vanished))
+            .collect::<Result<_>>()?,
+        tx,
+    })
+}
+
+/// The simple query of [`begin_claim_batch`]: the claims, then `BEGIN`,
+/// which takes them into its transaction (statements before a `BEGIN` in
+/// one simple query are part of the block it opens).
+fn claim_then_begin<'a>(
+    consumer: &str,
+    rows: impl Iterator<Item = &'a (&'a str, [u8; 32])>,
+) -> Result<String> {
+    let mut sql = String::from(
+        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+         INSERT INTO processed_messages (consumer, message_id, payload_sha256) VALUES ",
+    );
+    for (n, (id, hash)) in rows.enumerate() {
+        if n > 0 {
+            sql.push_str(", ");
+        }
+        sql.push('(');
+        sql.push_str(consumer);
+        sql.push_str(", ");
+        sql.push_str(&literal::text("message id", id)?);
+        sql.push_str(", ");
+        sql.push_str(&literal::bytes(hash));
+        sql.push(')');
+    }
+    sql.push_str("; BEGIN");
+    Ok(sql)
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| code == "23505")
+}
+
+/// What a stored claim says of a message with `hash`: `None` when there is
+/// no claim (it vanished), or a row without a hash (written by hand), which
+/// cannot be compared and counts as the same message.
+fn compare(stored: Option<&Option<Vec<u8>>>, hash: &[u8]) -> Option<Claim> {
+    match stored? {
+        Some(s) if s != hash => Some(Claim::Mismatch),
+        _ => Some(Claim::Duplicate),
+    }
+}
+
+/// The stored body hashes of those of `ids` that `consumer` claimed.
+async fn stored_hashes<'e>(
+    executor: impl PgExecutor<'e>,
+    consumer: &str,
+    ids: &[&str],
+) -> Result<HashMap<String, Option<Vec<u8>>>> {
+    // A join with unnest, not `= ANY($2)`: the generic plan of the latter
+    // can scan the whole table.
+    let rows: Vec<(String, Option<Vec<u8>>)> = sqlx::query_as(
+        "SELECT p.message_id, p.payload_sha256 FROM unnest($2::text[]) AS t(id) \
+         JOIN processed_messages p ON p.consumer = $1 AND p.message_id = t.id",
+    )
+    .bind(consumer)
+    .bind(ids)
+    .fetch_all(executor)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
 /// Commits a transaction in which `message_id` was claimed, after checking
-/// that the claim is still in it.
+/// that the claim is still in it: **one round trip**, the check and `COMMIT`
+/// sent together (see the [module docs](self#the-wire-shape)).
 ///
 /// Why not just `tx.commit()`: PostgreSQL answers `COMMIT` of an *aborted*
 /// transaction (one in which a statement failed, even if the caller ignored
@@ -238,9 +455,11 @@ pub async fn claim_batch(
 /// then be acknowledged with its effects and its claim rolled back: lost.
 /// And if the caller ended the transaction itself (`ROLLBACK`), there is
 /// nothing left to commit. The check is a primary-key lookup on the same
-/// connection: it fails in an aborted transaction and finds nothing after a
-/// `ROLLBACK`. It costs one round trip (see BENCHMARKS.md for why it is not
-/// folded into the `COMMIT`).
+/// connection that fails in an aborted transaction and when the claim is
+/// gone, and `COMMIT` runs only when it passed.
+///
+/// `tx` may be a savepoint (a transaction begun inside another): then the
+/// check runs, and the savepoint is released, not committed.
 ///
 /// # Errors
 /// - [`Error::ClaimLost`] when the claim is no longer in the transaction;
@@ -252,59 +471,48 @@ pub async fn claim_batch(
 ///   is unknown** if it came from the `COMMIT`; a new claim of the id tells
 ///   (duplicate: it committed).
 pub async fn commit(tx: Transaction<'_, Postgres>, consumer: &str, message_id: &str) -> Result<()> {
-    commit_with(tx, consumer, message_id, |conn, consumer, message_id| {
-        Box::pin(async move {
-            Ok(sqlx::query(CLAIM_CHECK.as_str())
-                .bind(consumer)
-                .bind(message_id)
-                .execute(conn)
-                .await?
-                .rows_affected())
-        })
-    })
-    .await
+    commit_with(tx, consumer, message_id, "").await
 }
 
-/// The claim check of [`commit`] as a statement of its own.
-static CLAIM_CHECK: std::sync::LazyLock<String> =
-    std::sync::LazyLock::new(|| format!("SELECT 1 WHERE {}", claim_stands(1)));
-
-/// The claim check as a condition that another statement carries: true while
-/// the claim of (`$n`, `$n+1`) = (consumer, message id) is in the statement's
-/// transaction. A statement that writes only `WHERE` it holds does the check
-/// and its own work in one round trip (see [`commit_with`]).
-pub(crate) fn claim_stands(n: usize) -> String {
-    format!(
-        "EXISTS (SELECT 1 FROM processed_messages WHERE consumer = ${n} AND message_id = ${})",
-        n + 1
-    )
-}
-
-/// [`commit`] whose claim check is `write`: a statement that carries
-/// [`claim_stands`] and returns how many rows it wrote (none: the claim is
-/// gone). The consumer's outbox writes a unit's forwarded messages this way,
-/// so forwarding costs no round trip of its own.
+/// [`commit`] with `statements` (SQL of idempo's own, literals only, each
+/// followed by `; `) run between the claim check and `COMMIT`, in the same
+/// round trip. The consumer's outbox writes a unit's forwarded messages this
+/// way, so forwarding costs no round trip of its own.
 ///
 /// # Errors
 /// As [`commit`].
-pub(crate) async fn commit_with<F>(
+pub(crate) async fn commit_with(
     mut tx: Transaction<'_, Postgres>,
     consumer: &str,
     message_id: &str,
-    write: F,
-) -> Result<()>
-where
-    F: for<'c> FnOnce(
-        &'c mut sqlx::PgConnection,
-        &'c str,
-        &'c str,
-    ) -> futures::future::BoxFuture<'c, Result<u64, sqlx::Error>>,
-{
-    if write(&mut tx, consumer, message_id).await? == 0 {
-        return Err(Error::ClaimLost {
+    statements: &str,
+) -> Result<()> {
+    validate_message_id(message_id)?;
+    // Divides by zero when the claim is gone: the simple query stops there.
+    let check = format!(
+        "SELECT 1 / count(*) FROM processed_messages WHERE consumer = {} AND message_id = {}; ",
+        literal::text("consumer", consumer)?,
+        literal::text("message id", message_id)?,
+    );
+    let claim_lost = |e: sqlx::Error| match e.as_database_error().and_then(|d| d.code()) {
+        Some(code) if code == "22012" => Error::ClaimLost {
             message_id: message_id.to_owned(),
-        });
+        },
+        _ => Error::Database(e),
+    };
+    if PgTransactionManager::get_transaction_depth(&tx) == 1 {
+        let sql = format!("{check}{statements}COMMIT AND CHAIN");
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&mut *tx)
+            .await
+            .map_err(claim_lost)?;
+        // Dropped: its ROLLBACK ends the empty chained transaction.
+        return Ok(());
     }
+    sqlx::raw_sql(AssertSqlSafe(format!("{check}{statements}")))
+        .execute(&mut *tx)
+        .await
+        .map_err(claim_lost)?;
     tx.commit().await?;
     Ok(())
 }

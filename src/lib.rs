@@ -86,6 +86,7 @@ mod error;
 pub mod inbox;
 #[cfg(any(feature = "http", feature = "retry"))]
 mod key;
+mod literal;
 mod message_id;
 mod migrate;
 #[cfg_attr(

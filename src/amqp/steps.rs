@@ -6,9 +6,9 @@
 //! units of one, which go through them again:
 //!
 //! ```text
-//! Decode ─► Begin ─► Claim ─┬─ all Duplicate/Mismatch ─► ROLLBACK ─► decided
-//!    │                      └─ Fresh ─► Handle ─┬─ Ok ─► Commit (claim check + COMMIT, one round trip) ─► Processed
-//!    └─ undecodable ─► DeadLetter               └─ error / panic / timeout ─► ROLLBACK ─► Failed
+//! Decode ─► Claim (claims + BEGIN, one round trip) ─┬─ all Duplicate/Mismatch ─► decided (no transaction)
+//!    │                                               └─ Fresh ─► Handle ─┬─ Ok ─► Commit (claim check + COMMIT, one round trip) ─► Processed
+//!    └─ undecodable ─► DeadLetter                                        └─ error / panic / timeout ─► ROLLBACK ─► Failed
 //!
 //! Failed         = one delivery: its outcome (Retry, or DeadLetter for a permanent error)
 //!                  a batch: Split ─► each delivery alone, from Decode
@@ -40,10 +40,6 @@ use super::stats::{Counter, Stats};
 use crate::Error;
 use crate::error::database_unavailable;
 use crate::inbox::{self, Claim};
-
-/// The claim relies on READ COMMITTED (a duplicate's follow-up read must see
-/// the row another transaction just committed), whatever the database default.
-const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 
 /// Passes that end in a connection error although the database answered in
 /// between: after this many, the error is the unit's (a statement that kills
@@ -90,9 +86,8 @@ impl Unit {
 enum Step {
     /// Decode the bodies; one that does not decode leaves the unit, dead-lettered.
     Decode(Unit),
-    Begin(Unit, Call),
-    /// Claim every id of the unit in the transaction.
-    Claim(Unit, Call, Transaction<'static, Postgres>),
+    /// Claim every id of the unit, opening the transaction (one round trip).
+    Claim(Unit, Call),
     /// Run the handler over the unit, now only fresh messages.
     Handle(Unit, Call, Transaction<'static, Postgres>),
     /// Check that the claims are still in the transaction, and COMMIT.
@@ -129,13 +124,7 @@ impl InboxSteps {
             loop {
                 step = match step {
                     Step::Decode(unit) => self.decode(unit, messages, &mut decided),
-                    Step::Begin(unit, call) => match self.pool.begin_with(BEGIN).await {
-                        Ok(tx) => Step::Claim(unit, call, tx),
-                        Err(e) => database_error(unit, "cannot begin a transaction", e.into()),
-                    },
-                    Step::Claim(unit, call, tx) => {
-                        self.claim(unit, call, tx, messages, &mut decided).await
-                    }
+                    Step::Claim(unit, call) => self.claim(unit, call, messages, &mut decided).await,
                     Step::Handle(unit, call, tx) => self.handle(unit, call, tx).await,
                     Step::Commit(unit, tx, staged) => self.commit(unit, tx, staged, messages).await,
                     Step::AwaitDatabase(unit, error) => {
@@ -188,7 +177,7 @@ impl InboxSteps {
                 return Step::Done;
             }
             match self.handler.prepare(&unit.messages(messages)) {
-                Ok(call) => return Step::Begin(unit, call),
+                Ok(call) => return Step::Claim(unit, call),
                 Err((i, e)) => {
                     let member = unit.members.remove(i);
                     decided[member] = Some(undecodable(&e));
@@ -201,19 +190,12 @@ impl InboxSteps {
         &self,
         unit: Unit,
         call: Call,
-        mut tx: Transaction<'static, Postgres>,
         messages: &[Message],
         decided: &mut [Option<Outcome>],
     ) -> Step {
         let ids = unit.ids(messages);
-        let claims = match ids.as_slice() {
-            [(id, body)] => inbox::claim(&mut tx, &self.consumer, id, body)
-                .await
-                .map(|claim| vec![claim]),
-            _ => inbox::claim_batch(&mut tx, &self.consumer, &ids).await,
-        };
-        let claims = match claims {
-            Ok(claims) => claims,
+        let (claims, tx) = match inbox::begin_claim_batch(&self.pool, &self.consumer, &ids).await {
+            Ok(claimed) => (claimed.claims, claimed.tx),
             Err(e) => return database_error(unit, "claim failed", e),
         };
         let mut fresh = Vec::with_capacity(claims.len());
@@ -224,10 +206,9 @@ impl InboxSteps {
                 Claim::Mismatch => decided[member] = Some(self.mismatch(&messages[member])),
             }
         }
-        if fresh.is_empty() {
-            rollback(tx).await;
+        let Some(tx) = tx.filter(|_| !fresh.is_empty()) else {
             return Step::Done;
-        }
+        };
         let all_fresh = fresh.len() == unit.members.len();
         let unit = Unit {
             members: fresh,

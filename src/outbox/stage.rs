@@ -1,7 +1,7 @@
 //! Staging: [`stage`] and [`stage_all`] write messages as `outbox` rows in
 //! the caller's transaction; all staging SQL on the table lives here.
 
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 
 use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, Postgres, Transaction};
@@ -127,7 +127,7 @@ pub async fn stage_all(
         .collect();
     if keys.is_empty() && messages.len() > 1 {
         // One row for the lot: a fraction of the writes of a row each.
-        insert_packed(conn, &messages, quiet, None).await?;
+        insert_packed(conn, &messages, quiet).await?;
         return Ok(staged(messages));
     }
     if !keys.is_empty() {
@@ -147,7 +147,7 @@ pub async fn stage_all(
     }
     match messages.as_slice() {
         // One message: a plain insert, cheaper than unnesting arrays.
-        [m] => insert_one(conn, m, quiet, None).await?,
+        [m] => insert_one(conn, m, quiet).await?,
         _ => insert_rows(conn, &messages, quiet).await?,
     };
     Ok(staged(messages))
@@ -155,8 +155,8 @@ pub async fn stage_all(
 
 /// Commits a consumer unit's transaction with
 /// [`inbox::commit`](crate::inbox::commit), the messages its handler
-/// deferred written by the claim check itself (one statement that writes
-/// only while the claim stands: see [`inbox::commit_with`](crate::inbox::commit_with)).
+/// deferred written between the claim check and `COMMIT`, in the same round
+/// trip (see [`inbox::commit_with`](crate::inbox::commit_with)).
 ///
 /// # Errors
 /// As [`inbox::commit`](crate::inbox::commit).
@@ -168,92 +168,111 @@ pub(crate) async fn commit_unit(
     message_id: &str,
 ) -> crate::Result<()> {
     let (deferred, quiet) = unit.take_deferred();
-    if deferred.is_empty() {
-        return crate::inbox::commit(tx, consumer, message_id).await;
-    }
-    crate::inbox::commit_with(tx, consumer, message_id, move |conn, consumer, id| {
-        Box::pin(async move {
-            let claim = Some((consumer, id));
-            match deferred.as_slice() {
-                [m] => insert_one(conn, m, quiet, claim).await,
-                many => insert_packed(conn, many, quiet, claim).await,
-            }
-        })
-    })
-    .await
+    let statements = deferred_rows(&deferred, quiet)?;
+    crate::inbox::commit_with(tx, consumer, message_id, &statements).await
 }
 
-// The three ways a row gets into the outbox. Each turns the staging
-// trigger's NOTIFY off for the transaction when `quiet` (the consumer's own
-// relay is woken after the commit instead: see the migration), and with a
-// `claim` (consumer, message id) writes only while that claim stands.
+/// The statements that write a unit's deferred messages, as SQL text with
+/// literals (they travel in one simple query with the claim check and
+/// `COMMIT`): a row, or a packed row for several. Empty when none.
+fn deferred_rows(deferred: &[OutboxMessage], quiet: bool) -> crate::Result<String> {
+    use crate::literal::{bytes, optional_text, text};
+    let mut sql = String::new();
+    if deferred.is_empty() {
+        return Ok(sql);
+    }
+    if quiet {
+        sql.push_str("SELECT set_config('idempo.outbox_notify', 'off', true); ");
+    }
+    match deferred {
+        [m] => {
+            sql.push_str(
+                "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
+                                     correlation_id, persistent, headers) VALUES (",
+            );
+            let values = [
+                text("exchange", &m.exchange)?,
+                text("routing key", &m.routing_key)?,
+                optional_text("message id", m.message_id.as_deref())?,
+                bytes(&m.body),
+                optional_text("content type", m.content_type.as_deref())?,
+                optional_text("correlation id", m.correlation_id.as_deref())?,
+                m.persistent.to_string(),
+                format!("{}::jsonb", text("headers", &m.headers_text())?),
+            ];
+            sql.push_str(&values.join(", "));
+        }
+        many => {
+            sql.push_str(
+                "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
+                 VALUES ('', '', ",
+            );
+            sql.push_str(&text(
+                "message id",
+                many[0].message_id.as_deref().unwrap_or_default(),
+            )?);
+            sql.push_str(", ''::bytea, ");
+            sql.push_str(&bytes(&packed::encode(many)));
+            sql.push_str(&format!(", {}", many.len()));
+        }
+    }
+    sql.push_str("); ");
+    Ok(sql)
+}
+
+// The three ways a row gets into the outbox at staging. Each turns the
+// staging trigger's NOTIFY off for the transaction when `quiet` (the
+// consumer's own relay is woken after the commit instead: see the migration).
 
 /// `set_config`'s value for `idempo.outbox_notify`.
 fn notify_setting(quiet: bool) -> &'static str {
     if quiet { "off" } else { "" }
 }
 
-/// One message, one row; returns the rows written (0: the claim is gone).
+/// One message, one row.
 async fn insert_one(
     conn: &mut PgConnection,
     m: &OutboxMessage,
     quiet: bool,
-    claim: Option<(&str, &str)>,
 ) -> Result<u64, sqlx::Error> {
-    static SQL: LazyLock<String> = LazyLock::new(|| {
-        format!(
-            "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                                 correlation_id, persistent, headers, ordering_key) \
-             SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9 \
-             FROM (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify \
-             WHERE $11::text IS NULL OR {}",
-            crate::inbox::claim_stands(11)
-        )
-    });
-    let done = sqlx::query(SQL.as_str())
-        .bind(&m.exchange)
-        .bind(&m.routing_key)
-        .bind(&m.message_id)
-        .bind(&m.body)
-        .bind(&m.content_type)
-        .bind(&m.correlation_id)
-        .bind(m.persistent)
-        .bind(m.headers_text())
-        .bind(&m.ordering_key)
-        .bind(notify_setting(quiet))
-        .bind(claim.map(|(consumer, _)| consumer))
-        .bind(claim.map(|(_, id)| id))
-        .execute(conn)
-        .await?;
+    let done = sqlx::query(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
+                             correlation_id, persistent, headers, ordering_key) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9 \
+         FROM (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify",
+    )
+    .bind(&m.exchange)
+    .bind(&m.routing_key)
+    .bind(&m.message_id)
+    .bind(&m.body)
+    .bind(&m.content_type)
+    .bind(&m.correlation_id)
+    .bind(m.persistent)
+    .bind(m.headers_text())
+    .bind(&m.ordering_key)
+    .bind(notify_setting(quiet))
+    .execute(conn)
+    .await?;
     Ok(done.rows_affected())
 }
 
-/// Several unkeyed messages in one packed row (`packed.rs`); returns the
-/// rows written (0: the claim is gone).
+/// Several unkeyed messages in one packed row (`packed.rs`).
 async fn insert_packed(
     conn: &mut PgConnection,
     messages: &[OutboxMessage],
     quiet: bool,
-    claim: Option<(&str, &str)>,
 ) -> Result<u64, sqlx::Error> {
-    static SQL: LazyLock<String> = LazyLock::new(|| {
-        format!(
-            "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
-             SELECT '', '', $1, ''::bytea, $2, $3 \
-             FROM (SELECT set_config('idempo.outbox_notify', $4, true)) AS notify \
-             WHERE $5::text IS NULL OR {}",
-            crate::inbox::claim_stands(5)
-        )
-    });
-    let done = sqlx::query(SQL.as_str())
-        .bind(messages[0].message_id.as_deref().unwrap_or_default())
-        .bind(packed::encode(messages))
-        .bind(messages.len() as i32)
-        .bind(notify_setting(quiet))
-        .bind(claim.map(|(consumer, _)| consumer))
-        .bind(claim.map(|(_, id)| id))
-        .execute(conn)
-        .await?;
+    let done = sqlx::query(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
+         SELECT '', '', $1, ''::bytea, $2, $3 \
+         FROM (SELECT set_config('idempo.outbox_notify', $4, true)) AS notify",
+    )
+    .bind(messages[0].message_id.as_deref().unwrap_or_default())
+    .bind(packed::encode(messages))
+    .bind(messages.len() as i32)
+    .bind(notify_setting(quiet))
+    .execute(conn)
+    .await?;
     Ok(done.rows_affected())
 }
 
