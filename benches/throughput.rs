@@ -9,10 +9,30 @@
 //! `BENCH_QUEUE_TYPE` (`quorum`, the default, or `classic`), `AMQP_URL`,
 //! `DATABASE_URL`. Each variant runs in a child process of its own, so that
 //! its peak RSS is its own. See BENCHMARKS.md for what each variant does.
+//!
+//! Round trips: each variant's pool reaches PostgreSQL through a counting
+//! proxy of its own (`support/pg_trips.rs`, TLS off, TCP `DATABASE_URL` only)
+//! that reads the server's messages during the pre-filled drain (phase 1),
+//! after the connections' start-up. Per message settled in that window
+//! (per duplicate for g; empty for a, which has no database):
+//! - `trips/msg`: round trips on the delivery's path, i.e. ReadyForQuery
+//!   messages (one per simple Query, one per Sync) minus the pings below.
+//!   It includes sqlx's preparation of each new statement, once per
+//!   statement per connection, a round trip of its own: small over thousands
+//!   of messages (`prepares_per_msg` in the JSON figures).
+//! - `stmts/msg`: statements executed (CommandComplete), BEGIN and COMMIT included.
+//! - `pings/msg`: round trips that carried a Sync alone, sqlx's pool's
+//!   health check: one when it takes a connection back, one when it hands
+//!   out an idle one (`test_before_acquire`). The pool's, not the caller's.
+//!
+//! `BENCH_COUNT_TRIPS=0` connects directly instead (no proxy hop, to compare
+//! throughput with and without it) and leaves those columns empty.
 
 #[path = "../examples/common/payments.rs"]
 #[allow(dead_code)]
 mod payments;
+#[path = "support/pg_trips.rs"]
+mod pg_trips;
 
 use std::process::Command;
 use std::sync::Arc;
@@ -30,7 +50,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use tokio::sync::{Mutex, Semaphore};
 
 const VARIANTS: &[&str] = &[
@@ -58,6 +78,13 @@ struct Figures {
     p50_ms: f64,
     p99_ms: f64,
     peak_rss_mib: f64,
+    /// Phase 1's wire, per message (see the top of the file); `None` for a
+    /// or with `BENCH_COUNT_TRIPS=0`.
+    trips_per_msg: Option<f64>,
+    stmts_per_msg: Option<f64>,
+    pings_per_msg: Option<f64>,
+    prepares_per_msg: Option<f64>,
+    db_errors: Option<u64>,
 }
 
 impl Figures {
@@ -107,8 +134,10 @@ fn report(results: &[Figures]) {
     println!(
         "\nqueue type: {queue_type}; latency = delivery received -> business writes done, under a paced load of {PACED_RATE} msg/s\n"
     );
-    println!("| variant | msg/s | p50 ms | p99 ms | peak RSS MiB | vs a | vs b | vs c | vs d |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| variant | msg/s | p50 ms | p99 ms | peak RSS MiB | vs a | vs b | vs c | vs d | trips/msg | stmts/msg | pings/msg |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let baseline = |prefix: &str| {
         results
             .iter()
@@ -124,15 +153,23 @@ fn report(results: &[Figures]) {
                 _ => String::new(),
             })
             .collect();
+        let wire: Vec<String> = [r.trips_per_msg, r.stmts_per_msg, r.pings_per_msg]
+            .iter()
+            .map(|f| f.map_or_else(String::new, |f| format!("{f:.2}")))
+            .collect();
         println!(
-            "| {} | {:.0} | {:.1} | {:.1} | {:.0} | {} |",
+            "| {} | {:.0} | {:.1} | {:.1} | {:.0} | {} | {} |",
             r.variant,
             r.rate(),
             r.p50_ms,
             r.p99_ms,
             r.peak_rss_mib,
-            ratios.join(" | ")
+            ratios.join(" | "),
+            wire.join(" | ")
         );
+        if let Some(errors) = r.db_errors.filter(|e| *e > 0) {
+            eprintln!("{}: {errors} database errors in phase 1", r.variant);
+        }
     }
 }
 
@@ -145,6 +182,16 @@ struct Bench {
     publisher: Channel,
     _connection: Connection,
     latencies: Arc<Mutex<Vec<f64>>>,
+    /// The proxy `pool` goes through (not the setup's `admin` pool).
+    proxy: Option<pg_trips::Proxy>,
+}
+
+/// Phase 1, the pre-filled drain: how long it took, how many messages
+/// settled in it, and what the server sent meanwhile.
+struct Drain {
+    seconds: f64,
+    messages: u64,
+    wire: Option<pg_trips::Counts>,
 }
 
 async fn setup(variant: &str, pool_size: u32) -> anyhow::Result<Bench> {
@@ -168,7 +215,17 @@ async fn setup(variant: &str, pool_size: u32) -> anyhow::Result<Bench> {
     sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {tag}")))
         .execute(&admin)
         .await?;
-    let options: PgConnectOptions = database_url.parse()?;
+    let mut options: PgConnectOptions = database_url.parse()?;
+    let mut proxy = None;
+    if std::env::var("BENCH_COUNT_TRIPS").as_deref() != Ok("0") {
+        let upstream = format!("{}:{}", options.get_host(), options.get_port());
+        let started = pg_trips::Proxy::start(upstream).await?;
+        options = options
+            .host(&started.addr.ip().to_string())
+            .port(started.addr.port())
+            .ssl_mode(PgSslMode::Disable);
+        proxy = Some(started);
+    }
     let pool = PgPoolOptions::new()
         .max_connections(pool_size)
         .connect_with(options.options([("search_path", tag.as_str())]))
@@ -200,6 +257,7 @@ async fn setup(variant: &str, pool_size: u32) -> anyhow::Result<Bench> {
         publisher,
         _connection: connection,
         latencies: Arc::default(),
+        proxy,
     })
 }
 
@@ -214,6 +272,14 @@ fn body(i: u64) -> Vec<u8> {
 }
 
 impl Bench {
+    fn wire(&self) -> Option<pg_trips::Counts> {
+        self.proxy.as_ref().map(pg_trips::Proxy::counts)
+    }
+
+    fn wire_since(&self, before: Option<pg_trips::Counts>) -> Option<pg_trips::Counts> {
+        Some(self.wire()? - before?)
+    }
+
     /// Declares the queue as idempo would (so both kinds of consumer use the same type).
     async fn declare(&self) -> anyhow::Result<()> {
         let mut args = FieldTable::default();
@@ -331,7 +397,7 @@ async fn run_variant(variant: &str) -> anyhow::Result<Figures> {
     // Phase 1: a pre-filled queue, consumed as fast as the variant can.
     // Phase 2: a paced load, for latency.
     let duplicates = variant.contains("duplicates");
-    let seconds = if variant.contains("idempo") {
+    let drain = if variant.contains("idempo") {
         run_idempo(&bench, variant, messages, paced, duplicates).await?
     } else {
         bench.declare().await?;
@@ -340,25 +406,34 @@ async fn run_variant(variant: &str) -> anyhow::Result<Figures> {
     let mut latencies = bench.latencies.lock().await.clone();
     latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
     bench.cleanup().await;
+    let wire = drain.wire.filter(|_| !variant.starts_with("a:"));
+    let per_message = |count: fn(&pg_trips::Counts) -> u64| {
+        wire.map(|w| count(&w) as f64 / drain.messages.max(1) as f64)
+    };
     Ok(Figures {
         variant: variant.to_owned(),
         messages,
-        seconds,
+        seconds: drain.seconds,
         p50_ms: percentile(&latencies, 0.5),
         p99_ms: percentile(&latencies, 0.99),
         peak_rss_mib: peak_rss_mib(),
+        trips_per_msg: per_message(|w| w.ready - w.sync_only),
+        stmts_per_msg: per_message(|w| w.complete),
+        pings_per_msg: per_message(|w| w.sync_only),
+        prepares_per_msg: per_message(|w| w.parsed),
+        db_errors: wire.map(|w| w.errors),
     })
 }
 
 /// Runs an idempo consumer over a pre-filled queue, then a paced load;
-/// returns the seconds the pre-filled part took.
+/// returns what the pre-filled part took.
 async fn run_idempo(
     bench: &Bench,
     variant: &str,
     messages: u64,
     paced: u64,
     duplicates: bool,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<Drain> {
     let concurrency = if variant.ends_with("-c1") {
         1
     } else if variant.ends_with("-c64") {
@@ -456,15 +531,20 @@ async fn run_idempo(
     );
     let task = tokio::spawn(consumer.run());
     health.wait_for(|h| h.is_consuming()).await;
-    let started = Instant::now();
     let settled = || {
         let s = stats.snapshot();
         s.processed + s.duplicates
     };
+    let (wire_before, settled_before) = (bench.wire(), settled());
+    let started = Instant::now();
     while settled() < messages {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let seconds = started.elapsed().as_secs_f64();
+    let drain = Drain {
+        seconds: started.elapsed().as_secs_f64(),
+        messages: settled() - settled_before,
+        wire: bench.wire_since(wire_before),
+    };
     if !duplicates {
         bench.publish("p", paced, true).await?;
         while settled() < messages + paced {
@@ -473,7 +553,7 @@ async fn run_idempo(
     }
     stop.shutdown();
     task.await??;
-    Ok(seconds)
+    Ok(drain)
 }
 
 /// Runs a hand-written consumer over a pre-filled queue, then a paced load.
@@ -482,7 +562,7 @@ async fn run_hand_written(
     variant: &str,
     messages: u64,
     paced: u64,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<Drain> {
     bench.publish("t", messages, false).await?;
     let connection = Connection::connect(&bench.amqp_url, ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
@@ -503,6 +583,7 @@ async fn run_hand_written(
         )
         .await?;
     let done = Arc::new(AtomicU64::new(0));
+    let wire_before = bench.wire();
     let started = Instant::now();
     let worker = {
         let (pool, latencies, done, variant) = (
@@ -524,14 +605,18 @@ async fn run_hand_written(
         anyhow::ensure!(!worker.is_finished(), "the {variant} consumer stopped");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let seconds = started.elapsed().as_secs_f64();
+    let drain = Drain {
+        seconds: started.elapsed().as_secs_f64(),
+        messages: done.load(Ordering::Relaxed),
+        wire: bench.wire_since(wire_before),
+    };
     bench.publish("p", paced, true).await?;
     while done.load(Ordering::Relaxed) < messages + paced {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     worker.abort();
     let _ = connection.close(200, "bench done".into()).await;
-    Ok(seconds)
+    Ok(drain)
 }
 
 /// (a) The ceiling: consume and acknowledge in groups of 100, no database.
