@@ -15,15 +15,17 @@
 //! that reads the server's messages during the pre-filled drain (phase 1),
 //! after the connections' start-up. Per message settled in that window
 //! (per duplicate for g; empty for a, which has no database):
-//! - `trips/msg`: round trips on the delivery's path, i.e. ReadyForQuery
-//!   messages (one per simple Query, one per Sync) minus the pings below.
-//!   It includes sqlx's preparation of each new statement, once per
+//! - `trips/msg`: round trips on the delivery's path: what the client sent
+//!   between two answers of the server, however many messages it pipelined
+//!   in one flight (BEGIN with the claim counts once), minus the pings
+//!   below. It includes sqlx's preparation of each new statement, once per
 //!   statement per connection, a round trip of its own: small over thousands
 //!   of messages (`prepares_per_msg` in the JSON figures).
 //! - `stmts/msg`: statements executed (CommandComplete), BEGIN and COMMIT included.
-//! - `pings/msg`: round trips that carried a Sync alone, sqlx's pool's
-//!   health check: one when it takes a connection back, one when it hands
-//!   out an idle one (`test_before_acquire`). The pool's, not the caller's.
+//! - `pings/msg`: round trips with a Sync and no Execute, sqlx's pool's
+//!   health check: one when it takes a connection back (with the ROLLBACK
+//!   of a dropped transaction queued before it), one when it hands out an
+//!   idle one (`test_before_acquire`). The pool's, not the caller's.
 //!
 //! `BENCH_COUNT_TRIPS=0` connects directly instead (no proxy hop, to compare
 //! throughput with and without it) and leaves those columns empty.
@@ -417,9 +419,9 @@ async fn run_variant(variant: &str) -> anyhow::Result<Figures> {
         p50_ms: percentile(&latencies, 0.5),
         p99_ms: percentile(&latencies, 0.99),
         peak_rss_mib: peak_rss_mib(),
-        trips_per_msg: per_message(|w| w.ready - w.sync_only),
+        trips_per_msg: per_message(|w| w.flights - w.ping_flights),
         stmts_per_msg: per_message(|w| w.complete),
-        pings_per_msg: per_message(|w| w.sync_only),
+        pings_per_msg: per_message(|w| w.ping_flights),
         prepares_per_msg: per_message(|w| w.parsed),
         db_errors: wire.map(|w| w.errors),
     })

@@ -81,6 +81,15 @@ impl fmt::Debug for Tx {
 // Only the runtimes (amqp, http) hand out transactions.
 #[cfg_attr(not(any(feature = "amqp", feature = "http")), allow(dead_code))]
 impl Tx {
+    // With the outbox, the consumer attaches its unit (`with_extension`).
+    #[cfg_attr(
+        not(any(
+            all(feature = "amqp", not(feature = "outbox")),
+            feature = "http",
+            feature = "saga"
+        )),
+        allow(dead_code)
+    )]
     pub(crate) fn new(tx: Transaction<'static, Postgres>) -> Self {
         Tx {
             inner: Arc::new(Mutex::new(Some(tx))),
