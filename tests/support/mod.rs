@@ -924,3 +924,62 @@ impl IsolatedDb {
         Self::remove(&self.admin, &self.name).await;
     }
 }
+
+/// Message ids that would break SQL text built carelessly: quotes,
+/// backslashes (`\'` and `E'..'` forms), dollar quotes, parameters,
+/// statement separators and comments, an injection, escape sequences that
+/// look like a NUL (a real NUL is refused before any SQL), control
+/// characters, unicode (emoji, right-to-left, combining marks), and ids of
+/// 254 and 255 bytes. All distinct, all valid.
+pub fn hostile_ids() -> Vec<String> {
+    let mut ids: Vec<String> = [
+        "'",
+        "''",
+        "\\",
+        "\\'",
+        "'\\",
+        "\\\\",
+        "E'x'",
+        "e'\\x41'",
+        "$$",
+        "$1",
+        "$tag$x$tag$",
+        ";",
+        "--",
+        "/*",
+        "*/",
+        "'); DROP TABLE processed_messages; --",
+        "x'; SELECT pg_sleep(10); --",
+        "\\x00",
+        "\\\\x00",
+        "\\000",
+        "\\u0000",
+        "U&'\\0000'",
+        "\"",
+        "`",
+        "%",
+        "_",
+        " leading space",
+        "trailing space ",
+        "line\nbreak",
+        "crlf\r\n",
+        "\ttab",
+        "\u{1}\u{7f}",
+        "💸🦀",
+        "\u{202E}evil",
+        "שלום",
+        "e\u{301}\u{302}\u{303}",
+        "\u{feff}bom",
+        "\u{200b}",
+    ]
+    .map(String::from)
+    .into();
+    ids.push("é".repeat(127)); // 254 bytes
+    ids.push(format!("{}'", "'\\".repeat(127))); // 255 bytes
+    ids.push(format!("{}\\", "é".repeat(127))); // 255 bytes
+    let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(distinct.len(), ids.len(), "hostile ids are distinct");
+    assert_eq!(ids[ids.len() - 3].len(), 254);
+    assert!(ids[ids.len() - 2..].iter().all(|id| id.len() == 255));
+    ids
+}
