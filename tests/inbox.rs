@@ -2,12 +2,11 @@
 
 mod support;
 
-use std::str::FromStr;
 use std::time::Duration;
 
 use idempo::inbox::{self, Begun, Claim};
 use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use support::Db;
 
 /// Claims in a transaction of its own, then commits it or rolls it back.
@@ -603,22 +602,7 @@ async fn hostile_message_ids_are_claimed_once_and_stored_byte_for_byte() {
 #[tokio::test]
 async fn hostile_message_ids_behave_the_same_without_standard_conforming_strings() {
     let db = Db::new().await;
-    let options = PgConnectOptions::from_str(&support::database_url())
-        .unwrap()
-        .options([
-            ("search_path", db.schema.as_str()),
-            ("standard_conforming_strings", "off"),
-        ]);
-    let off = PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(options)
-        .await
-        .expect("connect with standard_conforming_strings off");
-    let setting: String = sqlx::query_scalar("SHOW standard_conforming_strings")
-        .fetch_one(&off)
-        .await
-        .unwrap();
-    assert_eq!(setting, "off", "the session setting took");
+    let off = support::pool_with_settings(&db, 2, &[("standard_conforming_strings", "off")]).await;
     // In such a session '\'' is a quote, not a backslash and an end.
     let quote: String = sqlx::query_scalar(r"SELECT '\''")
         .fetch_one(&off)

@@ -816,6 +816,35 @@ pub async fn pool_through(proxy: &TcpProxy, db: &Db) -> PgPool {
         .expect("connect through the proxy")
 }
 
+/// A pool of `size` on the schema of `db` whose sessions run with
+/// `settings` (e.g. `standard_conforming_strings = off`); checks with
+/// `SHOW` that each took.
+pub async fn pool_with_settings(db: &Db, size: u32, settings: &[(&str, &str)]) -> PgPool {
+    let mut options = vec![("search_path", db.schema.as_str())];
+    options.extend_from_slice(settings);
+    let connect = PgConnectOptions::from_str(&database_url())
+        .unwrap()
+        .options(options);
+    let pool = PgPoolOptions::new()
+        .max_connections(size)
+        .connect_with(connect)
+        .await
+        .unwrap_or_else(|e| unreachable_postgres(&database_url(), e));
+    for (name, value) in settings {
+        let shown: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SHOW {name}")))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(shown, *value, "the session setting {name} took");
+    }
+    pool
+}
+
+/// The session settings a test runs the library under: none, or
+/// `standard_conforming_strings = off`, where a backslash in an ordinary
+/// literal escapes the next character.
+pub const SESSION_SETTINGS: [&[(&str, &str)]; 2] = [&[], &[("standard_conforming_strings", "off")]];
+
 /// A database and a login role of their own, for tests that take "the"
 /// database offline (`ALLOW_CONNECTIONS false`, `NOLOGIN`, `CONNECTION LIMIT
 /// 0`) without touching what other tests use. Dropped by [`IsolatedDb::drop`]
