@@ -483,11 +483,12 @@ async fn a_batch_commit_whose_connection_dies_is_resolved_through_the_claims() {
 }
 
 /// Backends of `queue`'s consumer sleeping in [`sleep_at_first_commit`]'s
-/// trigger: their query (the claim check + COMMIT) names the consumer.
+/// trigger: their query (the claim check + COMMIT) holds the consumer's
+/// name as a literal (quoted, so that `q_1` does not match `q_12`).
 async fn sleeping_commits(db: &Db, queue: &str) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM pg_stat_activity \
-         WHERE wait_event = 'PgSleep' AND strpos(query, $1) > 0",
+         WHERE wait_event = 'PgSleep' AND strpos(query, quote_literal($1)) > 0",
     )
     .bind(queue)
     .fetch_one(&db.pool)

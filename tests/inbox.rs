@@ -428,7 +428,8 @@ async fn begin_claim_batch_claims_the_first_copy_of_a_repeated_id() {
 
 /// Starts `begin_claim` of `m-1` for `consumer` in a task (committing it
 /// when fresh), waits until its backend is blocked on a lock (the first
-/// claim's uncommitted row), and returns the task.
+/// claim's uncommitted row; its query holds `consumer` as a literal), and
+/// returns the task.
 async fn blocked_second_begin_claim(db: &Db, consumer: &str) -> tokio::task::JoinHandle<Claim> {
     let (pool, name) = (db.pool.clone(), consumer.to_owned());
     let second =
@@ -439,7 +440,7 @@ async fn blocked_second_begin_claim(db: &Db, consumer: &str) -> tokio::task::Joi
         || async {
             let waiting: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM pg_stat_activity \
-                 WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0",
+                 WHERE wait_event_type = 'Lock' AND strpos(query, quote_literal($1)) > 0",
             )
             .bind(consumer)
             .fetch_one(&db.pool)
