@@ -340,6 +340,100 @@ async fn a_message_id_with_a_nul_is_dead_lettered_at_once() {
     assert_eq!(db.claims().await, 0);
 }
 
+/// Message ids that would break SQL text built carelessly (quotes,
+/// backslashes, dollar quotes, an injection, NUL look-alikes, control
+/// characters, unicode, 255 bytes) travel as literals in the claim and its
+/// check: each is processed once, its copy is a duplicate, its reuse with
+/// another body is dead-lettered, and the claim stores it byte for byte,
+/// in per-message and in batch mode, also from sessions with
+/// `standard_conforming_strings` off.
+#[tokio::test]
+async fn hostile_message_ids_are_processed_once_and_stored_as_they_came() {
+    let modes = [None, Some(10)];
+    for (batch, settings) in modes
+        .into_iter()
+        .flat_map(|b| support::SESSION_SETTINGS.map(|s| (b, s)))
+    {
+        let (db, broker, queue) = support::setup().await;
+        let pool = support::pool_with_settings(&db, 4, settings).await;
+        let consumer = Consumer::builder(support::amqp_url(), pool)
+            .queue(&queue)
+            .retry(idempo::amqp::RedeliveryPolicy::delayed([
+                support::RETRY_DELAY,
+            ]));
+        let ids = support::hostile_ids();
+        let n = ids.len() as u64;
+        let bodies = |cents: fn(usize) -> i64| -> Vec<(String, Vec<u8>)> {
+            ids.iter()
+                .enumerate()
+                .map(|(i, id)| (id.clone(), support::payment_body("ho", cents(i))))
+                .collect()
+        };
+        let originals = bodies(|i| i as i64 + 1);
+        let consumer = match batch {
+            None => Running::start(consumer.handler(|tx, m| payments::handle(tx, m, 0.0))),
+            Some(size) => Running::start(
+                consumer
+                    .prefetch(30)
+                    .batch_handler(|tx, batch| payments::handle_batch(tx, batch, 0.0))
+                    .batch(size),
+            ),
+        };
+        // One phase at a time, so that every copy meets a committed claim.
+        broker.publish_many(&queue, &originals).await;
+        consumer.settled(n).await;
+        broker.publish_many(&queue, &originals).await;
+        consumer.settled(2 * n).await;
+        broker.publish_many(&queue, &bodies(|_| 1_000_000)).await;
+        let stats = consumer.finish(3 * n).await;
+
+        assert_eq!(
+            (
+                stats.processed,
+                stats.duplicates,
+                stats.dead_lettered,
+                stats.retried
+            ),
+            (n, n, n, 0),
+            "{batch:?} {settings:?}: {stats:?}"
+        );
+        for id in &ids {
+            assert_eq!(
+                db.payments_for(id).await,
+                1,
+                "{batch:?} {settings:?}: one effect for {id:?}"
+            );
+        }
+        assert_eq!(db.balances().await["ho"], (1..=n as i64).sum::<i64>());
+        let mut stored: Vec<String> =
+            sqlx::query_scalar("SELECT message_id FROM processed_messages WHERE consumer = $1")
+                .bind(&queue)
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        stored.sort();
+        let mut expected = ids.clone();
+        expected.sort();
+        assert_eq!(
+            stored, expected,
+            "{batch:?} {settings:?}: claims stored byte for byte"
+        );
+        let dead = broker.drain(&format!("{queue}.dlq")).await;
+        assert!(
+            dead.iter()
+                .all(|d| d.reason() == "message id reused with a different payload"),
+            "{batch:?} {settings:?}: {dead:?}"
+        );
+        let mut dead_ids: Vec<String> = dead.into_iter().filter_map(|d| d.message_id).collect();
+        dead_ids.sort();
+        assert_eq!(
+            dead_ids, expected,
+            "{batch:?} {settings:?}: every reuse dead-lettered"
+        );
+        assert_eq!(broker.ready(&queue).await, 0);
+    }
+}
+
 #[tokio::test]
 async fn a_forged_copy_header_does_not_make_a_new_payment_a_duplicate() {
     use lapin::types::{AMQPValue, FieldTable};

@@ -397,11 +397,10 @@ async fn poison_is_dead_lettered_even_while_the_database_is_unreachable() {
     support::eventually_ready(&broker, &queue, 1).await;
 }
 
-#[tokio::test]
-async fn a_commit_whose_connection_dies_is_resolved_through_the_claim() {
-    let (db, broker, queue) = support::setup().await;
-    // At COMMIT, a deferred trigger terminates the committing backend once:
-    // the client sees the connection die and cannot know the outcome.
+/// At COMMIT, a deferred trigger on `payments` terminates the committing
+/// backend once: the client sees the connection die and cannot know the
+/// outcome (here: rolled back).
+async fn kill_at_first_commit(db: &Db) {
     sqlx::raw_sql(
         // A sequence, because nextval survives the rollback that the kill causes.
         "CREATE SEQUENCE kills;
@@ -418,6 +417,12 @@ async fn a_commit_whose_connection_dies_is_resolved_through_the_claim() {
     .execute(&db.pool)
     .await
     .unwrap();
+}
+
+#[tokio::test]
+async fn a_commit_whose_connection_dies_is_resolved_through_the_claim() {
+    let (db, broker, queue) = support::setup().await;
+    kill_at_first_commit(&db).await;
     broker
         .publish_payment(&queue, "pay-unknown", "kim", 9)
         .await;
@@ -432,6 +437,180 @@ async fn a_commit_whose_connection_dies_is_resolved_through_the_claim() {
     assert_eq!((stats.processed, stats.retried), (1, 0));
     assert_eq!(db.payments_for("pay-unknown").await, 1, "one effect");
     assert_eq!(db.balances().await["kim"], 9);
+}
+
+/// The batch twin of the test above: the backend dies in the combined claim
+/// check and COMMIT of a whole batch. The batch waits at the gate and is
+/// claimed again (fresh: nothing committed), each payment applied once,
+/// nothing retried.
+#[tokio::test]
+async fn a_batch_commit_whose_connection_dies_is_resolved_through_the_claims() {
+    let (db, broker, queue) = support::setup().await;
+    kill_at_first_commit(&db).await;
+    let messages: Vec<(String, Vec<u8>)> = (1..=20)
+        .map(|i| (format!("pay-{i}"), support::payment_body("kim", i)))
+        .collect();
+    broker.publish_many(&queue, &messages).await;
+    let consumer = Running::start(
+        consumer_for(&db, &queue)
+            .prefetch(30)
+            .batch_handler(|tx, batch| payments::handle_batch(tx, batch, 0.0))
+            .batch(10),
+    );
+    let stats = consumer.finish(20).await;
+
+    assert_eq!(stats.commit_failures, 1, "the commit's outcome was unknown");
+    assert!(
+        stats.database_outages >= 1,
+        "it went through the database gate"
+    );
+    assert_eq!(
+        (
+            stats.processed,
+            stats.duplicates,
+            stats.retried,
+            stats.dead_lettered
+        ),
+        (20, 0, 0, 0),
+        "{stats:?}"
+    );
+    for (id, _) in &messages {
+        assert_eq!(db.payments_for(id).await, 1, "one effect for {id}");
+    }
+    assert_eq!(db.balances().await["kim"], (1..=20).sum::<i64>());
+    assert_eq!(db.claims().await, 20);
+    assert_eq!(broker.ready(&queue).await, 0);
+}
+
+/// Backends of `queue`'s consumer sleeping in [`sleep_at_first_commit`]'s
+/// trigger: their query (the claim check + COMMIT) holds the consumer's
+/// name as a literal (quoted, so that `q_1` does not match `q_12`).
+async fn sleeping_commits(db: &Db, queue: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE wait_event = 'PgSleep' AND strpos(query, quote_literal($1)) > 0",
+    )
+    .bind(queue)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// At COMMIT, a deferred trigger on `payments` sleeps 1.5 s once, after
+/// recording the payment's id in `slept` (which commits only if the
+/// transaction does).
+async fn sleep_at_first_commit(db: &Db) {
+    sqlx::raw_sql(
+        "CREATE TABLE slept (message_id text NOT NULL);
+         CREATE SEQUENCE sleeps;
+         CREATE FUNCTION sleep_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF nextval('sleeps') = 1 THEN
+                 INSERT INTO slept VALUES (NEW.message_id);
+                 PERFORM pg_sleep(1.5);
+             END IF;
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER sleep_at_commit AFTER INSERT ON payments
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION sleep_at_commit();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+/// The ids recorded by [`sleep_at_first_commit`]'s trigger whose claim by
+/// `queue`'s consumer is committed.
+async fn slept_and_claimed(db: &Db, queue: &str) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT s.message_id FROM slept s JOIN processed_messages p \
+         ON p.message_id = s.message_id AND p.consumer = $1",
+    )
+    .bind(queue)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// The COMMIT succeeds on the server but its answer never reaches the
+/// client: the network is cut while the COMMIT runs (a deferred trigger
+/// holds it for 1.5 s), and restored once the transaction is durable. The
+/// runtime cannot know the outcome, never acks, and the next pass claims
+/// the unit again: a duplicate, acked. One effect per payment, in
+/// per-message and in batch mode.
+#[tokio::test]
+async fn a_commit_whose_answer_is_lost_is_claimed_again_as_a_duplicate() {
+    for batch in [None, Some(10)] {
+        let (db, broker, queue) = support::setup().await;
+        sleep_at_first_commit(&db).await;
+        let proxy = TcpProxy::start("127.0.0.1:5432").await;
+        let pool = support::pool_through(&proxy, &db).await;
+        let messages: Vec<(String, Vec<u8>)> = (1..=10)
+            .map(|i| (format!("pay-{i}"), support::payment_body("lu", i)))
+            .collect();
+        broker.publish_many(&queue, &messages).await;
+        let base = Consumer::builder(support::amqp_url(), pool)
+            .queue(&queue)
+            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]));
+        let consumer = match batch {
+            None => Running::start(base.handler(|tx, m| payments::handle(tx, m, 0.0))),
+            Some(size) => Running::start(
+                base.prefetch(30)
+                    .batch_handler(|tx, b| payments::handle_batch(tx, b, 0.0))
+                    .batch(size),
+            ),
+        };
+        eventually("a COMMIT held by the trigger", WAIT, || async {
+            sleeping_commits(&db, &queue).await == 1
+        })
+        .await;
+        proxy.cut();
+        // The server finishes the COMMIT without its client: `slept`
+        // commits with it.
+        eventually("the COMMIT completed on the server", WAIT, || async {
+            !slept_and_claimed(&db, &queue).await.is_empty()
+        })
+        .await;
+        let slept = slept_and_claimed(&db, &queue).await;
+        assert_eq!(slept.len(), 1, "{batch:?}");
+        assert_eq!(
+            db.payments_for(&slept[0]).await,
+            1,
+            "{batch:?}: the effect is durable while the client knows nothing"
+        );
+        assert_eq!(sleeping_commits(&db, &queue).await, 0);
+        proxy.restore();
+        let stats = consumer.finish(messages.len() as u64).await;
+
+        assert!(
+            stats.commit_failures >= 1,
+            "{batch:?}: the outcome was unknown: {stats:?}"
+        );
+        assert!(
+            stats.duplicates >= 1,
+            "{batch:?}: the unit whose answer was lost was claimed again as a duplicate: {stats:?}"
+        );
+        assert_eq!(
+            stats.processed + stats.duplicates,
+            messages.len() as u64,
+            "{batch:?}: {stats:?}"
+        );
+        assert_eq!(
+            (stats.dead_lettered, stats.retried),
+            (0, 0),
+            "{batch:?}: {stats:?}"
+        );
+        for (id, _) in &messages {
+            assert_eq!(
+                db.payments_for(id).await,
+                1,
+                "{batch:?}: one effect for {id}"
+            );
+        }
+        assert_eq!(db.balances().await["lu"], (1..=10).sum::<i64>());
+        assert_eq!(db.claims().await, 10);
+        assert_eq!(broker.ready(&queue).await, 0);
+    }
 }
 
 /// The payments consumer on an isolated database, per message (`batch`

@@ -1147,3 +1147,232 @@ async fn a_row_for_a_missing_exchange_or_with_oversize_headers_does_not_hold_bac
     }
     running.stop().await;
 }
+
+/// A queue name for the hostile-fields test: the routing key the forwarded
+/// messages carry, with quotes, backslashes, dollar quotes and unicode.
+fn hostile_queue() -> String {
+    format!("{}_rk'\\''$$;--\"é🦀\u{202E}x", unique("hostile"))
+}
+
+/// The headers of [`hostile_message`]: hostile names and values, nested.
+fn hostile_headers() -> serde_json::Map<String, serde_json::Value> {
+    let serde_json::Value::Object(headers) = serde_json::json!({
+        "x-quote'": "it's '' the end'",
+        "x-back\\slash": "C:\\path\\'to'\\file\\",
+        "x-$$": "$$; DROP TABLE outbox; --$$",
+        "x-$tag$": "$tag$ x $tag$",
+        "x-é🦀\u{202E}": "שלום e\u{301}\u{302} 💸",
+        "x-json\"}": "\"}{\\\"\\u0000\\x00",
+        "x-E'": "E'\\x41' U&'\\0041'",
+        "x-lines": "a\nb\r\n\tc",
+        "x-number": 42,
+        "x-bool": true,
+        "x-nested'\\": {"k'\\$$": ["a'\\b", -7, false, null, {"\\\\": "''"}]},
+    }) else {
+        unreachable!()
+    };
+    headers
+}
+
+/// The body of every forwarded message: all 256 byte values.
+fn every_byte() -> Vec<u8> {
+    (0..=255u8).collect()
+}
+
+const HOSTILE_CORRELATION_ID: &str = "corr'\\''$$;--é🦀\u{202E}\\x00\n";
+const HOSTILE_CONTENT_TYPE: &str = "text/x-'\\$$; charset=\"é\"";
+
+/// A message with hostile fields for `queue`, with a hostile id made from
+/// the incoming message's id and `n`.
+fn hostile_message(queue: &str, incoming: &str, n: usize) -> OutboxMessage {
+    let mut message = OutboxMessage::new("", queue, every_byte())
+        .message_id(format!("{incoming} '\\''$$ #{n}"))
+        .correlation_id(HOSTILE_CORRELATION_ID)
+        .content_type(HOSTILE_CONTENT_TYPE);
+    for (name, value) in hostile_headers() {
+        message = message.header(name, value);
+    }
+    message
+}
+
+/// An AMQP header value as the JSON it was staged as.
+fn as_json(value: &lapin::types::AMQPValue) -> serde_json::Value {
+    use lapin::types::AMQPValue;
+    match value {
+        AMQPValue::Void => serde_json::Value::Null,
+        AMQPValue::Boolean(b) => (*b).into(),
+        AMQPValue::LongLongInt(n) => (*n).into(),
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec())
+            .expect("UTF-8")
+            .into(),
+        AMQPValue::FieldArray(items) => items.as_slice().iter().map(as_json).collect(),
+        AMQPValue::FieldTable(table) => table_as_json(table).into(),
+        other => panic!("a header value the relay does not send: {other:?}"),
+    }
+}
+
+fn table_as_json(table: &lapin::types::FieldTable) -> serde_json::Map<String, serde_json::Value> {
+    table
+        .inner()
+        .iter()
+        .map(|(name, value)| (name.to_string(), as_json(value)))
+        .collect()
+}
+
+/// Forwarded messages with hostile fields, staged through the handler's
+/// guard: written by the commit's claim check as SQL literals, one row
+/// (one message per unit) or a packed row (several). The relay publishes
+/// exactly the values staged, each message once, in per-message and in
+/// batch mode, also from sessions with `standard_conforming_strings` off.
+#[tokio::test]
+async fn hostile_fields_of_forwarded_messages_are_published_exactly_as_staged() {
+    use lapin::options::BasicGetOptions;
+    let modes = [None, Some(10)];
+    for (batch, settings) in modes
+        .into_iter()
+        .flat_map(|b| support::SESSION_SETTINGS.map(|s| (b, s)))
+    {
+        let (db, broker, queue) = setup().await;
+        let pool = support::pool_with_settings(&db, 4, settings).await;
+        let out = hostile_queue();
+        broker.declare(&out).await;
+        let target = out.clone();
+        let rows_at_staging = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = rows_at_staging.clone();
+        // "one-*" forwards one message, "many-*" three.
+        let handler = move |tx: Tx, m: Message| {
+            let (target, seen) = (target.clone(), seen.clone());
+            async move {
+                let count = if m.id().starts_with("many") { 3 } else { 1 };
+                let messages: Vec<OutboxMessage> = (0..count)
+                    .map(|n| hostile_message(&target, m.id(), n))
+                    .collect();
+                let mut guard = tx.try_lock()?;
+                outbox::stage_all(&mut guard, messages).await?;
+                // Rows of this unit (other units' may wait for the relay).
+                let rows: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM outbox WHERE starts_with(message_id, $1)",
+                )
+                .bind(format!("{} ", m.id()))
+                .fetch_one(&mut *guard)
+                .await?;
+                seen.lock().unwrap().push(rows);
+                Ok::<_, HandlerError>(())
+            }
+        };
+        let incoming = ["one-1", "many-1", "one-2", "many-2"];
+        for id in incoming {
+            broker.publish(&queue, Some(id), b"{}").await;
+        }
+        let base = Consumer::builder(amqp_url(), pool.clone())
+            .queue(&queue)
+            .retry(idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1));
+        let consumer = match batch {
+            None => base.handler(handler).build(),
+            Some(size) => base.prefetch(30).handler(handler).batch(size).build(),
+        }
+        .unwrap();
+        let stats = consumer.stats();
+        let stop = consumer.shutdown_handle();
+        let running = tokio::spawn(consumer.run());
+
+        let mut expected: Vec<String> = Vec::new();
+        for id in incoming {
+            let count = if id.starts_with("many") { 3 } else { 1 };
+            expected
+                .extend((0..count).map(|n| hostile_message(&out, id, n).id().unwrap().to_owned()));
+        }
+        expected.sort();
+        let mut got = Vec::new();
+        let start = std::time::Instant::now();
+        while got.len() < expected.len() {
+            assert!(
+                start.elapsed() < SOON,
+                "{batch:?} {settings:?}: {} of {} forwarded messages arrived",
+                got.len(),
+                expected.len()
+            );
+            match broker
+                .channel
+                .basic_get(out.as_str().into(), BasicGetOptions { no_ack: true })
+                .await
+                .unwrap()
+            {
+                Some(m) => got.push(m.delivery),
+                None => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        eventually("the outbox is empty", SOON, || async {
+            pending(&db.pool).await == 0
+        })
+        .await;
+        stop.shutdown();
+        running.await.unwrap().unwrap();
+
+        let snapshot = stats.snapshot();
+        assert_eq!(
+            (snapshot.processed, snapshot.retried, snapshot.dead_lettered),
+            (4, 0, 0),
+            "{batch:?} {settings:?}: {snapshot:?}"
+        );
+        let rows_at_staging = rows_at_staging.lock().unwrap().clone();
+        assert_eq!(
+            rows_at_staging.len(),
+            4,
+            "{batch:?} {settings:?}: one call per message"
+        );
+        assert!(
+            rows_at_staging.iter().all(|&rows| rows == 0),
+            "{batch:?} {settings:?}: staged through the guard, written by the commit"
+        );
+        let mut ids: Vec<String> = got
+            .iter()
+            .map(|d| d.properties.message_id().as_ref().unwrap().to_string())
+            .collect();
+        ids.sort();
+        assert_eq!(
+            ids, expected,
+            "{batch:?} {settings:?}: each forwarded message once"
+        );
+        for delivery in &got {
+            let p = &delivery.properties;
+            let id = p.message_id().as_ref().unwrap().to_string();
+            assert_eq!(
+                delivery.routing_key.as_str(),
+                out,
+                "{batch:?} {settings:?} {id:?}"
+            );
+            assert_eq!(
+                delivery.exchange.as_str(),
+                "",
+                "{batch:?} {settings:?} {id:?}"
+            );
+            assert_eq!(
+                p.correlation_id()
+                    .as_ref()
+                    .map(|s| s.to_string())
+                    .as_deref(),
+                Some(HOSTILE_CORRELATION_ID),
+                "{batch:?} {settings:?} {id:?}"
+            );
+            assert_eq!(
+                p.content_type().as_ref().map(|s| s.to_string()).as_deref(),
+                Some(HOSTILE_CONTENT_TYPE),
+                "{batch:?} {settings:?} {id:?}"
+            );
+            let mut headers = table_as_json(p.headers().as_ref().expect("headers"));
+            // Added by the quorum queue on delivery.
+            headers.remove("x-delivery-count");
+            assert_eq!(headers, hostile_headers(), "{batch:?} {settings:?} {id:?}");
+            assert_eq!(delivery.data, every_byte(), "{batch:?} {settings:?} {id:?}");
+            assert_eq!(*p.delivery_mode(), Some(2), "{batch:?} {settings:?} {id:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            broker.ready(&out).await,
+            0,
+            "{batch:?} {settings:?}: nothing more arrived"
+        );
+        assert_eq!(db.count("SELECT count(*) FROM outbox").await, 0);
+    }
+}

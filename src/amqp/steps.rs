@@ -557,6 +557,159 @@ mod tests {
         db.drop().await;
     }
 
+    /// A batch handler: writes an effect per message, then, when an id of
+    /// the batch starts with `swallow`, ignores a failed statement (the
+    /// transaction is aborted), and when one starts with `rollback`, ends the
+    /// transaction itself (after every write, so none escapes it); records
+    /// the ids of each call.
+    fn whole_batch(calls: Arc<std::sync::Mutex<Vec<Vec<String>>>>) -> Arc<dyn Prepare> {
+        let handler = move |tx: Tx, batch: Vec<Message>| {
+            let ids: Vec<String> = batch.iter().map(|m| m.id().to_owned()).collect();
+            calls.lock().unwrap().push(ids.clone());
+            async move {
+                let mut conn = tx.try_lock()?;
+                for id in &ids {
+                    sqlx::query("INSERT INTO effects (id) VALUES ($1)")
+                        .bind(id)
+                        .execute(&mut *conn)
+                        .await?;
+                }
+                if ids.iter().any(|id| id.starts_with("swallow")) {
+                    let _ = sqlx::query("SELECT 1 / 0").execute(&mut *conn).await;
+                }
+                if ids.iter().any(|id| id.starts_with("rollback")) {
+                    sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+                }
+                Ok(())
+            }
+        };
+        Arc::new(WholeBatch::new(handler))
+    }
+
+    #[tokio::test]
+    async fn a_batch_handler_that_aborts_or_ends_its_transaction_commits_nothing() {
+        let db = TestDb::new().await;
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let steps = steps(&db.pool, whole_batch(calls.clone()));
+        for prefix in ["swallow", "rollback"] {
+            let batch: Vec<Message> = (1..=3)
+                .map(|n| Message::for_test(&format!("{prefix}-{n}"), b"{}"))
+                .collect();
+            assert_eq!(
+                decide(&steps, &batch).await,
+                ["retry", "retry", "retry"],
+                "{prefix}"
+            );
+            assert!(db.effects().await.is_empty(), "{prefix}: no effect commits");
+            assert_eq!(db.claims().await, 0, "{prefix}: and no claim");
+        }
+        let sizes: Vec<usize> = calls.lock().unwrap().iter().map(Vec::len).collect();
+        assert_eq!(
+            sizes,
+            [3, 1, 1, 1, 3, 1, 1, 1],
+            "each batch failed whole, then each delivery alone"
+        );
+        db.drop().await;
+    }
+
+    #[tokio::test]
+    async fn a_batch_whose_handler_aborts_for_one_delivery_commits_the_others_once() {
+        let db = TestDb::new().await;
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let steps = steps(&db.pool, whole_batch(calls.clone()));
+        let batch = [
+            Message::for_test("ok-1", b"1"),
+            Message::for_test("swallow-1", b"2"),
+            Message::for_test("ok-2", b"3"),
+            Message::for_test("rollback-1", b"4"),
+        ];
+        assert_eq!(
+            decide(&steps, &batch).await,
+            ["processed", "retry", "processed", "retry"]
+        );
+        assert_eq!(db.effects().await, ["ok-1", "ok-2"]);
+        assert_eq!(db.claims().await, 2);
+        // The redelivery of the whole batch: the committed ones are duplicates.
+        assert_eq!(
+            decide(&steps, &batch).await,
+            ["duplicate", "retry", "duplicate", "retry"]
+        );
+        assert_eq!(db.effects().await, ["ok-1", "ok-2"], "effects once");
+        db.drop().await;
+    }
+
+    /// Fresh ids, one processed before, one repeated in the batch with the
+    /// same body and with another: a batch handler sees the fresh ones once,
+    /// and the outcomes are those of the same deliveries one by one.
+    #[tokio::test]
+    async fn a_batch_handler_decides_copies_and_reused_ids_as_per_message_mode_does() {
+        let batch = [
+            Message::for_test("n-1", b"1"),
+            Message::for_test("p-0", b"0"), // processed before: duplicate
+            Message::for_test("n-1", b"1"), // repeated, same body: duplicate
+            Message::for_test("n-1", b"other"), // repeated, other body: mismatch
+            Message::for_test("n-2", b"2"),
+            Message::for_test("p-0", b"zzz"), // processed before, other body
+        ];
+        let expected = [
+            "processed",
+            "duplicate",
+            "duplicate",
+            "dead letter: message id reused with a different payload",
+            "processed",
+            "dead letter: message id reused with a different payload",
+        ];
+
+        let db = TestDb::new().await;
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let batched = steps(&db.pool, whole_batch(calls.clone()));
+        assert_eq!(
+            decide(&batched, &[Message::for_test("p-0", b"0")]).await,
+            ["processed"]
+        );
+        assert_eq!(decide(&batched, &batch).await, expected);
+        assert_eq!(db.effects().await, ["n-1", "n-2", "p-0"], "effects once");
+        assert_eq!(db.claims().await, 3);
+        assert_eq!(
+            *calls.lock().unwrap(),
+            [
+                vec!["p-0".to_owned()],
+                vec!["n-1".to_owned(), "n-2".to_owned()]
+            ],
+            "one call for the batch, with its fresh messages only"
+        );
+        // Again: everything is a copy now, and the handler is not called.
+        let again = decide(&batched, &batch).await;
+        assert_eq!(
+            again,
+            [
+                "duplicate",
+                "duplicate",
+                "duplicate",
+                "dead letter: message id reused with a different payload",
+                "duplicate",
+                "dead letter: message id reused with a different payload",
+            ]
+        );
+        assert_eq!(calls.lock().unwrap().len(), 2);
+        db.drop().await;
+
+        // The same deliveries one by one, per-message mode.
+        let db = TestDb::new().await;
+        let single = steps(&db.pool, each());
+        assert_eq!(
+            decide(&single, &[Message::for_test("p-0", b"0")]).await,
+            ["processed"]
+        );
+        let mut one_by_one = Vec::new();
+        for message in &batch {
+            one_by_one.extend(decide(&single, std::slice::from_ref(message)).await);
+        }
+        assert_eq!(one_by_one, expected);
+        assert_eq!(db.effects().await, ["n-1", "n-2", "p-0"]);
+        db.drop().await;
+    }
+
     #[tokio::test]
     async fn an_undecodable_body_is_dead_lettered_before_any_database_work() {
         let db = TestDb::new().await;

@@ -816,6 +816,35 @@ pub async fn pool_through(proxy: &TcpProxy, db: &Db) -> PgPool {
         .expect("connect through the proxy")
 }
 
+/// A pool of `size` on the schema of `db` whose sessions run with
+/// `settings` (e.g. `standard_conforming_strings = off`); checks with
+/// `SHOW` that each took.
+pub async fn pool_with_settings(db: &Db, size: u32, settings: &[(&str, &str)]) -> PgPool {
+    let mut options = vec![("search_path", db.schema.as_str())];
+    options.extend_from_slice(settings);
+    let connect = PgConnectOptions::from_str(&database_url())
+        .unwrap()
+        .options(options);
+    let pool = PgPoolOptions::new()
+        .max_connections(size)
+        .connect_with(connect)
+        .await
+        .unwrap_or_else(|e| unreachable_postgres(&database_url(), e));
+    for (name, value) in settings {
+        let shown: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SHOW {name}")))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(shown, *value, "the session setting {name} took");
+    }
+    pool
+}
+
+/// The session settings a test runs the library under: none, or
+/// `standard_conforming_strings = off`, where a backslash in an ordinary
+/// literal escapes the next character.
+pub const SESSION_SETTINGS: [&[(&str, &str)]; 2] = [&[], &[("standard_conforming_strings", "off")]];
+
 /// A database and a login role of their own, for tests that take "the"
 /// database offline (`ALLOW_CONNECTIONS false`, `NOLOGIN`, `CONNECTION LIMIT
 /// 0`) without touching what other tests use. Dropped by [`IsolatedDb::drop`]
@@ -923,4 +952,63 @@ impl IsolatedDb {
         self.db.pool.close().await;
         Self::remove(&self.admin, &self.name).await;
     }
+}
+
+/// Message ids that would break SQL text built carelessly: quotes,
+/// backslashes (`\'` and `E'..'` forms), dollar quotes, parameters,
+/// statement separators and comments, an injection, escape sequences that
+/// look like a NUL (a real NUL is refused before any SQL), control
+/// characters, unicode (emoji, right-to-left, combining marks), and ids of
+/// 254 and 255 bytes. All distinct, all valid.
+pub fn hostile_ids() -> Vec<String> {
+    let mut ids: Vec<String> = [
+        "'",
+        "''",
+        "\\",
+        "\\'",
+        "'\\",
+        "\\\\",
+        "E'x'",
+        "e'\\x41'",
+        "$$",
+        "$1",
+        "$tag$x$tag$",
+        ";",
+        "--",
+        "/*",
+        "*/",
+        "'); DROP TABLE processed_messages; --",
+        "x'; SELECT pg_sleep(10); --",
+        "\\x00",
+        "\\\\x00",
+        "\\000",
+        "\\u0000",
+        "U&'\\0000'",
+        "\"",
+        "`",
+        "%",
+        "_",
+        " leading space",
+        "trailing space ",
+        "line\nbreak",
+        "crlf\r\n",
+        "\ttab",
+        "\u{1}\u{7f}",
+        "💸🦀",
+        "\u{202E}evil",
+        "שלום",
+        "e\u{301}\u{302}\u{303}",
+        "\u{feff}bom",
+        "\u{200b}",
+    ]
+    .map(String::from)
+    .into();
+    ids.push("é".repeat(127)); // 254 bytes
+    ids.push(format!("{}'", "'\\".repeat(127))); // 255 bytes
+    ids.push(format!("{}\\", "é".repeat(127))); // 255 bytes
+    let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(distinct.len(), ids.len(), "hostile ids are distinct");
+    assert_eq!(ids[ids.len() - 3].len(), 254);
+    assert!(ids[ids.len() - 2..].iter().all(|id| id.len() == 255));
+    ids
 }
