@@ -238,8 +238,15 @@ impl OutboxMessage {
         }
         short_string("exchange", &self.exchange)?;
         short_string("routing key", &self.routing_key)?;
-        for name in self.headers.keys() {
+        for (name, value) in &self.headers {
             short_string("header name", name)?;
+            if holds_nul(value) {
+                // The outbox stores headers as jsonb, which refuses \u0000.
+                return Err(OutboxError::InvalidField {
+                    field: "header value",
+                    reason: format!("header {name:?} contains NUL"),
+                });
+            }
         }
         for (field, value) in [
             ("message id", self.message_id.as_deref()),
@@ -273,6 +280,18 @@ fn value_size(value: &Value) -> usize {
         Value::String(s) => 4 + s.len(),
         Value::Array(items) => 4 + items.iter().map(value_size).sum::<usize>(),
         Value::Object(object) => table_size(object),
+    }
+}
+
+/// Whether a JSON value holds a NUL in any string or object key.
+fn holds_nul(value: &Value) -> bool {
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(holds_nul),
+        Value::Object(object) => object
+            .iter()
+            .any(|(key, value)| key.contains('\0') || holds_nul(value)),
+        _ => false,
     }
 }
 
@@ -326,6 +345,16 @@ mod tests {
         );
         let nul = OutboxMessage::new("", "q", b"x".to_vec()).ordering_key("a\0b");
         assert!(nul.validate().unwrap_err().to_string().contains("NUL"));
+        // jsonb refuses \u0000 anywhere: a value, nested, or a nested key.
+        for value in [
+            serde_json::json!("a\0b"),
+            serde_json::json!(["ok", {"k": "a\0"}]),
+            serde_json::json!({"a\0": 1}),
+        ] {
+            let nul = OutboxMessage::new("", "q", b"x".to_vec()).header("x-nul", value);
+            let refused = nul.validate().unwrap_err().to_string();
+            assert!(refused.contains("header value"), "{refused}");
+        }
         let fat = OutboxMessage::new("", "q", b"x".to_vec()).header("x-big", "h".repeat(200_000));
         assert!(matches!(
             fat.validate(),
