@@ -27,6 +27,10 @@
 //!   of a dropped transaction queued before it), one when it hands out an
 //!   idle one (`test_before_acquire`). The pool's, not the caller's.
 //!
+//! `BENCH_PG_RTT_MS=N` makes the proxy hold each answer of PostgreSQL back N
+//! ms: a database on another host (a round trip of N ms), where round trips
+//! rather than CPU decide how fast a consumer goes.
+//!
 //! `BENCH_COUNT_TRIPS=0` connects directly instead (no proxy hop, to compare
 //! throughput with and without it) and leaves those columns empty.
 
@@ -134,7 +138,11 @@ fn main() -> anyhow::Result<()> {
 fn report(results: &[Figures]) {
     let queue_type = std::env::var("BENCH_QUEUE_TYPE").unwrap_or_else(|_| "quorum".into());
     println!(
-        "\nqueue type: {queue_type}; latency = delivery received -> business writes done, under a paced load of {PACED_RATE} msg/s\n"
+        "\nqueue type: {queue_type}; latency = delivery received -> business writes done, under a paced load of {PACED_RATE} msg/s{}\n",
+        match std::env::var("BENCH_PG_RTT_MS") {
+            Ok(ms) => format!("; PostgreSQL round trip time + {ms} ms (BENCH_PG_RTT_MS)"),
+            Err(_) => String::new(),
+        }
     );
     println!(
         "| variant | msg/s | p50 ms | p99 ms | peak RSS MiB | vs a | vs b | vs c | vs d | trips/msg | stmts/msg | pings/msg |"
@@ -221,7 +229,13 @@ async fn setup(variant: &str, pool_size: u32) -> anyhow::Result<Bench> {
     let mut proxy = None;
     if std::env::var("BENCH_COUNT_TRIPS").as_deref() != Ok("0") {
         let upstream = format!("{}:{}", options.get_host(), options.get_port());
-        let started = pg_trips::Proxy::start(upstream).await?;
+        let rtt: u64 = std::env::var("BENCH_PG_RTT_MS")
+            .ok()
+            .map(|ms| ms.parse())
+            .transpose()
+            .context("BENCH_PG_RTT_MS must be a whole number of milliseconds")?
+            .unwrap_or(0);
+        let started = pg_trips::Proxy::start(upstream, Duration::from_millis(rtt)).await?;
         options = options
             .host(&started.addr.ip().to_string())
             .port(started.addr.port())

@@ -69,8 +69,10 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    /// Listens on 127.0.0.1:0; every connection accepted is relayed to `upstream`.
-    pub async fn start(upstream: String) -> std::io::Result<Proxy> {
+    /// Listens on 127.0.0.1:0; every connection accepted is relayed to
+    /// `upstream`, each answer of the server held back `delay` (a database
+    /// on another host: the round trip time loopback does not have).
+    pub async fn start(upstream: String, delay: std::time::Duration) -> std::io::Result<Proxy> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let counters = Arc::<Counters>::default();
@@ -79,7 +81,7 @@ impl Proxy {
             while let Ok((client, _)) = listener.accept().await {
                 let (upstream, counters) = (upstream.clone(), shared.clone());
                 // A connection's end (Terminate, a reset) is no error worth reporting.
-                tokio::spawn(async move { relay(client, &upstream, &counters).await });
+                tokio::spawn(async move { relay(client, &upstream, &counters, delay).await });
             }
         });
         Ok(Proxy { addr, counters })
@@ -100,7 +102,12 @@ impl Proxy {
     }
 }
 
-async fn relay(client: TcpStream, upstream: &str, counters: &Counters) -> std::io::Result<()> {
+async fn relay(
+    client: TcpStream,
+    upstream: &str,
+    counters: &Counters,
+    delay: std::time::Duration,
+) -> std::io::Result<()> {
     let server = TcpStream::connect(upstream).await?;
     // Both hops without Nagle: a proxy must not hold back a partial segment.
     client.set_nodelay(true)?;
@@ -135,7 +142,11 @@ async fn relay(client: TcpStream, upstream: &str, counters: &Counters) -> std::i
             }
             // Counted before the client sees it: a reader of the counts after
             // the client's reply never misses that reply's messages.
-            if framing.feed(&buf[..n], counters) {
+            let answer = framing.feed(&buf[..n], counters);
+            if answer && !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            if answer {
                 answered.store(true, Relaxed);
             }
             client_write.write_all(&buf[..n]).await?;
