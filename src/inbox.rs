@@ -388,23 +388,37 @@ pub async fn begin_claim_batch(
 /// one simple query are part of the block it opens).
 fn claim_then_begin<'a>(
     consumer: &str,
-    rows: impl Iterator<Item = &'a (&'a str, [u8; 32])>,
+    rows: impl ExactSizeIterator<Item = &'a (&'a str, [u8; 32])>,
 ) -> Result<String> {
     let mut sql = String::from(
         "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
-         INSERT INTO processed_messages (consumer, message_id, payload_sha256) VALUES ",
+         INSERT INTO processed_messages (consumer, message_id, payload_sha256) ",
     );
-    for (n, (id, hash)) in rows.enumerate() {
-        if n > 0 {
-            sql.push_str(", ");
+    if rows.len() == 1 {
+        for (id, hash) in rows {
+            sql.push_str(&format!(
+                "VALUES ({consumer}, {}, {})",
+                literal::text("message id", id)?,
+                literal::bytes(hash)
+            ));
         }
-        sql.push('(');
-        sql.push_str(consumer);
-        sql.push_str(", ");
-        sql.push_str(&literal::text("message id", id)?);
-        sql.push_str(", ");
-        sql.push_str(&literal::bytes(hash));
-        sql.push(')');
+    } else {
+        // Not a VALUES row each: PostgreSQL plans every row of a VALUES
+        // list, while an array is one constant. The hashes travel as one
+        // bytea, 32 bytes per id, in the ids' order.
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut hashes = Vec::with_capacity(rows.len() * 32);
+        for (id, hash) in rows {
+            ids.push(literal::text("message id", id)?);
+            hashes.extend_from_slice(hash);
+        }
+        sql.push_str(&format!(
+            "SELECT {consumer}, id, substring(h FROM n::int * 32 - 31 FOR 32) \
+             FROM unnest(ARRAY[{}]::text[]) WITH ORDINALITY AS t(id, n), {} AS h \
+             ORDER BY n",
+            ids.join(", "),
+            literal::bytes(&hashes)
+        ));
     }
     sql.push_str("; BEGIN");
     Ok(sql)
