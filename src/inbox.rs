@@ -316,6 +316,41 @@ pub async fn begin_claim_batch(
     consumer: &str,
     messages: &[(&str, &[u8])],
 ) -> Result<ClaimedBatch> {
+    begin_claims(pool, consumer, messages, Isolation::Set).await
+}
+
+/// How [`begin_claims`] gets its transaction to READ COMMITTED.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isolation {
+    /// `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` first, whatever the
+    /// session's default.
+    Set,
+    /// The caller checked that the pool's sessions default to READ
+    /// COMMITTED ([`reads_committed_by_default`]): one statement less, which
+    /// PostgreSQL's end of transaction does not have to undo.
+    Default,
+}
+
+/// Whether sessions of `pool` default to READ COMMITTED (PostgreSQL's own
+/// default), asked once on one of its connections.
+///
+/// # Errors
+/// [`Error::Database`] when the query fails.
+pub(crate) async fn reads_committed_by_default(pool: &PgPool) -> Result<bool> {
+    let level: String =
+        sqlx::query_scalar("SELECT current_setting('default_transaction_isolation')")
+            .fetch_one(pool)
+            .await?;
+    Ok(level == "read committed")
+}
+
+/// [`begin_claim_batch`], with the isolation level set or known.
+pub(crate) async fn begin_claims(
+    pool: &PgPool,
+    consumer: &str,
+    messages: &[(&str, &[u8])],
+    isolation: Isolation,
+) -> Result<ClaimedBatch> {
     let consumer_literal = literal::text("consumer", consumer)?;
     let mut rows = Vec::with_capacity(messages.len());
     for (id, body) in messages {
@@ -338,7 +373,7 @@ pub async fn begin_claim_batch(
         if open.is_empty() {
             break;
         }
-        let sql = claim_then_begin(&consumer_literal, open.iter().map(|&i| &rows[i]))?;
+        let sql = claim_then_begin(&consumer_literal, open.iter().map(|&i| &rows[i]), isolation)?;
         match pool.begin_with(AssertSqlSafe(sql)).await {
             Ok(begun) => {
                 for &i in &open {
@@ -389,11 +424,13 @@ pub async fn begin_claim_batch(
 fn claim_then_begin<'a>(
     consumer: &str,
     rows: impl ExactSizeIterator<Item = &'a (&'a str, [u8; 32])>,
+    isolation: Isolation,
 ) -> Result<String> {
-    let mut sql = String::from(
-        "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
-         INSERT INTO processed_messages (consumer, message_id, payload_sha256) ",
-    );
+    let mut sql = String::new();
+    if isolation == Isolation::Set {
+        sql.push_str("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ");
+    }
+    sql.push_str("INSERT INTO processed_messages (consumer, message_id, payload_sha256) ");
     if rows.len() == 1 {
         for (id, hash) in rows {
             sql.push_str(&format!(

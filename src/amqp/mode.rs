@@ -152,6 +152,7 @@ fn inbox(handler: Arc<dyn Prepare>, parts: &Parts<'_>) -> Arc<dyn Decide> {
         gate: parts.gate.clone(),
         stats: parts.stats.clone(),
         forwarding: parts.forwarding.clone(),
+        read_committed: tokio::sync::OnceCell::new(),
     })
 }
 

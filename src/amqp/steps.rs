@@ -39,7 +39,7 @@ use super::outcome::{
 use super::stats::{Counter, Stats};
 use crate::Error;
 use crate::error::database_unavailable;
-use crate::inbox::{self, Claim};
+use crate::inbox::{self, Claim, Isolation};
 
 /// Passes that end in a connection error although the database answered in
 /// between: after this many, the error is the unit's (a statement that kills
@@ -56,6 +56,9 @@ pub(crate) struct InboxSteps {
     pub(crate) stats: Stats,
     /// How the unit commits what its handler staged.
     pub(crate) forwarding: Arc<Forwarding>,
+    /// Whether the pool's sessions default to READ COMMITTED, once known:
+    /// the claims then skip `SET TRANSACTION`.
+    pub(crate) read_committed: tokio::sync::OnceCell<bool>,
 }
 
 /// Deliveries that go through the steps together: indexes into the messages.
@@ -194,7 +197,17 @@ impl InboxSteps {
         decided: &mut [Option<Outcome>],
     ) -> Step {
         let ids = unit.ids(messages);
-        let (claims, tx) = match inbox::begin_claim_batch(&self.pool, &self.consumer, &ids).await {
+        // Asked once; until an answer comes, the claim sets the level itself.
+        let isolation = match self
+            .read_committed
+            .get_or_try_init(|| inbox::reads_committed_by_default(&self.pool))
+            .await
+        {
+            Ok(true) => Isolation::Default,
+            _ => Isolation::Set,
+        };
+        let claimed = inbox::begin_claims(&self.pool, &self.consumer, &ids, isolation).await;
+        let (claims, tx) = match claimed {
             Ok(claimed) => (claimed.claims, claimed.tx),
             Err(e) => return database_error(unit, "claim failed", e),
         };
@@ -464,6 +477,7 @@ mod tests {
             gate,
             stats,
             forwarding: Arc::new(Forwarding::new(false)),
+            read_committed: tokio::sync::OnceCell::new(),
         }
     }
 
@@ -518,6 +532,41 @@ mod tests {
 
     async fn decide(steps: &InboxSteps, messages: &[Message]) -> Vec<String> {
         kinds(&steps.run(messages, &nobody_leaves()).await)
+    }
+
+    /// Records the transaction's isolation level as the effect.
+    async fn isolation(tx: Tx, _message: Message) -> Result<(), HandlerError> {
+        let mut conn = tx.try_lock()?;
+        sqlx::query("INSERT INTO effects (id) SELECT current_setting('transaction_isolation')")
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn claims_and_handlers_run_at_read_committed_whatever_the_session_default() {
+        let db = TestDb::new().await;
+        // The default session (READ COMMITTED: SET TRANSACTION is skipped),
+        // then sessions that default to SERIALIZABLE (it is sent).
+        let options = db.pool.connect_options().as_ref().clone();
+        let serializable = PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(options.options([("default_transaction_isolation", "serializable")]))
+            .await
+            .expect("connect with a serializable default");
+        for (n, pool) in [&db.pool, &serializable].into_iter().enumerate() {
+            let steps = steps(pool, Arc::new(EachMessage::new(isolation)));
+            let message = Message::for_test(&format!("iso-{n}"), b"{}");
+            assert_eq!(decide(&steps, &[message]).await, ["processed"]);
+            assert_eq!(
+                *steps.read_committed.get().expect("asked once"),
+                n == 0,
+                "what the sessions default to"
+            );
+        }
+        assert_eq!(db.effects().await, ["read committed", "read committed"]);
+        serializable.close().await;
+        db.drop().await;
     }
 
     #[tokio::test]
