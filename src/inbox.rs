@@ -321,6 +321,8 @@ pub async fn begin_claim_batch(
 
 /// How [`begin_claims`] gets its transaction to READ COMMITTED.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+// Only the consumer runtime knows its sessions' default.
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) enum Isolation {
     /// `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` first, whatever the
     /// session's default.
@@ -336,6 +338,7 @@ pub(crate) enum Isolation {
 ///
 /// # Errors
 /// [`Error::Database`] when the query fails.
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) async fn reads_committed_by_default(pool: &PgPool) -> Result<bool> {
     let level: String =
         sqlx::query_scalar("SELECT current_setting('default_transaction_isolation')")

@@ -25,6 +25,7 @@ pub(crate) fn text(what: &str, value: &str) -> Result<String> {
 }
 
 /// An optional text: its literal, or `NULL`.
+#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
 pub(crate) fn optional_text(what: &str, value: Option<&str>) -> Result<String> {
     value.map_or_else(|| Ok("NULL".to_owned()), |v| text(what, v))
 }
