@@ -149,12 +149,8 @@ pub async fn claim(
         .bind(message_id)
         .fetch_optional(&mut **tx)
         .await?;
-        match stored {
-            None => continue,
-            // A row without a hash (written by hand) cannot be compared.
-            Some(None) => return Ok(Claim::Duplicate),
-            Some(Some(stored)) if stored == hash => return Ok(Claim::Duplicate),
-            Some(Some(_)) => return Ok(Claim::Mismatch),
+        if let Some(claim) = compare(stored.as_ref(), &hash) {
+            return Ok(claim);
         }
     }
     Err(vanished())
@@ -233,11 +229,8 @@ pub async fn claim_batch(
                 claims[i] = Some(Claim::Fresh);
                 continue;
             }
-            claims[i] = match stored_hash {
-                None => None, // vanished: claimed again in the next round
-                Some(Some(s)) if s != hash => Some(Claim::Mismatch),
-                Some(_) => Some(Claim::Duplicate),
-            };
+            // None: vanished, claimed again in the next round.
+            claims[i] = compare(stored_hash, hash);
         }
     }
     claims
@@ -708,11 +701,7 @@ pub async fn lookup(pool: &PgPool, consumer: &str, message_id: &str, body: &[u8]
     .bind(message_id)
     .fetch_optional(pool)
     .await?;
-    Ok(match stored {
-        None => Claim::Fresh,
-        Some(Some(hash)) if hash[..] != payload_sha256(body)[..] => Claim::Mismatch,
-        Some(_) => Claim::Duplicate,
-    })
+    Ok(compare(stored.as_ref(), &payload_sha256(body)).unwrap_or(Claim::Fresh))
 }
 
 #[cfg(test)]
