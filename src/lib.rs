@@ -132,6 +132,10 @@ pub mod retry;
 #[cfg_attr(docsrs, doc(cfg(feature = "ops")))]
 pub mod ops;
 
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
+
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub use error::NodeFailure;

@@ -1,0 +1,1 @@
+//! Contract tests for your own stores.
