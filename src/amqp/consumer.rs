@@ -215,7 +215,7 @@ impl Consumer {
         let mut runtime = Runtime::new(config, dispatch, shutdown, stats, health);
         // Load the key for the ids on copies now, so that the first copies
         // are sealed; deliveries that need it wait for it anyway.
-        let keys = runtime.keys.clone();
+        let keys = runtime.router.keys.clone();
         let stop = runtime.shutdown.graceful_token().clone();
         let loader = tokio::spawn(async move {
             keys.wait(stop.cancelled()).await;

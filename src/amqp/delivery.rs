@@ -1,7 +1,7 @@
-//! A session's deliveries on their way: [`Pipeline::run`] finds each
-//! delivery's id, has the unit decided (the inbox steps of `steps.rs`, or a
-//! dedup window), and `settle`s every delivery: the only code that acks,
-//! nacks, retries or dead-letters.
+//! A session's deliveries on their way, over lapin: [`Pipeline::run`] has
+//! the `Router` (`route.rs`) give each delivery its id, its outcome and its
+//! route, and `settle`s every delivery: the only code that acks, nacks,
+//! retries or dead-letters.
 //!
 //! ```text
 //! received ─► id ─┬─ missing/invalid ─► DeadLetter
@@ -25,41 +25,26 @@ use lapin::types::AMQPValue;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, field};
 
+use super::Message;
 use super::acks::{AckTracker, Misplaced};
 use super::dead_letter::DeadLetterReason;
-use super::headers::{
-    CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
-    QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
-};
+use super::headers::{Failures, REASON_HEADER};
 use super::health::Health;
-use super::outcome::{Abandon, Decide, Outcome, Settled, invalid_id};
+use super::outcome::{Abandon, Settled};
 use super::publish::PublishError;
-use super::redelivery::{Mode, RedeliveryPolicy, delay_queue};
 use super::republish::Republisher;
-use super::seal::{Keyring, claimed_id};
+use super::route::{Route, Router};
 use super::stats::{Counter, Stats};
-use super::{Message, MessageIdSource};
-
-/// Error texts in headers are cut to this: a frame carries the headers whole.
-const MAX_ERROR_HEADER: usize = 4096;
 
 /// A pause before handing a delivery back with nack when no confirmed
 /// republish was possible, so a failing broker path is not hammered.
 const FALLBACK_PAUSE: Duration = Duration::from_secs(1);
 
-/// How long a copy waits for the consumer's key before it goes out unsealed.
-const KEY_WAIT: Duration = Duration::from_millis(500);
-
 /// Everything a session's delivery tasks share.
 pub(crate) struct Pipeline {
-    pub(crate) consumer: String,
-    pub(crate) queue: String,
+    /// Ids, decisions and routes: the transport-free part.
+    pub(crate) router: Arc<Router>,
     pub(crate) dead_letter_queue: String,
-    pub(crate) message_id: MessageIdSource,
-    /// Seals the ids idempo's copies carry forward, and checks them.
-    pub(crate) keys: Arc<Keyring>,
-    pub(crate) decide: Arc<dyn Decide>,
-    pub(crate) redelivery: RedeliveryPolicy,
     /// Whether the runtime declares its queues (and so may declare a missing
     /// one again).
     pub(crate) declare: bool,
@@ -115,60 +100,47 @@ impl Pipeline {
         let span = match deliveries.as_slice() {
             [one] => tracing::info_span!(
                 "delivery",
-                consumer = %self.consumer,
+                consumer = %self.router.consumer,
                 message_id = field::Empty,
                 delivery_tag = one.delivery_tag,
                 redelivered = one.redelivered,
                 outcome = field::Empty,
             ),
-            many => tracing::info_span!("batch", consumer = %self.consumer, size = many.len()),
+            many => {
+                tracing::info_span!("batch", consumer = %self.router.consumer, size = many.len())
+            }
         };
         async {
-            let mut items: Vec<Item> = deliveries
+            let mut ackers = Vec::with_capacity(deliveries.len());
+            let mut messages: Vec<Message> = deliveries
                 .into_iter()
                 .map(|delivery| {
                     self.stats.incr(Counter::Deliveries);
-                    Item {
-                        acker: delivery.acker.clone(),
-                        message: Message::from_delivery(delivery),
-                    }
+                    ackers.push(delivery.acker.clone());
+                    Message::from_delivery(delivery)
                 })
                 .collect();
-            // Ids first: a delivery without a usable id is final at once.
+            // The unit's deliveries share a channel: the first one's tells
+            // when it closed.
             let abandon = Abandon {
                 shutdown: self.shutdown.clone(),
-                channel: items.first().map(|item| item.acker.clone()),
+                channel: ackers.first().cloned(),
             };
-            let mut outcomes: Vec<Option<Outcome>> = vec![None; items.len()];
-            for (item, outcome) in items.iter_mut().zip(&mut outcomes) {
-                match self.identify(&item.message, &abandon).await {
-                    Ok(id) => item.message.set_id(id),
-                    Err(settle) => *outcome = Some(settle),
-                }
+            let outcomes = self.router.outcomes(&mut messages, &abandon).await;
+            if let [message] = messages.as_slice() {
+                Span::current().record("message_id", message.id());
             }
-            if let [item] = items.as_slice() {
-                Span::current().record("message_id", item.message.id());
-            }
-            let pending: Vec<usize> = (0..items.len())
-                .filter(|&i| outcomes[i].is_none())
-                .collect();
-            if !pending.is_empty() {
-                let messages: Vec<Message> =
-                    pending.iter().map(|&i| items[i].message.clone()).collect();
-                let abandon = Abandon {
-                    shutdown: self.shutdown.clone(),
-                    channel: Some(items[pending[0]].acker.clone()),
-                };
-                let decided = self.decide.decide(&messages, &abandon).await;
-                for (i, outcome) in pending.into_iter().zip(decided) {
-                    outcomes[i] = Some(outcome);
-                }
-            }
-            let outcomes = outcomes
+            let items = messages
                 .into_iter()
-                .map(|o| o.unwrap_or(Outcome::Abandoned))
+                .zip(ackers)
+                .map(|(message, acker)| Item { message, acker })
                 .collect();
-            let settled = self.settle(items, outcomes).await;
+            let routes = outcomes
+                .into_iter()
+                .zip(&items)
+                .map(|(outcome, item): (_, &Item)| self.router.route(&item.message, outcome))
+                .collect();
+            let settled = self.settle(items, routes).await;
             if let [one] = settled.as_slice() {
                 Span::current().record("outcome", one.as_str());
             }
@@ -178,41 +150,22 @@ impl Pipeline {
         .await
     }
 
-    /// The id to deduplicate `message` on: the one an idempo copy carries
-    /// forward under a valid seal, else the configured source's. A copy's
-    /// seal needs the consumer's key: while the database cannot give it, the
-    /// delivery waits (and is abandoned at shutdown).
-    async fn identify(&self, message: &Message, abandon: &Abandon) -> Result<String, Outcome> {
-        if claimed_id(message).is_some() {
-            let Some(seal) = self.keys.wait(abandon.wait()).await else {
-                return Err(Outcome::Abandoned);
-            };
-            if let Some(id) = seal.carried_id(message) {
-                return crate::inbox::validate_message_id(&id)
-                    .map(|()| id)
-                    .map_err(invalid_id);
-            }
-        }
-        self.message_id.extract(message).map_err(invalid_id)
-    }
-
-    /// Acks, dead-letters or retries each delivery, and says which it did.
-    /// Nothing is acked before its effects, its retry copy or its dead letter
-    /// are durable. In batch mode, processed and duplicate deliveries are
-    /// acked together with one multiple ack, once every lower tag is settled.
-    async fn settle(&self, items: Vec<Item>, outcomes: Vec<Outcome>) -> Vec<Settled> {
+    /// Carries out each delivery's route, and says what it did. Nothing is
+    /// acked before its effects, its retry copy or its dead letter are
+    /// durable. In batch mode, processed and duplicate deliveries are acked
+    /// together with one multiple ack, once every lower tag is settled.
+    async fn settle(&self, items: Vec<Item>, routes: Vec<Route>) -> Vec<Settled> {
         let mut settled = Vec::with_capacity(items.len());
         let mut tags: Vec<(u64, Option<Acker>)> = Vec::with_capacity(items.len());
-        for (item, outcome) in items.into_iter().zip(outcomes) {
+        for (item, route) in items.into_iter().zip(routes) {
             let tag = item.message.delivery_tag();
-            let done = match outcome {
-                Outcome::Processed | Outcome::Duplicate => {
-                    let (counter, done) = match outcome {
-                        Outcome::Processed => (Counter::Processed, Settled::Processed),
-                        _ => {
-                            tracing::debug!("duplicate acknowledged without running the handler");
-                            (Counter::Duplicates, Settled::Duplicate)
-                        }
+            let done = match route {
+                Route::Ack { duplicate } => {
+                    let (counter, done) = if duplicate {
+                        tracing::debug!("duplicate acknowledged without running the handler");
+                        (Counter::Duplicates, Settled::Duplicate)
+                    } else {
+                        (Counter::Processed, Settled::Processed)
                     };
                     self.stats.incr(counter);
                     if self.coalesced.is_some() {
@@ -223,16 +176,25 @@ impl Pipeline {
                     settled.push(done);
                     continue;
                 }
-                Outcome::DeadLetter { reason, error } => {
-                    let failures = Failures::record(&item.message);
-                    self.dead_letter(&item, reason, &error, failures).await
-                }
-                Outcome::Retry {
+                Route::DeadLetter {
+                    reason,
                     error,
-                    requested_delay,
-                } => self.retry(&item, &error, requested_delay).await,
+                    failures,
+                } => self.dead_letter(&item, reason, &error, failures).await,
+                Route::Delay {
+                    queue,
+                    delay,
+                    error,
+                    failures,
+                } => self.delay(&item, &queue, delay, &error, failures).await,
+                Route::Requeue { pause, error } => {
+                    tracing::warn!(%error, "transient failure; requeueing");
+                    self.stats.incr(Counter::Retried);
+                    nack_after(&item.acker, pause).await;
+                    Settled::Retried
+                }
                 // Never recorded: no multiple ack may cover it.
-                Outcome::Abandoned => {
+                Route::Abandon => {
                     settled.push(Settled::Abandoned);
                     continue;
                 }
@@ -259,65 +221,56 @@ impl Pipeline {
         settled
     }
 
-    async fn retry(&self, item: &Item, error: &str, requested_delay: Option<Duration>) -> Settled {
-        let failures = Failures::record(&item.message);
-        match &self.redelivery.mode {
-            Mode::Requeue(pause) => {
-                tracing::warn!(%error, "transient failure; requeueing");
+    /// Republishes a copy to the delay queue, then acks the original.
+    async fn delay(
+        &self,
+        item: &Item,
+        queue: &str,
+        delay: Duration,
+        error: &str,
+        failures: Failures,
+    ) -> Settled {
+        let headers = self
+            .router
+            .failure_headers(&item.message, error, &failures)
+            .await;
+        let mut published = self
+            .republisher
+            .publish(queue, &item.message, headers.clone())
+            .await;
+        if let Err(PublishError::Returned(_)) = &published {
+            // The delay queue is gone (deleted by hand). Retry through
+            // the work queue itself, with the attempt counted, so
+            // that the attempts still run out; a pause stands in for
+            // the delay.
+            self.missing_queue(queue);
+            tokio::time::sleep(FALLBACK_PAUSE).await;
+            published = self
+                .republisher
+                .publish(&self.router.queue, &item.message, headers)
+                .await;
+        }
+        match published {
+            Ok(()) => {
+                tracing::warn!(%error, attempts = failures.attempts, ?delay, "transient failure; retrying later");
                 self.stats.incr(Counter::Retried);
-                nack_after(&item.acker, *pause).await;
-                Settled::Retried
+                ack(&item.acker, false).await;
             }
-            Mode::Delayed(_) if failures.attempts >= self.redelivery.max_attempts => {
-                let error = format!("{} attempts failed; the last: {error}", failures.attempts);
-                self.dead_letter(item, DeadLetterReason::AttemptsExhausted, &error, failures)
-                    .await
-            }
-            Mode::Delayed(_) => {
-                let delay = self
-                    .redelivery
-                    .delay_for(failures.attempts, requested_delay);
-                let queue = delay_queue(&self.queue, delay);
-                let headers = self.failure_headers(&item.message, error, &failures).await;
-                let mut published = self
-                    .republisher
-                    .publish(&queue, &item.message, headers.clone())
+            // Sent, it would close the connection, and the original
+            // would come back to fail the same way: it never can be
+            // retried.
+            Err(e @ PublishError::TooLarge { .. }) => {
+                let error = format!("{e}; the last failure: {error}");
+                return self
+                    .dead_letter(item, DeadLetterReason::HeadersTooLarge, &error, failures)
                     .await;
-                if let Err(PublishError::Returned(_)) = &published {
-                    // The delay queue is gone (deleted by hand). Retry through
-                    // the work queue itself, with the attempt counted, so
-                    // that the attempts still run out; a pause stands in for
-                    // the delay.
-                    self.missing_queue(&queue);
-                    tokio::time::sleep(FALLBACK_PAUSE).await;
-                    published = self
-                        .republisher
-                        .publish(&self.queue, &item.message, headers)
-                        .await;
-                }
-                match published {
-                    Ok(()) => {
-                        tracing::warn!(%error, attempts = failures.attempts, ?delay, "transient failure; retrying later");
-                        self.stats.incr(Counter::Retried);
-                        ack(&item.acker, false).await;
-                    }
-                    // Sent, it would close the connection, and the original
-                    // would come back to fail the same way: it never can be
-                    // retried.
-                    Err(e @ PublishError::TooLarge { .. }) => {
-                        let error = format!("{e}; the last failure: {error}");
-                        return self
-                            .dead_letter(item, DeadLetterReason::HeadersTooLarge, &error, failures)
-                            .await;
-                    }
-                    Err(e) => {
-                        let error = format!("cannot publish the retry to {queue:?}: {e}");
-                        self.publish_failed(&item.acker, error).await;
-                    }
-                }
-                Settled::Retried
+            }
+            Err(e) => {
+                let error = format!("cannot publish the retry to {queue:?}: {e}");
+                self.publish_failed(&item.acker, error).await;
             }
         }
+        Settled::Retried
     }
 
     async fn dead_letter(
@@ -327,7 +280,10 @@ impl Pipeline {
         error: &str,
         failures: Failures,
     ) -> Settled {
-        let mut headers = self.failure_headers(&item.message, error, &failures).await;
+        let mut headers = self
+            .router
+            .failure_headers(&item.message, error, &failures)
+            .await;
         headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
         match self
             .republisher
@@ -367,46 +323,6 @@ impl Pipeline {
                 Settled::Retried
             }
         }
-    }
-
-    async fn failure_headers(
-        &self,
-        message: &Message,
-        error: &str,
-        failures: &Failures,
-    ) -> Vec<(&'static str, AMQPValue)> {
-        let text = |s: &str| AMQPValue::LongString(s.into());
-        let mut headers = vec![
-            (ERROR_HEADER, text(truncate(error, MAX_ERROR_HEADER))),
-            (CONSUMER_HEADER, text(&self.consumer)),
-            (QUEUE_HEADER, text(&self.queue)),
-            (ROUTING_KEY_HEADER, text(&original_routing_key(message))),
-        ];
-        // An id-less original has nothing to carry forward (an empty header
-        // would only get in the way of an operator who adds one to replay it).
-        if !message.id().is_empty() {
-            headers.push((MESSAGE_ID_HEADER, text(message.id())));
-            // Without the key (the database down since the start), the copy
-            // goes out unsealed: its id is then taken from its properties
-            // again. Waited for briefly only: poison is dead-lettered while
-            // the database is down.
-            let seal = match self.keys.loaded() {
-                Some(seal) => Some(seal),
-                None => tokio::time::timeout(KEY_WAIT, self.keys.get())
-                    .await
-                    .ok()
-                    .and_then(|loaded| loaded.ok()),
-            };
-            match seal {
-                Some(seal) => {
-                    let seal = seal.seal(message.id(), message);
-                    headers.push((MESSAGE_ID_SEAL_HEADER, text(&seal)));
-                }
-                None => tracing::debug!("copy sent without a seal: the key is not loaded yet"),
-            }
-        }
-        headers.extend(failures.headers());
-        headers
     }
 
     /// A copy was returned as unroutable: `queue` is gone (an operator

@@ -71,6 +71,7 @@ mod redelivery;
 mod relay;
 mod republish;
 mod retention;
+mod route;
 mod seal;
 mod session;
 mod shutdown;

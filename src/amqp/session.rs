@@ -20,6 +20,7 @@ use super::mode::Dispatch;
 use super::quarantine;
 use super::reconnect::{self, Reconnect, Session, Sessions};
 use super::republish::Republisher;
+use super::route::Router;
 use super::seal::Keyring;
 use super::shutdown::ShutdownHandle;
 use super::stats::{Counter, Stats};
@@ -46,8 +47,9 @@ pub(crate) struct Runtime {
     pub(crate) stats: Stats,
     pub(crate) health: Health,
     dispatcher: Dispatcher,
-    /// The consumer's key for the ids its copies carry (loaded on first use).
-    pub(crate) keys: Arc<Keyring>,
+    /// Ids, decisions and routes of every session's deliveries; it holds
+    /// the consumer's key for the ids its copies carry (loaded on first use).
+    pub(crate) router: Arc<Router>,
     /// Sessions in a row ended by a delivery that could not be moved away.
     wedged: u32,
     /// The broker left a round trip of this session's shutdown unanswered.
@@ -71,7 +73,14 @@ impl Runtime {
     ) -> Self {
         Runtime {
             dispatcher: Dispatcher::new(&dispatch, config.concurrency),
-            keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
+            router: Arc::new(Router {
+                consumer: config.consumer.clone(),
+                queue: config.topology.queue.clone(),
+                message_id: config.message_id.clone(),
+                keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
+                decide: dispatch.decide.clone(),
+                redelivery: config.redelivery.clone(),
+            }),
             wedged: 0,
             unresponsive: false,
             unparseable: false,
@@ -227,13 +236,8 @@ impl Runtime {
                 )
             })?;
         let pipeline = Arc::new(Pipeline {
-            consumer: config.consumer.clone(),
-            queue: config.topology.queue.clone(),
+            router: self.router.clone(),
             dead_letter_queue: config.topology.dead_letter_queue.clone(),
-            message_id: config.message_id.clone(),
-            keys: self.keys.clone(),
-            decide: self.dispatch.decide.clone(),
-            redelivery: config.redelivery.clone(),
             declare: config.declare,
             republisher,
             // Batch mode acks processed deliveries with multiple acks.
