@@ -265,6 +265,13 @@ impl ConsumerBuilder<Batched> {
 }
 
 impl<Mode> ConsumerBuilder<Mode> {
+    /// The same configuration on another pool (the test harness's own schema).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    pub(crate) fn with_pool(mut self, pool: PgPool) -> Self {
+        self.settings.pool = pool;
+        self
+    }
+
     pub(crate) fn into_mode<Next>(self, mode: Next) -> ConsumerBuilder<Next> {
         ConsumerBuilder {
             settings: self.settings,

@@ -43,21 +43,50 @@ impl Message {
         }
     }
 
+    /// A delivery that did not come through lapin (the test harness's
+    /// feed), its id not yet extracted.
+    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
+    pub(crate) fn incoming(
+        body: Vec<u8>,
+        properties: BasicProperties,
+        exchange: &str,
+        routing_key: &str,
+        redelivered: bool,
+        delivery_tag: u64,
+    ) -> Self {
+        Message {
+            inner: Arc::new(Inner {
+                id: String::new(),
+                body,
+                properties,
+                exchange: exchange.to_owned(),
+                routing_key: routing_key.to_owned(),
+                redelivered,
+                delivery_tag,
+                received_at: std::time::Instant::now(),
+            }),
+        }
+    }
+
+    /// This message as the broker would deliver it again: same body,
+    /// properties and routing, a new delivery tag, the id not yet extracted.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    pub(crate) fn delivered_again(&self, redelivered: bool, delivery_tag: u64) -> Self {
+        Message::incoming(
+            self.inner.body.clone(),
+            self.inner.properties.clone(),
+            &self.inner.exchange,
+            &self.inner.routing_key,
+            redelivered,
+            delivery_tag,
+        )
+    }
+
     /// A message that no broker delivered, for the runtime's unit tests.
     #[cfg(test)]
     pub(crate) fn for_test(id: &str, body: &[u8]) -> Self {
-        let mut message = Message {
-            inner: Arc::new(Inner {
-                id: String::new(),
-                body: body.to_vec(),
-                properties: BasicProperties::default(),
-                exchange: String::new(),
-                routing_key: "test".into(),
-                redelivered: false,
-                delivery_tag: 1,
-                received_at: std::time::Instant::now(),
-            }),
-        };
+        let mut message =
+            Message::incoming(body.to_vec(), BasicProperties::default(), "", "test", false, 1);
         message.set_id(id.to_owned());
         message
     }

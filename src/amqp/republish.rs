@@ -128,7 +128,7 @@ impl Republisher {
 /// copy: `expiration` (it would expire in the delay queue or the DLQ),
 /// `user-id` (the broker rejects another user's id) and the `CC`/`BCC`
 /// headers (they would route the copy to extra queues).
-fn copy_properties(
+pub(crate) fn copy_properties(
     message: &Message,
     extra: impl IntoIterator<Item = (&'static str, AMQPValue)>,
 ) -> BasicProperties {

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use lapin::types::AMQPValue;
 
+use super::config::Config;
 use super::dead_letter::DeadLetterReason;
 use super::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
@@ -63,6 +64,18 @@ pub(crate) struct Router {
 }
 
 impl Router {
+    /// The router of a consumer configured as `config`, deciding with `decide`.
+    pub(crate) fn new(config: &Config, decide: Arc<dyn Decide>) -> Self {
+        Router {
+            consumer: config.consumer.clone(),
+            queue: config.topology.queue.clone(),
+            message_id: config.message_id.clone(),
+            keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
+            decide,
+            redelivery: config.redelivery.clone(),
+        }
+    }
+
     /// Gives each message its id and decides the unit: one outcome per
     /// message, in order. A message without a usable id is final at once.
     pub(crate) async fn outcomes(

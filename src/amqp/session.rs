@@ -21,7 +21,6 @@ use super::quarantine;
 use super::reconnect::{self, Reconnect, Session, Sessions};
 use super::republish::Republisher;
 use super::route::Router;
-use super::seal::Keyring;
 use super::shutdown::ShutdownHandle;
 use super::stats::{Counter, Stats};
 use super::topology::{Topology, dead_letter_queue};
@@ -73,14 +72,7 @@ impl Runtime {
     ) -> Self {
         Runtime {
             dispatcher: Dispatcher::new(&dispatch, config.concurrency),
-            router: Arc::new(Router {
-                consumer: config.consumer.clone(),
-                queue: config.topology.queue.clone(),
-                message_id: config.message_id.clone(),
-                keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
-                decide: dispatch.decide.clone(),
-                redelivery: config.redelivery.clone(),
-            }),
+            router: Arc::new(Router::new(&config, dispatch.decide.clone())),
             wedged: 0,
             unresponsive: false,
             unparseable: false,

@@ -4,6 +4,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::OutboxError;
+use super::packed::Staged;
 use crate::inbox::validate_message_id;
 
 /// The largest body staged unless [`OutboxMessage::max_body_size`] says
@@ -192,6 +193,72 @@ impl OutboxMessage {
     /// Whether the message is persistent.
     pub fn is_persistent(&self) -> bool {
         self.persistent
+    }
+
+    /// The content type, if set.
+    pub fn content_type_value(&self) -> Option<&str> {
+        self.content_type.as_deref()
+    }
+
+    /// The correlation id, if set.
+    pub fn correlation_id_value(&self) -> Option<&str> {
+        self.correlation_id.as_deref()
+    }
+
+    /// The application headers, as JSON values.
+    pub fn headers(&self) -> &Map<String, Value> {
+        &self.headers
+    }
+
+    /// The ordering key, if set: messages of one key are published in
+    /// staging order.
+    pub fn ordering_key_value(&self) -> Option<&str> {
+        self.ordering_key.as_deref()
+    }
+
+    /// The body deserialized from JSON.
+    ///
+    /// # Errors
+    /// [`OutboxError::Serialize`] when the body is not valid JSON for `T`.
+    pub fn body_json<T: serde::de::DeserializeOwned>(&self) -> Result<T, OutboxError> {
+        serde_json::from_slice(&self.body).map_err(OutboxError::Serialize)
+    }
+
+    /// A staged message as read back from the outbox table, with the
+    /// ordering key of its row.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    pub(crate) fn from_staged(staged: Staged, ordering_key: Option<String>) -> Self {
+        let headers = match serde_json::from_str(&staged.headers) {
+            Ok(Value::Object(headers)) => headers,
+            _ => Map::new(),
+        };
+        OutboxMessage {
+            exchange: staged.exchange,
+            routing_key: staged.routing_key,
+            body: staged.body,
+            message_id: Some(staged.message_id),
+            content_type: staged.content_type,
+            correlation_id: staged.correlation_id,
+            persistent: staged.persistent,
+            headers,
+            ordering_key,
+            max_body_size: DEFAULT_MAX_BODY_SIZE,
+        }
+    }
+
+    /// The message as the relay publishes it (its id must be set).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    pub(crate) fn to_staged(&self) -> Staged {
+        Staged {
+            exchange: self.exchange.clone(),
+            routing_key: self.routing_key.clone(),
+            message_id: self.message_id.clone().unwrap_or_default(),
+            content_type: self.content_type.clone(),
+            correlation_id: self.correlation_id.clone(),
+            persistent: self.persistent,
+            headers: self.headers_text(),
+            body: self.body.clone(),
+        }
     }
 
     /// The headers as JSON text (an object), as the outbox stores them.

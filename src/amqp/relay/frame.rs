@@ -18,7 +18,7 @@ pub(super) fn broker_size_limit(reason: &str) -> Option<usize> {
 }
 
 /// A message as a publish.
-pub(super) fn frame(row: &Staged) -> OutgoingFrame<'_> {
+pub(crate) fn frame(row: &Staged) -> OutgoingFrame<'_> {
     let mut properties = BasicProperties::default()
         .with_message_id(row.message_id.as_str().into())
         .with_delivery_mode(if row.persistent { 2 } else { 1 });

@@ -18,7 +18,7 @@
 //! relay whose host vanished keeps its locks.
 
 mod broker_link;
-mod frame;
+pub(crate) mod frame;
 mod running;
 mod said;
 

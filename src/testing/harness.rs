@@ -1,0 +1,681 @@
+//! [`Harness`]: a consumer's real delivery path (ids, decode, claim,
+//! handler, claim check, commit, route) fed in process instead of by lapin,
+//! on a PostgreSQL schema of its own.
+
+use std::future::IntoFuture;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use lapin::BasicProperties;
+use lapin::types::AMQPValue;
+use serde::Serialize;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, PgPool};
+use tokio_util::sync::CancellationToken;
+
+use super::delivered::Delivered;
+use super::fault::{CUT_SETUP, Fault, Faulty, Plan};
+use crate::amqp::builder::finish;
+use crate::amqp::headers::REASON_HEADER;
+use crate::amqp::mode::{Batched, NoHandler, PerMessage};
+use crate::amqp::outcome::Abandon;
+use crate::amqp::republish::copy_properties;
+use crate::amqp::route::{Route, Router};
+use crate::amqp::{
+    Consumer, ConsumerBuilder, DeadLetterReason, FromMessage, Handler, Message,
+};
+use crate::outbox::OutboxMessage;
+use crate::outbox::batch::{Batch, Failures};
+use crate::{Error, Result};
+
+/// Connections of a harness's own pool: enough for a few deliveries at once
+/// and the database gate's probe, small enough for parallel tests.
+const POOL_SIZE: u32 = 4;
+
+/// Schemas of harnesses that were never closed are dropped by a later
+/// harness once they are this old.
+const LEFTOVER_AGE: Duration = Duration::from_secs(3600);
+
+/// The prefix of every harness schema.
+const SCHEMA_PREFIX: &str = "idempo_harness_";
+
+/// A consumer's delivery path without a broker: deliver messages, read how
+/// each delivery ended ([`Delivered`]), inject faults, see what the handler
+/// staged in the outbox. See the [module docs](super) for an example.
+///
+/// Each harness works in a PostgreSQL schema of its own (created, migrated,
+/// and dropped by [`close`](Harness::close); one left behind is dropped by
+/// a later harness after an hour), through a pool of 4 connections whose
+/// `search_path` is that schema: the handler's unqualified table names
+/// resolve there, so create your tables with
+/// [`setup`](HarnessBuilder::setup).
+pub struct Harness {
+    router: Arc<Router>,
+    /// Keeps the decision's parts (database gate, stats) alive.
+    consumer: Consumer,
+    pool: PgPool,
+    admin: PgPool,
+    schema: String,
+    dead_letter_queue: String,
+    plan: Arc<Plan>,
+    tags: AtomicU64,
+    cuts: AtomicU64,
+    hold_timeout: Duration,
+}
+
+impl std::fmt::Debug for Harness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Harness")
+            .field("consumer", &self.router.consumer)
+            .field("queue", &self.router.queue)
+            .field("schema", &self.schema)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A [`Harness`] being configured: a [`ConsumerBuilder`] (no broker is
+/// ever contacted) and the harness's own options. Give it a handler, then
+/// `.await` it.
+pub struct HarnessBuilder<Mode = NoHandler> {
+    consumer: ConsumerBuilder<Mode>,
+    admin: PgPool,
+    setup: Vec<String>,
+    hold_timeout: Duration,
+}
+
+impl<Mode> std::fmt::Debug for HarnessBuilder<Mode> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HarnessBuilder")
+            .field("setup", &self.setup)
+            .field("hold_timeout", &self.hold_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Harness {
+    /// A harness for a consumer of `queue` on the PostgreSQL behind `pool`
+    /// (which it uses only to create, and later drop, its own schema).
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(pool: PgPool, queue: impl Into<String>) -> HarnessBuilder<NoHandler> {
+        HarnessBuilder {
+            // Never dialled: the harness feeds deliveries itself.
+            consumer: Consumer::builder("amqp://harness.invalid", pool.clone()).queue(queue),
+            admin: pool,
+            setup: Vec::new(),
+            hold_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl HarnessBuilder<NoHandler> {
+    /// Per-message mode with this handler, as
+    /// [`ConsumerBuilder::handler`].
+    pub fn handler<M, H>(self, handler: H) -> HarnessBuilder<PerMessage>
+    where
+        M: FromMessage,
+        H: Handler<M>,
+    {
+        self.into_mode(|c| c.handler(handler))
+    }
+
+    /// Batch mode with this batch handler, as
+    /// [`ConsumerBuilder::batch_handler`]: [`Harness::deliver_all`]
+    /// delivers its messages as one batch.
+    pub fn batch_handler<M, H>(self, handler: H) -> HarnessBuilder<Batched>
+    where
+        M: FromMessage,
+        H: Handler<Vec<M>>,
+    {
+        self.into_mode(|c| c.batch_handler(handler))
+    }
+}
+
+impl<Mode> HarnessBuilder<Mode> {
+    fn into_mode<Next>(
+        self,
+        f: impl FnOnce(ConsumerBuilder<Mode>) -> ConsumerBuilder<Next>,
+    ) -> HarnessBuilder<Next> {
+        HarnessBuilder {
+            consumer: f(self.consumer),
+            admin: self.admin,
+            setup: self.setup,
+            hold_timeout: self.hold_timeout,
+        }
+    }
+
+    /// Configures the consumer as in production: `.configure(|c|
+    /// c.retry(policy).handler_timeout(d).message_id(source))`. Its broker
+    /// options have no effect here.
+    pub fn configure(self, f: impl FnOnce(ConsumerBuilder<Mode>) -> ConsumerBuilder<Mode>) -> Self {
+        self.into_mode(f)
+    }
+
+    /// SQL run in the harness's schema after idempo's migrations: your
+    /// tables (unqualified names land in the harness's schema). May hold
+    /// several statements; called again, it adds more.
+    pub fn setup(mut self, sql: impl Into<String>) -> Self {
+        self.setup.push(sql.into());
+        self
+    }
+
+    /// How long a delivery may wait at the database gate before the harness
+    /// reports it [`Held`](Delivered::Held) (default 5 s).
+    pub fn hold_timeout(mut self, timeout: Duration) -> Self {
+        self.hold_timeout = timeout;
+        self
+    }
+}
+
+/// `.await` on a builder with a handler: the harness.
+macro_rules! awaitable {
+    ($mode:ty) => {
+        impl IntoFuture for HarnessBuilder<$mode> {
+            type Output = Result<Harness>;
+            type IntoFuture = BoxFuture<'static, Result<Harness>>;
+
+            /// Creates and migrates the harness's schema, runs the setup SQL,
+            /// and builds the consumer.
+            ///
+            /// # Errors
+            /// [`Error::Config`] naming the URL when PostgreSQL is
+            /// unreachable, or when the consumer's configuration is invalid;
+            /// [`Error::Migrate`] / [`Error::Database`] when the migrations
+            /// or the setup SQL fail.
+            fn into_future(self) -> Self::IntoFuture {
+                Box::pin(async move {
+                    let plan = Arc::new(Plan::default());
+                    let mut this = self;
+                    let inner = this.consumer.mode.handler.clone();
+                    this.consumer.mode.handler = Arc::new(Faulty {
+                        inner,
+                        plan: plan.clone(),
+                    });
+                    let HarnessBuilder {
+                        consumer,
+                        admin,
+                        setup,
+                        hold_timeout,
+                    } = this;
+                    let (pool, schema) = isolate(&admin, &setup).await?;
+                    let consumer = match finish(consumer.with_pool(pool.clone())) {
+                        Ok(consumer) => consumer,
+                        Err(e) => {
+                            drop_schema(&admin, &pool, &schema).await;
+                            return Err(e);
+                        }
+                    };
+                    Ok(Harness::assemble(
+                        consumer,
+                        pool,
+                        admin,
+                        schema,
+                        plan,
+                        hold_timeout,
+                    ))
+                })
+            }
+        }
+    };
+}
+
+awaitable!(PerMessage);
+awaitable!(Batched);
+
+/// A new schema on `admin`'s server with idempo's tables, the harness's
+/// fault objects and the user's setup, and a pool that works in it.
+async fn isolate(admin: &PgPool, setup: &[String]) -> Result<(PgPool, String)> {
+    let options = admin.connect_options();
+    let url = format!(
+        "postgres://{}@{}:{}/{}",
+        options.get_username(),
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or_default()
+    );
+    reap_leftovers(admin).await.map_err(|e| {
+        Error::Config(format!(
+            "the test harness cannot use PostgreSQL at {url}: {e} (is it running? e.g. \
+             `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`)"
+        ))
+    })?;
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let schema = format!("{SCHEMA_PREFIX}{secs}_{}", crate::random::token());
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(admin)
+        .await?;
+    let options = (*options)
+        .clone()
+        .options([("search_path", schema.as_str())]);
+    let pool = PgPoolOptions::new()
+        .max_connections(POOL_SIZE)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await?;
+    let prepared = async {
+        crate::migrate(&pool).await?;
+        sqlx::raw_sql(CUT_SETUP).execute(&pool).await?;
+        for sql in setup {
+            sqlx::raw_sql(AssertSqlSafe(sql.as_str()))
+                .execute(&pool)
+                .await?;
+        }
+        Ok::<(), Error>(())
+    };
+    if let Err(e) = prepared.await {
+        drop_schema(admin, &pool, &schema).await;
+        return Err(e);
+    }
+    Ok((pool, schema))
+}
+
+/// Drops the schemas of harnesses that were never closed, once they are old.
+async fn reap_leftovers(admin: &PgPool) -> std::result::Result<(), sqlx::Error> {
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
+    )
+    .bind(SCHEMA_PREFIX)
+    .fetch_all(admin)
+    .await?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    for name in names {
+        let created = name
+            .strip_prefix(SCHEMA_PREFIX)
+            .and_then(|rest| rest.split('_').next())
+            .and_then(|secs| secs.parse::<u64>().ok());
+        let ours = name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if ours && created.is_some_and(|c| now.saturating_sub(c) > LEFTOVER_AGE.as_secs()) {
+            // Another harness may be reaping the same one: an error is fine.
+            let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {name} CASCADE")))
+                .execute(admin)
+                .await;
+        }
+    }
+    Ok(())
+}
+
+async fn drop_schema(admin: &PgPool, pool: &PgPool, schema: &str) {
+    pool.close().await;
+    if let Err(e) = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {schema} CASCADE")))
+        .execute(admin)
+        .await
+    {
+        tracing::warn!(%schema, error = %e, "cannot drop the harness's schema");
+    }
+}
+
+impl Harness {
+    fn assemble(
+        consumer: Consumer,
+        pool: PgPool,
+        admin: PgPool,
+        schema: String,
+        plan: Arc<Plan>,
+        hold_timeout: Duration,
+    ) -> Self {
+        let router = Arc::new(Router::new(
+            &consumer.config,
+            consumer.dispatch.decide.clone(),
+        ));
+        Harness {
+            dead_letter_queue: consumer.config.topology.dead_letter_queue.clone(),
+            router,
+            consumer,
+            pool,
+            admin,
+            schema,
+            plan,
+            tags: AtomicU64::new(1),
+            cuts: AtomicU64::new(0),
+            hold_timeout,
+        }
+    }
+
+    /// The pool of the harness's schema: read what the handler wrote.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The harness's schema.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The consumer's name (whose claims the inbox holds).
+    pub fn consumer(&self) -> &str {
+        &self.router.consumer
+    }
+
+    /// The consumer's counters, as the runtime keeps them.
+    pub fn stats(&self) -> crate::amqp::Stats {
+        self.consumer.stats()
+    }
+
+    /// A message with this id (the AMQP `message_id` property) and body, as
+    /// a producer would publish it to the queue.
+    pub fn message(&self, id: &str, body: impl Into<Vec<u8>>) -> Message {
+        let properties = BasicProperties::default()
+            .with_message_id(id.into())
+            .with_delivery_mode(2);
+        Message::incoming(
+            body.into(),
+            properties,
+            "",
+            &self.router.queue,
+            false,
+            0,
+        )
+    }
+
+    /// A message without a `message_id` property, as a foreign producer
+    /// may send one.
+    pub fn message_without_id(&self, body: impl Into<Vec<u8>>) -> Message {
+        let properties = BasicProperties::default().with_delivery_mode(2);
+        Message::incoming(body.into(), properties, "", &self.router.queue, false, 0)
+    }
+
+    /// A message with this id whose body is `value` as JSON.
+    ///
+    /// # Panics
+    /// When `value` cannot be serialized as JSON (a map with non-string keys).
+    pub fn json<T: Serialize + ?Sized>(&self, id: &str, value: &T) -> Message {
+        let body = serde_json::to_vec(value).expect("the test message serializes as JSON");
+        let properties = BasicProperties::default()
+            .with_message_id(id.into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        Message::incoming(body, properties, "", &self.router.queue, false, 0)
+    }
+
+    /// A message the harness's consumer would receive once `message`,
+    /// staged in another service's outbox, was published by its relay: the
+    /// relay's own mapping of ids, headers and properties. Chains one
+    /// harness's [`drain`](Harness::drain) into another's input.
+    pub fn forwarded(&self, message: &OutboxMessage) -> Message {
+        let staged = message.to_staged();
+        let frame = crate::amqp::relay::frame::frame(&staged);
+        Message::incoming(
+            staged.body.clone(),
+            frame.properties,
+            frame.exchange,
+            frame.routing_key,
+            false,
+            0,
+        )
+    }
+
+    /// Delivers `message` once and says how the runtime would settle it.
+    ///
+    /// # Errors
+    /// None today; reserved for the harness's own database work.
+    pub async fn deliver(&self, message: Message) -> Result<Delivered> {
+        Ok(self.unit(vec![message]).await.remove(0))
+    }
+
+    /// Delivers every message: in batch mode as one batch (one transaction,
+    /// split on failure as the runtime does), in per-message mode each on
+    /// its own, all at once. Outcomes in the messages' order.
+    ///
+    /// # Errors
+    /// As [`deliver`](Harness::deliver).
+    pub async fn deliver_all(
+        &self,
+        messages: impl IntoIterator<Item = Message>,
+    ) -> Result<Vec<Delivered>> {
+        let messages: Vec<Message> = messages.into_iter().collect();
+        if self.consumer.dispatch.batch.is_some() {
+            return Ok(self.unit(messages).await);
+        }
+        let each = messages.into_iter().map(|m| self.unit(vec![m]));
+        Ok(futures::future::join_all(each)
+            .await
+            .into_iter()
+            .flatten()
+            .collect())
+    }
+
+    /// Delivers `n` copies of `message` at once, each on its own (as
+    /// redeliveries racing on several consumers would): exactly one should
+    /// be acked and the others duplicates.
+    ///
+    /// # Errors
+    /// As [`deliver`](Harness::deliver).
+    pub async fn deliver_concurrently(&self, message: Message, n: usize) -> Result<Vec<Delivered>> {
+        let each = (0..n).map(|_| self.unit(vec![message.clone()]));
+        Ok(futures::future::join_all(each)
+            .await
+            .into_iter()
+            .flatten()
+            .collect())
+    }
+
+    /// Delivers `message`, loses the ack after its commit, and delivers the
+    /// broker's redelivery: returns how the *redelivery* ended (a duplicate,
+    /// when all is well). If the first delivery was not acked, returns its
+    /// outcome instead, so that the assertion shows what went wrong.
+    ///
+    /// # Errors
+    /// As [`deliver`](Harness::deliver).
+    pub async fn deliver_after_lost_ack(&self, message: Message) -> Result<Delivered> {
+        let first = self.deliver(message.clone()).await?;
+        if !first.is_acked() {
+            return Ok(first);
+        }
+        let again = message.delivered_again(true, 0);
+        self.deliver(again).await
+    }
+
+    /// Delivers `message` with a [`Fault`] injected; the fault concerns this
+    /// delivery only (every handler run of it, in a batch too).
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the fault cannot be set up in the harness's
+    /// schema. A message without a usable id is delivered as it is (and
+    /// dead-lettered).
+    pub async fn deliver_with(&self, message: Message, fault: Fault) -> Result<Delivered> {
+        let Ok(id) = self.router.message_id.extract(&message) else {
+            return self.deliver(message).await;
+        };
+        if fault == Fault::CommitConnectionLost {
+            let counter = format!(
+                "idempo_harness_cut_{}",
+                self.cuts.fetch_add(1, Ordering::Relaxed)
+            );
+            sqlx::raw_sql(AssertSqlSafe(format!("CREATE SEQUENCE {counter}")))
+                .execute(&self.pool)
+                .await?;
+            sqlx::query(
+                "INSERT INTO idempo_harness_cuts (message_id, counter) VALUES ($1, $2) \
+                 ON CONFLICT (message_id) DO UPDATE SET counter = excluded.counter",
+            )
+            .bind(&id)
+            .bind(&counter)
+            .execute(&self.pool)
+            .await?;
+            let delivered = self.deliver(message).await;
+            sqlx::query("DELETE FROM idempo_harness_cuts WHERE message_id = $1")
+                .bind(&id)
+                .execute(&self.pool)
+                .await?;
+            return delivered;
+        }
+        self.plan.set(&id, fault);
+        let delivered = self.deliver(message).await;
+        self.plan.clear(&id);
+        delivered
+    }
+
+    /// The messages waiting in the outbox (staged by committed handlers,
+    /// not yet published), in the order the relay takes them.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the outbox cannot be read.
+    pub async fn outbox(&self) -> Result<Vec<OutboxMessage>> {
+        let mut batch = Batch::begin(&self.pool, Duration::from_secs(60)).await?;
+        let rows = batch.lock_due(i32::MAX as usize, &[]).await?;
+        let mut messages = Vec::new();
+        for row in rows {
+            let key = row.ordering_key.clone();
+            let staged = row.unpack().map_err(Error::Config)?;
+            messages.extend(
+                staged
+                    .into_iter()
+                    .map(|s| OutboxMessage::from_staged(s, key.clone())),
+            );
+        }
+        batch.rollback().await?;
+        Ok(messages)
+    }
+
+    /// Runs the relay's batches (lock due rows, first of each ordering key,
+    /// delete what was published) against an in-memory sink that confirms
+    /// everything, until the outbox is empty; returns the messages in
+    /// publish order.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when a batch fails.
+    pub async fn drain(&self) -> Result<Vec<OutboxMessage>> {
+        let mut published = Vec::new();
+        loop {
+            let mut batch = Batch::begin(&self.pool, Duration::from_secs(60)).await?;
+            let rows = batch.lock_due(100, &[]).await?;
+            if rows.is_empty() {
+                batch.rollback().await?;
+                return Ok(published);
+            }
+            let (rows, _held_back) = batch.first_of_each_key(rows).await?;
+            let mut confirmed = Vec::with_capacity(rows.len());
+            for row in rows {
+                let (id, key) = (row.id, row.ordering_key.clone());
+                let staged = row.unpack().map_err(Error::Config)?;
+                published.extend(
+                    staged
+                        .into_iter()
+                        .map(|s| OutboxMessage::from_staged(s, key.clone())),
+                );
+                confirmed.push(id);
+            }
+            batch
+                .settle(&confirmed, false, Vec::new(), &mut Failures::default())
+                .await?;
+        }
+    }
+
+    /// Drops the harness's schema and closes its pool.
+    pub async fn close(self) {
+        drop_schema(&self.admin, &self.pool, &self.schema).await;
+    }
+
+    fn next_tag(&self) -> u64 {
+        self.tags.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// One unit through the router, each outcome carried out as a value.
+    async fn unit(&self, messages: Vec<Message>) -> Vec<Delivered> {
+        let mut unit: Vec<Message> = messages
+            .iter()
+            .map(|m| m.delivered_again(m.redelivered(), self.next_tag()))
+            .collect();
+        let give_up = CancellationToken::new();
+        let abandon = Abandon {
+            shutdown: give_up.clone(),
+            channel: None,
+        };
+        let hold = self.hold_timeout;
+        let outcomes = {
+            let decided = self.router.outcomes(&mut unit, &abandon);
+            tokio::pin!(decided);
+            tokio::select! {
+                outcomes = &mut decided => outcomes,
+                () = tokio::time::sleep(hold) => {
+                    // Only a wait at the gate (or for the key) gives up.
+                    give_up.cancel();
+                    decided.await
+                }
+            }
+        };
+        let mut delivered = Vec::with_capacity(unit.len());
+        for (message, outcome) in unit.iter().zip(outcomes) {
+            let route = self.router.route(message, outcome);
+            delivered.push(self.carry_out(message, route).await);
+        }
+        delivered
+    }
+
+    /// What the transport would do with `route`, as a value.
+    async fn carry_out(&self, message: &Message, route: Route) -> Delivered {
+        match route {
+            Route::Ack { duplicate: false } => Delivered::Acked,
+            Route::Ack { duplicate: true } => Delivered::Duplicate,
+            Route::DeadLetter {
+                reason: DeadLetterReason::PayloadMismatch,
+                error,
+                ..
+            } => Delivered::Mismatch { error },
+            Route::DeadLetter {
+                reason,
+                error,
+                failures,
+            } => {
+                let mut headers = self
+                    .router
+                    .failure_headers(message, &error, &failures)
+                    .await;
+                headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
+                let copy = Message::incoming(
+                    message.body().to_vec(),
+                    copy_properties(message, headers),
+                    "",
+                    &self.dead_letter_queue,
+                    false,
+                    0,
+                );
+                Delivered::DeadLettered {
+                    reason,
+                    error,
+                    copy,
+                }
+            }
+            Route::Delay {
+                queue,
+                delay,
+                error,
+                failures,
+            } => {
+                let headers = self
+                    .router
+                    .failure_headers(message, &error, &failures)
+                    .await;
+                let copy = Message::incoming(
+                    message.body().to_vec(),
+                    copy_properties(message, headers),
+                    "",
+                    &queue,
+                    false,
+                    0,
+                );
+                Delivered::Retried {
+                    delay,
+                    attempt: failures.attempts,
+                    error,
+                    copy,
+                }
+            }
+            Route::Requeue { pause, error } => Delivered::Retried {
+                delay: pause,
+                attempt: 0,
+                error,
+                copy: message.delivered_again(true, 0),
+            },
+            Route::Abandon => Delivered::Held,
+        }
+    }
+}
+
