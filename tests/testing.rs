@@ -170,7 +170,11 @@ async fn each_handler_fault_rolls_back_and_takes_the_runtimes_path() {
         .deliver_with(h.json("t-1", &payment("dave", 10)), Fault::Transient)
         .await
         .unwrap();
-    assert_eq!(transient.retry_delay(), Some(Duration::from_secs(1)), "{transient}");
+    assert_eq!(
+        transient.retry_delay(),
+        Some(Duration::from_secs(1)),
+        "{transient}"
+    );
     assert_eq!(transient.attempt(), Some(1));
     assert_eq!(rows(&h, "t-1").await, 0, "rolled back");
     // The retry copy carries the attempt and is deduplicated on the same id.
@@ -217,7 +221,10 @@ async fn each_handler_fault_rolls_back_and_takes_the_runtimes_path() {
     // The backend dies in COMMIT: nothing committed, the consumer waits at
     // the gate, claims again, runs the handler again: one effect, acked.
     let cut = h
-        .deliver_with(h.json("t-5", &payment("erin", 50)), Fault::CommitConnectionLost)
+        .deliver_with(
+            h.json("t-5", &payment("erin", 50)),
+            Fault::CommitConnectionLost,
+        )
         .await
         .unwrap();
     assert!(cut.is_acked(), "{cut}");
@@ -305,10 +312,7 @@ async fn broken_handlers_get_the_runtimes_outcome() {
     );
     let aborted = h.deliver(h.message("ignored", "x")).await.unwrap();
     assert!(aborted.is_retried(), "{aborted}");
-    assert!(
-        aborted.error().unwrap().contains("aborted"),
-        "{aborted}"
-    );
+    assert!(aborted.error().unwrap().contains("aborted"), "{aborted}");
     let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
         .fetch_one(h.pool())
         .await
@@ -388,7 +392,10 @@ async fn two_services_chained_through_the_outbox_keep_equal_ledgers() {
 
     let published = a.drain().await.unwrap();
     assert_eq!(published, staged, "published in staging order");
-    assert!(a.outbox().await.unwrap().is_empty(), "the relay deleted them");
+    assert!(
+        a.outbox().await.unwrap().is_empty(),
+        "the relay deleted them"
+    );
     assert!(a.drain().await.unwrap().is_empty());
 
     for m in &published {

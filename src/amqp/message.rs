@@ -85,8 +85,14 @@ impl Message {
     /// A message that no broker delivered, for the runtime's unit tests.
     #[cfg(test)]
     pub(crate) fn for_test(id: &str, body: &[u8]) -> Self {
-        let mut message =
-            Message::incoming(body.to_vec(), BasicProperties::default(), "", "test", false, 1);
+        let mut message = Message::incoming(
+            body.to_vec(),
+            BasicProperties::default(),
+            "",
+            "test",
+            false,
+            1,
+        );
         message.set_id(id.to_owned());
         message
     }

@@ -23,9 +23,8 @@ use crate::amqp::mode::{Batched, NoHandler, PerMessage};
 use crate::amqp::outcome::Abandon;
 use crate::amqp::republish::copy_properties;
 use crate::amqp::route::{Route, Router};
-use crate::amqp::{
-    Consumer, ConsumerBuilder, DeadLetterReason, FromMessage, Handler, Message,
-};
+use crate::amqp::stats::Counter;
+use crate::amqp::{Consumer, ConsumerBuilder, DeadLetterReason, FromMessage, Handler, Message};
 use crate::outbox::OutboxMessage;
 use crate::outbox::batch::{Batch, Failures};
 use crate::{Error, Result};
@@ -275,12 +274,11 @@ async fn isolate(admin: &PgPool, setup: &[String]) -> Result<(PgPool, String)> {
 
 /// Drops the schemas of harnesses that were never closed, once they are old.
 async fn reap_leftovers(admin: &PgPool) -> std::result::Result<(), sqlx::Error> {
-    let names: Vec<String> = sqlx::query_scalar(
-        "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
-    )
-    .bind(SCHEMA_PREFIX)
-    .fetch_all(admin)
-    .await?;
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)")
+            .bind(SCHEMA_PREFIX)
+            .fetch_all(admin)
+            .await?;
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
@@ -293,9 +291,11 @@ async fn reap_leftovers(admin: &PgPool) -> std::result::Result<(), sqlx::Error> 
         let ours = name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
         if ours && created.is_some_and(|c| now.saturating_sub(c) > LEFTOVER_AGE.as_secs()) {
             // Another harness may be reaping the same one: an error is fine.
-            let _ = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {name} CASCADE")))
-                .execute(admin)
-                .await;
+            let _ = sqlx::raw_sql(AssertSqlSafe(format!(
+                "DROP SCHEMA IF EXISTS {name} CASCADE"
+            )))
+            .execute(admin)
+            .await;
         }
     }
     Ok(())
@@ -303,9 +303,11 @@ async fn reap_leftovers(admin: &PgPool) -> std::result::Result<(), sqlx::Error> 
 
 async fn drop_schema(admin: &PgPool, pool: &PgPool, schema: &str) {
     pool.close().await;
-    if let Err(e) = sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {schema} CASCADE")))
-        .execute(admin)
-        .await
+    if let Err(e) = sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS {schema} CASCADE"
+    )))
+    .execute(admin)
+    .await
     {
         tracing::warn!(%schema, error = %e, "cannot drop the harness's schema");
     }
@@ -364,14 +366,7 @@ impl Harness {
         let properties = BasicProperties::default()
             .with_message_id(id.into())
             .with_delivery_mode(2);
-        Message::incoming(
-            body.into(),
-            properties,
-            "",
-            &self.router.queue,
-            false,
-            0,
-        )
+        Message::incoming(body.into(), properties, "", &self.router.queue, false, 0)
     }
 
     /// A message without a `message_id` property, as a foreign producer
@@ -579,9 +574,13 @@ impl Harness {
 
     /// One unit through the router, each outcome carried out as a value.
     async fn unit(&self, messages: Vec<Message>) -> Vec<Delivered> {
+        let stats = &self.consumer.stats;
         let mut unit: Vec<Message> = messages
             .iter()
-            .map(|m| m.delivered_again(m.redelivered(), self.next_tag()))
+            .map(|m| {
+                stats.incr(Counter::Deliveries);
+                m.delivered_again(m.redelivered(), self.next_tag())
+            })
             .collect();
         let give_up = CancellationToken::new();
         let abandon = Abandon {
@@ -609,8 +608,19 @@ impl Harness {
         delivered
     }
 
-    /// What the transport would do with `route`, as a value.
+    /// What the transport would do with `route`, as a value, counted in
+    /// the consumer's stats as the runtime counts it.
     async fn carry_out(&self, message: &Message, route: Route) -> Delivered {
+        let counter = match &route {
+            Route::Ack { duplicate: false } => Some(Counter::Processed),
+            Route::Ack { duplicate: true } => Some(Counter::Duplicates),
+            Route::DeadLetter { .. } => Some(Counter::DeadLettered),
+            Route::Delay { .. } | Route::Requeue { .. } => Some(Counter::Retried),
+            Route::Abandon => None,
+        };
+        if let Some(counter) = counter {
+            self.consumer.stats.incr(counter);
+        }
         match route {
             Route::Ack { duplicate: false } => Delivered::Acked,
             Route::Ack { duplicate: true } => Delivered::Duplicate,
@@ -678,4 +688,3 @@ impl Harness {
         }
     }
 }
-
