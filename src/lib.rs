@@ -150,7 +150,8 @@ pub use error::{Error, Result};
     feature = "redis",
     feature = "window",
     feature = "saga",
-    feature = "retry"
+    feature = "retry",
+    feature = "testing"
 ))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
