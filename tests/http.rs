@@ -22,14 +22,7 @@ use idempo::http::{
     Begin, Fingerprint, IdempotencyLayer, IdempotencyStore, MemoryStore, Operation, PostgresStore,
     RecordKey, RedisStore, StoredResponse,
 };
-use support::{Db, TcpProxy, pool_through, unique};
-
-const START_REDIS: &str = "start it with `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 \
-     --save \"\" --appendonly no` (or `docker compose up -d redis`), or point REDIS_URL at a running server";
-
-fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
+use support::{Db, START_REDIS, TcpProxy, pool_through, redis_url, unique};
 
 /// A store under test: made fresh for each test, and, where it can be, made
 /// through a proxy that the test can cut.

@@ -3,12 +3,6 @@
 //! store; a memory window on a paused clock) as tests, and the store
 //! conformance kit run against every store idempo ships (memory, PostgreSQL,
 //! Redis) and against deliberately broken ones, which it must catch.
-#![cfg(all(
-    feature = "testing",
-    feature = "http",
-    feature = "window",
-    feature = "redis"
-))]
 
 mod support;
 
@@ -32,16 +26,9 @@ use idempo::window::{
     DedupId, DedupWindow, Insertion, MemoryWindow, PostgresWindow, RedisWindow, Reservation, Scope,
     WindowStore,
 };
-use support::{Db, unique};
+use support::{Db, START_REDIS, redis_url, unique};
 use tokio::sync::Notify;
 use tower::ServiceExt;
-
-const START_REDIS: &str = "start it with `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 \
-     --save \"\" --appendonly no` (or `docker compose up -d redis`), or point REDIS_URL at a running server";
-
-fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
 
 async fn redis_store() -> RedisStore {
     let url = redis_url();

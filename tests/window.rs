@@ -15,19 +15,12 @@ use idempo::window::{
     PostgresWindow, RedisWindow, Reservation, Scope, WindowStore,
 };
 use support::consumer::Running;
-use support::{Broker, Db, amqp_url, unique};
-
-fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
+use support::{Broker, Db, START_REDIS, amqp_url, redis_url, unique};
 
 /// The broker as idempo's publisher connects to it.
 fn amqp_broker() -> idempo::amqp::Broker {
     idempo::amqp::Broker::new(&amqp_url()).unwrap()
 }
-
-const START_REDIS: &str = "start it with `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 \
-     --save \"\" --appendonly no` (or `docker compose up -d redis`), or point REDIS_URL at a running server";
 
 trait TestStore: WindowStore + Sized {
     const DELETES_EXPIRED: bool;

@@ -982,7 +982,7 @@ mod window_checks {
     /// | `concurrent_inserts_record_once` | of 16 concurrent `insert`s of one key, exactly one is new; the others see its value |
     /// | `concurrent_reserves_reserve_once` | of 16 concurrent `reserve`s of one key, exactly one reserves; the others find it pending |
     /// | `hostile_keys_are_kept_apart` | keys with quotes, backslashes, LIKE and glob wildcards, hash tags, separators, line breaks, non-ASCII text, prefixes of each other, and one of [`MAX_KEY_LEN`] bytes, are distinct entries and keep their values |
-    /// | `overlong_keys_and_nul_bytes_are_refused` | a key longer than [`MAX_KEY_LEN`] bytes, a key or value with a NUL byte: [`Error::Config`], as idempo's stores do, so that switching stores cannot surface a new error |
+    /// | `overlong_keys_and_nul_bytes_are_refused` | a key longer than [`MAX_KEY_LEN`] bytes, a key or value with a NUL byte: [`Error::Config`], as idempo's stores do, so that switching stores cannot surface a new error (call [`check_key`](crate::window::check_key) and [`check_value`](crate::window::check_value)) |
     /// | `an_overlong_lease_is_cut` | a lease of `Duration::MAX` is cut to [`MAX_WINDOW`](crate::window::MAX_WINDOW): the reservation is held, not refused and not expired |
     /// | `delete_expired_keeps_live_entries` | `delete_expired` keeps the live entries (seen, reserved) |
     pub const WINDOW_STORE_CHECKS: &[&str] = &[

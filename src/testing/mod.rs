@@ -83,4 +83,5 @@ pub use fault::Fault;
 pub use harness::{Harness, HarnessBuilder};
 
 #[cfg(any(feature = "http", feature = "window"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "window"))))]
 pub mod conformance;

@@ -42,4 +42,7 @@ pub use postgres::{DEFAULT_STORE_TIMEOUT, PostgresWindow};
 pub use redis::RedisWindow;
 #[cfg(feature = "amqp")]
 pub(crate) use store::check_value;
-pub use store::{Insertion, MAX_KEY_LEN, MAX_WINDOW, Reservation, WindowStore, run_cleanup};
+pub use store::{
+    Insertion, MAX_KEY_LEN, MAX_WINDOW, Reservation, WindowStore, check_key, check_value,
+    run_cleanup,
+};

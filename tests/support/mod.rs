@@ -36,6 +36,15 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// Where the Redis of the tests is (`REDIS_URL`).
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// How to start the Redis of the tests, for a test that cannot reach it.
+pub const START_REDIS: &str = "start it with `redis-server --daemonize yes --bind 127.0.0.1 --port 6379 \
+     --save \"\" --appendonly no` (or `docker compose up -d redis`), or point REDIS_URL at a running server";
+
 const START_PG: &str = "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` \
      (or `docker compose up -d postgres`), or point DATABASE_URL at a running server";
 const START_RABBIT: &str = "start it with `rabbitmq-server -detached` \
