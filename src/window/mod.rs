@@ -41,7 +41,6 @@ pub use postgres::{DEFAULT_STORE_TIMEOUT, PostgresWindow};
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisWindow;
 #[cfg(feature = "amqp")]
-pub(crate) use store::check_value;
 pub use store::{
     Insertion, MAX_KEY_LEN, MAX_WINDOW, Reservation, WindowStore, check_key, check_value,
     run_cleanup,
