@@ -157,7 +157,7 @@ pub use error::{Error, Result};
 pub struct ReadmeDoctests;
 
 /// The request header that carries an idempotency key: read by the
-/// [`http`] layer, sent by the [`retry`] client.
+/// `http` layer, sent by the `retry` client.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 pub use migrate::{MIGRATIONS_TABLE, Schema, check_migrations, migrate, migrator};
 pub use redact::redact_url;

@@ -38,6 +38,11 @@ pub(crate) fn uuid_v7() -> String {
 
 /// A random positive token (63 bits), for proving ownership of a lease.
 #[cfg_attr(not(any(feature = "window", feature = "http")), allow(dead_code))]
+// Used by the window stores, the Redis HTTP store and the test harness.
+#[cfg_attr(
+    not(any(feature = "window", feature = "redis", feature = "testing", test)),
+    allow(dead_code)
+)]
 pub(crate) fn token() -> i64 {
     (u64::from_be_bytes(bytes::<8>()) >> 1).max(1) as i64
 }
