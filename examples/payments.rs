@@ -37,6 +37,10 @@
 //!   consumes it: a chain whose second ledger equals the first
 //! - `PAYMENTS_RETRY_DELAYS` (default `1s,5s,30s,2m,10m`): the delay tiers of
 //!   the retry policy; `PAYMENTS_MAX_ATTEMPTS` (default 10)
+//! - `PAYMENTS_DEAD_LETTERS` (default `queue`): `table` keeps dead letters
+//!   in PostgreSQL's `dead_letters` table instead of `$PAYMENTS_QUEUE.dlq`
+//!   (`idempo dlq list --queue $PAYMENTS_QUEUE` reads them, `idempo dlq
+//!   replay --queue $PAYMENTS_QUEUE --all` replays them exactly once)
 //! - `METRICS_ADDR` (unset by default): serve Prometheus metrics on this
 //!   address, e.g. `127.0.0.1:9000` (then `curl 127.0.0.1:9000/metrics`)
 //!
@@ -49,7 +53,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use idempo::Schema;
-use idempo::amqp::{Broker, BrokerTlsFiles, Consumer, RedeliveryPolicy};
+use idempo::amqp::{Broker, BrokerTlsFiles, Consumer, DeadLetters, RedeliveryPolicy};
 use sqlx::postgres::PgPoolOptions;
 
 fn env_or(name: &str, default: &str) -> String {
@@ -123,6 +127,13 @@ async fn main() -> anyhow::Result<()> {
         Err(_) => RedeliveryPolicy::default(),
     }
     .max_attempts(env_parse("PAYMENTS_MAX_ATTEMPTS", 10)?);
+    let dead_letters = match env_or("PAYMENTS_DEAD_LETTERS", "queue").as_str() {
+        "queue" => DeadLetters::Queue,
+        "table" => DeadLetters::Table,
+        other => anyhow::bail!(
+            "PAYMENTS_DEAD_LETTERS={other:?} is invalid: queue (the RabbitMQ DLQ) or table (PostgreSQL)"
+        ),
+    };
 
     if let Ok(addr) = std::env::var("METRICS_ADDR") {
         let addr: std::net::SocketAddr = addr
@@ -166,7 +177,8 @@ async fn main() -> anyhow::Result<()> {
         .prefetch(prefetch.max(concurrency))
         .concurrency(usize::from(concurrency))
         .schema(schema)
-        .retry(retry);
+        .retry(retry)
+        .dead_letters(dead_letters);
     if let Some(to) = &forward_to {
         tracing::info!(queue = %to, "forwarding applied payments through the outbox");
         consumer = consumer.declare_like_own(to);

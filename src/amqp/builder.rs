@@ -76,6 +76,10 @@ pub(crate) struct Settings {
     also_declare: Vec<String>,
     relay: bool,
     schema: Schema,
+    #[cfg(feature = "outbox")]
+    dead_letters: super::DeadLetters,
+    #[cfg(feature = "outbox")]
+    dead_letters_kept: Duration,
 }
 
 /// How long a batch waits for more deliveries after its first one.
@@ -136,6 +140,10 @@ impl ConsumerBuilder<NoHandler> {
                 also_declare: Vec::new(),
                 relay: cfg!(feature = "outbox"),
                 schema: Schema::default(),
+                #[cfg(feature = "outbox")]
+                dead_letters: super::DeadLetters::default(),
+                #[cfg(feature = "outbox")]
+                dead_letters_kept: Duration::from_secs(30 * 24 * 3600),
             },
             mode: NoHandler(()),
         }
@@ -265,6 +273,33 @@ impl ConsumerBuilder<Batched> {
 }
 
 impl<Mode> ConsumerBuilder<Mode> {
+    /// Where dead letters go (feature `outbox`): the RabbitMQ queue
+    /// `<queue>.dlq` ([`DeadLetters::Queue`](super::DeadLetters::Queue), the
+    /// default), or the `dead_letters` table
+    /// ([`DeadLetters::Table`](super::DeadLetters::Table)): queryable,
+    /// grouped by cause, replayed exactly once through the outbox (see
+    /// [`dead_letters`](super::dead_letters)). With the table, each dead
+    /// letter is inserted in a transaction of its own and acked only after
+    /// that commit; while PostgreSQL cannot take it, the delivery waits
+    /// (unacked). A letter the table refuses for another reason goes to the
+    /// queue instead, so that nothing is lost.
+    #[cfg(feature = "outbox")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
+    pub fn dead_letters(mut self, store: super::DeadLetters) -> Self {
+        self.settings.dead_letters = store;
+        self
+    }
+
+    /// How long the table store keeps replayed and discarded dead letters
+    /// (for audit) before the retention reaper deletes them: 30 days by
+    /// default. Live letters are never reaped.
+    #[cfg(feature = "outbox")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
+    pub fn dead_letter_retention(mut self, keep: Duration) -> Self {
+        self.settings.dead_letters_kept = keep;
+        self
+    }
+
     /// The same configuration on another pool (the test harness's own schema).
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) fn with_pool(mut self, pool: PgPool) -> Self {
@@ -595,6 +630,10 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
             wait_for_topology: s.wait_for_topology,
             also_declare: s.also_declare,
             schema: s.schema,
+            #[cfg(feature = "outbox")]
+            dead_letters: s.dead_letters,
+            #[cfg(feature = "outbox")]
+            dead_letters_kept: s.dead_letters_kept,
         },
         dispatch,
         forwarding,

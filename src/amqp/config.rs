@@ -36,9 +36,27 @@ pub(crate) struct Config {
     pub(crate) also_declare: Vec<String>,
     /// What to do with idempo's schema at start.
     pub(crate) schema: Schema,
+    /// Where dead letters go.
+    #[cfg(feature = "outbox")]
+    pub(crate) dead_letters: super::DeadLetters,
+    /// How long replayed and discarded letters of the table store are kept.
+    #[cfg(feature = "outbox")]
+    pub(crate) dead_letters_kept: Duration,
 }
 
 impl Config {
+    /// With the table store, how long its settled dead letters are kept.
+    pub(crate) fn dead_letter_retention(&self) -> Option<Duration> {
+        #[cfg(feature = "outbox")]
+        {
+            (self.dead_letters == super::DeadLetters::Table).then_some(self.dead_letters_kept)
+        }
+        #[cfg(not(feature = "outbox"))]
+        {
+            None
+        }
+    }
+
     /// A redelivery that arrives after retention deleted its claim is
     /// processed again: warn when the retention does not cover the longest
     /// way back.

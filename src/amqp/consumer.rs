@@ -207,6 +207,7 @@ impl Consumer {
                 config.consumer.clone(),
                 retention,
                 config.retention_interval,
+                config.dead_letter_retention(),
                 shutdown.graceful_token().clone(),
             ))
         });

@@ -33,6 +33,8 @@ use super::health::Health;
 use super::outcome::{Abandon, Settled};
 use super::publish::PublishError;
 use super::republish::Republisher;
+#[cfg(feature = "outbox")]
+use super::route::Stored;
 use super::route::{Route, Router};
 use super::stats::{Counter, Stats};
 
@@ -199,6 +201,10 @@ impl Pipeline {
                     continue;
                 }
             };
+            if done == Settled::Abandoned {
+                settled.push(done);
+                continue;
+            }
             tags.push((tag, None));
             settled.push(done);
         }
@@ -280,6 +286,33 @@ impl Pipeline {
         error: &str,
         failures: Failures,
     ) -> Settled {
+        #[cfg(feature = "outbox")]
+        if self.router.dead_letters_to_table() {
+            let abandon = Abandon {
+                shutdown: self.shutdown.clone(),
+                channel: Some(item.acker.clone()),
+            };
+            match self
+                .router
+                .store_dead_letter(&item.message, reason, error, &failures, &abandon)
+                .await
+            {
+                Stored::Yes => {
+                    self.stats.incr(Counter::DeadLettered);
+                    tracing::warn!(%reason, %error, "dead-lettered to the table");
+                    ack(&item.acker, false).await;
+                    return Settled::DeadLettered;
+                }
+                Stored::Abandoned => return Settled::Abandoned,
+                Stored::Refused(e) => {
+                    let refused = format!(
+                        "the dead-letter table refused the letter ({e}); sending it to the queue"
+                    );
+                    tracing::error!(error = %refused);
+                    self.health.record_error(refused);
+                }
+            }
+        }
         let mut headers = self
             .router
             .failure_headers(&item.message, error, &failures)

@@ -52,6 +52,9 @@ mod config;
 mod consumer;
 mod database_gate;
 mod dead_letter;
+#[cfg(feature = "outbox")]
+#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
+pub mod dead_letters;
 mod delivery;
 mod dispatch;
 mod fit;
@@ -93,6 +96,9 @@ pub use dead_letter::{
     DeadLetter, DeadLetterReason, MAX_REPLAY_HISTORY, REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER,
     ReplayRecord,
 };
+#[cfg(feature = "outbox")]
+#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
+pub use dead_letters::DeadLetters;
 pub use handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,

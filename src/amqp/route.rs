@@ -15,10 +15,11 @@ use super::config::Config;
 use super::dead_letter::DeadLetterReason;
 use super::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
-    QUEUE_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
+    QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
 };
 use super::outcome::{Abandon, Decide, Outcome, invalid_id};
 use super::redelivery::{Mode, RedeliveryPolicy, delay_queue};
+use super::republish::copy_properties;
 use super::seal::{Keyring, claimed_id};
 use super::{Message, MessageIdSource};
 
@@ -61,6 +62,23 @@ pub(crate) struct Router {
     pub(crate) keys: Arc<Keyring>,
     pub(crate) decide: Arc<dyn Decide>,
     pub(crate) redelivery: RedeliveryPolicy,
+    /// Where dead letters go, and the pool of the table store.
+    #[cfg(feature = "outbox")]
+    pub(crate) dead_letters: super::DeadLetters,
+    #[cfg(feature = "outbox")]
+    pub(crate) pool: sqlx::PgPool,
+}
+
+/// What became of a dead letter sent to the table store.
+#[cfg(feature = "outbox")]
+pub(crate) enum Stored {
+    /// Committed: ack.
+    Yes,
+    /// Shutdown, or the channel closed, while PostgreSQL could not take it:
+    /// leave the delivery unacked.
+    Abandoned,
+    /// Refused for a reason of its own: send it to the queue instead.
+    Refused(crate::Error),
 }
 
 impl Router {
@@ -73,6 +91,68 @@ impl Router {
             keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
             decide,
             redelivery: config.redelivery.clone(),
+            #[cfg(feature = "outbox")]
+            dead_letters: config.dead_letters,
+            #[cfg(feature = "outbox")]
+            pool: config.pool.clone(),
+        }
+    }
+
+    /// Whether dead letters go to the table store.
+    pub(crate) fn dead_letters_to_table(&self) -> bool {
+        #[cfg(feature = "outbox")]
+        {
+            self.dead_letters == super::DeadLetters::Table
+        }
+        #[cfg(not(feature = "outbox"))]
+        {
+            false
+        }
+    }
+
+    /// Inserts the dead letter of `message` in the table store, waiting
+    /// (with backoff) while PostgreSQL cannot take it, until `abandon`.
+    #[cfg(feature = "outbox")]
+    pub(crate) async fn store_dead_letter(
+        &self,
+        message: &Message,
+        reason: DeadLetterReason,
+        error: &str,
+        failures: &Failures,
+        abandon: &Abandon,
+    ) -> Stored {
+        let mut headers = self.failure_headers(message, error, failures).await;
+        headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
+        let properties = copy_properties(message, headers);
+        let routing_key = original_routing_key(message);
+        let letter = super::dead_letters::NewLetter {
+            consumer: &self.consumer,
+            queue: &self.queue,
+            message_id: message.id(),
+            exchange: message.exchange(),
+            routing_key: &routing_key,
+            properties: &properties,
+            body: message.body(),
+            reason: reason.as_str(),
+            error,
+            attempts: failures.attempts,
+            first_failed_at: &failures.first_failure,
+            last_failed_at: &failures.last_failure,
+        };
+        let mut backoff =
+            crate::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
+        loop {
+            match super::dead_letters::insert(&self.pool, &letter).await {
+                Ok(()) => return Stored::Yes,
+                Err(e) if e.is_unavailable() => {
+                    tracing::warn!(error = %e, "cannot store the dead letter; waiting for the database");
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff.next_delay()) => {}
+                        () = abandon.wait() => return Stored::Abandoned,
+                    }
+                }
+                Err(e) => return Stored::Refused(e),
+            }
         }
     }
 

@@ -22,7 +22,7 @@ use crate::amqp::headers::REASON_HEADER;
 use crate::amqp::mode::{Batched, NoHandler, PerMessage};
 use crate::amqp::outcome::Abandon;
 use crate::amqp::republish::copy_properties;
-use crate::amqp::route::{Route, Router};
+use crate::amqp::route::{Route, Router, Stored};
 use crate::amqp::stats::Counter;
 use crate::amqp::{Consumer, ConsumerBuilder, DeadLetterReason, FromMessage, Handler, Message};
 use crate::outbox::OutboxMessage;
@@ -608,6 +608,44 @@ impl Harness {
         delivered
     }
 
+    /// With the table store: the dead letter inserted as the runtime does;
+    /// `true` when it had to be given up (the database held it too long).
+    async fn store_dead_letter(
+        &self,
+        message: &Message,
+        reason: DeadLetterReason,
+        error: &str,
+        failures: &crate::amqp::headers::Failures,
+    ) -> bool {
+        if !self.router.dead_letters_to_table() {
+            return false;
+        }
+        let give_up = CancellationToken::new();
+        let abandon = Abandon {
+            shutdown: give_up.clone(),
+            channel: None,
+        };
+        let stored = self
+            .router
+            .store_dead_letter(message, reason, error, failures, &abandon);
+        tokio::pin!(stored);
+        let stored = tokio::select! {
+            stored = &mut stored => stored,
+            () = tokio::time::sleep(self.hold_timeout) => {
+                give_up.cancel();
+                stored.await
+            }
+        };
+        match stored {
+            Stored::Yes => false,
+            Stored::Abandoned => true,
+            Stored::Refused(e) => {
+                tracing::error!(error = %e, "the dead-letter table refused the letter");
+                false
+            }
+        }
+    }
+
     /// What the transport would do with `route`, as a value, counted in
     /// the consumer's stats as the runtime counts it.
     async fn carry_out(&self, message: &Message, route: Route) -> Delivered {
@@ -620,6 +658,17 @@ impl Harness {
         };
         if let Some(counter) = counter {
             self.consumer.stats.incr(counter);
+        }
+        if let Route::DeadLetter {
+            reason,
+            error,
+            failures,
+        } = &route
+            && self
+                .store_dead_letter(message, *reason, error, failures)
+                .await
+        {
+            return Delivered::Held;
         }
         match route {
             Route::Ack { duplicate: false } => Delivered::Acked,

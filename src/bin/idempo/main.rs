@@ -9,6 +9,7 @@
 //! A thin client of [`idempo::ops`]: each command file declares its
 //! arguments and calls one library function; `output.rs` prints.
 
+mod dead_letters;
 mod dlq;
 mod maintenance;
 mod output;

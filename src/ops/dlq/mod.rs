@@ -26,6 +26,7 @@
 //! [`dead_letter_queue`]`("payments")`) or by the DLQ itself
 //! (`payments.dlq`).
 
+mod import;
 mod purge;
 mod replay;
 
@@ -42,6 +43,7 @@ use serde::Serialize;
 use super::{OpsError, Result, Services, close, queue_depth};
 use crate::amqp::{ConfirmChannel, DeadLetter, dead_letter_queue};
 
+pub use import::{ImportSummary, import, table_holds};
 pub use purge::{PurgeOptions, PurgePlan, purge};
 pub use replay::{Refusal, ReplayEvent, ReplayOptions, ReplaySummary, replay};
 

@@ -1,0 +1,103 @@
+//! [`import`]: a RabbitMQ dead-letter queue moved into the table store.
+
+use super::{Opened, without_broker_headers};
+use crate::amqp::dead_letters::{self, NewLetter};
+use crate::amqp::{
+    CONSUMER_HEADER, DeadLetter, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER, QUEUE_HEADER,
+    ROUTING_KEY_HEADER,
+};
+use crate::ops::{OpsError, Result, Services};
+
+/// What [`import`] moved.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct ImportSummary {
+    /// The dead-letter queue read.
+    pub dlq: String,
+    /// Dead letters now in the table (and gone from the queue).
+    pub imported: u64,
+}
+
+/// Moves every dead letter of `queue`'s RabbitMQ DLQ (or of that DLQ) into
+/// the `dead_letters` table: each is acked only after its row committed. A
+/// kill in between leaves the message in the queue *and* its row: the next
+/// import finds the row (same consumer, queue, id and body, still live) and
+/// counts a second delivery on it instead of adding a row. `progress` sees
+/// the count after each letter.
+///
+/// # Errors
+/// [`OpsError::DeadLetterQueueNotFound`]; [`OpsError::Idempo`] when the
+/// table does not exist (run `idempo migrate`) or refuses a letter (the
+/// letters before it are imported, the rest stay in the queue); connection
+/// errors.
+pub async fn import(
+    services: &Services,
+    queue: &str,
+    mut progress: impl FnMut(u64),
+) -> Result<ImportSummary> {
+    let pool = services.database().await?.clone();
+    if !dead_letters::table_exists(&pool).await? {
+        return Err(OpsError::Idempo(crate::Error::Config(
+            "the dead_letters table does not exist: run `idempo migrate` first".into(),
+        )));
+    }
+    let opened = Opened::new(services, queue).await?;
+    let work = opened
+        .dlq
+        .strip_suffix(".dlq")
+        .unwrap_or(&opened.dlq)
+        .to_owned();
+    let mut imported = 0;
+    let moved: Result<()> = async {
+        while let Some(delivery) = opened.next().await? {
+            let dead = DeadLetter::from_delivery(&delivery);
+            let properties = without_broker_headers(delivery.properties.clone());
+            let consumer = dead.header(CONSUMER_HEADER).unwrap_or_else(|| work.clone());
+            let letter_queue = dead.header(QUEUE_HEADER).unwrap_or_else(|| work.clone());
+            let routing_key = dead
+                .header(ROUTING_KEY_HEADER)
+                .unwrap_or_else(|| delivery.routing_key.to_string());
+            let reason = dead.reason().unwrap_or_else(|| "imported".into());
+            let error = dead.error().unwrap_or_default();
+            let message_id = dead.message_id().unwrap_or_default();
+            let first = dead.header(FIRST_FAILURE_HEADER).unwrap_or_default();
+            let last = dead.header(LAST_FAILURE_HEADER).unwrap_or_default();
+            let exchange = delivery.exchange.to_string();
+            let letter = NewLetter {
+                consumer: &consumer,
+                queue: &letter_queue,
+                message_id: &message_id,
+                exchange: &exchange,
+                routing_key: &routing_key,
+                properties: &properties,
+                body: &delivery.data,
+                reason: &reason,
+                error: &error,
+                attempts: dead.attempts().unwrap_or(0),
+                first_failed_at: &first,
+                last_failed_at: &last,
+            };
+            dead_letters::insert(&pool, &letter).await?;
+            opened.ack(delivery.delivery_tag).await?;
+            imported += 1;
+            progress(imported);
+        }
+        Ok(())
+    }
+    .await;
+    let dlq = opened.dlq.clone();
+    opened.close("imported").await;
+    moved.map(|()| ImportSummary { dlq, imported })
+}
+
+/// Whether the `dead_letters` table holds letters of `queue` (its work
+/// queue, or its `.dlq`): the CLI then works on the table. `false` when the
+/// table does not exist.
+///
+/// # Errors
+/// [`OpsError::DatabaseUnreachable`] and query errors.
+pub async fn table_holds(services: &Services, queue: &str) -> Result<bool> {
+    let pool = services.database().await?;
+    let work = queue.strip_suffix(".dlq").unwrap_or(queue);
+    Ok(dead_letters::table_exists(pool).await? && dead_letters::holds(pool, work).await?)
+}

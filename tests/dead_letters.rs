@@ -1,0 +1,497 @@
+//! The PostgreSQL dead-letter store (`idempo::amqp::dead_letters`): every
+//! dead-letter path writes a row (through the test harness, which runs the
+//! consumer's real delivery path), the queries, and replays that publish
+//! each letter exactly once, also when two run at once.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use idempo::Tx;
+use idempo::amqp::dead_letters::{self, Filter, LetterState, ReplayOptions};
+use idempo::amqp::{DeadLetters, HandlerError, JsonBody, Message, RedeliveryPolicy};
+use idempo::testing::{Fault, Harness};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use support::payments::{self, Payment};
+
+async fn admin() -> PgPool {
+    let url = support::database_url();
+    PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "PostgreSQL is not reachable at {url}: {e}\nstart it with \
+                 `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`"
+            )
+        })
+}
+
+const PAYMENTS_TABLES: &str = "
+    CREATE TABLE payments (message_id text NOT NULL, account text NOT NULL,
+                           amount_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now());
+    CREATE TABLE account_balances (account text PRIMARY KEY, balance_cents bigint NOT NULL);";
+
+async fn harness(queue: &str, batch: bool) -> Harness {
+    let builder = Harness::new(admin().await, queue)
+        .setup(PAYMENTS_TABLES)
+        .hold_timeout(Duration::from_secs(20));
+    if batch {
+        builder
+            .batch_handler(|tx: Tx, batch: Vec<(JsonBody<Payment>, Message)>| {
+                payments::handle_batch(tx, batch, 0.0)
+            })
+            .configure(|c| {
+                c.dead_letters(DeadLetters::Table)
+                    .retry(RedeliveryPolicy::delayed([Duration::from_secs(1)]).max_attempts(2))
+            })
+            .await
+            .unwrap()
+    } else {
+        builder
+            .handler(|tx: Tx, m: (JsonBody<Payment>, Message)| payments::handle(tx, m, 0.0))
+            .configure(|c| {
+                c.dead_letters(DeadLetters::Table)
+                    .retry(RedeliveryPolicy::delayed([Duration::from_secs(1)]).max_attempts(2))
+            })
+            .await
+            .unwrap()
+    }
+}
+
+fn payment(account: &str, cents: i64) -> Payment {
+    Payment {
+        account: account.into(),
+        amount_cents: cents,
+    }
+}
+
+/// Every way a delivery is dead-lettered lands one row with its reason and
+/// a fingerprint.
+async fn every_path_lands_a_row(batch: bool) {
+    let h = harness("payments", batch).await;
+    let deliver = |m: Message| async {
+        if batch {
+            h.deliver_all([m]).await.unwrap().remove(0)
+        } else {
+            h.deliver(m).await.unwrap()
+        }
+    };
+    // Permanent error (a negative amount).
+    deliver(h.json("perm-1", &payment("a", -1))).await;
+    // Undecodable body.
+    deliver(h.message("poison-1", "{not json")).await;
+    // Missing id; an id too long.
+    deliver(h.message_without_id("{}")).await;
+    deliver(h.message(&"x".repeat(300), "{}")).await;
+    // Mismatch: the id processed with another body.
+    assert!(deliver(h.json("p-1", &payment("a", 1))).await.is_acked());
+    assert!(deliver(h.json("p-1", &payment("a", 2))).await.is_mismatch());
+    // Retries exhausted (2 attempts).
+    let first = h
+        .deliver_with(h.json("ex-1", &payment("a", 3)), Fault::Transient)
+        .await
+        .unwrap();
+    let last = h
+        .deliver_with(first.redelivery().unwrap(), Fault::Transient)
+        .await
+        .unwrap();
+    assert!(last.is_dead_lettered(), "{last}");
+
+    let letters = dead_letters::list(h.pool(), &Filter::queue("payments"))
+        .await
+        .unwrap();
+    let reasons: BTreeMap<String, usize> = letters.iter().fold(BTreeMap::new(), |mut m, l| {
+        *m.entry(l.reason.clone()).or_default() += 1;
+        m
+    });
+    assert_eq!(
+        reasons,
+        BTreeMap::from([
+            ("invalid message id".to_string(), 1),
+            ("max attempts exceeded".to_string(), 1),
+            ("message id reused with a different payload".to_string(), 1),
+            ("missing message id".to_string(), 1),
+            ("permanent handler error".to_string(), 1),
+            ("undecodable body".to_string(), 1),
+        ]),
+        "{letters:#?}"
+    );
+    for letter in &letters {
+        assert_eq!(letter.fingerprint.len(), 16, "{letter:?}");
+        assert_eq!(letter.consumer, "payments");
+        assert_eq!(letter.state, "live");
+    }
+    let exhausted = letters
+        .iter()
+        .find(|l| l.reason == "max attempts exceeded")
+        .unwrap();
+    assert_eq!(exhausted.attempts, 2);
+    assert_eq!(exhausted.message_id.as_deref(), Some("ex-1"));
+    let missing = letters
+        .iter()
+        .find(|l| l.reason == "missing message id")
+        .unwrap();
+    assert_eq!(missing.message_id, None);
+    // A redelivered dead letter (its ack lost) stays one row.
+    deliver(h.json("perm-1", &payment("a", -1))).await;
+    let again = dead_letters::list(
+        h.pool(),
+        &Filter {
+            message_ids: vec!["perm-1".into()],
+            ..Filter::queue("payments")
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].deliveries, 2);
+    h.close().await;
+}
+
+#[tokio::test]
+async fn every_dead_letter_path_lands_a_row_per_message() {
+    every_path_lands_a_row(false).await;
+}
+
+#[tokio::test]
+async fn every_dead_letter_path_lands_a_row_in_batch_mode() {
+    every_path_lands_a_row(true).await;
+}
+
+#[tokio::test]
+async fn letters_are_grouped_shown_and_filtered() {
+    let h = harness("payments", false).await;
+    for i in 0..5 {
+        h.deliver(h.json(&format!("neg-{i}"), &payment(&format!("acct-{i}"), -i - 1)))
+            .await
+            .unwrap();
+    }
+    for i in 0..3 {
+        h.deliver(h.message(&format!("bad-{i}"), format!("{{\"n\": {i}")))
+            .await
+            .unwrap();
+    }
+    let groups = dead_letters::groups(h.pool(), &Filter::queue("payments"))
+        .await
+        .unwrap();
+    let counts: Vec<(i64, &str)> = groups
+        .iter()
+        .map(|g| (g.count, g.reason.as_str()))
+        .collect();
+    assert_eq!(
+        counts,
+        vec![(5, "permanent handler error"), (3, "undecodable body")],
+        "{groups:#?}"
+    );
+    let by_account = dead_letters::list(
+        h.pool(),
+        &Filter {
+            body_path: Some("$.account ? (@ == \"acct-3\")".into()),
+            ..Filter::queue("payments")
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(by_account.len(), 1);
+    assert_eq!(by_account[0].message_id.as_deref(), Some("neg-3"));
+    let one = dead_letters::show(h.pool(), by_account[0].id)
+        .await
+        .unwrap()
+        .unwrap();
+    let body: Payment = serde_json::from_slice(&one.body).unwrap();
+    assert_eq!(body.amount_cents, -4);
+    assert_eq!(one.headers["x-idempo-reason"], "permanent handler error");
+    assert_eq!(
+        one.properties.message_id().as_ref().map(|s| s.as_str()),
+        Some("neg-3")
+    );
+    let group = &groups[0];
+    let grouped = dead_letters::list(
+        h.pool(),
+        &Filter {
+            fingerprint: Some(group.fingerprint.clone()),
+            ..Filter::queue("payments")
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(grouped.len(), 5);
+    let future = std::time::SystemTime::now() + Duration::from_secs(3600);
+    let none = dead_letters::list(
+        h.pool(),
+        &Filter {
+            since: Some(future),
+            ..Filter::queue("payments")
+        },
+    )
+    .await
+    .unwrap();
+    assert!(none.is_empty());
+    h.close().await;
+}
+
+/// Payments dead-lettered by a handler that failed; then fixed: the replay
+/// publishes each once, also with two replays racing.
+#[tokio::test]
+async fn two_replays_at_once_publish_each_letter_once() {
+    let h = harness("payments", false).await;
+    let n = 200;
+    for i in 0..n {
+        let d = h
+            .deliver_with(
+                h.json(&format!("r-{i}"), &payment("zoe", 1)),
+                Fault::Permanent,
+            )
+            .await
+            .unwrap();
+        assert!(d.is_dead_lettered(), "{d}");
+    }
+    let filter = Filter::queue("payments");
+    let dry = dead_letters::replay(
+        h.pool(),
+        &filter,
+        &ReplayOptions {
+            dry_run: true,
+            ..ReplayOptions::by("test")
+        },
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(dry.replayed, n);
+    let options = ReplayOptions {
+        batch_size: 7,
+        ..ReplayOptions::by("test")
+    };
+    let (one, two) = tokio::join!(
+        dead_letters::replay(h.pool(), &filter, &options, |_| {}),
+        dead_letters::replay(h.pool(), &filter, &options, |_| {}),
+    );
+    let (one, two) = (one.unwrap(), two.unwrap());
+    assert_eq!(one.replayed + two.replayed, n, "{one:?} {two:?}");
+    // Nothing live is left; a third replay finds nothing.
+    let third = dead_letters::replay(h.pool(), &filter, &options, |_| {})
+        .await
+        .unwrap();
+    assert_eq!(third.replayed, 0);
+    let replayed = dead_letters::list(
+        h.pool(),
+        &Filter {
+            state: Some(LetterState::Replayed),
+            limit: Some(1000),
+            ..Filter::queue("payments")
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(replayed.len() as u64, n);
+    assert!(replayed.iter().all(|l| l.replay_count == 1));
+
+    // The relay publishes each once, with its original id; the consumer
+    // applies each once.
+    let published = h.drain().await.unwrap();
+    assert_eq!(published.len() as u64, n);
+    let mut ids: Vec<&str> = published.iter().filter_map(|m| m.id()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len() as u64, n);
+    assert_eq!(
+        published[0].headers()["x-idempo-replay-count"],
+        serde_json::json!(1)
+    );
+    for m in &published {
+        let d = h.deliver(h.forwarded(m)).await.unwrap();
+        assert!(d.is_acked(), "{d}");
+    }
+    let balance: i64 =
+        sqlx::query_scalar("SELECT balance_cents FROM account_balances WHERE account = 'zoe'")
+            .fetch_one(h.pool())
+            .await
+            .unwrap();
+    assert_eq!(balance, n as i64);
+    h.close().await;
+}
+
+#[tokio::test]
+async fn processed_ids_are_skipped_and_letters_discarded_purged_and_reaped() {
+    let h = harness("payments", false).await;
+    h.deliver_with(h.json("s-1", &payment("y", 1)), Fault::Permanent)
+        .await
+        .unwrap();
+    // Processed since (by a resend, say): the replay would be a duplicate.
+    assert!(
+        h.deliver(h.json("s-1", &payment("y", 1)))
+            .await
+            .unwrap()
+            .is_acked()
+    );
+    let report = dead_letters::replay(
+        h.pool(),
+        &Filter::queue("payments"),
+        &ReplayOptions::by("test"),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.replayed, 0);
+    assert_eq!(report.skipped.len(), 1, "{report:?}");
+    assert!(h.outbox().await.unwrap().is_empty());
+
+    for i in 0..3 {
+        h.deliver_with(
+            h.json(&format!("d-{i}"), &payment("y", 1)),
+            Fault::Permanent,
+        )
+        .await
+        .unwrap();
+    }
+    let discarded = dead_letters::discard(
+        h.pool(),
+        &Filter {
+            message_ids: vec!["d-0".into(), "d-1".into()],
+            ..Filter::queue("payments")
+        },
+        "test",
+    )
+    .await
+    .unwrap();
+    assert_eq!(discarded, 2);
+    // Reaped only once older than the period.
+    assert_eq!(
+        dead_letters::reap(h.pool(), None, Duration::from_secs(3600), 10)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        dead_letters::reap(h.pool(), Some("payments"), Duration::ZERO, 1)
+            .await
+            .unwrap(),
+        2
+    );
+    assert!(
+        dead_letters::reap(h.pool(), None, Duration::ZERO, 0)
+            .await
+            .is_err(),
+        "a zero batch is refused"
+    );
+    let purged = dead_letters::purge(
+        h.pool(),
+        &Filter {
+            any_state: true,
+            ..Filter::queue("payments")
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(purged, 2, "s-1 and d-2");
+    h.close().await;
+}
+
+#[tokio::test]
+async fn a_handler_error_is_not_the_only_thing_the_table_keeps() {
+    // The letter keeps the body whole and binary-safe.
+    let h = Harness::new(admin().await, "raw")
+        .handler(|_tx: Tx, _m: Message| async {
+            Err::<(), _>(HandlerError::permanent("refused 'raw' body #7"))
+        })
+        .configure(|c| c.dead_letters(DeadLetters::Table))
+        .await
+        .unwrap();
+    let body: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    let d = h.deliver(h.message("bin-1", body.clone())).await.unwrap();
+    assert!(d.is_dead_lettered(), "{d}");
+    let letters = dead_letters::list(h.pool(), &Filter::queue("raw"))
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].body_bytes, 70_000);
+    let detail = dead_letters::show(h.pool(), letters[0].id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(detail.body, body);
+    // Another letter of the same cause (other quoted value, other number)
+    // shares the fingerprint.
+    let other_error = letters[0]
+        .error
+        .replace("'raw'", "'other'")
+        .replace('7', "12");
+    assert_ne!(other_error, letters[0].error);
+    assert_eq!(
+        letters[0].fingerprint,
+        dead_letters::fingerprint(&letters[0].reason, &other_error)
+    );
+    h.close().await;
+}
+
+/// The real runtime on RabbitMQ: poison goes to the table, not to the
+/// queue's DLQ, and is acked only after its row committed.
+#[tokio::test]
+async fn the_consumer_writes_dead_letters_to_the_table_instead_of_the_dlq() {
+    let (db, broker, queue) = support::setup().await;
+    broker.publish(&queue, Some("bad-json"), b"{not json").await;
+    broker.publish_payment(&queue, "negative", "ina", -4).await;
+    broker.publish_payment(&queue, "fine", "ina", 4).await;
+    let consumer = support::consumer::Running::start(
+        support::consumer::payments_consumer(&db, &queue).dead_letters(DeadLetters::Table),
+    );
+    let stats = consumer.finish(3).await;
+    assert_eq!((stats.processed, stats.dead_lettered), (1, 2), "{stats:?}");
+    let letters = dead_letters::list(&db.pool, &Filter::queue(queue.as_str()))
+        .await
+        .unwrap();
+    let mut reasons: Vec<&str> = letters.iter().map(|l| l.reason.as_str()).collect();
+    reasons.sort_unstable();
+    assert_eq!(reasons, ["permanent handler error", "undecodable body"]);
+    assert_eq!(
+        broker.ready(&format!("{queue}.dlq")).await,
+        0,
+        "nothing in the queue DLQ"
+    );
+    assert_eq!(broker.ready(&queue).await, 0, "all acked");
+}
+
+/// PostgreSQL unreachable while a poison message arrives: the delivery is
+/// held (unacked), then stored once the database is back. Nothing lost.
+#[tokio::test]
+async fn a_dead_letter_waits_for_the_database_and_is_stored_once() {
+    let (db, broker, queue) = support::setup().await;
+    let proxy = support::TcpProxy::start("127.0.0.1:5432").await;
+    let pool = support::pool_through(&proxy, &db).await;
+    let consumer = support::consumer::Running::start(
+        idempo::amqp::Consumer::builder(support::amqp_url(), pool)
+            .queue(queue.as_str())
+            .retry(RedeliveryPolicy::delayed([Duration::from_millis(200)]))
+            .dead_letters(DeadLetters::Table)
+            .handler(|tx: Tx, m: (JsonBody<Payment>, Message)| payments::handle(tx, m, 0.0)),
+    );
+    // The consumer is up (its key loaded); now the database goes away.
+    consumer.health.wait_for(|h| h.is_consuming()).await;
+    proxy.cut();
+    broker.publish(&queue, Some("poison"), b"{not json").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        consumer.stats().dead_lettered,
+        0,
+        "not stored while the database is away"
+    );
+    let stored = dead_letters::list(&db.pool, &Filter::queue(queue.as_str()))
+        .await
+        .unwrap();
+    assert!(stored.is_empty());
+    proxy.restore();
+    let stats = consumer.finish(1).await;
+    assert_eq!(stats.dead_lettered, 1, "{stats:?}");
+    let letters = dead_letters::list(&db.pool, &Filter::queue(queue.as_str()))
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].message_id.as_deref(), Some("poison"));
+    assert_eq!(broker.ready(&queue).await, 0);
+    assert_eq!(broker.ready(&format!("{queue}.dlq")).await, 0);
+}
