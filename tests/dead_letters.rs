@@ -84,9 +84,9 @@ async fn every_path_lands_a_row(batch: bool) {
     deliver(h.json("perm-1", &payment("a", -1))).await;
     // Undecodable body.
     deliver(h.message("poison-1", "{not json")).await;
-    // Missing id; an id too long.
+    // Missing id; an empty one.
     deliver(h.message_without_id("{}")).await;
-    deliver(h.message(&"x".repeat(300), "{}")).await;
+    deliver(h.message("", "{}")).await;
     // Mismatch: the id processed with another body.
     assert!(deliver(h.json("p-1", &payment("a", 1))).await.is_acked());
     assert!(deliver(h.json("p-1", &payment("a", 2))).await.is_mismatch());

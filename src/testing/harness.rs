@@ -362,6 +362,10 @@ impl Harness {
 
     /// A message with this id (the AMQP `message_id` property) and body, as
     /// a producer would publish it to the queue.
+    ///
+    /// # Panics
+    /// When `id` is longer than 255 bytes, which AMQP cannot carry in a
+    /// property.
     pub fn message(&self, id: &str, body: impl Into<Vec<u8>>) -> Message {
         let properties = BasicProperties::default()
             .with_message_id(id.into())
