@@ -1,0 +1,248 @@
+//! `idempo dlq` on the PostgreSQL dead-letter store, as a process: the
+//! payments example with `PAYMENTS_DEAD_LETTERS=table` fills the table, the
+//! binary lists and groups it, two replays race and each payment applies
+//! once; an existing RabbitMQ DLQ is imported, with a SIGKILL mid-way.
+
+mod support;
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use support::example::{Load, doubled_payments, spawn_example};
+use support::{Broker, Db, eventually, eventually_ready, payment_body, unique};
+
+/// One test at a time in this binary: each runs the example (a pool of 6)
+/// beside its own pool, within the suite's connection budget.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn idempo(db: &Db) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idempo"));
+    command
+        .env("DATABASE_URL", &db.url)
+        .env("AMQP_URL", support::amqp_url())
+        .stdin(Stdio::null());
+    command
+}
+
+fn run(db: &Db, args: &[&str]) -> Output {
+    let out = idempo(db).args(args).output().expect("run idempo");
+    eprintln!(
+        "idempo {args:?} -> {:?}\n{}{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+        .collect()
+}
+
+async fn db() -> Db {
+    support::payments_example_binary();
+    let db = Db::with_pool_size(4).await;
+    idempo::migrate(&db.pool).await.unwrap();
+    support::payments::create_tables(&db.pool).await.unwrap();
+    db
+}
+
+async fn letters(db: &Db) -> i64 {
+    db.count("SELECT count(*) FROM dead_letters WHERE state = 'live'")
+        .await
+}
+
+#[tokio::test]
+async fn the_table_store_is_listed_grouped_and_replayed_once_by_two_racing_replays() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    let mut load = Load {
+        ids: Default::default(),
+        expected: Default::default(),
+        published: 0,
+    };
+    load.publish(&broker, &queue, 0..40, false).await;
+    for k in 0..3 {
+        broker
+            .publish(&queue, Some(&format!("neg-{k}")), &payment_body("neg", -1))
+            .await;
+    }
+    let failing = spawn_example(
+        &db.url,
+        &queue,
+        &[
+            ("PAYMENTS_FAIL_RATE", "1"),
+            ("PAYMENTS_MAX_ATTEMPTS", "2"),
+            ("PAYMENTS_DEAD_LETTERS", "table"),
+        ],
+    );
+    eventually(
+        "43 dead letters in the table",
+        Duration::from_secs(90),
+        || async { letters(&db).await == 43 },
+    )
+    .await;
+    drop(failing);
+    assert_eq!(db.payments().await, 0);
+    assert_eq!(
+        broker.ready(&format!("{queue}.dlq")).await,
+        0,
+        "none in the queue DLQ"
+    );
+
+    let listed = json_lines(&run(
+        &db,
+        &["dlq", "list", "--queue", &queue, "--limit", "100", "--json"],
+    ));
+    assert_eq!(listed.len(), 43);
+    for letter in &listed {
+        for field in [
+            "message_id",
+            "reason",
+            "fingerprint",
+            "attempts",
+            "last_failed_at",
+        ] {
+            assert!(letter.get(field).is_some(), "{field} in {letter}");
+        }
+    }
+    let groups = json_lines(&run(
+        &db,
+        &["dlq", "list", "--queue", &queue, "--group", "--json"],
+    ));
+    let counts: Vec<(i64, &str)> = groups
+        .iter()
+        .map(|g| (g["count"].as_i64().unwrap(), g["reason"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        counts,
+        vec![
+            (40, "max attempts exceeded"),
+            (3, "permanent handler error")
+        ]
+    );
+    let exhausted = groups[0]["fingerprint"].as_str().unwrap().to_owned();
+
+    // The cause is fixed: a working consumer, and two operators replaying
+    // the group at once.
+    let _working = spawn_example(&db.url, &queue, &[("PAYMENTS_DEAD_LETTERS", "table")]);
+    let spawn_replay = || {
+        idempo(&db)
+            .args([
+                "dlq",
+                "replay",
+                "--queue",
+                &queue,
+                "--fingerprint",
+                &exhausted,
+                "--json",
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (one, two) = (spawn_replay(), spawn_replay());
+    let (one, two) = (
+        one.wait_with_output().unwrap(),
+        two.wait_with_output().unwrap(),
+    );
+    assert!(
+        one.status.success() && two.status.success(),
+        "{one:?} {two:?}"
+    );
+    let replayed: i64 = [&one, &two]
+        .iter()
+        .map(|out| {
+            json_lines(out)
+                .last()
+                .and_then(|summary| summary["replayed"].as_i64())
+                .unwrap()
+        })
+        .sum();
+    assert_eq!(replayed, 40, "each letter replayed by one of the two");
+    eventually("every payment applied", Duration::from_secs(60), || async {
+        db.payments().await == load.ids.len() as i64
+    })
+    .await;
+    assert_eq!(doubled_payments(&db).await, 0);
+    assert_eq!(db.balances().await, load.expected);
+    // Run again: nothing live of that cause is left.
+    let again = run(
+        &db,
+        &[
+            "dlq",
+            "replay",
+            "--queue",
+            &queue,
+            "--fingerprint",
+            &exhausted,
+            "--json",
+        ],
+    );
+    assert!(again.status.success());
+    assert_eq!(json_lines(&again).last().unwrap()["replayed"], 0);
+    // Table-only filters on a queue without letters in the table are refused.
+    let refused = run(
+        &db,
+        &[
+            "dlq",
+            "list",
+            "--queue",
+            "nothing-here",
+            "--fingerprint",
+            "x",
+        ],
+    );
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("needs the table store"));
+}
+
+#[tokio::test]
+async fn a_queue_dlq_is_imported_once_even_after_a_kill() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    let dlq = format!("{queue}.dlq");
+    broker.declare(&queue).await;
+    let n = 300;
+    for k in 0..n {
+        broker
+            .publish(&queue, Some(&format!("neg-{k}")), &payment_body("neg", -1))
+            .await;
+    }
+    let failing = spawn_example(&db.url, &queue, &[]);
+    eventually_ready(&broker, &dlq, n).await;
+    drop(failing);
+
+    let mut import = idempo(&db)
+        .args(["dlq", "import", &dlq])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually("some letters imported", Duration::from_secs(60), || async {
+        db.count("SELECT count(*) FROM dead_letters").await >= 20
+    })
+    .await;
+    import.kill().unwrap(); // SIGKILL
+    import.wait().unwrap();
+    let again = run(&db, &["dlq", "import", &dlq, "--json"]);
+    assert!(again.status.success());
+    eventually_ready(&broker, &dlq, 0).await;
+    let rows = db.count("SELECT count(*) FROM dead_letters").await;
+    let ids = db
+        .count("SELECT count(DISTINCT message_id) FROM dead_letters")
+        .await;
+    assert_eq!(
+        (rows, ids),
+        (i64::from(n), i64::from(n)),
+        "every letter once"
+    );
+    let reasons = db
+        .count("SELECT count(*) FROM dead_letters WHERE reason = 'permanent handler error'")
+        .await;
+    assert_eq!(reasons, i64::from(n));
+}
