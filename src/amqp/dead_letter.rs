@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use super::headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, header_text, rfc3339,
-    truncate,
+    MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, header_text, json_value,
+    rfc3339, truncate,
 };
 
 /// Why a delivery went to the dead-letter queue. Each one is final:
@@ -267,10 +267,11 @@ impl<'a> DeadLetter<'a> {
             .inner()
             .iter()
             .map(|(name, value)| {
+                // Text as it is; anything else (`x-death`'s tables) as JSON.
                 let text = header_text(value).unwrap_or_else(|| match value {
                     AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
                     AMQPValue::ByteArray(b) => String::from_utf8_lossy(b.as_slice()).into_owned(),
-                    other => format!("{other:?}"),
+                    other => json_value(other).to_string(),
                 });
                 (name.to_string(), text)
             })

@@ -75,6 +75,17 @@ impl Keyring {
     }
 }
 
+/// The consumers that have a key: every consumer that sent a retry or
+/// dead-letter copy (for `idempo status`, which looks for their queues).
+#[cfg_attr(not(feature = "ops"), allow(dead_code))]
+pub(crate) async fn consumers_with_keys(pool: &PgPool) -> Result<Vec<String>> {
+    Ok(
+        sqlx::query_scalar("SELECT consumer FROM idempo_consumer_keys ORDER BY consumer")
+            .fetch_all(pool)
+            .await?,
+    )
+}
+
 /// A consumer's key for sealing the ids on its copies.
 #[derive(Clone)]
 pub(crate) struct Seal {

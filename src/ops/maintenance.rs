@@ -106,8 +106,9 @@ pub enum Progress<'a> {
 /// in [`status()`](super::status()).
 ///
 /// # Errors
-/// [`OpsError::Reap`] names the consumer whose delete failed (those before
-/// it are reaped); connection and query errors.
+/// [`OpsError::Idempo`] for a `batch` below 1; [`OpsError::Reap`] names
+/// the consumer whose delete failed (those before it are reaped);
+/// connection and query errors.
 pub async fn reap(
     services: &Services,
     consumers: &[String],
@@ -115,6 +116,11 @@ pub async fn reap(
     batch: i64,
     mut on_progress: impl FnMut(Progress<'_>),
 ) -> Result<Vec<Deleted>> {
+    if batch < 1 {
+        return Err(OpsError::Idempo(crate::Error::Config(
+            "the batch size must be at least 1".into(),
+        )));
+    }
     let pool = services.database().await?;
     let consumers = if consumers.is_empty() {
         crate::inbox::consumers(pool).await?

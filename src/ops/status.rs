@@ -29,6 +29,9 @@ pub struct StatusOptions {
     /// The consumers' retry delays (the default policy's when empty): their
     /// delay queues are inspected, and they make up the redelivery horizon.
     pub retry_delays: Vec<Duration>,
+    /// The consumers' `max_attempts` (the default policy's when `None`): the
+    /// horizon counts every retry at the longest delay.
+    pub max_attempts: Option<u32>,
     /// The broker's `consumer_timeout`: the longest a delivery can stay
     /// unacknowledged before the broker redelivers it.
     pub consumer_timeout: Duration,
@@ -45,6 +48,7 @@ impl Default for StatusOptions {
             consumers: Vec::new(),
             queues: Vec::new(),
             retry_delays: Vec::new(),
+            max_attempts: None,
             consumer_timeout: Duration::from_secs(30 * 60),
             retention: None,
             fail_on_dlq: false,
@@ -68,6 +72,9 @@ pub struct Status {
     pub http_keys: Option<Vec<StateCount>>,
     /// Deduplication window entries per state (`None`: the table does not exist).
     pub window: Option<Vec<StateCount>>,
+    /// Live dead letters in the table store per consumer, queue and cause
+    /// (`None`: the table does not exist).
+    pub dead_letters: Option<Vec<crate::amqp::dead_letters::LetterCount>>,
     /// What an operator must act on, in the order found.
     pub warnings: Vec<Warning>,
 }
@@ -141,7 +148,8 @@ pub enum Warning {
         retention: Duration,
         /// The redelivery horizon: `retries + consumer_timeout`.
         horizon: Duration,
-        /// The retry delays, summed.
+        /// The longest the retries can take: every retry at the longest
+        /// delay (a handler may ask for it).
         retries: Duration,
         /// The broker's `consumer_timeout`.
         consumer_timeout: Duration,
@@ -157,6 +165,14 @@ pub enum Warning {
     OutboxFailed {
         /// How many.
         failed: i64,
+    },
+    /// The dead-letter table holds live letters of a queue (only with
+    /// [`StatusOptions::fail_on_dlq`]).
+    TableDeadLetters {
+        /// The work queue.
+        queue: String,
+        /// How many.
+        count: i64,
     },
 }
 
@@ -184,6 +200,10 @@ impl fmt::Display for Warning {
             Warning::OutboxFailed { failed } => write!(
                 f,
                 "the outbox holds {failed} failed message(s) the relay gave up on"
+            ),
+            Warning::TableDeadLetters { queue, count } => write!(
+                f,
+                "the dead_letters table holds {count} live dead letter(s) of {queue}"
             ),
         }
     }
@@ -234,7 +254,12 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
     } else {
         options.retry_delays.clone()
     };
-    let retries: Duration = delays.iter().sum();
+    let max_attempts = options
+        .max_attempts
+        .unwrap_or(RedeliveryPolicy::default().max_attempts);
+    let retries = RedeliveryPolicy::delayed(delays.clone())
+        .max_attempts(max_attempts)
+        .total_delay();
     let horizon = retries + options.consumer_timeout;
 
     let claims = match crate::inbox::claims_per_consumer(pool, &options.consumers).await {
@@ -256,11 +281,40 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
         });
     }
 
+    let dead_letters = match crate::amqp::dead_letters::counts(pool).await {
+        Ok(counts) => Some(counts),
+        Err(e) if missing_table(&e) => None,
+        Err(e) => return Err(e.into()),
+    };
     let names: Vec<String> = if options.queues.is_empty() {
-        claims.iter().map(|c| c.consumer.clone()).collect()
+        // Every consumer seen: with claims, with a key (it sealed a retry or
+        // dead-letter copy), or with letters in the table.
+        let mut names: Vec<String> = claims.iter().map(|c| c.consumer.clone()).collect();
+        let sealed = crate::amqp::consumers_with_keys(pool)
+            .await
+            .unwrap_or_default();
+        let lettered = dead_letters.iter().flatten().map(|c| c.queue.clone());
+        for name in sealed.into_iter().chain(lettered) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        names
     } else {
         options.queues.clone()
     };
+    if options.fail_on_dlq {
+        let mut per_queue: Vec<(String, i64)> = Vec::new();
+        for c in dead_letters.iter().flatten() {
+            match per_queue.iter_mut().find(|(q, _)| *q == c.queue) {
+                Some((_, n)) => *n += c.count,
+                None => per_queue.push((c.queue.clone(), c.count)),
+            }
+        }
+        for (queue, count) in per_queue {
+            warnings.push(Warning::TableDeadLetters { queue, count });
+        }
+    }
     let mut queues = Vec::new();
     if !names.is_empty() {
         let connection = services.broker().await?;
@@ -312,6 +366,7 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
         outbox,
         http_keys,
         window,
+        dead_letters,
         warnings,
     })
 }
@@ -406,6 +461,7 @@ mod tests {
             outbox: Some(OutboxStatus::default()),
             http_keys: None,
             window: Some(Vec::new()),
+            dead_letters: None,
             warnings: vec![Warning::NotMigrated],
         };
         let json = serde_json::to_value(&status).unwrap();
@@ -420,6 +476,7 @@ mod tests {
                 "outbox": {"pending": 0, "failed": 0, "oldest_pending_age_secs": null},
                 "http_keys": null,
                 "window": [],
+                "dead_letters": null,
                 "warnings": ["idempo's tables do not exist: run `idempo migrate`"],
             })
         );

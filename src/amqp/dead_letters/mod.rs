@@ -45,8 +45,23 @@ use std::time::SystemTime;
 
 pub use fingerprint::{fingerprint, pattern};
 pub use table::{
-    LetterState, discard, groups, holds, list, purge, reap, replay, show, table_exists,
+    LetterState, counts, discard, groups, holds, list, purge, reap, replay, show, table_exists,
 };
+
+/// Live letters of one consumer, queue and cause ([`counts`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LetterCount {
+    /// The consumer.
+    pub consumer: String,
+    /// The work queue.
+    pub queue: String,
+    /// The cause.
+    pub fingerprint: String,
+    /// Its reason.
+    pub reason: String,
+    /// How many live letters.
+    pub count: i64,
+}
 pub(crate) use table::{NewLetter, insert};
 
 /// Where a consumer puts its dead letters.

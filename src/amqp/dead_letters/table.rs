@@ -9,10 +9,11 @@ use lapin::protocol::basic::{gen_properties, parse_properties};
 use sqlx::{PgPool, Postgres, QueryBuilder, Row};
 
 use super::{
-    Filter, Group, Letter, LetterDetail, ReplayOptions, ReplayReport, fingerprint::fingerprint,
+    Filter, Group, Letter, LetterCount, LetterDetail, ReplayOptions, ReplayReport,
+    fingerprint::fingerprint,
 };
 use crate::amqp::DeadLetter;
-use crate::amqp::relay::frame::json_headers;
+use crate::amqp::headers::json_headers;
 use crate::inbox::{self, Claim};
 use crate::outbox::{self, OutboxMessage};
 use crate::{Error, Result};
@@ -258,6 +259,32 @@ pub async fn holds(pool: &PgPool, queue: &str) -> Result<bool> {
             .fetch_one(pool)
             .await?,
     )
+}
+
+/// Live letters per consumer, queue and cause, for `idempo status`.
+///
+/// # Errors
+/// [`Error::Database`] when the query fails (the table missing too).
+pub async fn counts(pool: &PgPool) -> Result<Vec<LetterCount>> {
+    let rows: Vec<(String, String, String, String, i64)> = sqlx::query_as(
+        "SELECT consumer, queue, fingerprint, min(reason), count(*) FROM dead_letters \
+         WHERE state = 'live' GROUP BY consumer, queue, fingerprint \
+         ORDER BY consumer, queue, count(*) DESC",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(consumer, queue, fingerprint, reason, count)| LetterCount {
+                consumer,
+                queue,
+                fingerprint,
+                reason,
+                count,
+            },
+        )
+        .collect())
 }
 
 /// The letters of `filter`, oldest first (at most `limit`, 100 by default).

@@ -158,6 +158,24 @@ pub(crate) async fn replay(
     dry_run: bool,
 ) -> anyhow::Result<u8> {
     let pool = ctx.services.database().await?;
+    if !filter.message_ids.is_empty() {
+        let found = store::list(
+            pool,
+            &Filter {
+                limit: Some(i64::MAX),
+                ..filter.clone()
+            },
+        )
+        .await?;
+        let missing: Vec<&String> = filter
+            .message_ids
+            .iter()
+            .filter(|id| !found.iter().any(|l| l.message_id.as_ref() == Some(*id)))
+            .collect();
+        if !missing.is_empty() {
+            bail!("no live dead letter has the message id(s) {missing:?}");
+        }
+    }
     let options = ReplayOptions {
         to,
         force,

@@ -29,6 +29,9 @@ pub(crate) enum DlqCommand {
         /// One line per cause (fingerprint) with its count (table store).
         #[arg(long)]
         group: bool,
+        /// At most this many dead letters (or groups).
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
     },
     /// One dead letter with its headers and body.
     Show {
@@ -72,6 +75,9 @@ pub(crate) enum DlqCommand {
         /// Wait this long after each message (RabbitMQ DLQ; spread a large replay out).
         #[arg(long, value_parser = humantime::parse_duration)]
         throttle: Option<Duration>,
+        /// Replay at most this many (default: every one selected).
+        #[arg(long)]
+        limit: Option<usize>,
     },
     /// Delete dead letters.
     Purge {
@@ -85,6 +91,9 @@ pub(crate) enum DlqCommand {
         /// Do not ask.
         #[arg(long)]
         yes: bool,
+        /// Delete at most this many (default: every one selected).
+        #[arg(long)]
+        limit: Option<usize>,
     },
     /// Mark dead letters discarded (table store): kept for audit, then reaped.
     Discard {
@@ -162,9 +171,6 @@ pub(crate) struct Select {
     /// Only those in this state (table store): live (the default), replayed, discarded or all.
     #[arg(long, value_name = "STATE")]
     state: Option<String>,
-    /// At most this many (list: 100 unless given).
-    #[arg(long)]
-    limit: Option<usize>,
 }
 
 impl Select {
@@ -216,7 +222,6 @@ impl Select {
             body_path: self.body_path.clone(),
             state,
             any_state,
-            limit: self.limit.map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
             ..Filter::default()
         })
     }
@@ -228,15 +233,19 @@ pub(crate) async fn exec(ctx: &Ctx, command: DlqCommand) -> anyhow::Result<u8> {
             target,
             select,
             group,
+            limit,
         } => {
             let queue = target.queue()?;
             if uses_table(ctx, target.store, queue, &select).await? {
-                return dead_letters::list(ctx, &select.filter(queue)?, group).await;
+                let filter = Filter {
+                    limit: Some(i64::try_from(limit).unwrap_or(i64::MAX)),
+                    ..select.filter(queue)?
+                };
+                return dead_letters::list(ctx, &filter, group).await;
             }
             if group {
                 bail!("--group needs the table store (dead letters kept in PostgreSQL)");
             }
-            let limit = select.limit.unwrap_or(100);
             let listing = dlq::list(&ctx.services, queue, &select.selection(), limit).await?;
             output::dead_letters(ctx.json, &listing);
         }
@@ -274,6 +283,7 @@ pub(crate) async fn exec(ctx: &Ctx, command: DlqCommand) -> anyhow::Result<u8> {
             to,
             force,
             throttle,
+            limit,
         } => {
             let queue = target.queue()?;
             if uses_table(ctx, target.store, queue, &select).await? {
@@ -282,7 +292,11 @@ pub(crate) async fn exec(ctx: &Ctx, command: DlqCommand) -> anyhow::Result<u8> {
                         "say which dead letters to replay: --id, --reason, --fingerprint, another filter, or --all"
                     );
                 }
-                return dead_letters::replay(ctx, &select.filter(queue)?, to, force, dry_run).await;
+                let filter = Filter {
+                    limit: limit.map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
+                    ..select.filter(queue)?
+                };
+                return dead_letters::replay(ctx, &filter, to, force, dry_run).await;
             }
             let options = ReplayOptions {
                 all,
@@ -290,7 +304,7 @@ pub(crate) async fn exec(ctx: &Ctx, command: DlqCommand) -> anyhow::Result<u8> {
                 to,
                 force,
                 throttle,
-                limit: select.limit,
+                limit,
             };
             return replay(ctx, queue, &select.selection(), &options).await;
         }
@@ -299,19 +313,22 @@ pub(crate) async fn exec(ctx: &Ctx, command: DlqCommand) -> anyhow::Result<u8> {
             select,
             older_than,
             yes,
+            limit,
         } => {
             let queue = target.queue()?;
             if uses_table(ctx, target.store, queue, &select).await? {
                 let mut filter = select.filter(queue)?;
+                if limit.is_some() {
+                    bail!(
+                        "--limit is for a RabbitMQ DLQ: select the letters to purge with filters"
+                    );
+                }
                 if let Some(age) = older_than {
                     filter.until = Some(std::time::SystemTime::now() - age);
                 }
                 return dead_letters::purge(ctx, &filter, yes).await;
             }
-            let options = PurgeOptions {
-                older_than,
-                limit: select.limit,
-            };
+            let options = PurgeOptions { older_than, limit };
             return purge(ctx, queue, &select.selection(), &options, yes).await;
         }
         DlqCommand::Discard {
@@ -346,7 +363,6 @@ impl Select {
             since: None,
             body_path: None,
             state: None,
-            limit: None,
         }
     }
 }
@@ -386,12 +402,14 @@ async fn replay(
 ) -> anyhow::Result<u8> {
     let mut progress: Option<Progress> = None;
     let (mut replayed, mut skipped) = (0, 0);
+    let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
     let summary = dlq::replay(&ctx.services, queue, selection, options, |event| match event {
         ReplayEvent::Started { total, .. } => progress = Some(Progress::new(ctx.json, total)),
         ReplayEvent::Skipped {
             message_id,
             refusal,
         } => {
+            seen.extend(message_id.map(str::to_owned));
             let why = output::refusal(refusal);
             if ctx.json {
                 output::json(&json!({"message_id": message_id, "skipped": why}));
@@ -404,6 +422,7 @@ async fn replay(
             }
         }
         ReplayEvent::WouldReplay { message_id, queue } => {
+            seen.extend(message_id.map(str::to_owned));
             if ctx.json {
                 output::json(&json!({"message_id": message_id, "would_replay_to": queue}));
             } else {
@@ -412,6 +431,7 @@ async fn replay(
             replayed += 1;
         }
         ReplayEvent::Replayed { message_id, queue } => {
+            seen.extend(message_id.map(str::to_owned));
             replayed += 1;
             if ctx.json {
                 output::json(&json!({"message_id": message_id, "replayed_to": queue}));
@@ -437,7 +457,18 @@ async fn replay(
         p.done();
     }
     output::replay_summary(ctx.json, &summary);
-    Ok(if summary.skipped.is_empty() {
+    let missing: Vec<&String> = selection
+        .ids
+        .iter()
+        .filter(|id| !seen.contains(*id))
+        .collect();
+    if !missing.is_empty() && missing.len() == selection.ids.len() {
+        bail!("no dead letter of {queue:?} has the message id(s) {missing:?}");
+    }
+    if !missing.is_empty() {
+        eprintln!("not found in the DLQ of {queue:?}: {missing:?}");
+    }
+    Ok(if summary.skipped.is_empty() && missing.is_empty() {
         0
     } else {
         ATTENTION

@@ -24,16 +24,16 @@ pub(crate) struct ReapArgs {
     /// Claims older than this go (`250ms`, `5s`, `2m`, `1h`, `7d`).
     #[arg(long, value_parser = humantime::parse_duration)]
     older_than: Duration,
-    /// Rows per statement.
-    #[arg(long, default_value_t = 1000)]
+    /// Rows per statement (at least 1).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..))]
     batch: i64,
 }
 
 #[derive(Args)]
 pub(crate) struct CleanupArgs {
-    /// Rows per statement.
-    #[arg(long, default_value_t = 1000)]
-    batch: usize,
+    /// Rows per statement (at least 1).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
 }
 
 pub(crate) async fn migrate(ctx: &Ctx, args: MigrateArgs) -> anyhow::Result<u8> {
@@ -74,16 +74,20 @@ pub(crate) async fn reap(ctx: &Ctx, args: ReapArgs) -> anyhow::Result<u8> {
 }
 
 pub(crate) async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> anyhow::Result<u8> {
-    let cleaned = maintenance::cleanup(&ctx.services, args.batch, |progress| {
-        if ctx.json {
-            return;
-        }
-        match progress {
-            Progress::Batch { name, deleted } => eprint!("\r{name}: {deleted} expired deleted"),
-            Progress::Done(_) => eprintln!(),
-            _ => {}
-        }
-    })
+    let cleaned = maintenance::cleanup(
+        &ctx.services,
+        usize::try_from(args.batch).unwrap_or(usize::MAX),
+        |progress| {
+            if ctx.json {
+                return;
+            }
+            match progress {
+                Progress::Batch { name, deleted } => eprint!("\r{name}: {deleted} expired deleted"),
+                Progress::Done(_) => eprintln!(),
+                _ => {}
+            }
+        },
+    )
     .await?;
     for d in &cleaned {
         if ctx.json {

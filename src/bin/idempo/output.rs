@@ -79,6 +79,18 @@ pub(crate) fn status(s: &Status) {
             );
         }
     }
+    if let Some(letters) = s.dead_letters.as_ref().filter(|l| !l.is_empty()) {
+        println!();
+        println!(
+            "DEAD LETTERS (table)  CONSUMER                 QUEUE                    COUNT  FINGERPRINT       REASON"
+        );
+        for l in letters {
+            println!(
+                "                      {:<24} {:<24} {:>5}  {:<17} {}",
+                l.consumer, l.queue, l.count, l.fingerprint, l.reason
+            );
+        }
+    }
     for warning in &s.warnings {
         println!("WARNING: {warning}");
     }

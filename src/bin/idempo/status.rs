@@ -18,6 +18,10 @@ pub(crate) struct StatusArgs {
     /// The consumers' retry delays, for the delay queues and the redelivery horizon.
     #[arg(long, value_delimiter = ',', value_parser = humantime::parse_duration)]
     retry_delays: Vec<Duration>,
+    /// The consumers' max_attempts (the default policy's 10), for the
+    /// redelivery horizon: every retry at the longest delay.
+    #[arg(long, value_name = "N")]
+    max_attempts: Option<u32>,
     /// The broker's consumer_timeout (RabbitMQ's default is 30 minutes).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30m")]
     consumer_timeout: Duration,
@@ -25,7 +29,7 @@ pub(crate) struct StatusArgs {
     /// than the redelivery horizon.
     #[arg(long, value_parser = humantime::parse_duration)]
     retention: Option<Duration>,
-    /// Exit non-zero when a DLQ holds messages.
+    /// Exit non-zero when a DLQ (or the dead-letter table) holds messages.
     #[arg(long)]
     fail_on_dlq: bool,
 }
@@ -35,6 +39,7 @@ pub(crate) async fn exec(ctx: &Ctx, args: StatusArgs) -> anyhow::Result<u8> {
         consumers: args.consumer,
         queues: args.queue,
         retry_delays: args.retry_delays,
+        max_attempts: args.max_attempts,
         consumer_timeout: args.consumer_timeout,
         retention: args.retention,
         fail_on_dlq: args.fail_on_dlq,
