@@ -246,3 +246,63 @@ async fn a_queue_dlq_is_imported_once_even_after_a_kill() {
         .await;
     assert_eq!(reasons, i64::from(n));
 }
+
+/// The operator's commands around dead letters say what they did, and refuse
+/// what cannot work.
+#[tokio::test]
+async fn failed_outbox_rows_are_listed_and_retried_and_mistakes_are_refused() {
+    let db = Db::with_pool_size(2).await;
+    idempo::migrate(&db.pool).await.unwrap();
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, state, attempts, last_error) \
+         VALUES ('', 'nowhere', 'm-1', '\\x00', 'failed', 5, 'the message was unroutable: nothing is bound for \"queue nowhere\"') \
+         RETURNING id",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let failed = json_lines(&run(&db, &["--json", "outbox", "failed"]));
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0]["id"], id);
+    assert_eq!(failed[0]["message_id"], "m-1");
+    let missing = run(&db, &["outbox", "retry", "--id", "987654321"]);
+    assert!(
+        !missing.status.success(),
+        "a row that is not failed is an error"
+    );
+    let retried = run(&db, &["outbox", "retry", "--id", &id.to_string()]);
+    assert!(retried.status.success());
+    let state: String = sqlx::query_scalar("SELECT state FROM outbox WHERE id = $1")
+        .bind(id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "pending");
+    let nothing = run(&db, &["outbox", "retry"]);
+    assert!(
+        !nothing.status.success(),
+        "retry without a selection is refused"
+    );
+
+    let zero = run(&db, &["reap", "--older-than", "1h", "--batch", "0"]);
+    assert!(
+        !zero.status.success(),
+        "a zero batch deletes nothing: refused"
+    );
+
+    // The default policy's horizon: 9 retries at 10 min + the 30 min consumer timeout.
+    let status = run(
+        &db,
+        &[
+            "--json",
+            "status",
+            "--consumer",
+            "nobody",
+            "--retention",
+            "1h",
+        ],
+    );
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(text.contains("redelivery horizon 2h"), "{text}");
+    assert_eq!(status.status.code(), Some(2), "retention 1h is too short");
+}

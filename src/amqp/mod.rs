@@ -113,6 +113,7 @@ pub use redelivery::{RedeliveryPolicy, delay_queue};
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
 pub use relay::{Relay, RelayHealth, RelaySnapshot, RelayState};
+#[cfg(feature = "ops")]
 pub(crate) use seal::consumers_with_keys;
 pub use shutdown::ShutdownHandle;
 pub use stats::{Stats, StatsSnapshot};

@@ -259,10 +259,12 @@ impl ConfirmChannel {
                 .collect();
         };
         let mut ids = Vec::with_capacity(messages.len());
+        let mut destinations = Vec::with_capacity(messages.len());
         let mut confirms = Vec::with_capacity(messages.len());
         let mut broken = None;
         for m in messages {
             ids.push(m.properties.message_id().as_ref().map(|id| id.to_string()));
+            destinations.push(destination(m.exchange, m.routing_key));
             if broken.is_some() {
                 confirms.push(None);
                 continue;
@@ -333,10 +335,11 @@ impl ConfirmChannel {
         outcomes
             .into_iter()
             .zip(ids)
-            .map(|(outcome, id)| match outcome {
-                Ok(true) if id.as_ref().is_some_and(|id| returned.contains(id)) => Err(
-                    PublishError::Returned("nothing is bound for its routing key".into()),
-                ),
+            .zip(destinations)
+            .map(|((outcome, id), destination)| match outcome {
+                Ok(true) if id.as_ref().is_some_and(|id| returned.contains(id)) => {
+                    Err(PublishError::Returned(destination))
+                }
                 Ok(true) => Ok(()),
                 Ok(false) => Err(PublishError::Nacked),
                 Err(why) => Err(PublishError::Lost(why)),

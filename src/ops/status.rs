@@ -294,8 +294,10 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
             .await
             .unwrap_or_default();
         let lettered = dead_letters.iter().flatten().map(|c| c.queue.clone());
+        let wanted =
+            |name: &String| options.consumers.is_empty() || options.consumers.contains(name);
         for name in sealed.into_iter().chain(lettered) {
-            if !names.contains(&name) {
+            if wanted(&name) && !names.contains(&name) {
                 names.push(name);
             }
         }

@@ -164,23 +164,24 @@ pub fn current_traceparent() -> Option<String> {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 #[non_exhaustive]
 pub struct OutboxStatus {
-    /// Rows waiting to be published (including ones waiting for a retry).
+    /// Messages waiting to be published (including ones waiting for a
+    /// retry; a packed row counts its messages).
     pub pending: i64,
-    /// Rows that used up their attempts: kept, visible, re-triable with
+    /// Messages that used up their attempts: kept, visible, re-triable with
     /// [`retry_failed`].
     pub failed: i64,
     /// How long the oldest pending row has waited: the lag to alert on.
     pub oldest_pending_age: Option<Duration>,
 }
 
-/// Counts pending and failed rows and the age of the oldest pending one.
+/// Counts pending and failed messages and the age of the oldest pending one.
 ///
 /// # Errors
 /// The query failed.
 pub async fn status(pool: &PgPool) -> Result<OutboxStatus, sqlx::Error> {
     let (pending, failed, oldest): (i64, i64, Option<f64>) = sqlx::query_as(
         "SELECT coalesce(sum(messages) FILTER (WHERE state = 'pending'), 0)::bigint, \
-                count(*) FILTER (WHERE state = 'failed'), \
+                coalesce(sum(messages) FILTER (WHERE state = 'failed'), 0)::bigint, \
                 extract(epoch FROM now() - min(created_at) FILTER (WHERE state = 'pending'))::float8 \
          FROM outbox WHERE state <> 'done'",
     )

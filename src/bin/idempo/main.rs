@@ -12,6 +12,7 @@
 mod dead_letters;
 mod dlq;
 mod maintenance;
+mod outbox;
 mod output;
 mod status;
 
@@ -78,6 +79,11 @@ enum Command {
         #[command(subcommand)]
         command: dlq::DlqCommand,
     },
+    /// The outbox's failed messages: list them, put them back to pending.
+    Outbox {
+        #[command(subcommand)]
+        command: outbox::OutboxCommand,
+    },
     /// Delete claims older than `--older-than` (the retention reaper, once).
     Reap(maintenance::ReapArgs),
     /// Delete expired HTTP idempotency keys and window entries (the cleanups, once).
@@ -120,6 +126,7 @@ fn main() -> ExitCode {
             Command::Migrate(args) => maintenance::migrate(&ctx, args).await,
             Command::Status(args) => status::exec(&ctx, args).await,
             Command::Dlq { command } => dlq::exec(&ctx, command).await,
+            Command::Outbox { command } => outbox::exec(&ctx, command).await,
             Command::Reap(args) => maintenance::reap(&ctx, args).await,
             Command::Cleanup(args) => maintenance::cleanup(&ctx, args).await,
         }

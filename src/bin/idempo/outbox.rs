@@ -1,0 +1,86 @@
+//! `idempo outbox failed|retry`: [`idempo::outbox::failed`] and
+//! [`idempo::outbox::retry_failed`].
+
+use anyhow::bail;
+use clap::Subcommand;
+use serde_json::json;
+
+use crate::{Ctx, output};
+
+#[derive(Subcommand)]
+pub(crate) enum OutboxCommand {
+    /// The messages the relay gave up on, oldest first, with why.
+    Failed {
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Put failed messages back to pending (attempts reset): the relay
+    /// publishes them again.
+    Retry {
+        /// Only these rows (repeatable; `outbox failed` shows their ids).
+        #[arg(long = "id", value_name = "ROW_ID")]
+        ids: Vec<i64>,
+        /// Every failed message.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+    },
+}
+
+pub(crate) async fn exec(ctx: &Ctx, command: OutboxCommand) -> anyhow::Result<u8> {
+    let pool = ctx.services.database().await?;
+    match command {
+        OutboxCommand::Failed { limit } => {
+            let failed = idempo::outbox::failed(pool, limit).await?;
+            if ctx.json {
+                for f in &failed {
+                    output::json(&json!({
+                        "id": f.id, "message_id": f.message_id, "exchange": f.exchange,
+                        "routing_key": f.routing_key, "ordering_key": f.ordering_key,
+                        "attempts": f.attempts, "last_error": f.last_error,
+                    }));
+                }
+            } else if failed.is_empty() {
+                println!("no failed outbox messages");
+            } else {
+                println!(
+                    "ROW      MESSAGE ID                            DESTINATION                   ATTEMPTS  LAST ERROR"
+                );
+                for f in &failed {
+                    let destination = if f.exchange.is_empty() {
+                        format!("queue {}", f.routing_key)
+                    } else {
+                        format!("{} / {}", f.exchange, f.routing_key)
+                    };
+                    println!(
+                        "{:<8} {:<37} {:<29} {:>8}  {}",
+                        f.id,
+                        f.message_id,
+                        destination,
+                        f.attempts,
+                        f.last_error.as_deref().unwrap_or("-")
+                    );
+                }
+            }
+        }
+        OutboxCommand::Retry { ids, all } => {
+            if ids.is_empty() && !all {
+                bail!("say which failed messages to retry: --id ROW_ID (repeatable) or --all");
+            }
+            let selected = (!all).then_some(ids.as_slice());
+            let retried = idempo::outbox::retry_failed(pool, selected).await?;
+            if !all && retried < ids.len() as u64 {
+                bail!(
+                    "{retried} of {} row(s) put back: the others are not failed outbox rows",
+                    ids.len()
+                );
+            }
+            if ctx.json {
+                output::json(&json!({"retried": retried}));
+            } else {
+                println!("put {retried} failed message(s) back to pending");
+            }
+        }
+    }
+    Ok(0)
+}
