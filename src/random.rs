@@ -37,7 +37,6 @@ pub(crate) fn uuid_v7() -> String {
 }
 
 /// A random positive token (63 bits), for proving ownership of a lease.
-#[cfg_attr(not(any(feature = "window", feature = "http")), allow(dead_code))]
 // Used by the window stores, the Redis HTTP store and the test harness.
 #[cfg_attr(
     not(any(feature = "window", feature = "redis", feature = "testing", test)),

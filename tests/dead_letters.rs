@@ -495,3 +495,58 @@ async fn a_dead_letter_waits_for_the_database_and_is_stored_once() {
     assert_eq!(broker.ready(&queue).await, 0);
     assert_eq!(broker.ready(&format!("{queue}.dlq")).await, 0);
 }
+
+/// A delivery lapin cannot parse (a property that is not UTF-8) goes
+/// through the quarantine into the table, its properties mended.
+#[tokio::test]
+async fn a_delivery_the_client_cannot_parse_lands_in_the_table() {
+    use support::pika::RawMessage;
+    let (db, broker, queue) = support::setup().await;
+    let body = support::payment_body("olga", 1);
+    let mut messages = vec![RawMessage {
+        body: body.clone(),
+        message_id: Some(b"bad-\xff\xfe".to_vec()),
+        ..Default::default()
+    }];
+    for i in 0..5 {
+        messages.push(RawMessage {
+            body: body.clone(),
+            message_id: Some(format!("good-{i}").into_bytes()),
+            ..Default::default()
+        });
+    }
+    support::pika::publish(&queue, &messages);
+    let consumer = support::consumer::Running::start(
+        support::consumer::payments_consumer(&db, &queue).dead_letters(DeadLetters::Table),
+    );
+    support::eventually(
+        "the good payments applied",
+        Duration::from_secs(60),
+        || async { db.payments().await == 5 },
+    )
+    .await;
+    support::eventually("the poison stored", Duration::from_secs(30), || async {
+        !dead_letters::list(&db.pool, &Filter::queue(queue.as_str()))
+            .await
+            .unwrap()
+            .is_empty()
+    })
+    .await;
+    consumer.stop().await.unwrap();
+    let letters = dead_letters::list(&db.pool, &Filter::queue(queue.as_str()))
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].reason, "undecodable properties");
+    assert!(
+        letters[0].error.contains("hex 6261642dfffe"),
+        "{}",
+        letters[0].error
+    );
+    assert_eq!(
+        letters[0].message_id.as_deref(),
+        Some("bad-\u{fffd}\u{fffd}")
+    );
+    assert_eq!(broker.ready(&format!("{queue}.dlq")).await, 0);
+    assert_eq!(broker.ready(&queue).await, 0);
+}

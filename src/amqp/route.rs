@@ -13,12 +13,15 @@ use lapin::types::AMQPValue;
 
 use super::config::Config;
 use super::dead_letter::DeadLetterReason;
+#[cfg(feature = "outbox")]
+use super::headers::REASON_HEADER;
 use super::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
-    QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
+    QUEUE_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
 };
 use super::outcome::{Abandon, Decide, Outcome, invalid_id};
 use super::redelivery::{Mode, RedeliveryPolicy, delay_queue};
+#[cfg(feature = "outbox")]
 use super::republish::copy_properties;
 use super::seal::{Keyring, claimed_id};
 use super::{Message, MessageIdSource};
@@ -99,6 +102,7 @@ impl Router {
     }
 
     /// Whether dead letters go to the table store.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) fn dead_letters_to_table(&self) -> bool {
         #[cfg(feature = "outbox")]
         {

@@ -319,6 +319,7 @@ impl Runtime {
             dead_letter_queue: &config.topology.dead_letter_queue,
             consumer: &config.consumer,
             limit: usize::from(config.prefetch) + 1,
+            table: config.dead_letter_retention().map(|_| &config.pool),
         };
         let moved = tokio::select! {
             moved = quarantine::run(&target) => moved,

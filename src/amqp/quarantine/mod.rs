@@ -51,6 +51,10 @@ pub(crate) struct Target<'a> {
     /// How many messages to read at most (the ones before a bad one stay
     /// unacked meanwhile).
     pub(crate) limit: usize,
+    /// The table store's pool, when the consumer keeps its dead letters in
+    /// PostgreSQL: the poison goes there instead of to the DLQ.
+    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+    pub(crate) table: Option<&'a sqlx::PgPool>,
 }
 
 /// Moves the unparseable messages among the first `limit` of the queue to
@@ -120,6 +124,15 @@ async fn pass(target: &Target<'_>) -> Result<usize> {
         properties.expiration = None;
         properties.user_id = None;
         properties.delivery_mode = Some(2);
+        #[cfg(feature = "outbox")]
+        if let Some(pool) = target.table {
+            // Stored (committed) before the ack; while PostgreSQL cannot take
+            // it, the pass fails and the message is handed back.
+            store(pool, target, &properties, &got, &error, &now).await?;
+            wire.ack(got.delivery_tag).await?;
+            moved += 1;
+            continue;
+        }
         publishes += 1;
         wire.publish(target.dead_letter_queue, &properties, &got.body, publishes)
             .await?;
@@ -128,4 +141,44 @@ async fn pass(target: &Target<'_>) -> Result<usize> {
     }
     wire.close().await;
     Ok(moved)
+}
+
+/// The poison as a letter of the table store, its properties mended to
+/// UTF-8 (the codec's writer does that), read back as lapin's.
+#[cfg(feature = "outbox")]
+async fn store(
+    pool: &sqlx::PgPool,
+    target: &Target<'_>,
+    properties: &codec::Properties,
+    got: &codec::Got,
+    error: &str,
+    now: &str,
+) -> Result<()> {
+    let mut encoded = codec::Writer::default();
+    encoded.properties(properties);
+    let (_, mended) = lapin::protocol::basic::parse_properties(encoded.buf.as_slice())
+        .map_err(|e| QuarantineError::Protocol(format!("mended properties: {e}")))?;
+    let message_id = mended
+        .message_id()
+        .as_ref()
+        .map(|id| id.to_string())
+        .unwrap_or_default();
+    let routing_key = String::from_utf8_lossy(&got.routing_key);
+    let letter = super::dead_letters::NewLetter {
+        consumer: target.consumer,
+        queue: target.queue,
+        message_id: &message_id,
+        exchange: "",
+        routing_key: &routing_key,
+        properties: &mended,
+        body: &got.body,
+        reason: DeadLetterReason::UndecodableProperties.as_str(),
+        error,
+        attempts: 1,
+        first_failed_at: now,
+        last_failed_at: now,
+    };
+    super::dead_letters::insert(pool, &letter)
+        .await
+        .map_err(|e| QuarantineError::Store(e.to_string()))
 }
