@@ -202,6 +202,70 @@ async fn the_table_store_is_listed_grouped_and_replayed_once_by_two_racing_repla
 }
 
 #[tokio::test]
+async fn a_table_replay_killed_mid_way_and_run_again_applies_each_payment_once() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    let mut load = Load {
+        ids: Default::default(),
+        expected: Default::default(),
+        published: 0,
+    };
+    load.publish(&broker, &queue, 0..30, false).await;
+    let failing = spawn_example(
+        &db.url,
+        &queue,
+        &[
+            ("PAYMENTS_FAIL_RATE", "1"),
+            ("PAYMENTS_MAX_ATTEMPTS", "2"),
+            ("PAYMENTS_DEAD_LETTERS", "table"),
+        ],
+    );
+    eventually(
+        "30 dead letters in the table",
+        Duration::from_secs(90),
+        || async { letters(&db).await == 30 },
+    )
+    .await;
+    drop(failing);
+    let _working = spawn_example(&db.url, &queue, &[("PAYMENTS_DEAD_LETTERS", "table")]);
+    let mut replay = idempo(&db)
+        .args([
+            "dlq",
+            "replay",
+            "--queue",
+            &queue,
+            "--all",
+            "--throttle",
+            "100ms",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually("some letters replayed", Duration::from_secs(30), || async {
+        letters(&db).await <= 25
+    })
+    .await;
+    replay.kill().unwrap(); // SIGKILL
+    replay.wait().unwrap();
+    let left = letters(&db).await;
+    assert!(left > 0, "the replay finished before the kill");
+    let again = run(&db, &["dlq", "replay", "--queue", &queue, "--all"]);
+    assert!(again.status.success());
+    assert_eq!(letters(&db).await, 0);
+    eventually("every payment applied", Duration::from_secs(60), || async {
+        db.payments().await == load.ids.len() as i64
+    })
+    .await;
+    assert_eq!(doubled_payments(&db).await, 0);
+    assert_eq!(db.balances().await, load.expected);
+    let replayed = db
+        .count("SELECT count(*) FROM dead_letters WHERE state = 'replayed' AND replay_count = 1")
+        .await;
+    assert_eq!(replayed, 30, "each letter replayed once");
+}
+
+#[tokio::test]
 async fn a_queue_dlq_is_imported_once_even_after_a_kill() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));

@@ -214,6 +214,8 @@ pub struct ReplayOptions {
     pub batch_size: i64,
     /// Count what would be replayed; change nothing.
     pub dry_run: bool,
+    /// A pause after each batch (spreads a large replay out).
+    pub throttle: Option<std::time::Duration>,
 }
 
 impl ReplayOptions {
@@ -225,6 +227,7 @@ impl ReplayOptions {
             force: false,
             batch_size: 100,
             dry_run: false,
+            throttle: None,
         }
     }
 }

@@ -477,6 +477,9 @@ pub async fn replay(
         }
         tx.commit().await?;
         progress(&report);
+        if let Some(pause) = options.throttle {
+            tokio::time::sleep(pause).await;
+        }
     }
     Ok(report)
 }

@@ -156,6 +156,7 @@ pub(crate) async fn replay(
     to: Option<String>,
     force: bool,
     dry_run: bool,
+    throttle: Option<std::time::Duration>,
 ) -> anyhow::Result<u8> {
     let pool = ctx.services.database().await?;
     if !filter.message_ids.is_empty() {
@@ -179,6 +180,8 @@ pub(crate) async fn replay(
     let options = ReplayOptions {
         to,
         force,
+        throttle,
+        batch_size: if throttle.is_some() { 1 } else { 100 },
         ..ReplayOptions::by(operator())
     };
     let counted = store::replay(

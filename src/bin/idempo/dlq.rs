@@ -72,7 +72,8 @@ pub(crate) enum DlqCommand {
         /// Replay ids already processed too (with another payload: dead-lettered again).
         #[arg(long)]
         force: bool,
-        /// Wait this long after each message (RabbitMQ DLQ; spread a large replay out).
+        /// Wait this long after each message (spread a large replay out; on
+        /// the table store, one letter per transaction then).
         #[arg(long, value_parser = humantime::parse_duration)]
         throttle: Option<Duration>,
         /// Replay at most this many (default: every one selected).
@@ -296,7 +297,7 @@ pub(crate) async fn exec(ctx: &Ctx, command: DlqCommand) -> anyhow::Result<u8> {
                     limit: limit.map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
                     ..select.filter(queue)?
                 };
-                return dead_letters::replay(ctx, &filter, to, force, dry_run).await;
+                return dead_letters::replay(ctx, &filter, to, force, dry_run, throttle).await;
             }
             let options = ReplayOptions {
                 all,
