@@ -271,7 +271,7 @@ async fn a_queue_dlq_is_imported_once_even_after_a_kill() {
     let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
     let dlq = format!("{queue}.dlq");
     broker.declare(&queue).await;
-    let n = 300;
+    let n = 1000;
     for k in 0..n {
         broker
             .publish(&queue, Some(&format!("neg-{k}")), &payment_body("neg", -1))
@@ -369,4 +369,73 @@ async fn failed_outbox_rows_are_listed_and_retried_and_mistakes_are_refused() {
     let text = String::from_utf8_lossy(&status.stdout);
     assert!(text.contains("redelivery horizon 2h"), "{text}");
     assert_eq!(status.status.code(), Some(2), "retention 1h is too short");
+}
+
+/// The highest resident memory seen of a running `idempo` command, in MiB,
+/// and how it ended.
+fn peak_rss(mut child: std::process::Child) -> (f64, std::process::ExitStatus) {
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak_kib = 0u64;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(&status_file) {
+            for line in text.lines() {
+                if let Some(v) = line.strip_prefix("VmHWM:") {
+                    let kib: u64 = v.trim().trim_end_matches("kB").trim().parse().unwrap_or(0);
+                    peak_kib = peak_kib.max(kib);
+                }
+            }
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            return (peak_kib as f64 / 1024.0, status);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Listing and purging a RabbitMQ DLQ of large letters holds one letter at
+/// a time, not all of them.
+#[tokio::test]
+async fn browsing_and_purging_a_queue_dlq_of_large_letters_holds_one_at_a_time() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    let dlq = format!("{queue}.dlq");
+    let body = vec![b'x'; 4 * 1024 * 1024];
+    let letters = 40;
+    for k in 0..letters {
+        broker
+            .publish_to(
+                "",
+                &dlq,
+                lapin::BasicProperties::default().with_message_id(format!("big-{k}").into()),
+                &body,
+            )
+            .await;
+    }
+    eventually_ready(&broker, &dlq, letters).await;
+    let list = idempo(&db)
+        .args([
+            "dlq", "list", &queue, "--limit", "1000", "--store", "queue", "--json",
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (listing, listed) = peak_rss(list);
+    assert!(listed.success());
+    eventually_ready(&broker, &dlq, letters).await;
+    let purge = idempo(&db)
+        .args(["dlq", "purge", &queue, "--yes", "--store", "queue"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (purging, purged) = peak_rss(purge);
+    assert!(purged.success());
+    eventually_ready(&broker, &dlq, 0).await;
+    eprintln!("peak RSS: list {listing:.0} MiB, purge {purging:.0} MiB");
+    // 40 letters of 4 MiB are 160 MiB: holding them all shows.
+    assert!(listing < 100.0, "dlq list peaked at {listing:.0} MiB");
+    assert!(
+        purging < 100.0,
+        "dlq purge --yes peaked at {purging:.0} MiB"
+    );
 }

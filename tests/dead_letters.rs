@@ -237,9 +237,9 @@ async fn letters_are_grouped_shown_and_filtered() {
 /// Payments dead-lettered by a handler that failed; then fixed: the replay
 /// publishes each once, also with two replays racing.
 #[tokio::test]
-async fn two_replays_at_once_publish_each_letter_once() {
+async fn two_replays_at_once_of_1000_letters_publish_each_once() {
     let h = harness("payments", false).await;
-    let n = 200;
+    let n = 1000;
     for i in 0..n {
         let d = h
             .deliver_with(

@@ -483,6 +483,18 @@ async fn purge(
     options: &PurgeOptions,
     yes: bool,
 ) -> anyhow::Result<u8> {
+    if yes {
+        // No question: delete while walking, one letter held at a time.
+        let (dlq, deleted) = dlq::purge_now(&ctx.services, queue, selection, options).await?;
+        if ctx.json {
+            output::json(&json!({"deleted": deleted, "queue": dlq}));
+        } else if deleted == 0 {
+            println!("nothing to delete in {dlq}");
+        } else {
+            println!("deleted {deleted} dead letter(s) from {dlq}");
+        }
+        return Ok(0);
+    }
     let plan = dlq::purge(&ctx.services, queue, selection, options).await?;
     let dlq = plan.dlq().to_owned();
     if plan.is_empty() {

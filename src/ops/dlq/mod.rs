@@ -44,7 +44,7 @@ use super::{OpsError, Result, Services, close, queue_depth};
 use crate::amqp::{ConfirmChannel, DeadLetter, dead_letter_queue};
 
 pub use import::{ImportSummary, import, table_holds};
-pub use purge::{PurgeOptions, PurgePlan, purge};
+pub use purge::{PurgeOptions, PurgePlan, purge, purge_now};
 pub use replay::{Refusal, ReplayEvent, ReplayOptions, ReplaySummary, replay};
 
 /// Which dead letters an operation picks: all of them when both are empty.
@@ -149,6 +149,16 @@ struct Held {
     body: Vec<u8>,
 }
 
+/// What a walk does with a picked dead letter.
+enum Visit {
+    /// Put it back at the end of the DLQ now.
+    PutBack,
+    /// Delete it (ack) now.
+    Delete,
+    /// Keep it unacked (its body held) until the operation decides.
+    Hold,
+}
+
 /// A DLQ opened for reading.
 struct Opened {
     connection: Connection,
@@ -230,24 +240,71 @@ impl Opened {
         Ok(())
     }
 
-    /// Walks the DLQ once and returns what `selection` and `keep` pick, at
-    /// most `limit`.
-    async fn scan(
+    /// Walks the dead letters the DLQ held when opened (no more: those put
+    /// back queue up behind them), at most `limit` of those `selection` and
+    /// `keep` pick; `visit` says what becomes of each picked one. Every
+    /// other one is put back at once, so that a walk holds one letter at a
+    /// time (plus those `visit` holds).
+    async fn walk(
         &self,
         selection: &Selection,
         limit: usize,
         mut keep: impl FnMut(&Delivery) -> bool,
-    ) -> Result<Vec<Delivery>> {
-        let mut picked = Vec::new();
-        while picked.len() < limit {
+        mut visit: impl FnMut(&Delivery) -> Visit,
+    ) -> Result<()> {
+        let (mut picked, mut read) = (0usize, 0usize);
+        while picked < limit && read < self.ready as usize {
             let Some(delivery) = self.next().await? else {
                 break;
             };
-            if selection.matches(&DeadLetterSummary::of(&delivery)) && keep(&delivery) {
-                picked.push(delivery);
+            read += 1;
+            let fate = if selection.matches(&DeadLetterSummary::of(&delivery)) && keep(&delivery) {
+                picked += 1;
+                visit(&delivery)
+            } else {
+                Visit::PutBack
+            };
+            match fate {
+                Visit::PutBack => self.put_back(delivery.delivery_tag).await?,
+                Visit::Delete => self
+                    .ack(delivery.delivery_tag)
+                    .await
+                    .map_err(OpsError::Ack)?,
+                Visit::Hold => {}
             }
         }
-        Ok(picked)
+        Ok(())
+    }
+
+    /// Puts a dead letter read back at the end of the DLQ now, as
+    /// [`close`](Self::close) does: a new message, confirmed, then the
+    /// original acked. If the copy is not confirmed the letter stays held
+    /// (the close hands it back).
+    async fn put_back(&self, tag: u64) -> Result<()> {
+        let letter = {
+            let mut held = self.held();
+            let Some(i) = held.iter().position(|h| h.tag == tag) else {
+                return Ok(());
+            };
+            held.remove(i)
+        };
+        let properties = without_broker_headers(letter.properties.clone());
+        match self
+            .confirms
+            .publish("", &self.dlq, &letter.body, properties)
+            .await
+        {
+            Ok(()) => self
+                .channel
+                .basic_ack(letter.tag, BasicAckOptions::default())
+                .await
+                .map_err(OpsError::Ack),
+            Err(e) => {
+                tracing::warn!(dlq = %self.dlq, error = %e, "a dead letter stays held: its copy was not confirmed");
+                self.held().push(letter);
+                Ok(())
+            }
+        }
     }
 
     /// Puts every dead letter read and not acked back at the end of the DLQ
@@ -336,13 +393,25 @@ pub async fn list(
     limit: usize,
 ) -> Result<Listing> {
     let opened = Opened::new(services, queue).await?;
-    let found = opened.scan(selection, limit, |_| true).await;
+    let mut dead_letters = Vec::new();
+    let walked = opened
+        .walk(
+            selection,
+            limit,
+            |_| true,
+            |delivery| {
+                dead_letters.push(DeadLetterSummary::of(delivery));
+                Visit::PutBack
+            },
+        )
+        .await;
     let (dlq, ready) = (opened.dlq.clone(), opened.ready);
     opened.close("browsed").await;
+    walked?;
     Ok(Listing {
         dlq,
         ready,
-        dead_letters: found?.iter().map(DeadLetterSummary::of).collect(),
+        dead_letters,
     })
 }
 
@@ -369,19 +438,28 @@ pub async fn show(services: &Services, queue: &str, message_id: &str) -> Result<
         ids: vec![message_id.to_owned()],
         ..Selection::default()
     };
-    let found = opened.scan(&selection, 1, |_| true).await;
+    let mut found = None;
+    let walked = opened
+        .walk(
+            &selection,
+            1,
+            |_| true,
+            |delivery| {
+                found = Some(DeadLetterDetail {
+                    summary: DeadLetterSummary::of(delivery),
+                    headers: DeadLetter::from_delivery(delivery).headers_for_display(),
+                    body: delivery.data.clone(),
+                });
+                Visit::PutBack
+            },
+        )
+        .await;
     let dlq = opened.dlq.clone();
     opened.close("browsed").await;
-    let Some(delivery) = found?.into_iter().next() else {
-        return Err(OpsError::DeadLetterNotFound {
-            message_id: message_id.to_owned(),
-            dlq,
-        });
-    };
-    Ok(DeadLetterDetail {
-        summary: DeadLetterSummary::of(&delivery),
-        headers: DeadLetter::from_delivery(&delivery).headers_for_display(),
-        body: delivery.data,
+    walked?;
+    found.ok_or_else(|| OpsError::DeadLetterNotFound {
+        message_id: message_id.to_owned(),
+        dlq,
     })
 }
 

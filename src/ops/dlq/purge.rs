@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use lapin::message::Delivery;
 
-use super::{DeadLetterSummary, Opened, Selection};
+use super::{DeadLetterSummary, Opened, Selection, Visit};
 use crate::amqp::DeadLetter;
 use crate::ops::{Result, Services};
 
@@ -23,7 +23,9 @@ pub struct PurgeOptions {
 /// [`delete`](Self::delete); [`keep`](Self::keep) puts them back.
 pub struct PurgePlan {
     opened: Opened,
-    picked: Vec<Delivery>,
+    /// The tags and summaries of the letters picked (their bodies are held
+    /// by `opened`, for putting them back).
+    picked: Vec<(u64, DeadLetterSummary)>,
 }
 
 impl fmt::Debug for PurgePlan {
@@ -54,7 +56,7 @@ impl PurgePlan {
 
     /// The dead letters picked.
     pub fn dead_letters(&self) -> Vec<DeadLetterSummary> {
-        self.picked.iter().map(DeadLetterSummary::of).collect()
+        self.picked.iter().map(|(_, s)| s.clone()).collect()
     }
 
     /// Deletes the dead letters picked; returns how many.
@@ -63,8 +65,8 @@ impl PurgePlan {
     /// An ack failed (the channel closed): those not acked stay in the DLQ.
     pub async fn delete(self) -> Result<usize> {
         let mut acked = Ok(());
-        for delivery in &self.picked {
-            acked = self.opened.ack(delivery.delivery_tag).await;
+        for (tag, _) in &self.picked {
+            acked = self.opened.ack(*tag).await;
             if acked.is_err() {
                 break;
             }
@@ -108,19 +110,66 @@ pub async fn purge(
     options: &PurgeOptions,
 ) -> Result<PurgePlan> {
     let opened = Opened::new(services, queue).await?;
-    let now = SystemTime::now();
-    let old_enough = |delivery: &Delivery| match options.older_than {
-        None => true,
-        Some(age) => DeadLetter::from_delivery(delivery)
-            .last_failure()
-            .is_some_and(|t| now.duration_since(t).unwrap_or_default() >= age),
-    };
-    let limit = options.limit.unwrap_or(usize::MAX);
-    match opened.scan(selection, limit, old_enough).await {
-        Ok(picked) => Ok(PurgePlan { opened, picked }),
+    let mut picked = Vec::new();
+    let walked = opened
+        .walk(
+            selection,
+            options.limit.unwrap_or(usize::MAX),
+            old_enough(options),
+            |delivery| {
+                picked.push((delivery.delivery_tag, DeadLetterSummary::of(delivery)));
+                Visit::Hold
+            },
+        )
+        .await;
+    match walked {
+        Ok(()) => Ok(PurgePlan { opened, picked }),
         Err(e) => {
             opened.close("not purged").await;
             Err(e)
         }
+    }
+}
+
+/// Deletes the dead letters of `queue` that [`purge`] would pick, as it
+/// walks the DLQ (no plan, no question): it holds one letter at a time,
+/// however large the DLQ. Returns the DLQ and how many it deleted.
+///
+/// # Errors
+/// [`OpsError::DeadLetterQueueNotFound`](crate::ops::OpsError::DeadLetterQueueNotFound);
+/// connection and channel errors (those deleted before stay deleted).
+pub async fn purge_now(
+    services: &Services,
+    queue: &str,
+    selection: &Selection,
+    options: &PurgeOptions,
+) -> Result<(String, usize)> {
+    let opened = Opened::new(services, queue).await?;
+    let mut deleted = 0;
+    let walked = opened
+        .walk(
+            selection,
+            options.limit.unwrap_or(usize::MAX),
+            old_enough(options),
+            |_| {
+                deleted += 1;
+                Visit::Delete
+            },
+        )
+        .await;
+    let dlq = opened.dlq.clone();
+    opened.close("purged").await;
+    walked?;
+    Ok((dlq, deleted))
+}
+
+/// Whether a dead letter's last failure is older than the options ask.
+fn old_enough(options: &PurgeOptions) -> impl FnMut(&Delivery) -> bool + '_ {
+    let now = SystemTime::now();
+    move |delivery: &Delivery| match options.older_than {
+        None => true,
+        Some(age) => DeadLetter::from_delivery(delivery)
+            .last_failure()
+            .is_some_and(|t| now.duration_since(t).unwrap_or_default() >= age),
     }
 }

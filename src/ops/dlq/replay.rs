@@ -232,7 +232,9 @@ impl Run<'_> {
             read += 1;
             let dead = DeadLetterSummary::of(&delivery);
             if !selection.matches(&dead) {
-                continue; // put back when the run ends
+                // Back at once: a long run holds one letter at a time.
+                self.opened.put_back(delivery.delivery_tag).await?;
+                continue;
             }
             seen += 1;
             let message_id = dead.message_id.as_deref();
@@ -243,6 +245,7 @@ impl Run<'_> {
                         message_id,
                         refusal,
                     });
+                    self.opened.put_back(delivery.delivery_tag).await?;
                     continue;
                 }
                 Ok(target) => target,
@@ -254,6 +257,7 @@ impl Run<'_> {
                     message_id,
                     queue: &target,
                 });
+                self.opened.put_back(delivery.delivery_tag).await?;
                 continue;
             }
             // Crash here: nothing published; the message is in the DLQ.
@@ -271,6 +275,7 @@ impl Run<'_> {
                         message_id,
                         refusal: Refusal::TooLarge,
                     });
+                    self.opened.put_back(delivery.delivery_tag).await?;
                     continue;
                 }
                 Err(source) => {
