@@ -9,6 +9,7 @@
 //! A thin client of [`idempo::ops`]: each command file declares its
 //! arguments and calls one library function; `output.rs` prints.
 
+mod dashboard;
 mod dead_letters;
 mod dlq;
 mod maintenance;
@@ -74,6 +75,8 @@ enum Command {
     Migrate(maintenance::MigrateArgs),
     /// Claims, queues, outbox, HTTP keys and window entries at a glance.
     Status(status::StatusArgs),
+    /// Serve the web dashboard (127.0.0.1:8740 unless --listen says otherwise).
+    Dashboard(dashboard::DashboardArgs),
     /// Browse, replay and delete dead letters.
     Dlq {
         #[command(subcommand)]
@@ -125,6 +128,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Migrate(args) => maintenance::migrate(&ctx, args).await,
             Command::Status(args) => status::exec(&ctx, args).await,
+            Command::Dashboard(args) => dashboard::exec(&ctx, args).await,
             Command::Dlq { command } => dlq::exec(&ctx, command).await,
             Command::Outbox { command } => outbox::exec(&ctx, command).await,
             Command::Reap(args) => maintenance::reap(&ctx, args).await,

@@ -1,0 +1,481 @@
+//! `idempo dashboard`: the web pages for the people on call, over the same
+//! library functions as the other commands ([`idempo::ops::status`],
+//! [`idempo::amqp::dead_letters`]). Server-rendered (`pages.rs`), assets
+//! embedded, token and CSRF checks in `auth.rs`.
+
+mod auth;
+mod pages;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use axum::Router;
+use axum::extract::{ConnectInfo, Form, Path, Query, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use clap::Args;
+use idempo::amqp::dead_letters::{self as store, Filter, ReplayOptions};
+use idempo::ops::{Services, StatusOptions};
+use serde::Deserialize;
+
+use crate::Ctx;
+use auth::{Auth, SESSION_COOKIE};
+
+/// Where the dashboard listens unless told.
+const DEFAULT_LISTEN: &str = "127.0.0.1:8740";
+
+#[derive(Args)]
+pub(crate) struct DashboardArgs {
+    /// The address and port to listen on; a non-loopback one needs --token.
+    #[arg(long, value_name = "ADDR:PORT", default_value = DEFAULT_LISTEN)]
+    listen: SocketAddr,
+    /// The token every request must carry (`Authorization: Bearer`, or the
+    /// session cookie its sign-in page sets).
+    #[arg(long, env = "IDEMPO_DASHBOARD_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Show no action and refuse every one.
+    #[arg(long)]
+    read_only: bool,
+}
+
+struct App {
+    services: Services,
+    auth: Auth,
+    read_only: bool,
+}
+
+type Shared = State<Arc<App>>;
+
+pub(crate) async fn exec(ctx: &Ctx, args: DashboardArgs) -> anyhow::Result<u8> {
+    if !args.listen.ip().is_loopback() && args.token.is_none() {
+        bail!(
+            "refusing to listen on {} without a token: anyone who reaches that address could \
+             replay and delete dead letters; pass --token (or IDEMPO_DASHBOARD_TOKEN), or listen \
+             on 127.0.0.1",
+            args.listen
+        );
+    }
+    if args.token.as_deref().is_some_and(str::is_empty) {
+        bail!("--token must not be empty");
+    }
+    let app = Arc::new(App {
+        services: ctx.services.clone(),
+        auth: Auth::new(args.token),
+        read_only: args.read_only,
+    });
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let local = listener.local_addr()?;
+    println!("idempo dashboard listening on http://{local}/");
+    axum::serve(
+        listener,
+        router(app).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await?;
+    Ok(0)
+}
+
+fn router(app: Arc<App>) -> Router {
+    let pages = Router::new()
+        .route("/", get(overview))
+        .route("/dead-letters", get(dead_letters))
+        .route("/dead-letters/group", get(group))
+        .route("/dead-letters/{id}", get(letter))
+        .route("/dead-letters/replay", post(replay))
+        .route("/dead-letters/discard", post(discard))
+        .route("/outbox", get(outbox))
+        .route_layer(middleware::from_fn_with_state(app.clone(), signed_in));
+    Router::new()
+        .merge(pages)
+        .route("/login", get(login_page).post(login))
+        .route("/assets/style.css", get(style))
+        .route("/assets/refresh.js", get(script))
+        .with_state(app)
+}
+
+/// Every page but the sign-in and the assets: the token, or the cookie.
+async fn signed_in(State(app): Shared, request: Request, next: Next) -> Response {
+    if app.auth.allows(request.headers()) {
+        return next.run(request).await;
+    }
+    let wants_html = request
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/html"));
+    if wants_html && request.method() == axum::http::Method::GET {
+        // A browser: the sign-in page (still a 401, for scripts that look).
+        return (
+            StatusCode::UNAUTHORIZED,
+            Html(pages::layout("Sign in", &pages::login(false), false)),
+        )
+            .into_response();
+    }
+    (
+        StatusCode::UNAUTHORIZED,
+        [(header::WWW_AUTHENTICATE, "Bearer")],
+        "a token is required\n",
+    )
+        .into_response()
+}
+
+/// A failure shown as a page, without a password or URL of a service.
+fn failure(e: impl std::fmt::Display) -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Html(pages::layout(
+            "Unavailable",
+            &format!(
+                "<h1>Unavailable</h1><p class=red>{}</p>",
+                html_escape::encode_text(&e.to_string())
+            ),
+            true,
+        )),
+    )
+        .into_response()
+}
+
+async fn overview(State(app): Shared) -> Response {
+    match idempo::ops::status(&app.services, &StatusOptions::default()).await {
+        Ok(status) => {
+            Html(pages::layout("Overview", &pages::overview(&status), true)).into_response()
+        }
+        Err(e) => failure(e),
+    }
+}
+
+#[derive(Deserialize)]
+struct QueueQuery {
+    queue: Option<String>,
+    fingerprint: Option<String>,
+}
+
+async fn dead_letters(State(app): Shared, Query(q): Query<QueueQuery>) -> Response {
+    let filter = Filter {
+        queue: q.queue.clone().filter(|q| !q.is_empty()),
+        ..Filter::default()
+    };
+    let pool = match app.services.database().await {
+        Ok(pool) => pool,
+        Err(e) => return failure(e),
+    };
+    match store::groups(pool, &filter).await {
+        Ok(groups) => Html(pages::layout(
+            "Dead letters",
+            &pages::groups(filter.queue.as_deref(), &groups),
+            true,
+        ))
+        .into_response(),
+        Err(e) => failure(e),
+    }
+}
+
+async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Response {
+    let (Some(queue), Some(fingerprint)) = (q.queue, q.fingerprint) else {
+        return (
+            StatusCode::BAD_REQUEST,
+            "queue and fingerprint are required\n",
+        )
+            .into_response();
+    };
+    let pool = match app.services.database().await {
+        Ok(pool) => pool,
+        Err(e) => return failure(e),
+    };
+    let filter = Filter {
+        fingerprint: Some(fingerprint.clone()),
+        limit: Some(200),
+        ..Filter::queue(queue.as_str())
+    };
+    match store::list(pool, &filter).await {
+        Ok(letters) => {
+            let csrf = (!app.read_only).then(|| app.auth.csrf());
+            Html(pages::layout(
+                "Dead letters of one cause",
+                &pages::group(&queue, &fingerprint, &letters, csrf.as_deref()),
+                true,
+            ))
+            .into_response()
+        }
+        Err(e) => failure(e),
+    }
+}
+
+async fn letter(State(app): Shared, Path(id): Path<i64>) -> Response {
+    let pool = match app.services.database().await {
+        Ok(pool) => pool,
+        Err(e) => return failure(e),
+    };
+    match store::show(pool, id).await {
+        Ok(Some(detail)) => {
+            let csrf = (!app.read_only).then(|| app.auth.csrf());
+            Html(pages::layout(
+                "Dead letter",
+                &pages::letter(&detail, csrf.as_deref()),
+                false,
+            ))
+            .into_response()
+        }
+        Ok(None) => (StatusCode::NOT_FOUND, "no such dead letter\n").into_response(),
+        Err(e) => failure(e),
+    }
+}
+
+/// An action's form: one letter (`id`) or one cause (`queue` +
+/// `fingerprint`), the CSRF token, and `confirm` once confirmed.
+#[derive(Deserialize)]
+struct ActionForm {
+    csrf: Option<String>,
+    id: Option<i64>,
+    queue: Option<String>,
+    fingerprint: Option<String>,
+    confirm: Option<String>,
+}
+
+impl ActionForm {
+    fn filter(&self) -> Option<Filter> {
+        match (self.id, &self.queue, &self.fingerprint) {
+            (Some(id), _, _) => Some(Filter {
+                ids: vec![id],
+                ..Filter::default()
+            }),
+            (None, Some(queue), Some(fingerprint)) => Some(Filter {
+                fingerprint: Some(fingerprint.clone()),
+                ..Filter::queue(queue.as_str())
+            }),
+            _ => None,
+        }
+    }
+
+    fn fields(&self) -> Vec<(&'static str, String)> {
+        let mut fields = Vec::new();
+        if let Some(id) = self.id {
+            fields.push(("id", id.to_string()));
+        }
+        if let Some(queue) = &self.queue {
+            fields.push(("queue", queue.clone()));
+        }
+        if let Some(fingerprint) = &self.fingerprint {
+            fields.push(("fingerprint", fingerprint.clone()));
+        }
+        fields
+    }
+}
+
+/// The checks every action passes first: not read-only, the CSRF token, a
+/// selection.
+fn admit(app: &App, form: &ActionForm) -> Result<Filter, (StatusCode, &'static str)> {
+    if app.read_only {
+        return Err((StatusCode::FORBIDDEN, "the dashboard is read-only\n"));
+    }
+    if !form.csrf.as_deref().is_some_and(|t| app.auth.is_csrf(t)) {
+        return Err((StatusCode::FORBIDDEN, "missing or wrong CSRF token\n"));
+    }
+    form.filter().ok_or((
+        StatusCode::BAD_REQUEST,
+        "say which letters: id, or queue and fingerprint\n",
+    ))
+}
+
+fn operator(from: SocketAddr) -> String {
+    format!("idempo-dashboard:{}", from.ip())
+}
+
+async fn replay(
+    State(app): Shared,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    Form(form): Form<ActionForm>,
+) -> Response {
+    let filter = match admit(&app, &form) {
+        Ok(filter) => filter,
+        Err(refused) => return refused.into_response(),
+    };
+    let pool = match app.services.database().await {
+        Ok(pool) => pool,
+        Err(e) => return failure(e),
+    };
+    let options = ReplayOptions::by(operator(from));
+    if form.confirm.as_deref() != Some("1") {
+        let dry = ReplayOptions {
+            dry_run: true,
+            ..options
+        };
+        return match store::replay(pool, &filter, &dry, |_| {}).await {
+            Ok(count) => {
+                let fields = form.fields();
+                let fields: Vec<(&str, &str)> =
+                    fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                Html(pages::layout(
+                    "Confirm",
+                    &pages::confirm(
+                        "Replay",
+                        count.replayed,
+                        "/dead-letters/replay",
+                        &app.auth.csrf(),
+                        &fields,
+                    ),
+                    false,
+                ))
+                .into_response()
+            }
+            Err(e) => failure(e),
+        };
+    }
+    match store::replay(pool, &filter, &options, |_| {}).await {
+        Ok(report) => {
+            tracing::warn!(operator = %from, replayed = report.replayed, skipped = report.skipped.len(), "dashboard: replay");
+            eprintln!(
+                "dashboard: {} replayed {} dead letter(s), skipped {}",
+                from.ip(),
+                report.replayed,
+                report.skipped.len()
+            );
+            let mut message = format!(
+                "{} replayed through the outbox (the consumers' relay publishes them), {} skipped",
+                report.replayed,
+                report.skipped.len()
+            );
+            for (row, why) in &report.skipped {
+                message.push_str(&format!("; row {row}: {why}"));
+            }
+            Html(pages::layout("Done", &pages::done(&message), false)).into_response()
+        }
+        Err(e) => failure(e),
+    }
+}
+
+async fn discard(
+    State(app): Shared,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    Form(form): Form<ActionForm>,
+) -> Response {
+    let filter = match admit(&app, &form) {
+        Ok(filter) => filter,
+        Err(refused) => return refused.into_response(),
+    };
+    let pool = match app.services.database().await {
+        Ok(pool) => pool,
+        Err(e) => return failure(e),
+    };
+    if form.confirm.as_deref() != Some("1") {
+        let count = match store::list(
+            pool,
+            &Filter {
+                limit: Some(i64::MAX),
+                ..filter.clone()
+            },
+        )
+        .await
+        {
+            Ok(letters) => letters.len() as u64,
+            Err(e) => return failure(e),
+        };
+        let fields = form.fields();
+        let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        return Html(pages::layout(
+            "Confirm",
+            &pages::confirm(
+                "Discard",
+                count,
+                "/dead-letters/discard",
+                &app.auth.csrf(),
+                &fields,
+            ),
+            false,
+        ))
+        .into_response();
+    }
+    match store::discard(pool, &filter, &operator(from)).await {
+        Ok(n) => {
+            eprintln!("dashboard: {} discarded {n} dead letter(s)", from.ip());
+            Html(pages::layout(
+                "Done",
+                &pages::done(&format!("{n} discarded (kept for audit until reaped)")),
+                false,
+            ))
+            .into_response()
+        }
+        Err(e) => failure(e),
+    }
+}
+
+async fn outbox(State(app): Shared) -> Response {
+    let pool = match app.services.database().await {
+        Ok(pool) => pool,
+        Err(e) => return failure(e),
+    };
+    let status = idempo::outbox::status(pool).await;
+    let failed = idempo::outbox::failed(pool, 200).await;
+    match (status, failed) {
+        (Ok(status), Ok(failed)) => {
+            let mut body = format!(
+                "<h1>Outbox</h1><p class=rule>red: a failed message, or the oldest pending one older than 60 s</p>\
+                 <p>{} pending, {} failed</p><table><tr><th>row</th><th>message id</th><th>destination</th><th>attempts</th><th>last error</th></tr>",
+                status.pending, status.failed
+            );
+            for f in &failed {
+                body.push_str(&format!(
+                    "<tr class=red><td>{}</td><td>{}</td><td>{} / {}</td><td>{}</td><td class=error>{}</td></tr>",
+                    f.id,
+                    html_escape::encode_text(&f.message_id),
+                    html_escape::encode_text(&f.exchange),
+                    html_escape::encode_text(&f.routing_key),
+                    f.attempts,
+                    html_escape::encode_text(f.last_error.as_deref().unwrap_or("-"))
+                ));
+            }
+            body.push_str("</table>");
+            Html(pages::layout("Outbox", &body, true)).into_response()
+        }
+        (Err(e), _) | (_, Err(e)) => failure(e),
+    }
+}
+
+async fn login_page() -> Html<String> {
+    Html(pages::layout("Sign in", &pages::login(false), false))
+}
+
+#[derive(Deserialize)]
+struct LoginForm {
+    token: String,
+}
+
+async fn login(State(app): Shared, Form(form): Form<LoginForm>) -> Response {
+    if !app.auth.is_token(&form.token) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Html(pages::layout("Sign in", &pages::login(true), false)),
+        )
+            .into_response();
+    }
+    let cookie = format!(
+        "{SESSION_COOKIE}={}; HttpOnly; SameSite=Strict; Path=/",
+        app.auth.session()
+    );
+    let mut response = Redirect::to("/").into_response();
+    if let Ok(value) = HeaderValue::from_str(&cookie) {
+        response.headers_mut().insert(header::SET_COOKIE, value);
+    }
+    response
+}
+
+async fn style() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        pages::STYLE,
+    )
+}
+
+async fn script() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        pages::SCRIPT,
+    )
+}

@@ -1,0 +1,330 @@
+//! The dashboard's HTML, rendered on the server: every value escaped, no
+//! script needed to use a page (the embedded script only refreshes them).
+
+use std::fmt::Write;
+
+use html_escape::{encode_double_quoted_attribute as attr, encode_text as text};
+use idempo::amqp::dead_letters::{Group, Letter, LetterDetail};
+use idempo::ops::{Status, short_duration};
+
+/// The stylesheet, embedded: the dashboard works air-gapped.
+pub(crate) const STYLE: &str = include_str!("style.css");
+
+/// Refreshes `main` every 5 s without a full reload (pages work without it).
+pub(crate) const SCRIPT: &str = include_str!("refresh.js");
+
+/// The page around `body`.
+pub(crate) fn layout(title: &str, body: &str, refresh: bool) -> String {
+    format!(
+        "<!doctype html><html lang=en><head><meta charset=utf-8>\
+         <meta name=viewport content=\"width=device-width, initial-scale=1\">\
+         <title>{title} · idempo</title><link rel=stylesheet href=/assets/style.css>\
+         {script}</head><body><header><a href=/ class=brand>idempo</a>\
+         <nav><a href=/>Overview</a><a href=/dead-letters>Dead letters</a><a href=/outbox>Outbox</a></nav>\
+         </header><main id=main{refresh_attr}>{body}</main></body></html>",
+        title = text(title),
+        script = if refresh {
+            "<script src=/assets/refresh.js defer></script>"
+        } else {
+            ""
+        },
+        refresh_attr = if refresh { " data-refresh" } else { "" },
+    )
+}
+
+/// The health colour of a count: what the rule beside it says.
+fn health(bad: bool) -> &'static str {
+    if bad { "red" } else { "green" }
+}
+
+pub(crate) fn overview(status: &Status) -> String {
+    let mut out = String::from("<h1>Overview</h1>");
+    out.push_str(
+        "<section><h2>Queues</h2><p class=rule>red: a dead-letter queue holds messages</p>",
+    );
+    out.push_str("<table><tr><th>queue</th><th>ready</th><th>consumers</th><th>dead letters (queue)</th><th>delay queues</th></tr>");
+    for q in &status.queues {
+        let dlq = q.dlq_ready.unwrap_or(0);
+        let delays: Vec<String> = q
+            .delay_queues
+            .iter()
+            .map(|d| format!("{}={}", d.queue, d.ready))
+            .collect();
+        let _ = write!(
+            out,
+            "<tr class={}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            health(dlq > 0),
+            text(&q.queue),
+            q.ready.map_or("-".into(), |r| r.to_string()),
+            q.consumers.map_or("-".into(), |c| c.to_string()),
+            dlq,
+            text(&delays.join(" "))
+        );
+    }
+    out.push_str("</table></section>");
+    out.push_str("<section><h2>Consumers</h2><table><tr><th>consumer</th><th>claims</th><th>newest claim</th><th>redelivery horizon</th></tr>");
+    for c in &status.consumers {
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            text(&c.consumer),
+            c.claims,
+            c.newest_age.map_or("-".into(), short_duration),
+            short_duration(c.redelivery_horizon)
+        );
+    }
+    out.push_str("</table></section>");
+    if let Some(letters) = &status.dead_letters {
+        out.push_str(
+            "<section><h2>Dead letters (table)</h2><p class=rule>red: any live dead letter</p>",
+        );
+        out.push_str("<table><tr><th>queue</th><th>count</th><th>reason</th><th>cause</th></tr>");
+        for l in letters {
+            let _ = write!(
+                out,
+                "<tr class=red><td>{}</td><td>{}</td><td>{}</td><td><a href=\"/dead-letters/group?queue={}&amp;fingerprint={}\">{}</a></td></tr>",
+                text(&l.queue),
+                l.count,
+                text(&l.reason),
+                attr(&urlencode(&l.queue)),
+                attr(&urlencode(&l.fingerprint)),
+                text(&l.fingerprint)
+            );
+        }
+        out.push_str("</table></section>");
+    }
+    if let Some(o) = &status.outbox {
+        let oldest = o.oldest_pending_age.map(|d| d.as_secs()).unwrap_or(0);
+        let _ = write!(
+            out,
+            "<section><h2>Outbox</h2><p class=rule>red: a failed message, or the oldest pending one older than 60 s</p>\
+             <p class={}>{} pending, {} failed, oldest pending {}</p></section>",
+            health(o.failed > 0 || oldest > 60),
+            o.pending,
+            o.failed,
+            o.oldest_pending_age.map_or("-".into(), short_duration)
+        );
+    }
+    for w in &status.warnings {
+        let _ = write!(out, "<p class=\"warning red\">{}</p>", text(&w.to_string()));
+    }
+    out
+}
+
+pub(crate) fn groups(queue: Option<&str>, groups: &[Group]) -> String {
+    let mut out = String::from("<h1>Dead letters</h1>");
+    if let Some(q) = queue {
+        let _ = write!(out, "<p>queue {}</p>", text(q));
+    }
+    if groups.is_empty() {
+        out.push_str("<p>No live dead letters in the table.</p>");
+        return out;
+    }
+    out.push_str("<table><tr><th>queue</th><th>count</th><th>reason</th><th>first seen</th><th>last seen</th><th>sample error</th><th>cause</th></tr>");
+    for g in groups {
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=error>{}</td>\
+             <td><a class=group href=\"/dead-letters/group?queue={}&amp;fingerprint={}\">{}</a></td></tr>",
+            text(&g.queue),
+            g.count,
+            text(&g.reason),
+            text(&g.first_seen),
+            text(&g.last_seen),
+            text(&g.sample_error),
+            attr(&urlencode(&g.queue)),
+            attr(&urlencode(&g.fingerprint)),
+            text(&g.fingerprint)
+        );
+    }
+    out.push_str("</table>");
+    out
+}
+
+/// A form that POSTs an action, with the CSRF token.
+fn action(path: &str, csrf: &str, fields: &[(&str, &str)], label: &str) -> String {
+    let mut out = format!("<form method=post action=\"{}\">", attr(path));
+    let _ = write!(
+        out,
+        "<input type=hidden name=csrf value=\"{}\">",
+        attr(csrf)
+    );
+    for (name, value) in fields {
+        let _ = write!(
+            out,
+            "<input type=hidden name=\"{}\" value=\"{}\">",
+            attr(name),
+            attr(value)
+        );
+    }
+    let _ = write!(out, "<button type=submit>{}</button></form>", text(label));
+    out
+}
+
+pub(crate) fn group(
+    queue: &str,
+    fingerprint: &str,
+    letters: &[Letter],
+    csrf: Option<&str>,
+) -> String {
+    let mut out = format!(
+        "<h1>Dead letters of one cause</h1><p>queue {} · cause {} · {} shown</p>",
+        text(queue),
+        text(fingerprint),
+        letters.len()
+    );
+    if let Some(csrf) = csrf {
+        out.push_str("<div class=actions>");
+        let fields = [("queue", queue), ("fingerprint", fingerprint)];
+        out.push_str(&action(
+            "/dead-letters/replay",
+            csrf,
+            &fields,
+            "Replay this group…",
+        ));
+        out.push_str(&action(
+            "/dead-letters/discard",
+            csrf,
+            &fields,
+            "Discard this group…",
+        ));
+        out.push_str("</div>");
+    }
+    out.push_str("<table><tr><th>row</th><th>message id</th><th>attempts</th><th>last failed</th><th>error</th></tr>");
+    for l in letters {
+        let _ = write!(
+            out,
+            "<tr><td><a href=\"/dead-letters/{id}\">{id}</a></td><td>{}</td><td>{}</td><td>{}</td><td class=error>{}</td></tr>",
+            text(l.message_id.as_deref().unwrap_or("-")),
+            l.attempts,
+            text(&l.last_failed_at),
+            text(&l.error),
+            id = l.id,
+        );
+    }
+    out.push_str("</table>");
+    out
+}
+
+/// The body shown: text when it is, a hex dump of the first bytes otherwise;
+/// at most 16 KiB either way.
+fn body_preview(body: &[u8]) -> String {
+    const SHOWN: usize = 16 * 1024;
+    let shown = &body[..body.len().min(SHOWN)];
+    let more = if body.len() > SHOWN {
+        format!(" (first {SHOWN} of {} bytes)", body.len())
+    } else {
+        String::new()
+    };
+    match std::str::from_utf8(shown) {
+        Ok(s) => format!("<pre class=body>{}</pre>{}", text(s), text(&more)),
+        Err(_) => format!(
+            "<pre class=body>binary: {}</pre>{}",
+            hex::encode(&shown[..shown.len().min(512)]),
+            text(&more)
+        ),
+    }
+}
+
+pub(crate) fn letter(detail: &LetterDetail, csrf: Option<&str>) -> String {
+    let l = &detail.letter;
+    let mut out = format!(
+        "<h1>Dead letter {}</h1><dl>\
+         <dt>message id</dt><dd>{}</dd><dt>queue</dt><dd>{}</dd><dt>consumer</dt><dd>{}</dd>\
+         <dt>state</dt><dd>{} (replayed {} time(s))</dd><dt>reason</dt><dd>{}</dd>\
+         <dt>error</dt><dd class=error>{}</dd><dt>attempts</dt><dd>{} (arrived {} time(s))</dd>\
+         <dt>first failed</dt><dd>{}</dd><dt>last failed</dt><dd>{}</dd>\
+         <dt>routing</dt><dd>exchange {} · routing key {}</dd></dl>",
+        l.id,
+        text(l.message_id.as_deref().unwrap_or("-")),
+        text(&l.queue),
+        text(&l.consumer),
+        text(&l.state),
+        l.replay_count,
+        text(&l.reason),
+        text(&l.error),
+        l.attempts,
+        l.deliveries,
+        text(&l.first_failed_at),
+        text(&l.last_failed_at),
+        text(&format!("{:?}", detail.exchange)),
+        text(&format!("{:?}", detail.routing_key)),
+    );
+    if let (Some(csrf), "live") = (csrf, l.state.as_str()) {
+        let id = l.id.to_string();
+        out.push_str("<div class=actions>");
+        out.push_str(&action(
+            "/dead-letters/replay",
+            csrf,
+            &[("id", &id)],
+            "Replay…",
+        ));
+        out.push_str(&action(
+            "/dead-letters/discard",
+            csrf,
+            &[("id", &id)],
+            "Discard…",
+        ));
+        out.push_str("</div>");
+    }
+    out.push_str("<h2>Headers</h2><table>");
+    if let Some(headers) = detail.headers.as_object() {
+        for (name, value) in headers {
+            let shown = value
+                .as_str()
+                .map_or_else(|| value.to_string(), str::to_owned);
+            let _ = write!(
+                out,
+                "<tr><td>{}</td><td>{}</td></tr>",
+                text(name),
+                text(&shown)
+            );
+        }
+    }
+    out.push_str("</table><h2>Body</h2>");
+    out.push_str(&body_preview(&detail.body));
+    out
+}
+
+/// The confirmation step of an action: what it would do, and the button.
+pub(crate) fn confirm(
+    what: &str,
+    count: u64,
+    path: &str,
+    csrf: &str,
+    fields: &[(&str, &str)],
+) -> String {
+    let mut fields = fields.to_vec();
+    fields.push(("confirm", "1"));
+    format!(
+        "<h1>Confirm</h1><p>{} {count} dead letter(s)?</p>{}<p><a href=/dead-letters>Cancel</a></p>",
+        text(what),
+        action(path, csrf, &fields, &format!("{what} {count}"))
+    )
+}
+
+/// What an action did.
+pub(crate) fn done(message: &str) -> String {
+    format!(
+        "<h1>Done</h1><p class=result>{}</p><p><a href=/dead-letters>Back to the dead letters</a></p>",
+        text(message)
+    )
+}
+
+pub(crate) fn login(failed: bool) -> String {
+    format!(
+        "<h1>Sign in</h1>{}<form method=post action=/login>\
+         <label>Token <input type=password name=token autofocus></label>\
+         <button type=submit>Sign in</button></form>",
+        if failed {
+            "<p class=red>That is not the token.</p>"
+        } else {
+            ""
+        }
+    )
+}
+
+/// A query-string value, percent-encoded.
+pub(crate) fn urlencode(value: &str) -> String {
+    form_urlencoded::byte_serialize(value.as_bytes()).collect()
+}

@@ -1,0 +1,274 @@
+//! `idempo dashboard` as a process on real RabbitMQ and PostgreSQL: the
+//! payments example fills the dead-letter table, the dashboard shows the
+//! group, a replay of the group (with the token and the CSRF token, after a
+//! confirmation) applies every payment exactly once; what lacks the token
+//! or the CSRF token is refused, `--read-only` shows and takes no action,
+//! and a public address without a token is refused at start.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use support::example::{Load, doubled_payments, spawn_example};
+use support::{Broker, Db, eventually, unique};
+
+/// One test at a time in this binary: each runs the example beside its pool.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A running dashboard, killed when dropped.
+struct Dashboard {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Dashboard {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn dashboard(db: &Db, args: &[&str]) -> Dashboard {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idempo"))
+        .env("DATABASE_URL", &db.url)
+        .env("AMQP_URL", support::amqp_url())
+        .args(["dashboard", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start idempo dashboard");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .trim()
+        .rsplit(' ')
+        .next()
+        .unwrap_or_default()
+        .trim_end_matches('/')
+        .to_owned();
+    assert!(url.starts_with("http://127.0.0.1:"), "{line:?}");
+    Dashboard { child, url }
+}
+
+async fn db() -> Db {
+    support::payments_example_binary();
+    let db = Db::with_pool_size(4).await;
+    idempo::migrate(&db.pool).await.unwrap();
+    support::payments::create_tables(&db.pool).await.unwrap();
+    db
+}
+
+async fn live_letters(db: &Db) -> i64 {
+    db.count("SELECT count(*) FROM dead_letters WHERE state = 'live'")
+        .await
+}
+
+/// Fills the table with `n` dead letters of one cause (every attempt failed).
+async fn fill(db: &Db, broker: &Broker, queue: &str, n: usize) -> Load {
+    broker.declare(queue).await;
+    let mut load = Load {
+        ids: Default::default(),
+        expected: Default::default(),
+        published: 0,
+    };
+    load.publish(broker, queue, 0..n, false).await;
+    let failing = spawn_example(
+        &db.url,
+        queue,
+        &[
+            ("PAYMENTS_FAIL_RATE", "1"),
+            ("PAYMENTS_MAX_ATTEMPTS", "2"),
+            ("PAYMENTS_DEAD_LETTERS", "table"),
+        ],
+    );
+    eventually(
+        "the dead letters in the table",
+        Duration::from_secs(90),
+        || async { live_letters(db).await == n as i64 },
+    )
+    .await;
+    drop(failing);
+    load
+}
+
+/// The value of the first `name="csrf"` input of a page.
+fn csrf(page: &str) -> String {
+    let at = page.find("name=csrf value=\"").expect("a CSRF field") + "name=csrf value=\"".len();
+    page[at..].split('"').next().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    let load = fill(&db, &broker, &queue, 20).await;
+    let board = dashboard(&db, &["--token", "s3cret-token"]);
+    let http = reqwest::Client::new();
+    let get = |path: &str, token: Option<&str>| {
+        let mut request = http.get(format!("{}{path}", board.url));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        request.send()
+    };
+
+    // Without the token, or with another: 401, and no data.
+    let anonymous = get("/", None).await.unwrap();
+    assert_eq!(anonymous.status(), 401);
+    assert!(!anonymous.text().await.unwrap().contains(&queue));
+    assert_eq!(get("/", Some("wrong")).await.unwrap().status(), 401);
+
+    let overview = get("/", Some("s3cret-token")).await.unwrap();
+    assert_eq!(overview.status(), 200);
+    let overview = overview.text().await.unwrap();
+    assert!(overview.contains(&queue), "{overview}");
+    assert!(
+        !overview.contains("postgres://"),
+        "no service URL on a page"
+    );
+
+    let groups = get(
+        &format!("/dead-letters?queue={queue}"),
+        Some("s3cret-token"),
+    )
+    .await
+    .unwrap()
+    .text()
+    .await
+    .unwrap();
+    assert!(groups.contains("max attempts exceeded"), "{groups}");
+    let fingerprint: String = sqlx::query_scalar("SELECT min(fingerprint) FROM dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let page = get(
+        &format!("/dead-letters/group?queue={queue}&fingerprint={fingerprint}"),
+        Some("s3cret-token"),
+    )
+    .await
+    .unwrap()
+    .text()
+    .await
+    .unwrap();
+    let token = csrf(&page);
+    let form = |csrf: Option<&str>, confirm: bool| {
+        let mut fields = vec![
+            ("queue", queue.clone()),
+            ("fingerprint", fingerprint.clone()),
+        ];
+        if let Some(csrf) = csrf {
+            fields.push(("csrf", csrf.to_owned()));
+        }
+        if confirm {
+            fields.push(("confirm", "1".into()));
+        }
+        http.post(format!("{}/dead-letters/replay", board.url))
+            .bearer_auth("s3cret-token")
+            .form(&fields)
+            .send()
+    };
+    // Without the CSRF token, or with a wrong one: refused, nothing replayed.
+    assert_eq!(form(None, true).await.unwrap().status(), 403);
+    assert_eq!(form(Some("forged"), true).await.unwrap().status(), 403);
+    // Without the token: refused.
+    let no_token = http
+        .post(format!("{}/dead-letters/replay", board.url))
+        .form(&[
+            ("queue", queue.as_str()),
+            ("fingerprint", &fingerprint),
+            ("csrf", &token),
+            ("confirm", "1"),
+        ])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(no_token.status(), 401);
+    assert_eq!(live_letters(&db).await, 20);
+
+    // The dry run first, then the confirmed replay.
+    let confirm = form(Some(&token), false)
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(confirm.contains("Replay 20"), "{confirm}");
+    assert_eq!(live_letters(&db).await, 20, "the dry run replays nothing");
+    let _working = spawn_example(&db.url, &queue, &[("PAYMENTS_DEAD_LETTERS", "table")]);
+    let done = form(Some(&token), true)
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(done.contains("20 replayed"), "{done}");
+    assert_eq!(live_letters(&db).await, 0);
+    eventually("every payment applied", Duration::from_secs(60), || async {
+        db.payments().await == load.ids.len() as i64
+    })
+    .await;
+    assert_eq!(doubled_payments(&db).await, 0);
+    assert_eq!(db.balances().await, load.expected);
+}
+
+#[tokio::test]
+async fn read_only_shows_no_action_and_refuses_every_one() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    fill(&db, &broker, &queue, 3).await;
+    let board = dashboard(&db, &["--read-only"]);
+    let http = reqwest::Client::new();
+    let fingerprint: String = sqlx::query_scalar("SELECT min(fingerprint) FROM dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let page = http
+        .get(format!(
+            "{}/dead-letters/group?queue={queue}&fingerprint={fingerprint}",
+            board.url
+        ))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains("max attempts exceeded") || page.contains(&fingerprint),
+        "{page}"
+    );
+    assert!(
+        !page.contains("<form"),
+        "no action on a read-only page: {page}"
+    );
+    let refused = http
+        .post(format!("{}/dead-letters/replay", board.url))
+        .form(&[
+            ("queue", queue.as_str()),
+            ("fingerprint", &fingerprint),
+            ("confirm", "1"),
+        ])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    assert_eq!(live_letters(&db).await, 3);
+}
+
+#[tokio::test]
+async fn a_public_address_without_a_token_is_refused_at_start() {
+    let out = Command::new(env!("CARGO_BIN_EXE_idempo"))
+        .args(["dashboard", "--listen", "0.0.0.0:0"])
+        .env_remove("IDEMPO_DASHBOARD_TOKEN")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("without a token"), "{stderr}");
+}
