@@ -1,0 +1,217 @@
+//! `idempo dashboard` in a real browser: headless Chromium (Debian's
+//! `chromium` and `chromium-driver`; `.ci/run` installs them) signs in with
+//! the token, opens the overview and the dead-letter group the `payments`
+//! example left, replays the group through the confirmation, and the test
+//! checks in PostgreSQL that every payment applied exactly once. The
+//! screenshots it takes go to `target/dashboard-screenshots/` (or
+//! `$IDEMPO_SCREENSHOTS_DIR`: `docs/` refreshes the README's).
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use fantoccini::{ClientBuilder, Locator};
+use hyper_util::client::legacy::connect::HttpConnector;
+use support::example::{Load, doubled_payments, spawn_example};
+use support::{Broker, Db, eventually, unique};
+
+const INSTALL: &str = "install Chromium and its driver: `apt-get install -y chromium chromium-driver` \
+     (`.ci/run` does), or set CHROMEDRIVER to a chromedriver and CHROMIUM to its browser";
+
+/// A child process killed when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn chromedriver() -> (Killed, String) {
+    let binary = std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "chromedriver".into());
+    let port = free_port();
+    let child = Command::new(&binary)
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {binary}: {e}\n{INSTALL}"));
+    let url = format!("http://127.0.0.1:{port}");
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return (Killed(child), url);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{binary} did not listen on {port}\n{INSTALL}");
+}
+
+fn dashboard(db: &Db, token: &str) -> (Killed, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idempo"))
+        .env("DATABASE_URL", &db.url)
+        .env("AMQP_URL", support::amqp_url())
+        .args(["dashboard", "--listen", "127.0.0.1:0", "--token", token])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start idempo dashboard");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .trim()
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .trim_end_matches('/')
+        .to_owned();
+    (Killed(child), url)
+}
+
+fn screenshots() -> PathBuf {
+    let dir = std::env::var("IDEMPO_SCREENSHOTS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/dashboard-screenshots")
+        });
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[tokio::test]
+async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_once() {
+    support::payments_example_binary();
+    let db = Db::with_pool_size(4).await;
+    idempo::migrate(&db.pool).await.unwrap();
+    support::payments::create_tables(&db.pool).await.unwrap();
+    let (broker, queue) = (Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    let mut load = Load {
+        ids: Default::default(),
+        expected: Default::default(),
+        published: 0,
+    };
+    load.publish(&broker, &queue, 0..25, false).await;
+    let failing = spawn_example(
+        &db.url,
+        &queue,
+        &[
+            ("PAYMENTS_FAIL_RATE", "1"),
+            ("PAYMENTS_MAX_ATTEMPTS", "2"),
+            ("PAYMENTS_DEAD_LETTERS", "table"),
+        ],
+    );
+    eventually(
+        "25 dead letters in the table",
+        Duration::from_secs(90),
+        || async {
+            db.count("SELECT count(*) FROM dead_letters WHERE state = 'live'")
+                .await
+                == 25
+        },
+    )
+    .await;
+    drop(failing);
+
+    let (_driver, driver_url) = chromedriver();
+    let (_board, board) = dashboard(&db, "browser-token");
+    let mut chrome = serde_json::json!({
+        "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1280,800"],
+    });
+    if let Ok(binary) = std::env::var("CHROMIUM") {
+        chrome["binary"] = binary.into();
+    } else if std::path::Path::new("/usr/bin/chromium").exists() {
+        chrome["binary"] = "/usr/bin/chromium".into();
+    }
+    let mut caps = serde_json::Map::new();
+    caps.insert("goog:chromeOptions".into(), chrome);
+    let browser = ClientBuilder::new(HttpConnector::new())
+        .capabilities(caps)
+        .connect(&driver_url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot start a browser session: {e}\n{INSTALL}"));
+
+    let run = async {
+        // Signed out: the sign-in page; the token signs in.
+        browser.goto(&format!("{board}/")).await?;
+        browser
+            .find(Locator::Css("input[name=token]"))
+            .await?
+            .send_keys("browser-token")
+            .await?;
+        browser
+            .find(Locator::Css("form[action='/login'] button"))
+            .await?
+            .click()
+            .await?;
+        let overview = browser.source().await?;
+        assert!(
+            overview.contains("Overview") && overview.contains(&queue),
+            "{overview}"
+        );
+        std::fs::write(
+            screenshots().join("dashboard-overview.png"),
+            browser.screenshot().await?,
+        )
+        .unwrap();
+
+        browser
+            .goto(&format!("{board}/dead-letters?queue={queue}"))
+            .await?;
+        let groups = browser.source().await?;
+        assert!(groups.contains("max attempts exceeded"), "{groups}");
+        assert!(groups.contains(">25<"), "the group counts 25: {groups}");
+        browser.find(Locator::Css("a.group")).await?.click().await?;
+        std::fs::write(
+            screenshots().join("dashboard-dead-letters.png"),
+            browser.screenshot().await?,
+        )
+        .unwrap();
+
+        let _working = spawn_example(&db.url, &queue, &[("PAYMENTS_DEAD_LETTERS", "table")]);
+        browser
+            .find(Locator::Css("form[action='/dead-letters/replay'] button"))
+            .await?
+            .click()
+            .await?;
+        let confirm = browser.source().await?;
+        assert!(confirm.contains("Replay 25"), "{confirm}");
+        browser
+            .find(Locator::Css("form[action='/dead-letters/replay'] button"))
+            .await?
+            .click()
+            .await?;
+        let done = browser.find(Locator::Css("p.result")).await?.text().await?;
+        assert!(done.contains("25 replayed"), "{done}");
+        eventually("every payment applied", Duration::from_secs(60), || async {
+            db.payments().await == load.ids.len() as i64
+        })
+        .await;
+        Ok::<(), fantoccini::error::CmdError>(())
+    }
+    .await;
+    let closed = browser.close().await;
+    run.expect("the browser session");
+    closed.expect("close the browser session");
+    assert_eq!(doubled_payments(&db).await, 0);
+    assert_eq!(db.balances().await, load.expected);
+    let live: i64 = db
+        .count("SELECT count(*) FROM dead_letters WHERE state = 'live'")
+        .await;
+    assert_eq!(live, 0);
+}
