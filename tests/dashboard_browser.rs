@@ -43,16 +43,18 @@ fn free_port() -> u16 {
 fn chromedriver() -> (Killed, String) {
     let binary = std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "chromedriver".into());
     let port = free_port();
-    let child = Command::new(&binary)
-        .arg(format!("--port={port}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {binary}: {e}\n{INSTALL}"));
+    let child = Killed(
+        Command::new(&binary)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {binary}: {e}\n{INSTALL}")),
+    );
     let url = format!("http://127.0.0.1:{port}");
     for _ in 0..100 {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return (Killed(child), url);
+            return (child, url);
         }
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -262,7 +262,14 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
         .total_delay();
     let horizon = retries + options.consumer_timeout;
 
-    let claims = match crate::inbox::claims_per_consumer(pool, &options.consumers).await {
+    // The database's questions side by side (the pool has two connections),
+    // then the broker's beside the rest.
+    let (claims, dead_letters, sealed) = tokio::join!(
+        crate::inbox::claims_per_consumer(pool, &options.consumers),
+        crate::amqp::dead_letters::counts(pool),
+        crate::amqp::consumers_with_keys(pool),
+    );
+    let claims = match claims {
         Ok(claims) => claims,
         Err(e) if missing_table(&e) => {
             warnings.push(Warning::NotMigrated);
@@ -280,8 +287,7 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
             consumer_timeout: options.consumer_timeout,
         });
     }
-
-    let dead_letters = match crate::amqp::dead_letters::counts(pool).await {
+    let dead_letters = match dead_letters {
         Ok(counts) => Some(counts),
         Err(e) if missing_table(&e) => None,
         Err(e) => return Err(e.into()),
@@ -290,13 +296,10 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
         // Every consumer seen: with claims, with a key (it sealed a retry or
         // dead-letter copy), or with letters in the table.
         let mut names: Vec<String> = claims.iter().map(|c| c.consumer.clone()).collect();
-        let sealed = crate::amqp::consumers_with_keys(pool)
-            .await
-            .unwrap_or_default();
         let lettered = dead_letters.iter().flatten().map(|c| c.queue.clone());
         let wanted =
             |name: &String| options.consumers.is_empty() || options.consumers.contains(name);
-        for name in sealed.into_iter().chain(lettered) {
+        for name in sealed.unwrap_or_default().into_iter().chain(lettered) {
             if wanted(&name) && !names.contains(&name) {
                 names.push(name);
             }
@@ -317,15 +320,28 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
             warnings.push(Warning::TableDeadLetters { queue, count });
         }
     }
-    let mut queues = Vec::new();
-    if !names.is_empty() {
+    let broker = async {
+        let mut found = Vec::new();
+        if names.is_empty() {
+            return Ok((Vec::new(), found));
+        }
         let connection = services.broker().await?;
-        let inspected = inspect(&connection, &names, &delays, options, &mut warnings).await;
+        let inspected = inspect(&connection, &names, &delays, options, &mut found).await;
         close(&connection).await;
-        queues = inspected?;
-    }
+        inspected.map(|queues| (queues, found))
+    };
+    let http_store = crate::http::PostgresStore::new(pool.clone());
+    let window_store = crate::window::PostgresWindow::new(pool.clone());
+    let (inspected, outbox, http_keys, window) = tokio::join!(
+        broker,
+        crate::outbox::status(pool),
+        http_store.count_by_state(),
+        window_store.count_by_state(),
+    );
+    let (queues, queue_warnings) = inspected?;
+    warnings.extend(queue_warnings);
 
-    let outbox = match crate::outbox::status(pool).await {
+    let outbox = match outbox {
         Ok(outbox) => Some(outbox),
         Err(e) if undefined_table(&e) => None,
         Err(e) => return Err(e.into()),
@@ -342,16 +358,8 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
         Err(e) if missing_table(&e) => Ok(None),
         Err(e) => Err(OpsError::from(e)),
     };
-    let http_keys = absent(
-        crate::http::PostgresStore::new(pool.clone())
-            .count_by_state()
-            .await,
-    )?;
-    let window = absent(
-        crate::window::PostgresWindow::new(pool.clone())
-            .count_by_state()
-            .await,
-    )?;
+    let http_keys = absent(http_keys)?;
+    let window = absent(window)?;
 
     Ok(Status {
         consumers: claims
