@@ -633,6 +633,22 @@ pub struct ConsumerClaims {
 /// # Ok(()) }
 /// ```
 ///
+/// How many claims were ever inserted into the `processed_messages` table
+/// of the connection's schema, from PostgreSQL's statistics (cheap; counts
+/// claims whose transaction rolled back too, and restarts at a statistics
+/// reset): the difference of two readings is a claim rate, for dashboards.
+///
+/// # Errors
+/// [`Error::Database`] when the query fails.
+pub async fn claims_inserted(pool: &PgPool) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT coalesce(sum(n_tup_ins), 0)::int8 FROM pg_stat_user_tables \
+         WHERE relid = to_regclass('processed_messages')",
+    )
+    .fetch_one(pool)
+    .await?)
+}
+
 /// # Errors
 /// [`Error::Database`] when the query fails (also when the table does not
 /// exist: run [`migrate`](crate::migrate)).

@@ -107,7 +107,7 @@ async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() 
     let _one = ONE_AT_A_TIME.lock().await;
     let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
     let load = fill(&db, &broker, &queue, 20).await;
-    let board = dashboard(&db, &["--token", "s3cret-token"]);
+    let board = dashboard(&db, &["--token", "s3cret-token", "--sample-every", "200ms"]);
     let http = reqwest::Client::new();
     let get = |path: &str, token: Option<&str>| {
         let mut request = http.get(format!("{}{path}", board.url));
@@ -131,6 +131,19 @@ async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() 
         !overview.contains("postgres://"),
         "no service URL on a page"
     );
+    // The charts, once two samples were taken (every 200 ms here).
+    eventually("the overview's charts", Duration::from_secs(20), || async {
+        let page = get("/", Some("s3cret-token"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        page.contains("<svg class=chart")
+            && page.contains("claims/s")
+            && page.contains(&format!("{queue}: dead letters"))
+    })
+    .await;
 
     let groups = get(
         &format!("/dead-letters?queue={queue}"),

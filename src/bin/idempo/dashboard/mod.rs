@@ -5,6 +5,7 @@
 
 mod auth;
 mod pages;
+mod samples;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -39,12 +40,16 @@ pub(crate) struct DashboardArgs {
     /// Show no action and refuse every one.
     #[arg(long)]
     read_only: bool,
+    /// How often the overview's charts are sampled (they cover 15 minutes).
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration, default_value = "10s")]
+    sample_every: std::time::Duration,
 }
 
 struct App {
     services: Services,
     auth: Auth,
     read_only: bool,
+    samples: samples::Samples,
 }
 
 type Shared = State<Arc<App>>;
@@ -65,6 +70,15 @@ pub(crate) async fn exec(ctx: &Ctx, args: DashboardArgs) -> anyhow::Result<u8> {
         services: ctx.services.clone(),
         auth: Auth::new(args.token),
         read_only: args.read_only,
+        samples: samples::Samples::default(),
+    });
+    let sampler = app.clone();
+    let every = args.sample_every.max(std::time::Duration::from_millis(100));
+    tokio::spawn(async move {
+        loop {
+            sampler.samples.take(&sampler.services).await;
+            tokio::time::sleep(every).await;
+        }
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -145,7 +159,8 @@ fn failure(e: impl std::fmt::Display) -> Response {
 async fn overview(State(app): Shared) -> Response {
     match idempo::ops::status(&app.services, &StatusOptions::default()).await {
         Ok(status) => {
-            Html(pages::layout("Overview", &pages::overview(&status), true)).into_response()
+            let body = pages::overview(&status) + &app.samples.charts();
+            Html(pages::layout("Overview", &body, true)).into_response()
         }
         Err(e) => failure(e),
     }
