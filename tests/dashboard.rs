@@ -285,3 +285,75 @@ async fn a_public_address_without_a_token_is_refused_at_start() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("without a token"), "{stderr}");
 }
+
+#[tokio::test]
+async fn failed_outbox_messages_are_retried_and_a_group_deleted_after_confirmation() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    fill(&db, &broker, &queue, 3).await;
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, state, attempts, last_error) \
+         VALUES ('', 'nowhere', 'm-1', '\\x00', 'failed', 5, 'unroutable') RETURNING id",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let board = dashboard(&db, &[]);
+    let http = reqwest::Client::new();
+    let page = http
+        .get(format!("{}/outbox", board.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains("unroutable") && page.contains("m-1"),
+        "{page}"
+    );
+    let token = csrf(&page);
+    let retried = http
+        .post(format!("{}/outbox/retry", board.url))
+        .form(&[("csrf", token.as_str()), ("id", &id.to_string())])
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        retried.contains("1 failed message(s) back to pending"),
+        "{retried}"
+    );
+    let state: String = sqlx::query_scalar("SELECT state FROM outbox WHERE id = $1")
+        .bind(id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "pending");
+
+    let fingerprint: String = sqlx::query_scalar("SELECT min(fingerprint) FROM dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let delete = |confirm: bool| {
+        let mut fields = vec![
+            ("csrf", token.clone()),
+            ("queue", queue.clone()),
+            ("fingerprint", fingerprint.clone()),
+        ];
+        if confirm {
+            fields.push(("confirm", "1".into()));
+        }
+        http.post(format!("{}/dead-letters/purge", board.url))
+            .form(&fields)
+            .send()
+    };
+    let asked = delete(false).await.unwrap().text().await.unwrap();
+    assert!(asked.contains("Delete 3"), "{asked}");
+    assert_eq!(live_letters(&db).await, 3, "asking deletes nothing");
+    let done = delete(true).await.unwrap().text().await.unwrap();
+    assert!(done.contains("3 deleted"), "{done}");
+    assert_eq!(db.count("SELECT count(*) FROM dead_letters").await, 0);
+}

@@ -194,6 +194,41 @@ pub async fn status(pool: &PgPool) -> Result<OutboxStatus, sqlx::Error> {
     })
 }
 
+/// Pending messages of one destination and ordering key.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+#[non_exhaustive]
+pub struct PendingGroup {
+    /// The exchange (empty: the default exchange, or rows packed together).
+    pub exchange: String,
+    /// The routing key (empty for rows packed together).
+    pub routing_key: String,
+    /// The ordering key, if any.
+    pub ordering_key: Option<String>,
+    /// How many messages.
+    pub messages: i64,
+    /// How long the oldest has waited, in seconds.
+    pub oldest_secs: f64,
+}
+
+/// Pending messages per destination and ordering key, the oldest first.
+///
+/// # Errors
+/// The query failed.
+pub async fn pending_by_destination(
+    pool: &PgPool,
+    limit: i64,
+) -> Result<Vec<PendingGroup>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT exchange, routing_key, ordering_key, sum(messages)::int8 AS messages, \
+                extract(epoch FROM now() - min(created_at))::float8 AS oldest_secs \
+         FROM outbox WHERE state = 'pending' \
+         GROUP BY exchange, routing_key, ordering_key ORDER BY min(created_at) LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
 /// A message the relay gave up on.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 #[non_exhaustive]

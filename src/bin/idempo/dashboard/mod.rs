@@ -104,7 +104,9 @@ fn router(app: Arc<App>) -> Router {
         .route("/dead-letters/{id}", get(letter))
         .route("/dead-letters/replay", post(replay))
         .route("/dead-letters/discard", post(discard))
+        .route("/dead-letters/purge", post(purge))
         .route("/outbox", get(outbox))
+        .route("/outbox/retry", post(outbox_retry))
         .route_layer(middleware::from_fn_with_state(app.clone(), signed_in));
     Router::new()
         .merge(pages)
@@ -170,7 +172,12 @@ async fn overview(State(app): Shared) -> Response {
 struct QueueQuery {
     queue: Option<String>,
     fingerprint: Option<String>,
+    /// Paging a group: the letters after this row.
+    after: Option<i64>,
 }
+
+/// Letters per page of a group.
+const PAGE: i64 = 100;
 
 async fn dead_letters(State(app): Shared, Query(q): Query<QueueQuery>) -> Response {
     let filter = Filter {
@@ -206,18 +213,23 @@ async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Response {
     };
     let filter = Filter {
         fingerprint: Some(fingerprint.clone()),
-        limit: Some(200),
+        limit: Some(PAGE),
+        after_id: q.after,
         ..Filter::queue(queue.as_str())
     };
     match store::list(pool, &filter).await {
         Ok(letters) => {
             let csrf = (!app.read_only).then(|| app.auth.csrf());
-            Html(pages::layout(
-                "Dead letters of one cause",
-                &pages::group(&queue, &fingerprint, &letters, csrf.as_deref()),
-                true,
-            ))
-            .into_response()
+            let mut body = pages::group(&queue, &fingerprint, &letters, csrf.as_deref());
+            if let (true, Some(last)) = (letters.len() as i64 == PAGE, letters.last()) {
+                body.push_str(&format!(
+                    "<p><a href=\"/dead-letters/group?queue={}&amp;fingerprint={}&amp;after={}\">next page</a></p>",
+                    html_escape::encode_double_quoted_attribute(&pages::urlencode(&queue)),
+                    html_escape::encode_double_quoted_attribute(&pages::urlencode(&fingerprint)),
+                    last.id
+                ));
+            }
+            Html(pages::layout("Dead letters of one cause", &body, true)).into_response()
         }
         Err(e) => failure(e),
     }
@@ -421,35 +433,119 @@ async fn discard(
     }
 }
 
+async fn purge(
+    State(app): Shared,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    Form(form): Form<ActionForm>,
+) -> Response {
+    let filter = match admit(&app, &form) {
+        Ok(filter) => filter,
+        Err(refused) => return refused.into_response(),
+    };
+    let pool = match app.services.database().await {
+        Ok(pool) => pool,
+        Err(e) => return failure(e),
+    };
+    if form.confirm.as_deref() != Some("1") {
+        let count = match store::list(
+            pool,
+            &Filter {
+                limit: Some(i64::MAX),
+                ..filter.clone()
+            },
+        )
+        .await
+        {
+            Ok(letters) => letters.len() as u64,
+            Err(e) => return failure(e),
+        };
+        let fields = form.fields();
+        let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        return Html(pages::layout(
+            "Confirm",
+            &pages::confirm(
+                "Delete",
+                count,
+                "/dead-letters/purge",
+                &app.auth.csrf(),
+                &fields,
+            ),
+            false,
+        ))
+        .into_response();
+    }
+    match store::purge(pool, &filter).await {
+        Ok(n) => {
+            eprintln!("dashboard: {} deleted {n} dead letter(s)", from.ip());
+            Html(pages::layout(
+                "Done",
+                &pages::done(&format!("{n} deleted")),
+                false,
+            ))
+            .into_response()
+        }
+        Err(e) => failure(e),
+    }
+}
+
+#[derive(Deserialize)]
+struct OutboxForm {
+    csrf: Option<String>,
+    id: Option<i64>,
+}
+
+async fn outbox_retry(
+    State(app): Shared,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    Form(form): Form<OutboxForm>,
+) -> Response {
+    if app.read_only {
+        return (StatusCode::FORBIDDEN, "the dashboard is read-only\n").into_response();
+    }
+    if !form.csrf.as_deref().is_some_and(|t| app.auth.is_csrf(t)) {
+        return (StatusCode::FORBIDDEN, "missing or wrong CSRF token\n").into_response();
+    }
+    let pool = match app.services.database().await {
+        Ok(pool) => pool,
+        Err(e) => return failure(e),
+    };
+    let ids = form.id.map(|id| vec![id]);
+    match idempo::outbox::retry_failed(pool, ids.as_deref()).await {
+        Ok(n) => {
+            eprintln!(
+                "dashboard: {} put {n} failed outbox message(s) back",
+                from.ip()
+            );
+            Html(pages::layout(
+                "Done",
+                &format!(
+                    "<h1>Done</h1><p class=result>{n} failed message(s) back to pending</p><p><a href=/outbox>Back to the outbox</a></p>"
+                ),
+                false,
+            ))
+            .into_response()
+        }
+        Err(e) => failure(e),
+    }
+}
+
 async fn outbox(State(app): Shared) -> Response {
     let pool = match app.services.database().await {
         Ok(pool) => pool,
         Err(e) => return failure(e),
     };
-    let status = idempo::outbox::status(pool).await;
-    let failed = idempo::outbox::failed(pool, 200).await;
-    match (status, failed) {
-        (Ok(status), Ok(failed)) => {
-            let mut body = format!(
-                "<h1>Outbox</h1><p class=rule>red: a failed message, or the oldest pending one older than 60 s</p>\
-                 <p>{} pending, {} failed</p><table><tr><th>row</th><th>message id</th><th>destination</th><th>attempts</th><th>last error</th></tr>",
-                status.pending, status.failed
-            );
-            for f in &failed {
-                body.push_str(&format!(
-                    "<tr class=red><td>{}</td><td>{}</td><td>{} / {}</td><td>{}</td><td class=error>{}</td></tr>",
-                    f.id,
-                    html_escape::encode_text(&f.message_id),
-                    html_escape::encode_text(&f.exchange),
-                    html_escape::encode_text(&f.routing_key),
-                    f.attempts,
-                    html_escape::encode_text(f.last_error.as_deref().unwrap_or("-"))
-                ));
-            }
-            body.push_str("</table>");
+    let (status, pending, failed) = tokio::join!(
+        idempo::outbox::status(pool),
+        idempo::outbox::pending_by_destination(pool, 200),
+        idempo::outbox::failed(pool, 200),
+    );
+    match (status, pending, failed) {
+        (Ok(status), Ok(pending), Ok(failed)) => {
+            let csrf = (!app.read_only).then(|| app.auth.csrf());
+            let body = pages::outbox(&status, &pending, &failed, csrf.as_deref());
             Html(pages::layout("Outbox", &body, true)).into_response()
         }
-        (Err(e), _) | (_, Err(e)) => failure(e),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => failure(e),
     }
 }
 

@@ -6,6 +6,7 @@ use std::fmt::Write;
 use html_escape::{encode_double_quoted_attribute as attr, encode_text as text};
 use idempo::amqp::dead_letters::{Group, Letter, LetterDetail};
 use idempo::ops::{Status, short_duration};
+use idempo::outbox::{FailedMessage, OutboxStatus, PendingGroup};
 
 /// The stylesheet, embedded: the dashboard works air-gapped.
 pub(crate) const STYLE: &str = include_str!("style.css");
@@ -188,6 +189,12 @@ pub(crate) fn group(
             &fields,
             "Discard this group…",
         ));
+        out.push_str(&action(
+            "/dead-letters/purge",
+            csrf,
+            &fields,
+            "Delete this group…",
+        ));
         out.push_str("</div>");
     }
     out.push_str("<table><tr><th>row</th><th>message id</th><th>attempts</th><th>last failed</th><th>error</th></tr>");
@@ -200,6 +207,68 @@ pub(crate) fn group(
             text(&l.last_failed_at),
             text(&l.error),
             id = l.id,
+        );
+    }
+    out.push_str("</table>");
+    out
+}
+
+pub(crate) fn outbox(
+    status: &OutboxStatus,
+    pending: &[PendingGroup],
+    failed: &[FailedMessage],
+    csrf: Option<&str>,
+) -> String {
+    let oldest = status.oldest_pending_age.map(|d| d.as_secs()).unwrap_or(0);
+    let mut out = format!(
+        "<h1>Outbox</h1><p class=rule>red: a failed message, or the oldest pending one older than 60 s</p>\
+         <p class={}>{} pending, {} failed, oldest pending {}</p>",
+        health(status.failed > 0 || oldest > 60),
+        status.pending,
+        status.failed,
+        status.oldest_pending_age.map_or("-".into(), short_duration)
+    );
+    out.push_str("<h2>Pending by destination</h2><table><tr><th>exchange</th><th>routing key</th><th>ordering key</th><th>messages</th><th>oldest</th></tr>");
+    for p in pending {
+        let exchange = if p.exchange.is_empty() && p.routing_key.is_empty() {
+            "(packed rows)"
+        } else {
+            &p.exchange
+        };
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.0} s</td></tr>",
+            text(exchange),
+            text(&p.routing_key),
+            text(p.ordering_key.as_deref().unwrap_or("-")),
+            p.messages,
+            p.oldest_secs
+        );
+    }
+    out.push_str("</table><h2>Failed</h2>");
+    if let (Some(csrf), false) = (csrf, failed.is_empty()) {
+        out.push_str(&action(
+            "/outbox/retry",
+            csrf,
+            &[],
+            "Retry every failed message",
+        ));
+    }
+    out.push_str("<table><tr><th>row</th><th>message id</th><th>destination</th><th>attempts</th><th>last error</th><th></th></tr>");
+    for f in failed {
+        let retry = match csrf {
+            Some(csrf) => action("/outbox/retry", csrf, &[("id", &f.id.to_string())], "Retry"),
+            None => String::new(),
+        };
+        let _ = write!(
+            out,
+            "<tr class=red><td>{}</td><td>{}</td><td>{} / {}</td><td>{}</td><td class=error>{}</td><td>{retry}</td></tr>",
+            f.id,
+            text(&f.message_id),
+            text(&f.exchange),
+            text(&f.routing_key),
+            f.attempts,
+            text(f.last_error.as_deref().unwrap_or("-"))
         );
     }
     out.push_str("</table>");
