@@ -357,3 +357,24 @@ async fn failed_outbox_messages_are_retried_and_a_group_deleted_after_confirmati
     assert!(done.contains("3 deleted"), "{done}");
     assert_eq!(db.count("SELECT count(*) FROM dead_letters").await, 0);
 }
+
+#[tokio::test]
+async fn a_queue_dlq_is_shown_read_only_when_the_table_is_not_used() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    broker
+        .publish(&format!("{queue}.dlq"), Some("in-the-queue"), b"{}")
+        .await;
+    let board = dashboard(&db, &[]);
+    let page = reqwest::get(format!("{}/dead-letters?queue={queue}", board.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("in-the-queue"), "{page}");
+    assert!(page.contains("read-only here"), "{page}");
+    assert!(!page.contains("<form"), "no action on a queue DLQ: {page}");
+    support::eventually_ready(&broker, &format!("{queue}.dlq"), 1).await;
+}

@@ -188,15 +188,23 @@ async fn dead_letters(State(app): Shared, Query(q): Query<QueueQuery>) -> Respon
         Ok(pool) => pool,
         Err(e) => return failure(e),
     };
-    match store::groups(pool, &filter).await {
-        Ok(groups) => Html(pages::layout(
-            "Dead letters",
-            &pages::groups(filter.queue.as_deref(), &groups),
-            true,
-        ))
-        .into_response(),
-        Err(e) => failure(e),
+    let groups = match store::groups(pool, &filter).await {
+        Ok(groups) => groups,
+        Err(e) => return failure(e),
+    };
+    let mut body = pages::groups(filter.queue.as_deref(), &groups);
+    // Not kept in the table: the queue's RabbitMQ DLQ, shown read-only
+    // (browsed without spending a delivery attempt).
+    if let (true, Some(queue)) = (groups.is_empty(), &filter.queue) {
+        match idempo::ops::dlq::list(&app.services, queue, &Default::default(), 100).await {
+            Ok(listing) => body.push_str(&pages::queue_dlq(&listing)),
+            Err(e) => body.push_str(&format!(
+                "<p class=rule>{}</p>",
+                html_escape::encode_text(&e.to_string())
+            )),
+        }
     }
+    Html(pages::layout("Dead letters", &body, true)).into_response()
 }
 
 async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Response {

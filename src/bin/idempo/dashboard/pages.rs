@@ -142,6 +142,32 @@ pub(crate) fn groups(queue: Option<&str>, groups: &[Group]) -> String {
     out
 }
 
+/// A RabbitMQ DLQ's letters, read-only (the table store is not in use).
+pub(crate) fn queue_dlq(listing: &idempo::ops::dlq::Listing) -> String {
+    let mut out = format!(
+        "<h2>RabbitMQ dead-letter queue {} ({} messages, read-only here)</h2>\
+         <p class=rule>replay or delete them with <code>idempo dlq</code>, or keep dead letters in \
+         PostgreSQL (<code>DeadLetters::Table</code>, <code>idempo dlq import</code>) to act on them here</p>\
+         <table><tr><th>message id</th><th>reason</th><th>attempts</th><th>last failure</th><th>size</th><th>error</th></tr>",
+        text(&listing.dlq),
+        listing.ready
+    );
+    for d in &listing.dead_letters {
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=error>{}</td></tr>",
+            text(d.message_id.as_deref().unwrap_or("-")),
+            text(&d.reason),
+            d.attempts.map_or("-".into(), |a| a.to_string()),
+            text(d.last_failure.as_deref().unwrap_or("-")),
+            d.size,
+            text(d.error.as_deref().unwrap_or("-"))
+        );
+    }
+    out.push_str("</table>");
+    out
+}
+
 /// A form that POSTs an action, with the CSRF token.
 fn action(path: &str, csrf: &str, fields: &[(&str, &str)], label: &str) -> String {
     let mut out = format!("<form method=post action=\"{}\">", attr(path));
