@@ -5,50 +5,16 @@
 
 mod support;
 
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
+use support::cli::{idempo, json_lines, payments_db as db, run};
 use support::example::{Load, doubled_payments, spawn_example};
 use support::{Broker, Db, eventually, eventually_ready, payment_body, unique};
 
 /// One test at a time in this binary: each runs the example (a pool of 6)
 /// beside its own pool, within the suite's connection budget.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn idempo(db: &Db) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_idempo"));
-    command
-        .env("DATABASE_URL", &db.url)
-        .env("AMQP_URL", support::amqp_url())
-        .stdin(Stdio::null());
-    command
-}
-
-fn run(db: &Db, args: &[&str]) -> Output {
-    let out = idempo(db).args(args).output().expect("run idempo");
-    eprintln!(
-        "idempo {args:?} -> {:?}\n{}{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn json_lines(out: &Output) -> Vec<serde_json::Value> {
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
-        .collect()
-}
-
-async fn db() -> Db {
-    support::payments_example_binary();
-    let db = Db::with_pool_size(4).await;
-    idempo::migrate(&db.pool).await.unwrap();
-    support::payments::create_tables(&db.pool).await.unwrap();
-    db
-}
 
 async fn letters(db: &Db) -> i64 {
     db.count("SELECT count(*) FROM dead_letters WHERE state = 'live'")

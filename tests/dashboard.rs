@@ -11,6 +11,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use support::cli::payments_db as db;
 use support::example::{Load, doubled_payments, spawn_example};
 use support::{Broker, Db, eventually, unique};
 
@@ -53,14 +54,6 @@ fn dashboard(db: &Db, args: &[&str]) -> Dashboard {
         .to_owned();
     assert!(url.starts_with("http://127.0.0.1:"), "{line:?}");
     Dashboard { child, url }
-}
-
-async fn db() -> Db {
-    support::payments_example_binary();
-    let db = Db::with_pool_size(4).await;
-    idempo::migrate(&db.pool).await.unwrap();
-    support::payments::create_tables(&db.pool).await.unwrap();
-    db
 }
 
 async fn live_letters(db: &Db) -> i64 {

@@ -96,10 +96,7 @@ fn screenshots() -> PathBuf {
 
 #[tokio::test]
 async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_once() {
-    support::payments_example_binary();
-    let db = Db::with_pool_size(4).await;
-    idempo::migrate(&db.pool).await.unwrap();
-    support::payments::create_tables(&db.pool).await.unwrap();
+    let db = support::cli::payments_db().await;
     let (broker, queue) = (Broker::connect().await, unique("q"));
     broker.declare(&queue).await;
     let mut load = Load {

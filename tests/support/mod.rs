@@ -7,6 +7,7 @@
 #[path = "../../examples/common/payments.rs"]
 pub mod payments;
 
+pub mod cli;
 pub mod cluster;
 pub mod consumer;
 pub mod example;

@@ -45,7 +45,8 @@ use std::time::SystemTime;
 
 pub use fingerprint::{fingerprint, pattern};
 pub use table::{
-    LetterState, counts, discard, groups, holds, list, purge, reap, replay, show, table_exists,
+    LetterState, count, counts, discard, groups, holds, list, purge, reap, replay, show,
+    table_exists,
 };
 
 /// Live letters of one consumer, queue and cause ([`counts`]).

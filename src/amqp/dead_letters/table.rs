@@ -287,6 +287,22 @@ pub async fn counts(pool: &PgPool) -> Result<Vec<LetterCount>> {
         .collect())
 }
 
+/// How many letters `filter` selects (its limit and paging ignored).
+///
+/// # Errors
+/// As [`list`].
+pub async fn count(pool: &PgPool, filter: &Filter) -> Result<u64> {
+    let whole = Filter {
+        limit: None,
+        after_id: None,
+        ..filter.clone()
+    };
+    let mut q = QueryBuilder::new("SELECT count(*) FROM dead_letters");
+    push_filter(&mut q, &whole);
+    let count: i64 = q.build_query_scalar().fetch_one(pool).await?;
+    Ok(u64::try_from(count).unwrap_or_default())
+}
+
 /// The letters of `filter`, oldest first (at most `limit`, 100 by default).
 ///
 /// # Errors
@@ -394,10 +410,7 @@ pub async fn replay(
         ..filter.clone()
     };
     if options.dry_run {
-        let mut q = QueryBuilder::new("SELECT count(*) FROM dead_letters");
-        push_filter(&mut q, &live);
-        let count: i64 = q.build_query_scalar().fetch_one(pool).await?;
-        report.replayed = u64::try_from(count).unwrap_or_default();
+        report.replayed = count(pool, &live).await?;
         return Ok(report);
     }
     let batch = options.batch_size.max(1);

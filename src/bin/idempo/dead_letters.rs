@@ -235,15 +235,7 @@ pub(crate) async fn replay(
 
 pub(crate) async fn purge(ctx: &Ctx, filter: &Filter, yes: bool) -> anyhow::Result<u8> {
     let pool = ctx.services.database().await?;
-    let count = store::list(
-        pool,
-        &Filter {
-            limit: Some(i64::MAX),
-            ..filter.clone()
-        },
-    )
-    .await?
-    .len();
+    let count = store::count(pool, filter).await?;
     if count == 0 {
         println!("nothing to delete");
         return Ok(0);

@@ -319,6 +319,19 @@ fn admit(app: &App, form: &ActionForm) -> Result<Filter, (StatusCode, &'static s
     ))
 }
 
+/// The confirmation step of an action on `count` letters: the same form
+/// again, with `confirm`.
+fn confirmation(app: &App, form: &ActionForm, what: &str, path: &str, count: u64) -> Response {
+    let fields = form.fields();
+    let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    Html(pages::layout(
+        "Confirm",
+        &pages::confirm(what, count, path, &app.auth.csrf(), &fields),
+        false,
+    ))
+    .into_response()
+}
+
 fn operator(from: SocketAddr) -> String {
     format!("idempo-dashboard:{}", from.ip())
 }
@@ -343,23 +356,13 @@ async fn replay(
             ..options
         };
         return match store::replay(pool, &filter, &dry, |_| {}).await {
-            Ok(count) => {
-                let fields = form.fields();
-                let fields: Vec<(&str, &str)> =
-                    fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
-                Html(pages::layout(
-                    "Confirm",
-                    &pages::confirm(
-                        "Replay",
-                        count.replayed,
-                        "/dead-letters/replay",
-                        &app.auth.csrf(),
-                        &fields,
-                    ),
-                    false,
-                ))
-                .into_response()
-            }
+            Ok(count) => confirmation(
+                &app,
+                &form,
+                "Replay",
+                "/dead-letters/replay",
+                count.replayed,
+            ),
             Err(e) => failure(e),
         };
     }
@@ -400,32 +403,10 @@ async fn discard(
         Err(e) => return failure(e),
     };
     if form.confirm.as_deref() != Some("1") {
-        let count = match store::list(
-            pool,
-            &Filter {
-                limit: Some(i64::MAX),
-                ..filter.clone()
-            },
-        )
-        .await
-        {
-            Ok(letters) => letters.len() as u64,
-            Err(e) => return failure(e),
+        return match store::count(pool, &filter).await {
+            Ok(count) => confirmation(&app, &form, "Discard", "/dead-letters/discard", count),
+            Err(e) => failure(e),
         };
-        let fields = form.fields();
-        let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        return Html(pages::layout(
-            "Confirm",
-            &pages::confirm(
-                "Discard",
-                count,
-                "/dead-letters/discard",
-                &app.auth.csrf(),
-                &fields,
-            ),
-            false,
-        ))
-        .into_response();
     }
     match store::discard(pool, &filter, &operator(from)).await {
         Ok(n) => {
@@ -455,32 +436,10 @@ async fn purge(
         Err(e) => return failure(e),
     };
     if form.confirm.as_deref() != Some("1") {
-        let count = match store::list(
-            pool,
-            &Filter {
-                limit: Some(i64::MAX),
-                ..filter.clone()
-            },
-        )
-        .await
-        {
-            Ok(letters) => letters.len() as u64,
-            Err(e) => return failure(e),
+        return match store::count(pool, &filter).await {
+            Ok(count) => confirmation(&app, &form, "Delete", "/dead-letters/purge", count),
+            Err(e) => failure(e),
         };
-        let fields = form.fields();
-        let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        return Html(pages::layout(
-            "Confirm",
-            &pages::confirm(
-                "Delete",
-                count,
-                "/dead-letters/purge",
-                &app.auth.csrf(),
-                &fields,
-            ),
-            false,
-        ))
-        .into_response();
     }
     match store::purge(pool, &filter).await {
         Ok(n) => {
