@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use support::cli::{idempo, json_lines, payments_db as db, run};
-use support::example::{Load, doubled_payments, spawn_example};
+use support::example::{Load, doubled_payments, publish_with_poison, spawn_example};
 use support::{Broker, Db, eventually, eventually_ready, payment_body, unique};
 
 /// One test at a time in this binary: each runs the example (a pool of 6)
@@ -19,18 +19,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 /// Publishes `n` payments and `poison` negative ones; runs the example with
 /// every attempt failing (2 attempts) until all are dead-lettered.
 async fn fill_dlq(db: &Db, broker: &Broker, queue: &str, n: usize, poison: usize) -> Load {
-    broker.declare(queue).await;
-    let mut load = Load {
-        ids: Default::default(),
-        expected: Default::default(),
-        published: 0,
-    };
-    load.publish(broker, queue, 0..n, false).await;
-    for k in 0..poison {
-        broker
-            .publish(queue, Some(&format!("neg-{k}")), &payment_body("neg", -1))
-            .await;
-    }
+    let load = publish_with_poison(broker, queue, n, poison).await;
     let failing = spawn_example(
         &db.url,
         queue,

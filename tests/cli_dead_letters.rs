@@ -9,50 +9,18 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use support::cli::{idempo, json_lines, payments_db as db, run};
-use support::example::{Load, doubled_payments, spawn_example};
+use support::example::{doubled_payments, fill_dead_letter_table, live_letters, spawn_example};
 use support::{Broker, Db, eventually, eventually_ready, payment_body, unique};
 
 /// One test at a time in this binary: each runs the example (a pool of 6)
 /// beside its own pool, within the suite's connection budget.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-async fn letters(db: &Db) -> i64 {
-    db.count("SELECT count(*) FROM dead_letters WHERE state = 'live'")
-        .await
-}
-
 #[tokio::test]
 async fn the_table_store_is_listed_grouped_and_replayed_once_by_two_racing_replays() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
-    let mut load = Load {
-        ids: Default::default(),
-        expected: Default::default(),
-        published: 0,
-    };
-    load.publish(&broker, &queue, 0..40, false).await;
-    for k in 0..3 {
-        broker
-            .publish(&queue, Some(&format!("neg-{k}")), &payment_body("neg", -1))
-            .await;
-    }
-    let failing = spawn_example(
-        &db.url,
-        &queue,
-        &[
-            ("PAYMENTS_FAIL_RATE", "1"),
-            ("PAYMENTS_MAX_ATTEMPTS", "2"),
-            ("PAYMENTS_DEAD_LETTERS", "table"),
-        ],
-    );
-    eventually(
-        "43 dead letters in the table",
-        Duration::from_secs(90),
-        || async { letters(&db).await == 43 },
-    )
-    .await;
-    drop(failing);
+    let load = fill_dead_letter_table(&db, &broker, &queue, 40, 3).await;
     assert_eq!(db.payments().await, 0);
     assert_eq!(
         broker.ready(&format!("{queue}.dlq")).await,
@@ -171,29 +139,7 @@ async fn the_table_store_is_listed_grouped_and_replayed_once_by_two_racing_repla
 async fn a_table_replay_killed_mid_way_and_run_again_applies_each_payment_once() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
-    let mut load = Load {
-        ids: Default::default(),
-        expected: Default::default(),
-        published: 0,
-    };
-    load.publish(&broker, &queue, 0..30, false).await;
-    let failing = spawn_example(
-        &db.url,
-        &queue,
-        &[
-            ("PAYMENTS_FAIL_RATE", "1"),
-            ("PAYMENTS_MAX_ATTEMPTS", "2"),
-            ("PAYMENTS_DEAD_LETTERS", "table"),
-        ],
-    );
-    eventually(
-        "30 dead letters in the table",
-        Duration::from_secs(90),
-        || async { letters(&db).await == 30 },
-    )
-    .await;
-    drop(failing);
+    let load = fill_dead_letter_table(&db, &broker, &queue, 30, 0).await;
     let _working = spawn_example(&db.url, &queue, &[("PAYMENTS_DEAD_LETTERS", "table")]);
     let mut replay = idempo(&db)
         .args([
@@ -209,16 +155,16 @@ async fn a_table_replay_killed_mid_way_and_run_again_applies_each_payment_once()
         .spawn()
         .unwrap();
     eventually("some letters replayed", Duration::from_secs(30), || async {
-        letters(&db).await <= 25
+        live_letters(&db).await <= 25
     })
     .await;
     replay.kill().unwrap(); // SIGKILL
     replay.wait().unwrap();
-    let left = letters(&db).await;
+    let left = live_letters(&db).await;
     assert!(left > 0, "the replay finished before the kill");
     let again = run(&db, &["dlq", "replay", "--queue", &queue, "--all"]);
     assert!(again.status.success());
-    assert_eq!(letters(&db).await, 0);
+    assert_eq!(live_letters(&db).await, 0);
     eventually("every payment applied", Duration::from_secs(60), || async {
         db.payments().await == load.ids.len() as i64
     })

@@ -7,87 +7,15 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use support::cli::payments_db as db;
-use support::example::{Load, doubled_payments, spawn_example};
-use support::{Broker, Db, eventually, unique};
+use support::cli::{dashboard, payments_db as db};
+use support::example::{doubled_payments, fill_dead_letter_table, live_letters, spawn_example};
+use support::{Broker, eventually, unique};
 
 /// One test at a time in this binary: each runs the example beside its pool.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// A running dashboard, killed when dropped.
-struct Dashboard {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Dashboard {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn dashboard(db: &Db, args: &[&str]) -> Dashboard {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idempo"))
-        .env("DATABASE_URL", &db.url)
-        .env("AMQP_URL", support::amqp_url())
-        .args(["dashboard", "--listen", "127.0.0.1:0"])
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start idempo dashboard");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = line
-        .trim()
-        .rsplit(' ')
-        .next()
-        .unwrap_or_default()
-        .trim_end_matches('/')
-        .to_owned();
-    assert!(url.starts_with("http://127.0.0.1:"), "{line:?}");
-    Dashboard { child, url }
-}
-
-async fn live_letters(db: &Db) -> i64 {
-    db.count("SELECT count(*) FROM dead_letters WHERE state = 'live'")
-        .await
-}
-
-/// Fills the table with `n` dead letters of one cause (every attempt failed).
-async fn fill(db: &Db, broker: &Broker, queue: &str, n: usize) -> Load {
-    broker.declare(queue).await;
-    let mut load = Load {
-        ids: Default::default(),
-        expected: Default::default(),
-        published: 0,
-    };
-    load.publish(broker, queue, 0..n, false).await;
-    let failing = spawn_example(
-        &db.url,
-        queue,
-        &[
-            ("PAYMENTS_FAIL_RATE", "1"),
-            ("PAYMENTS_MAX_ATTEMPTS", "2"),
-            ("PAYMENTS_DEAD_LETTERS", "table"),
-        ],
-    );
-    eventually(
-        "the dead letters in the table",
-        Duration::from_secs(90),
-        || async { live_letters(db).await == n as i64 },
-    )
-    .await;
-    drop(failing);
-    load
-}
 
 /// The value of the first `name="csrf"` input of a page.
 fn csrf(page: &str) -> String {
@@ -99,7 +27,7 @@ fn csrf(page: &str) -> String {
 async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
-    let load = fill(&db, &broker, &queue, 20).await;
+    let load = fill_dead_letter_table(&db, &broker, &queue, 20, 0).await;
     let board = dashboard(&db, &["--token", "s3cret-token", "--sample-every", "200ms"]);
     let http = reqwest::Client::new();
     let get = |path: &str, token: Option<&str>| {
@@ -226,7 +154,7 @@ async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() 
 async fn read_only_shows_no_action_and_refuses_every_one() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
-    fill(&db, &broker, &queue, 3).await;
+    fill_dead_letter_table(&db, &broker, &queue, 3, 0).await;
     let board = dashboard(&db, &["--read-only"]);
     let http = reqwest::Client::new();
     let fingerprint: String = sqlx::query_scalar("SELECT min(fingerprint) FROM dead_letters")
@@ -283,7 +211,7 @@ async fn a_public_address_without_a_token_is_refused_at_start() {
 async fn failed_outbox_messages_are_retried_and_a_group_deleted_after_confirmation() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
-    fill(&db, &broker, &queue, 3).await;
+    fill_dead_letter_table(&db, &broker, &queue, 3, 0).await;
     let id: i64 = sqlx::query_scalar(
         "INSERT INTO outbox (exchange, routing_key, message_id, body, state, attempts, last_error) \
          VALUES ('', 'nowhere', 'm-1', '\\x00', 'failed', 5, 'unroutable') RETURNING id",

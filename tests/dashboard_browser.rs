@@ -8,7 +8,6 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -16,8 +15,9 @@ use std::time::Duration;
 
 use fantoccini::{ClientBuilder, Locator};
 use hyper_util::client::legacy::connect::HttpConnector;
-use support::example::{Load, doubled_payments, spawn_example};
-use support::{Broker, Db, eventually, unique};
+use support::cli::dashboard;
+use support::example::{doubled_payments, fill_dead_letter_table, spawn_example};
+use support::{Broker, eventually, unique};
 
 const INSTALL: &str = "install Chromium and its driver: `apt-get install -y chromium chromium-driver` \
      (`.ci/run` does), or set CHROMEDRIVER to a chromedriver and CHROMIUM to its browser";
@@ -61,29 +61,6 @@ fn chromedriver() -> (Killed, String) {
     panic!("{binary} did not listen on {port}\n{INSTALL}");
 }
 
-fn dashboard(db: &Db, token: &str) -> (Killed, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idempo"))
-        .env("DATABASE_URL", &db.url)
-        .env("AMQP_URL", support::amqp_url())
-        .args(["dashboard", "--listen", "127.0.0.1:0", "--token", token])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start idempo dashboard");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = line
-        .trim()
-        .rsplit(' ')
-        .next()
-        .unwrap()
-        .trim_end_matches('/')
-        .to_owned();
-    (Killed(child), url)
-}
-
 fn screenshots() -> PathBuf {
     let dir = std::env::var("IDEMPO_SCREENSHOTS_DIR")
         .map(PathBuf::from)
@@ -98,36 +75,11 @@ fn screenshots() -> PathBuf {
 async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_once() {
     let db = support::cli::payments_db().await;
     let (broker, queue) = (Broker::connect().await, unique("q"));
-    broker.declare(&queue).await;
-    let mut load = Load {
-        ids: Default::default(),
-        expected: Default::default(),
-        published: 0,
-    };
-    load.publish(&broker, &queue, 0..25, false).await;
-    let failing = spawn_example(
-        &db.url,
-        &queue,
-        &[
-            ("PAYMENTS_FAIL_RATE", "1"),
-            ("PAYMENTS_MAX_ATTEMPTS", "2"),
-            ("PAYMENTS_DEAD_LETTERS", "table"),
-        ],
-    );
-    eventually(
-        "25 dead letters in the table",
-        Duration::from_secs(90),
-        || async {
-            db.count("SELECT count(*) FROM dead_letters WHERE state = 'live'")
-                .await
-                == 25
-        },
-    )
-    .await;
-    drop(failing);
+    let load = fill_dead_letter_table(&db, &broker, &queue, 25, 0).await;
 
     let (_driver, driver_url) = chromedriver();
-    let (_board, board) = dashboard(&db, "browser-token");
+    let dashboard = dashboard(&db, &["--token", "browser-token"]);
+    let board = dashboard.url.clone();
     let mut chrome = serde_json::json!({
         "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--window-size=1280,800"],

@@ -12,32 +12,11 @@ use idempo::Tx;
 use idempo::amqp::dead_letters::{self, Filter, LetterState, ReplayOptions};
 use idempo::amqp::{DeadLetters, HandlerError, JsonBody, Message, RedeliveryPolicy};
 use idempo::testing::{Fault, Harness};
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 use support::payments::{self, Payment};
 
-async fn admin() -> PgPool {
-    let url = support::database_url();
-    PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&url)
-        .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "PostgreSQL is not reachable at {url}: {e}\nstart it with \
-                 `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`"
-            )
-        })
-}
-
-const PAYMENTS_TABLES: &str = "
-    CREATE TABLE payments (message_id text NOT NULL, account text NOT NULL,
-                           amount_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now());
-    CREATE TABLE account_balances (account text PRIMARY KEY, balance_cents bigint NOT NULL);";
-
 async fn harness(queue: &str, batch: bool) -> Harness {
-    let builder = Harness::new(admin().await, queue)
-        .setup(PAYMENTS_TABLES)
+    let builder = Harness::new(support::small_pool().await, queue)
+        .setup(payments::TABLES)
         .hold_timeout(Duration::from_secs(20));
     if batch {
         builder
@@ -395,7 +374,7 @@ async fn processed_ids_are_skipped_and_letters_discarded_purged_and_reaped() {
 #[tokio::test]
 async fn a_handler_error_is_not_the_only_thing_the_table_keeps() {
     // The letter keeps the body whole and binary-safe.
-    let h = Harness::new(admin().await, "raw")
+    let h = Harness::new(support::small_pool().await, "raw")
         .handler(|_tx: Tx, _m: Message| async {
             Err::<(), _>(HandlerError::permanent("refused 'raw' body #7"))
         })

@@ -14,29 +14,8 @@ use std::time::Duration;
 use idempo::Tx;
 use idempo::amqp::{DeadLetterReason, HandlerError, JsonBody, Message, RedeliveryPolicy};
 use idempo::testing::{Delivered, Fault, Harness};
-use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use support::payments::{self, Behaviour, Payment};
-
-/// A small pool on the test server: the harnesses create their schemas with it.
-async fn admin() -> PgPool {
-    let url = support::database_url();
-    PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&url)
-        .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "PostgreSQL is not reachable at {url}: {e}\nstart it with \
-                 `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`"
-            )
-        })
-}
-
-const PAYMENTS_TABLES: &str = "
-    CREATE TABLE payments (message_id text NOT NULL, account text NOT NULL,
-                           amount_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now());
-    CREATE TABLE account_balances (account text PRIMARY KEY, balance_cents bigint NOT NULL);";
 
 /// A per-message harness over the example's handler; `forward_to` forwards
 /// each payment through the outbox.
@@ -45,8 +24,8 @@ async fn payments_harness(queue: &str, forward_to: Option<&str>) -> Harness {
         fail_rate: 0.0,
         forward_to: forward_to.map(Into::into),
     };
-    Harness::new(admin().await, queue)
-        .setup(PAYMENTS_TABLES)
+    Harness::new(support::small_pool().await, queue)
+        .setup(payments::TABLES)
         .configure(|c| c.handler_timeout(Duration::from_millis(300)))
         .handler(move |tx: Tx, m: (JsonBody<Payment>, Message)| {
             payments::handle(tx, m, behaviour.clone())
@@ -244,8 +223,8 @@ async fn each_handler_fault_rolls_back_and_takes_the_runtimes_path() {
 
 #[tokio::test]
 async fn transient_failures_run_out_into_the_dead_letters() {
-    let h = Harness::new(admin().await, "payments")
-        .setup(PAYMENTS_TABLES)
+    let h = Harness::new(support::small_pool().await, "payments")
+        .setup(payments::TABLES)
         .configure(|c| {
             c.retry(
                 RedeliveryPolicy::delayed([Duration::from_secs(1), Duration::from_secs(5)])
@@ -283,7 +262,7 @@ async fn transient_failures_run_out_into_the_dead_letters() {
 #[tokio::test]
 async fn broken_handlers_get_the_runtimes_outcome() {
     // Ends the transaction itself: the claim and the writes are gone.
-    let h = Harness::new(admin().await, "broken")
+    let h = Harness::new(support::small_pool().await, "broken")
         .setup("CREATE TABLE effects (id text)")
         .handler(|tx: Tx, m: Message| async move {
             let mut tx = tx.try_lock()?;
@@ -328,8 +307,8 @@ async fn broken_handlers_get_the_runtimes_outcome() {
 
 #[tokio::test]
 async fn a_batch_is_one_unit_and_poison_leaves_it_alone() {
-    let h = Harness::new(admin().await, "payments-batch")
-        .setup(PAYMENTS_TABLES)
+    let h = Harness::new(support::small_pool().await, "payments-batch")
+        .setup(payments::TABLES)
         .batch_handler(|tx: Tx, batch: Vec<(JsonBody<Payment>, Message)>| {
             payments::handle_batch(tx, batch, 0.0)
         })
@@ -440,7 +419,7 @@ async fn harnesses_do_not_share_claims() {
     );
     assert_ne!(one.schema(), two.schema());
     let schema = one.schema().to_owned();
-    let admin = admin().await;
+    let admin = support::small_pool().await;
     one.close().await;
     two.close().await;
     let left: Option<String> =

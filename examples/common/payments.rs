@@ -80,27 +80,23 @@ pub fn forwarded(to: &str, message_id: &str, payment: &Payment) -> OutboxMessage
         .derived_id(message_id, "forward")
 }
 
-/// Creates the example's tables if missing. `payments` has NO unique key on
-/// `message_id` on purpose: a double effect must stay visible.
+/// The example's tables, created if missing. `payments` has NO unique key
+/// on `message_id` on purpose: a double effect must stay visible.
+pub const TABLES: &str = "
+    CREATE TABLE IF NOT EXISTS payments (
+        message_id   text        NOT NULL,
+        account      text        NOT NULL,
+        amount_cents bigint      NOT NULL,
+        created_at   timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE TABLE IF NOT EXISTS account_balances (
+        account       text   PRIMARY KEY,
+        balance_cents bigint NOT NULL
+    );";
+
+/// Creates the example's [`TABLES`] if missing.
 pub async fn create_tables(pool: &PgPool) -> sqlx::Result<()> {
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS payments (
-            message_id   text        NOT NULL,
-            account      text        NOT NULL,
-            amount_cents bigint      NOT NULL,
-            created_at   timestamptz NOT NULL DEFAULT now()
-        )",
-    )
-    .execute(pool)
-    .await?;
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS account_balances (
-            account       text   PRIMARY KEY,
-            balance_cents bigint NOT NULL
-        )",
-    )
-    .execute(pool)
-    .await?;
+    sqlx::raw_sql(TABLES).execute(pool).await?;
     Ok(())
 }
 

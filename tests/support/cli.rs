@@ -1,6 +1,7 @@
 //! The `idempo` binary as a process, for the tests of its commands.
 
-use std::process::{Command, Output, Stdio};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
 
 use super::Db;
 
@@ -47,4 +48,41 @@ pub async fn payments_db() -> Db {
     idempo::migrate(&db.pool).await.unwrap();
     super::payments::create_tables(&db.pool).await.unwrap();
     db
+}
+
+/// A running dashboard, killed when dropped.
+pub struct Dashboard {
+    child: Child,
+    /// `http://127.0.0.1:PORT`, without a trailing slash.
+    pub url: String,
+}
+
+impl Drop for Dashboard {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `idempo dashboard` on a free loopback port with `args`, once it listens.
+pub fn dashboard(db: &Db, args: &[&str]) -> Dashboard {
+    let mut child = idempo(db)
+        .args(["dashboard", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start idempo dashboard");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .trim()
+        .rsplit(' ')
+        .next()
+        .unwrap_or_default()
+        .trim_end_matches('/')
+        .to_owned();
+    assert!(url.starts_with("http://127.0.0.1:"), "{line:?}");
+    Dashboard { child, url }
 }

@@ -243,3 +243,62 @@ pub fn assert_poison_dead_lettered(dead: &[DeadLetter]) -> usize {
     let distinct: usize = by_reason.values().map(BTreeSet::len).sum();
     dead.len() - distinct
 }
+
+/// Declares `queue` and publishes `n` payments and `poison` negative ones
+/// (`neg-0`, …), which no retry can apply.
+pub async fn publish_with_poison(broker: &Broker, queue: &str, n: usize, poison: usize) -> Load {
+    broker.declare(queue).await;
+    let mut load = Load {
+        ids: Default::default(),
+        expected: Default::default(),
+        published: 0,
+    };
+    load.publish(broker, queue, 0..n, false).await;
+    for k in 0..poison {
+        broker
+            .publish(
+                queue,
+                Some(&format!("neg-{k}")),
+                &super::payment_body("neg", -1),
+            )
+            .await;
+    }
+    load
+}
+
+/// The live dead letters in the table store of `db`.
+pub async fn live_letters(db: &Db) -> i64 {
+    db.count("SELECT count(*) FROM dead_letters WHERE state = 'live'")
+        .await
+}
+
+/// Declares `queue`, publishes `n` payments and `poison` negative ones, and
+/// runs the example with every attempt failing (2 attempts) and its dead
+/// letters kept in the table, until the table holds them all.
+pub async fn fill_dead_letter_table(
+    db: &Db,
+    broker: &Broker,
+    queue: &str,
+    n: usize,
+    poison: usize,
+) -> Load {
+    let load = publish_with_poison(broker, queue, n, poison).await;
+    let failing = spawn_example(
+        &db.url,
+        queue,
+        &[
+            ("PAYMENTS_FAIL_RATE", "1"),
+            ("PAYMENTS_MAX_ATTEMPTS", "2"),
+            ("PAYMENTS_DEAD_LETTERS", "table"),
+        ],
+    );
+    let all = (n + poison) as i64;
+    super::eventually(
+        &format!("{all} dead letters in the table"),
+        Duration::from_secs(90),
+        || async { live_letters(db).await == all },
+    )
+    .await;
+    drop(failing);
+    load
+}

@@ -51,6 +51,17 @@ const START_PG: &str = "start it with `pg_ctlcluster --skip-systemctl-redirect $
 const START_RABBIT: &str = "start it with `rabbitmq-server -detached` \
      (or `docker compose up -d rabbitmq`), or point AMQP_URL at a running broker";
 
+/// A pool of two connections on the test server (for a test harness,
+/// which makes a schema of its own with it).
+pub async fn small_pool() -> PgPool {
+    let url = database_url();
+    PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL is not reachable at {url}: {e}\n{START_PG}"))
+}
+
 /// The prefix of every queue, exchange and schema the tests create; leftovers
 /// of earlier runs are removed by it (see [`Db::with_pool_size`] and
 /// [`Broker::connect`]).

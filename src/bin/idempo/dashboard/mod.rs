@@ -336,57 +336,38 @@ fn operator(from: SocketAddr) -> String {
     format!("idempo-dashboard:{}", from.ip())
 }
 
+/// What an action does to the letters it selects.
+#[derive(Clone, Copy)]
+enum Act {
+    Replay,
+    Discard,
+    Delete,
+}
+
+impl Act {
+    fn label(self) -> &'static str {
+        match self {
+            Act::Replay => "Replay",
+            Act::Discard => "Discard",
+            Act::Delete => "Delete",
+        }
+    }
+
+    fn path(self) -> &'static str {
+        match self {
+            Act::Replay => "/dead-letters/replay",
+            Act::Discard => "/dead-letters/discard",
+            Act::Delete => "/dead-letters/purge",
+        }
+    }
+}
+
 async fn replay(
     State(app): Shared,
     ConnectInfo(from): ConnectInfo<SocketAddr>,
     Form(form): Form<ActionForm>,
 ) -> Response {
-    let filter = match admit(&app, &form) {
-        Ok(filter) => filter,
-        Err(refused) => return refused.into_response(),
-    };
-    let pool = match app.services.database().await {
-        Ok(pool) => pool,
-        Err(e) => return failure(e),
-    };
-    let options = ReplayOptions::by(operator(from));
-    if form.confirm.as_deref() != Some("1") {
-        let dry = ReplayOptions {
-            dry_run: true,
-            ..options
-        };
-        return match store::replay(pool, &filter, &dry, |_| {}).await {
-            Ok(count) => confirmation(
-                &app,
-                &form,
-                "Replay",
-                "/dead-letters/replay",
-                count.replayed,
-            ),
-            Err(e) => failure(e),
-        };
-    }
-    match store::replay(pool, &filter, &options, |_| {}).await {
-        Ok(report) => {
-            tracing::warn!(operator = %from, replayed = report.replayed, skipped = report.skipped.len(), "dashboard: replay");
-            eprintln!(
-                "dashboard: {} replayed {} dead letter(s), skipped {}",
-                from.ip(),
-                report.replayed,
-                report.skipped.len()
-            );
-            let mut message = format!(
-                "{} replayed through the outbox (the consumers' relay publishes them), {} skipped",
-                report.replayed,
-                report.skipped.len()
-            );
-            for (row, why) in &report.skipped {
-                message.push_str(&format!("; row {row}: {why}"));
-            }
-            Html(pages::layout("Done", &pages::done(&message), false)).into_response()
-        }
-        Err(e) => failure(e),
-    }
+    act(&app, from, &form, Act::Replay).await
 }
 
 async fn discard(
@@ -394,32 +375,7 @@ async fn discard(
     ConnectInfo(from): ConnectInfo<SocketAddr>,
     Form(form): Form<ActionForm>,
 ) -> Response {
-    let filter = match admit(&app, &form) {
-        Ok(filter) => filter,
-        Err(refused) => return refused.into_response(),
-    };
-    let pool = match app.services.database().await {
-        Ok(pool) => pool,
-        Err(e) => return failure(e),
-    };
-    if form.confirm.as_deref() != Some("1") {
-        return match store::count(pool, &filter).await {
-            Ok(count) => confirmation(&app, &form, "Discard", "/dead-letters/discard", count),
-            Err(e) => failure(e),
-        };
-    }
-    match store::discard(pool, &filter, &operator(from)).await {
-        Ok(n) => {
-            eprintln!("dashboard: {} discarded {n} dead letter(s)", from.ip());
-            Html(pages::layout(
-                "Done",
-                &pages::done(&format!("{n} discarded (kept for audit until reaped)")),
-                false,
-            ))
-            .into_response()
-        }
-        Err(e) => failure(e),
-    }
+    act(&app, from, &form, Act::Discard).await
 }
 
 async fn purge(
@@ -427,7 +383,13 @@ async fn purge(
     ConnectInfo(from): ConnectInfo<SocketAddr>,
     Form(form): Form<ActionForm>,
 ) -> Response {
-    let filter = match admit(&app, &form) {
+    act(&app, from, &form, Act::Delete).await
+}
+
+/// An action: admitted, then the count of what it selects and a
+/// confirmation, then (confirmed) done, logged with the operator's address.
+async fn act(app: &App, from: SocketAddr, form: &ActionForm, act: Act) -> Response {
+    let filter = match admit(app, form) {
         Ok(filter) => filter,
         Err(refused) => return refused.into_response(),
     };
@@ -437,19 +399,36 @@ async fn purge(
     };
     if form.confirm.as_deref() != Some("1") {
         return match store::count(pool, &filter).await {
-            Ok(count) => confirmation(&app, &form, "Delete", "/dead-letters/purge", count),
+            Ok(count) => confirmation(app, form, act.label(), act.path(), count),
             Err(e) => failure(e),
         };
     }
-    match store::purge(pool, &filter).await {
-        Ok(n) => {
-            eprintln!("dashboard: {} deleted {n} dead letter(s)", from.ip());
-            Html(pages::layout(
-                "Done",
-                &pages::done(&format!("{n} deleted")),
-                false,
-            ))
-            .into_response()
+    let done = match act {
+        Act::Replay => store::replay(pool, &filter, &ReplayOptions::by(operator(from)), |_| {})
+            .await
+            .map(|report| {
+                let mut message = format!(
+                    "{} replayed through the outbox (the consumers' relay publishes them), {} skipped",
+                    report.replayed,
+                    report.skipped.len()
+                );
+                for (row, why) in &report.skipped {
+                    message.push_str(&format!("; row {row}: {why}"));
+                }
+                message
+            }),
+        Act::Discard => store::discard(pool, &filter, &operator(from))
+            .await
+            .map(|n| format!("{n} discarded (kept for audit until reaped)")),
+        Act::Delete => store::purge(pool, &filter)
+            .await
+            .map(|n| format!("{n} deleted")),
+    };
+    match done {
+        Ok(message) => {
+            tracing::warn!(operator = %from, "dashboard: {message}");
+            eprintln!("dashboard: {}: {message}", from.ip());
+            Html(pages::layout("Done", &pages::done(&message), false)).into_response()
         }
         Err(e) => failure(e),
     }

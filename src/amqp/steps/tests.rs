@@ -1,0 +1,481 @@
+//! The state machine against the real PostgreSQL, without a broker: each test
+//! decides synthetic messages and checks the outcomes and what committed.
+
+use std::str::FromStr;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+use crate::Tx;
+use crate::amqp::JsonBody;
+use crate::amqp::handler::{EachMessage, HandlerError, WholeBatch};
+use crate::amqp::health::Health;
+
+/// A schema of its own (named like the integration tests' schemas, so
+/// that their cleanup also removes leftovers), migrated; 3 connections.
+struct TestDb {
+    pool: PgPool,
+    admin: PgPool,
+    schema: String,
+}
+
+impl TestDb {
+    async fn new() -> TestDb {
+        let url = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&url)
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "PostgreSQL is not reachable at {url}: {e}\nstart it with \
+                     `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`"
+                )
+            });
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let schema = format!("idempo_test_db_{secs}_unit_{}", crate::random::token());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE SCHEMA {schema}; CREATE TABLE {schema}.effects (id text NOT NULL)"
+        )))
+        .execute(&admin)
+        .await
+        .expect("create the test schema");
+        let options = PgConnectOptions::from_str(&url)
+            .unwrap()
+            .options([("search_path", schema.as_str())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(3)
+            .connect_with(options)
+            .await
+            .expect("connect to the test schema");
+        crate::migrate(&pool).await.expect("migrate");
+        TestDb {
+            pool,
+            admin,
+            schema,
+        }
+    }
+
+    async fn effects(&self) -> Vec<String> {
+        sqlx::query_scalar("SELECT id FROM effects ORDER BY id")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn claims(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM processed_messages")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn drop(self) {
+        self.pool.close().await;
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA {} CASCADE",
+            self.schema
+        )))
+        .execute(&self.admin)
+        .await;
+    }
+}
+
+fn steps(pool: &PgPool, handler: Arc<dyn Prepare>) -> InboxSteps {
+    let stats = Stats::new("unit");
+    let gate = DatabaseGate::new(
+        pool.clone(),
+        Health::default(),
+        stats.clone(),
+        CancellationToken::new(),
+    );
+    InboxSteps {
+        consumer: "unit".into(),
+        pool: pool.clone(),
+        handler,
+        handler_timeout: Duration::from_secs(5),
+        gate,
+        stats,
+        forwarding: Arc::new(Forwarding::new(false)),
+        read_committed: tokio::sync::OnceCell::new(),
+    }
+}
+
+fn nobody_leaves() -> Abandon {
+    Abandon {
+        shutdown: CancellationToken::new(),
+        channel: None,
+    }
+}
+
+/// Records the message id in `effects`; ids starting with `fail` fail
+/// transiently after writing, `bad` fail permanently, `swallow` ignore a
+/// failed statement, `rollback` end the transaction themselves.
+async fn effect(tx: Tx, message: Message) -> Result<(), HandlerError> {
+    let id = message.id().to_owned();
+    let mut conn = tx.try_lock()?;
+    sqlx::query("INSERT INTO effects (id) VALUES ($1)")
+        .bind(&id)
+        .execute(&mut *conn)
+        .await?;
+    if id.starts_with("fail") {
+        return Err(HandlerError::transient("injected"));
+    }
+    if id.starts_with("bad") {
+        return Err(HandlerError::permanent("a business rule"));
+    }
+    if id.starts_with("swallow") {
+        let _ = sqlx::query("SELECT 1 / 0").execute(&mut *conn).await;
+    }
+    if id.starts_with("rollback") {
+        sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+    }
+    Ok(())
+}
+
+fn each() -> Arc<dyn Prepare> {
+    Arc::new(EachMessage::new(effect))
+}
+
+fn kinds(outcomes: &[Outcome]) -> Vec<String> {
+    outcomes
+        .iter()
+        .map(|o| match o {
+            Outcome::Processed => "processed".to_owned(),
+            Outcome::Duplicate => "duplicate".to_owned(),
+            Outcome::DeadLetter { reason, .. } => format!("dead letter: {reason}"),
+            Outcome::Retry { .. } => "retry".to_owned(),
+            Outcome::Abandoned => "abandoned".to_owned(),
+        })
+        .collect()
+}
+
+async fn decide(steps: &InboxSteps, messages: &[Message]) -> Vec<String> {
+    kinds(&steps.run(messages, &nobody_leaves()).await)
+}
+
+/// Records the transaction's isolation level as the effect.
+async fn isolation(tx: Tx, _message: Message) -> Result<(), HandlerError> {
+    let mut conn = tx.try_lock()?;
+    sqlx::query("INSERT INTO effects (id) SELECT current_setting('transaction_isolation')")
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn claims_and_handlers_run_at_read_committed_whatever_the_session_default() {
+    let db = TestDb::new().await;
+    // The default session (READ COMMITTED: SET TRANSACTION is skipped),
+    // then sessions that default to SERIALIZABLE (it is sent).
+    let options = db.pool.connect_options().as_ref().clone();
+    let serializable = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options.options([("default_transaction_isolation", "serializable")]))
+        .await
+        .expect("connect with a serializable default");
+    for (n, pool) in [&db.pool, &serializable].into_iter().enumerate() {
+        let steps = steps(pool, Arc::new(EachMessage::new(isolation)));
+        let message = Message::for_test(&format!("iso-{n}"), b"{}");
+        assert_eq!(decide(&steps, &[message]).await, ["processed"]);
+        assert_eq!(
+            *steps.read_committed.get().expect("asked once"),
+            n == 0,
+            "what the sessions default to"
+        );
+    }
+    assert_eq!(db.effects().await, ["read committed", "read committed"]);
+    serializable.close().await;
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_fresh_message_commits_once_and_its_copies_are_duplicates_or_mismatches() {
+    let db = TestDb::new().await;
+    let steps = steps(&db.pool, each());
+    let first = Message::for_test("pay-1", b"100");
+    assert_eq!(
+        decide(&steps, std::slice::from_ref(&first)).await,
+        ["processed"]
+    );
+    assert_eq!(decide(&steps, &[first]).await, ["duplicate"]);
+    let reused = Message::for_test("pay-1", b"999");
+    assert_eq!(
+        decide(&steps, &[reused]).await,
+        ["dead letter: message id reused with a different payload"]
+    );
+    assert_eq!(db.effects().await, ["pay-1"], "one effect");
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn failing_handlers_commit_nothing_and_say_how_to_settle() {
+    let db = TestDb::new().await;
+    let steps = steps(&db.pool, each());
+    for (id, expected) in [
+        ("fail-1", "retry"),
+        ("bad-1", "dead letter: permanent handler error"),
+        ("swallow-1", "retry"),
+        ("rollback-1", "retry"),
+    ] {
+        let outcome = decide(&steps, &[Message::for_test(id, b"{}")]).await;
+        assert_eq!(outcome, [expected], "{id}");
+    }
+    assert!(db.effects().await.is_empty(), "every write rolled back");
+    assert_eq!(db.claims().await, 0, "and every claim");
+    db.drop().await;
+}
+
+/// A batch handler: writes an effect per message, then, when an id of
+/// the batch starts with `swallow`, ignores a failed statement (the
+/// transaction is aborted), and when one starts with `rollback`, ends the
+/// transaction itself (after every write, so none escapes it); records
+/// the ids of each call.
+fn whole_batch(calls: Arc<std::sync::Mutex<Vec<Vec<String>>>>) -> Arc<dyn Prepare> {
+    let handler = move |tx: Tx, batch: Vec<Message>| {
+        let ids: Vec<String> = batch.iter().map(|m| m.id().to_owned()).collect();
+        calls.lock().unwrap().push(ids.clone());
+        async move {
+            let mut conn = tx.try_lock()?;
+            for id in &ids {
+                sqlx::query("INSERT INTO effects (id) VALUES ($1)")
+                    .bind(id)
+                    .execute(&mut *conn)
+                    .await?;
+            }
+            if ids.iter().any(|id| id.starts_with("swallow")) {
+                let _ = sqlx::query("SELECT 1 / 0").execute(&mut *conn).await;
+            }
+            if ids.iter().any(|id| id.starts_with("rollback")) {
+                sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+            }
+            Ok(())
+        }
+    };
+    Arc::new(WholeBatch::new(handler))
+}
+
+#[tokio::test]
+async fn a_batch_handler_that_aborts_or_ends_its_transaction_commits_nothing() {
+    let db = TestDb::new().await;
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let steps = steps(&db.pool, whole_batch(calls.clone()));
+    for prefix in ["swallow", "rollback"] {
+        let batch: Vec<Message> = (1..=3)
+            .map(|n| Message::for_test(&format!("{prefix}-{n}"), b"{}"))
+            .collect();
+        assert_eq!(
+            decide(&steps, &batch).await,
+            ["retry", "retry", "retry"],
+            "{prefix}"
+        );
+        assert!(db.effects().await.is_empty(), "{prefix}: no effect commits");
+        assert_eq!(db.claims().await, 0, "{prefix}: and no claim");
+    }
+    let sizes: Vec<usize> = calls.lock().unwrap().iter().map(Vec::len).collect();
+    assert_eq!(
+        sizes,
+        [3, 1, 1, 1, 3, 1, 1, 1],
+        "each batch failed whole, then each delivery alone"
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_batch_whose_handler_aborts_for_one_delivery_commits_the_others_once() {
+    let db = TestDb::new().await;
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let steps = steps(&db.pool, whole_batch(calls.clone()));
+    let batch = [
+        Message::for_test("ok-1", b"1"),
+        Message::for_test("swallow-1", b"2"),
+        Message::for_test("ok-2", b"3"),
+        Message::for_test("rollback-1", b"4"),
+    ];
+    assert_eq!(
+        decide(&steps, &batch).await,
+        ["processed", "retry", "processed", "retry"]
+    );
+    assert_eq!(db.effects().await, ["ok-1", "ok-2"]);
+    assert_eq!(db.claims().await, 2);
+    // The redelivery of the whole batch: the committed ones are duplicates.
+    assert_eq!(
+        decide(&steps, &batch).await,
+        ["duplicate", "retry", "duplicate", "retry"]
+    );
+    assert_eq!(db.effects().await, ["ok-1", "ok-2"], "effects once");
+    db.drop().await;
+}
+
+/// Fresh ids, one processed before, one repeated in the batch with the
+/// same body and with another: a batch handler sees the fresh ones once,
+/// and the outcomes are those of the same deliveries one by one.
+#[tokio::test]
+async fn a_batch_handler_decides_copies_and_reused_ids_as_per_message_mode_does() {
+    let batch = [
+        Message::for_test("n-1", b"1"),
+        Message::for_test("p-0", b"0"), // processed before: duplicate
+        Message::for_test("n-1", b"1"), // repeated, same body: duplicate
+        Message::for_test("n-1", b"other"), // repeated, other body: mismatch
+        Message::for_test("n-2", b"2"),
+        Message::for_test("p-0", b"zzz"), // processed before, other body
+    ];
+    let expected = [
+        "processed",
+        "duplicate",
+        "duplicate",
+        "dead letter: message id reused with a different payload",
+        "processed",
+        "dead letter: message id reused with a different payload",
+    ];
+
+    let db = TestDb::new().await;
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let batched = steps(&db.pool, whole_batch(calls.clone()));
+    assert_eq!(
+        decide(&batched, &[Message::for_test("p-0", b"0")]).await,
+        ["processed"]
+    );
+    assert_eq!(decide(&batched, &batch).await, expected);
+    assert_eq!(db.effects().await, ["n-1", "n-2", "p-0"], "effects once");
+    assert_eq!(db.claims().await, 3);
+    assert_eq!(
+        *calls.lock().unwrap(),
+        [
+            vec!["p-0".to_owned()],
+            vec!["n-1".to_owned(), "n-2".to_owned()]
+        ],
+        "one call for the batch, with its fresh messages only"
+    );
+    // Again: everything is a copy now, and the handler is not called.
+    let again = decide(&batched, &batch).await;
+    assert_eq!(
+        again,
+        [
+            "duplicate",
+            "duplicate",
+            "duplicate",
+            "dead letter: message id reused with a different payload",
+            "duplicate",
+            "dead letter: message id reused with a different payload",
+        ]
+    );
+    assert_eq!(calls.lock().unwrap().len(), 2);
+    db.drop().await;
+
+    // The same deliveries one by one, per-message mode.
+    let db = TestDb::new().await;
+    let single = steps(&db.pool, each());
+    assert_eq!(
+        decide(&single, &[Message::for_test("p-0", b"0")]).await,
+        ["processed"]
+    );
+    let mut one_by_one = Vec::new();
+    for message in &batch {
+        one_by_one.extend(decide(&single, std::slice::from_ref(message)).await);
+    }
+    assert_eq!(one_by_one, expected);
+    assert_eq!(db.effects().await, ["n-1", "n-2", "p-0"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn an_undecodable_body_is_dead_lettered_before_any_database_work() {
+    let db = TestDb::new().await;
+    let typed = |_tx: Tx, JsonBody(_n): JsonBody<i64>| async { Ok(()) };
+    let steps = steps(&db.pool, Arc::new(EachMessage::new(typed)));
+    let outcome = decide(&steps, &[Message::for_test("pay-x", b"not json")]).await;
+    assert_eq!(outcome, ["dead letter: undecodable body"]);
+    assert_eq!(db.claims().await, 0);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_batch_claims_once_and_a_failure_splits_it_into_single_deliveries() {
+    let db = TestDb::new().await;
+    let steps = steps(&db.pool, each());
+    assert_eq!(
+        decide(&steps, &[Message::for_test("b-0", b"0")]).await,
+        ["processed"]
+    );
+    let batch = [
+        Message::for_test("b-1", b"1"),
+        Message::for_test("b-0", b"0"), // processed before: duplicate
+        Message::for_test("b-0", b"zzz"), // reused with another body
+        Message::for_test("b-2", b"2"),
+        Message::for_test("b-1", b"1"), // twice in the batch: the first wins
+        Message::for_test("fail-b", b"3"), // fails the batch: split
+    ];
+    assert_eq!(
+        decide(&steps, &batch).await,
+        [
+            "processed",
+            "duplicate",
+            "dead letter: message id reused with a different payload",
+            "processed",
+            "duplicate",
+            "retry",
+        ]
+    );
+    assert_eq!(db.effects().await, ["b-0", "b-1", "b-2"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_batch_handler_gets_the_fresh_messages_of_a_batch_at_once() {
+    let db = TestDb::new().await;
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = calls.clone();
+    let batch_handler = move |tx: Tx, batch: Vec<Message>| {
+        seen.lock().unwrap().push(batch.len());
+        async move {
+            for message in batch {
+                effect(tx.clone(), message).await?;
+            }
+            Ok(())
+        }
+    };
+    let steps = steps(&db.pool, Arc::new(WholeBatch::new(batch_handler)));
+    let first = [
+        Message::for_test("w-1", b"1"),
+        Message::for_test("w-2", b"2"),
+    ];
+    assert_eq!(decide(&steps, &first).await, ["processed", "processed"]);
+    let again = [
+        Message::for_test("w-1", b"1"),
+        Message::for_test("w-3", b"3"),
+        Message::for_test("w-4", b"4"),
+    ];
+    assert_eq!(
+        decide(&steps, &again).await,
+        ["duplicate", "processed", "processed"]
+    );
+    assert_eq!(
+        *calls.lock().unwrap(),
+        [2, 2],
+        "one call per batch, fresh only"
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_delivery_waiting_for_the_database_is_abandoned_at_shutdown() {
+    // A pool on a port where nothing listens: every BEGIN fails to connect.
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(200))
+        .connect_lazy("postgres://postgres@127.0.0.1:9/none")
+        .unwrap();
+    let steps = steps(&pool, each());
+    let abandon = nobody_leaves();
+    abandon.shutdown.cancel();
+    let outcomes = steps
+        .run(&[Message::for_test("pay-1", b"1")], &abandon)
+        .await;
+    assert_eq!(kinds(&outcomes), ["abandoned"], "left unacked, not retried");
+    assert!(!steps.gate_is_open(), "the gate knows the database is down");
+}
