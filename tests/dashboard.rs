@@ -11,7 +11,9 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use support::cli::{dashboard, payments_db as db};
-use support::example::{doubled_payments, fill_dead_letter_table, live_letters, spawn_example};
+use support::example::{
+    doubled_payments, fill_dead_letter_table, live_letters, publish_load, spawn_example,
+};
 use support::{Broker, eventually, unique};
 
 /// One test at a time in this binary: each runs the example beside its pool.
@@ -244,7 +246,7 @@ async fn failed_outbox_messages_are_retried_and_a_group_deleted_after_confirmati
         .await
         .unwrap();
     assert!(
-        retried.contains("1 failed message(s) back to pending"),
+        retried.contains("1 failed row(s) back to pending"),
         "{retried}"
     );
     let state: String = sqlx::query_scalar("SELECT state FROM outbox WHERE id = $1")
@@ -253,6 +255,31 @@ async fn failed_outbox_messages_are_retried_and_a_group_deleted_after_confirmati
         .await
         .unwrap();
     assert_eq!(state, "pending");
+
+    // Discarding asks first, then deletes the failed row (only that one).
+    let doomed: i64 = sqlx::query_scalar(
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, state, attempts, last_error) \
+         VALUES ('', 'nowhere', 'm-2', '\\x00', 'failed', 5, 'unroutable') RETURNING id",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let discard = |confirm: bool| {
+        let mut fields = vec![("csrf", token.clone()), ("id", doomed.to_string())];
+        if confirm {
+            fields.push(("confirm", "1".into()));
+        }
+        http.post(format!("{}/outbox/discard", board.url))
+            .form(&fields)
+            .send()
+    };
+    let asked = discard(false).await.unwrap().text().await.unwrap();
+    assert!(asked.contains("Discard 1"), "{asked}");
+    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 2, "asking deletes nothing");
+    let done = discard(true).await.unwrap().text().await.unwrap();
+    assert!(done.contains("1 failed row(s) discarded"), "{done}");
+    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE message_id = 'm-2'").await, 0);
+    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE message_id = 'm-1'").await, 1);
 
     let fingerprint: String = sqlx::query_scalar("SELECT min(fingerprint) FROM dead_letters")
         .fetch_one(&db.pool)
@@ -298,4 +325,79 @@ async fn a_queue_dlq_is_shown_read_only_when_the_table_is_not_used() {
     assert!(page.contains("read-only here"), "{page}");
     assert!(!page.contains("<form"), "no action on a queue DLQ: {page}");
     support::eventually_ready(&broker, &format!("{queue}.dlq"), 1).await;
+}
+
+#[tokio::test]
+async fn the_overview_shows_each_consumer_process_with_its_counts_and_the_queue_unacked() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    // 50 payments, every 5th published twice: 60 deliveries, 10 duplicates.
+    let load = publish_load(&broker, &queue, 50, true).await;
+    assert_eq!(load.published, 60);
+    let example = spawn_example(&db.url, &queue, &[]);
+    eventually("50 payments applied", Duration::from_secs(60), || async {
+        db.payments().await == 50
+    })
+    .await;
+    let board = dashboard(&db, &["--sample-every", "300ms"]);
+    let page = || async {
+        reqwest::get(format!("{}/", board.url))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    // The process, from its heartbeat: alive, consuming, and its counters.
+    eventually(
+        "the consumer process on the overview",
+        Duration::from_secs(30),
+        || async {
+            let page = page().await;
+            page.contains(&format!("<td>{queue}</td><td>{queue}</td>"))
+                && page.contains("<td>consuming</td>")
+                && page.contains("<td>60</td><td>50</td><td>10</td>")
+                && page.contains("1 of 1")
+                && page.contains(&format!("{queue}: duplicates/s"))
+        },
+    )
+    .await;
+    drop(example);
+
+    // Deliveries held by a client that does not ack: the queue's unacked,
+    // from RabbitMQ's management API.
+    broker.publish_many(&queue, &load_more(5)).await;
+    let channel = broker.connection.create_channel().await.unwrap();
+    channel
+        .basic_qos(5, lapin::options::BasicQosOptions::default())
+        .await
+        .unwrap();
+    let _holding = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "holder".into(),
+            lapin::options::BasicConsumeOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    eventually(
+        "5 unacked on the overview (is the management plugin enabled? \
+         rabbitmq-plugins enable rabbitmq_management)",
+        Duration::from_secs(40),
+        || async {
+            page()
+                .await
+                .contains(&format!("<td>{queue}</td><td>0</td><td>5</td>"))
+        },
+    )
+    .await;
+}
+
+/// `n` messages that are not payments the example knows (never consumed here).
+fn load_more(n: usize) -> Vec<(String, Vec<u8>)> {
+    (0..n)
+        .map(|i| (format!("held-{i}"), b"{}".to_vec()))
+        .collect()
 }

@@ -78,7 +78,7 @@ async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_onc
     let load = fill_dead_letter_table(&db, &broker, &queue, 25, 0).await;
 
     let (_driver, driver_url) = chromedriver();
-    let dashboard = dashboard(&db, &["--token", "browser-token"]);
+    let dashboard = dashboard(&db, &["--token", "browser-token", "--sample-every", "1s"]);
     let board = dashboard.url.clone();
     let mut chrome = serde_json::json!({
         "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -115,12 +115,6 @@ async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_onc
             overview.contains("Overview") && overview.contains(&queue),
             "{overview}"
         );
-        std::fs::write(
-            screenshots().join("dashboard-overview.png"),
-            browser.screenshot().await?,
-        )
-        .unwrap();
-
         browser
             .goto(&format!("{board}/dead-letters?queue={queue}"))
             .await?;
@@ -153,6 +147,32 @@ async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_onc
             db.payments().await == load.ids.len() as i64
         })
         .await;
+
+        // The overview with the consumer at work: its process and charts.
+        browser.goto(&format!("{board}/")).await?;
+        let overview = browser.source().await?;
+        assert!(overview.contains("<td>consuming</td>"), "{overview}");
+        std::fs::write(
+            screenshots().join("dashboard-overview.png"),
+            browser.screenshot().await?,
+        )
+        .unwrap();
+        // A phone-width window: the page does not scroll sideways (wide
+        // tables scroll inside themselves).
+        browser.set_window_size(390, 844).await?;
+        browser.goto(&format!("{board}/")).await?;
+        let fits = browser
+            .execute(
+                "return document.documentElement.scrollWidth <= window.innerWidth + 1;",
+                vec![],
+            )
+            .await?;
+        assert_eq!(fits, serde_json::Value::Bool(true), "the overview fits 390 px");
+        std::fs::write(
+            screenshots().join("dashboard-phone.png"),
+            browser.screenshot().await?,
+        )
+        .unwrap();
         Ok::<(), fantoccini::error::CmdError>(())
     }
     .await;

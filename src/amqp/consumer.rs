@@ -9,6 +9,7 @@ use sqlx::PgPool;
 
 use super::config::Config;
 use super::health::Health;
+use super::heartbeat;
 use super::mode::Dispatch;
 use super::outbox::Forwarding;
 use super::retention;
@@ -212,6 +213,15 @@ impl Consumer {
             ))
         });
         let relay = forwarding.start_relay(&config.broker, &config.pool, &config.consumer, &health);
+        let beating = heartbeat::Identity::new(&config.consumer, &config.topology.queue);
+        let beats = tokio::spawn(heartbeat::beat_periodically(
+            config.pool.clone(),
+            beating.clone(),
+            stats.clone(),
+            health.clone(),
+            shutdown.graceful_token().clone(),
+        ));
+        let (pool, last) = (config.pool.clone(), (stats.clone(), health.clone()));
         let shutdown_timeout = config.shutdown_timeout;
         let mut runtime = Runtime::new(config, dispatch, shutdown, stats, health);
         // Load the key for the ids on copies now, so that the first copies
@@ -229,6 +239,13 @@ impl Consumer {
         if let Some(reaper) = reaper {
             reaper.abort();
         }
+        beats.abort();
+        // The last heartbeat says so, so that the dashboard stops counting it.
+        let _ = tokio::time::timeout(
+            Duration::from_secs(2),
+            heartbeat::beat_once(&pool, &beating, &last.0, &last.1, Some("stopped")),
+        )
+        .await;
         result
     }
 }

@@ -61,6 +61,7 @@ mod fit;
 pub(crate) mod handler;
 pub(crate) mod headers;
 mod health;
+pub mod heartbeat;
 mod message;
 mod message_id;
 pub mod mode;

@@ -41,8 +41,9 @@ struct Counters {
     cells: [AtomicU64; Counter::ALL.len()],
 }
 
-/// The counters at one instant.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// The counters at one instant (as JSON in the consumer's heartbeat).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 #[non_exhaustive]
 pub struct StatsSnapshot {
     /// Deliveries received from the broker.

@@ -36,6 +36,14 @@ pub enum OpsError {
         #[source]
         source: crate::Error,
     },
+    /// RabbitMQ's management API did not answer as expected.
+    #[error("RabbitMQ's management API at {url}: {message}")]
+    Management {
+        /// Where it was asked, without credentials.
+        url: String,
+        /// What went wrong.
+        message: String,
+    },
     /// A queue named by the caller does not exist.
     #[error("queue {queue:?} does not exist")]
     QueueNotFound {

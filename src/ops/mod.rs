@@ -36,6 +36,7 @@
 pub mod dlq;
 mod error;
 pub mod maintenance;
+pub mod management;
 mod status;
 
 use std::fmt;

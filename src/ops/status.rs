@@ -75,6 +75,9 @@ pub struct Status {
     /// Live dead letters in the table store per consumer, queue and cause
     /// (`None`: the table does not exist).
     pub dead_letters: Option<Vec<crate::amqp::dead_letters::LetterCount>>,
+    /// The consumer processes whose heartbeat was written in the last 15
+    /// minutes, running or stopped (`None`: the table does not exist).
+    pub instances: Option<Vec<crate::amqp::heartbeat::Instance>>,
     /// What an operator must act on, in the order found.
     pub warnings: Vec<Warning>,
 }
@@ -239,6 +242,9 @@ fn outbox_json<S: Serializer>(o: &Option<OutboxStatus>, serializer: S) -> Result
     .serialize(serializer)
 }
 
+/// How far back [`Status::instances`] looks.
+const INSTANCES_WITHIN: Duration = Duration::from_secs(15 * 60);
+
 /// Claims per consumer, queue depths (passive declares: the broker is asked
 /// only when there is a queue to inspect), the outbox, HTTP keys and window
 /// entries, and the [`Warning`]s among them.
@@ -264,11 +270,22 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
 
     // The database's questions side by side (the pool has two connections),
     // then the broker's beside the rest.
-    let (claims, dead_letters, sealed) = tokio::join!(
+    let (claims, dead_letters, sealed, instances) = tokio::join!(
         crate::inbox::claims_per_consumer(pool, &options.consumers),
         crate::amqp::dead_letters::counts(pool),
         crate::amqp::consumers_with_keys(pool),
+        crate::amqp::heartbeat::instances(pool, INSTANCES_WITHIN),
     );
+    let instances: Option<Vec<_>> = match instances {
+        Ok(found) => Some(
+            found
+                .into_iter()
+                .filter(|i| options.consumers.is_empty() || options.consumers.contains(&i.consumer))
+                .collect(),
+        ),
+        Err(e) if missing_table(&e) => None,
+        Err(e) => return Err(e.into()),
+    };
     let claims = match claims {
         Ok(claims) => claims,
         Err(e) if missing_table(&e) => {
@@ -294,12 +311,18 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
     };
     let names: Vec<String> = if options.queues.is_empty() {
         // Every consumer seen: with claims, with a key (it sealed a retry or
-        // dead-letter copy), or with letters in the table.
+        // dead-letter copy), or with letters in the table; and the queues of
+        // the processes that wrote a heartbeat.
         let mut names: Vec<String> = claims.iter().map(|c| c.consumer.clone()).collect();
         let lettered = dead_letters.iter().flatten().map(|c| c.queue.clone());
         let wanted =
             |name: &String| options.consumers.is_empty() || options.consumers.contains(name);
         for name in sealed.unwrap_or_default().into_iter().chain(lettered) {
+            if wanted(&name) && !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        for name in instances.iter().flatten().map(|i| i.queue.clone()) {
             if wanted(&name) && !names.contains(&name) {
                 names.push(name);
             }
@@ -377,6 +400,7 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
         http_keys,
         window,
         dead_letters,
+        instances,
         warnings,
     })
 }

@@ -280,6 +280,21 @@ pub async fn retry_failed(pool: &PgPool, ids: Option<&[i64]>) -> Result<u64, sql
     Ok(done.rows_affected())
 }
 
+/// Deletes failed rows (all of them when `ids` is `None`): an operator
+/// decided they must not be published; returns how many rows.
+///
+/// # Errors
+/// The delete failed.
+pub async fn discard_failed(pool: &PgPool, ids: Option<&[i64]>) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "DELETE FROM outbox WHERE state = 'failed' AND ($1::bigint[] IS NULL OR id = ANY($1))",
+    )
+    .bind(ids)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
+
 /// Deletes up to `batch` published rows kept longer than `keep` (rows are
 /// kept only with [`Relay::keep_published`](crate::amqp::Relay::keep_published));
 /// returns how many. The relay calls it in bounded batches.

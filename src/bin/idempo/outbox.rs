@@ -1,8 +1,8 @@
-//! `idempo outbox failed|retry`: [`idempo::outbox::failed`] and
-//! [`idempo::outbox::retry_failed`].
+//! `idempo outbox failed|retry|discard`: [`idempo::outbox::failed`],
+//! [`idempo::outbox::retry_failed`] and [`idempo::outbox::discard_failed`].
 
 use anyhow::bail;
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use serde_json::json;
 
 use crate::{Ctx, output};
@@ -17,14 +17,41 @@ pub(crate) enum OutboxCommand {
     },
     /// Put failed messages back to pending (attempts reset): the relay
     /// publishes them again.
-    Retry {
-        /// Only these rows (repeatable; `outbox failed` shows their ids).
-        #[arg(long = "id", value_name = "ROW_ID")]
-        ids: Vec<i64>,
-        /// Every failed message.
-        #[arg(long, conflicts_with = "ids")]
-        all: bool,
-    },
+    Retry(Selected),
+    /// Delete failed messages: they are never published.
+    Discard(Selected),
+}
+
+/// Which failed rows.
+#[derive(Args)]
+pub(crate) struct Selected {
+    /// Only these rows (repeatable; `outbox failed` shows their ids).
+    #[arg(long = "id", value_name = "ROW_ID")]
+    ids: Vec<i64>,
+    /// Every failed message.
+    #[arg(long, conflicts_with = "ids")]
+    all: bool,
+}
+
+impl Selected {
+    /// The ids, `None` for all; an error when neither was said.
+    fn ids(&self, verb: &str) -> anyhow::Result<Option<&[i64]>> {
+        if self.ids.is_empty() && !self.all {
+            bail!("say which failed messages to {verb}: --id ROW_ID (repeatable) or --all");
+        }
+        Ok((!self.all).then_some(self.ids.as_slice()))
+    }
+
+    /// Fails when fewer rows than named were found.
+    fn check(&self, done: u64, verb: &str) -> anyhow::Result<()> {
+        if !self.all && done < self.ids.len() as u64 {
+            bail!(
+                "{done} of {} row(s) {verb}: the others are not failed outbox rows",
+                self.ids.len()
+            );
+        }
+        Ok(())
+    }
 }
 
 pub(crate) async fn exec(ctx: &Ctx, command: OutboxCommand) -> anyhow::Result<u8> {
@@ -63,22 +90,22 @@ pub(crate) async fn exec(ctx: &Ctx, command: OutboxCommand) -> anyhow::Result<u8
                 }
             }
         }
-        OutboxCommand::Retry { ids, all } => {
-            if ids.is_empty() && !all {
-                bail!("say which failed messages to retry: --id ROW_ID (repeatable) or --all");
-            }
-            let selected = (!all).then_some(ids.as_slice());
-            let retried = idempo::outbox::retry_failed(pool, selected).await?;
-            if !all && retried < ids.len() as u64 {
-                bail!(
-                    "{retried} of {} row(s) put back: the others are not failed outbox rows",
-                    ids.len()
-                );
-            }
+        OutboxCommand::Retry(selected) => {
+            let retried = idempo::outbox::retry_failed(pool, selected.ids("retry")?).await?;
+            selected.check(retried, "put back")?;
             if ctx.json {
                 output::json(&json!({"retried": retried}));
             } else {
                 println!("put {retried} failed message(s) back to pending");
+            }
+        }
+        OutboxCommand::Discard(selected) => {
+            let discarded = idempo::outbox::discard_failed(pool, selected.ids("discard")?).await?;
+            selected.check(discarded, "discarded")?;
+            if ctx.json {
+                output::json(&json!({"discarded": discarded}));
+            } else {
+                println!("discarded {discarded} failed row(s)");
             }
         }
     }

@@ -19,7 +19,8 @@ use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use clap::Args;
 use idempo::amqp::dead_letters::{self as store, Filter, ReplayOptions};
-use idempo::ops::{Services, StatusOptions};
+use idempo::ops::Services;
+use idempo::ops::management::Management;
 use serde::Deserialize;
 
 use crate::Ctx;
@@ -43,6 +44,12 @@ pub(crate) struct DashboardArgs {
     /// How often the overview's charts are sampled (they cover 15 minutes).
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration, default_value = "10s")]
     sample_every: std::time::Duration,
+    /// RabbitMQ's management API (`http://user:password@host:15672`), for
+    /// the queues' unacked messages; by default the first AMQP node's host,
+    /// port 15672, with the AMQP URL's credentials. Optional: without it the
+    /// overview shows everything else.
+    #[arg(long, value_name = "URL", env = "RABBITMQ_MANAGEMENT_URL", hide_env_values = true)]
+    management_url: Option<String>,
 }
 
 struct App {
@@ -50,6 +57,7 @@ struct App {
     auth: Auth,
     read_only: bool,
     samples: samples::Samples,
+    sample_every: std::time::Duration,
 }
 
 type Shared = State<Arc<App>>;
@@ -66,17 +74,25 @@ pub(crate) async fn exec(ctx: &Ctx, args: DashboardArgs) -> anyhow::Result<u8> {
     if args.token.as_deref().is_some_and(str::is_empty) {
         bail!("--token must not be empty");
     }
+    let management = match &args.management_url {
+        // A URL the operator gave must work: say so at start.
+        Some(url) => Ok(Management::new(url)?),
+        None => Management::for_services(&ctx.services).map_err(|e| e.to_string()),
+    };
+    let every = args.sample_every.max(std::time::Duration::from_millis(100));
     let app = Arc::new(App {
         services: ctx.services.clone(),
         auth: Auth::new(args.token),
         read_only: args.read_only,
-        samples: samples::Samples::default(),
+        samples: samples::Samples::new(management),
+        sample_every: every,
     });
     let sampler = app.clone();
-    let every = args.sample_every.max(std::time::Duration::from_millis(100));
     tokio::spawn(async move {
         loop {
-            sampler.samples.take(&sampler.services).await;
+            if let Err(e) = sampler.samples.take(&sampler.services).await {
+                tracing::warn!(error = %e, "dashboard: sample not taken");
+            }
             tokio::time::sleep(every).await;
         }
     });
@@ -107,6 +123,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/dead-letters/purge", post(purge))
         .route("/outbox", get(outbox))
         .route("/outbox/retry", post(outbox_retry))
+        .route("/outbox/discard", post(outbox_discard))
         .route_layer(middleware::from_fn_with_state(app.clone(), signed_in));
     Router::new()
         .merge(pages)
@@ -158,10 +175,11 @@ fn failure(e: impl std::fmt::Display) -> Response {
         .into_response()
 }
 
+/// Renders the latest sample: a page costs no query.
 async fn overview(State(app): Shared) -> Response {
-    match idempo::ops::status(&app.services, &StatusOptions::default()).await {
-        Ok(status) => {
-            let body = pages::overview(&status) + &app.samples.charts();
+    match app.samples.latest(&app.services).await {
+        Ok(latest) => {
+            let body = pages::overview(&latest, &app.samples.charts(), app.sample_every);
             Html(pages::layout("Overview", &body, true)).into_response()
         }
         Err(e) => failure(e),
@@ -326,7 +344,13 @@ fn confirmation(app: &App, form: &ActionForm, what: &str, path: &str, count: u64
     let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
     Html(pages::layout(
         "Confirm",
-        &pages::confirm(what, count, path, &app.auth.csrf(), &fields),
+        &pages::confirm(
+            (what, count, "dead letter(s)"),
+            path,
+            "/dead-letters",
+            &app.auth.csrf(),
+            &fields,
+        ),
         false,
     ))
     .into_response()
@@ -438,6 +462,7 @@ async fn act(app: &App, from: SocketAddr, form: &ActionForm, act: Act) -> Respon
 struct OutboxForm {
     csrf: Option<String>,
     id: Option<i64>,
+    confirm: Option<String>,
 }
 
 async fn outbox_retry(
@@ -445,6 +470,19 @@ async fn outbox_retry(
     ConnectInfo(from): ConnectInfo<SocketAddr>,
     Form(form): Form<OutboxForm>,
 ) -> Response {
+    outbox_act(&app, from, &form, false).await
+}
+
+async fn outbox_discard(
+    State(app): Shared,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    Form(form): Form<OutboxForm>,
+) -> Response {
+    outbox_act(&app, from, &form, true).await
+}
+
+/// Failed outbox rows (one, or all) put back to pending, or discarded.
+async fn outbox_act(app: &App, from: SocketAddr, form: &OutboxForm, discard: bool) -> Response {
     if app.read_only {
         return (StatusCode::FORBIDDEN, "the dashboard is read-only\n").into_response();
     }
@@ -456,16 +494,45 @@ async fn outbox_retry(
         Err(e) => return failure(e),
     };
     let ids = form.id.map(|id| vec![id]);
-    match idempo::outbox::retry_failed(pool, ids.as_deref()).await {
-        Ok(n) => {
-            eprintln!(
-                "dashboard: {} put {n} failed outbox message(s) back",
-                from.ip()
-            );
+    if discard && form.confirm.as_deref() != Some("1") {
+        // Deleting cannot be undone: say how many first.
+        let count = match (&ids, idempo::outbox::status(pool).await) {
+            (Some(_), _) => 1,
+            (None, Ok(status)) => status.failed.max(0) as u64,
+            (None, Err(e)) => return failure(e),
+        };
+        let id = form.id.map(|id| id.to_string());
+        let fields: Vec<(&str, &str)> = id.iter().map(|id| ("id", id.as_str())).collect();
+        return Html(pages::layout(
+            "Confirm",
+            &pages::confirm(
+                ("Discard", count, "failed outbox row(s)"),
+                "/outbox/discard",
+                "/outbox",
+                &app.auth.csrf(),
+                &fields,
+            ),
+            false,
+        ))
+        .into_response();
+    }
+    let done = if discard {
+        idempo::outbox::discard_failed(pool, ids.as_deref())
+            .await
+            .map(|n| format!("{n} failed row(s) discarded"))
+    } else {
+        idempo::outbox::retry_failed(pool, ids.as_deref())
+            .await
+            .map(|n| format!("{n} failed row(s) back to pending"))
+    };
+    match done {
+        Ok(message) => {
+            tracing::warn!(operator = %from, "dashboard: outbox: {message}");
+            eprintln!("dashboard: {}: outbox: {message}", from.ip());
             Html(pages::layout(
                 "Done",
                 &format!(
-                    "<h1>Done</h1><p class=result>{n} failed message(s) back to pending</p><p><a href=/outbox>Back to the outbox</a></p>"
+                    "<h1>Done</h1><p class=result>{message}</p><p><a href=/outbox>Back to the outbox</a></p>"
                 ),
                 false,
             ))

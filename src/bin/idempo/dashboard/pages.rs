@@ -5,7 +5,9 @@ use std::fmt::Write;
 
 use html_escape::{encode_double_quoted_attribute as attr, encode_text as text};
 use idempo::amqp::dead_letters::{Group, Letter, LetterDetail};
-use idempo::ops::{Status, short_duration};
+use idempo::ops::short_duration;
+
+use super::samples::Latest;
 use idempo::outbox::{FailedMessage, OutboxStatus, PendingGroup};
 
 /// The stylesheet, embedded: the dashboard works air-gapped.
@@ -38,31 +40,95 @@ fn health(bad: bool) -> &'static str {
     if bad { "red" } else { "green" }
 }
 
-pub(crate) fn overview(status: &Status) -> String {
-    let mut out = String::from("<h1>Overview</h1>");
-    out.push_str(
-        "<section><h2>Queues</h2><p class=rule>red: a dead-letter queue holds messages</p>",
+/// A rate as the overview shows it.
+fn rate(r: f64) -> String {
+    if r >= 10.0 {
+        format!("{r:.0}")
+    } else {
+        format!("{r:.1}")
+    }
+}
+
+pub(crate) fn overview(
+    latest: &Latest,
+    charts: &[(String, Vec<f64>)],
+    every: std::time::Duration,
+) -> String {
+    let status = &latest.status;
+    let instances = status.instances.as_deref().unwrap_or_default();
+    let mut out = format!(
+        "<h1>Overview</h1><p class=rule>sampled {} ago by this dashboard, every {}; \
+         rates per second from the consumers' heartbeats (written every {})</p>",
+        short_duration(latest.taken.elapsed()),
+        short_duration(every),
+        short_duration(idempo::amqp::heartbeat::HEARTBEAT_EVERY),
     );
-    out.push_str("<table><tr><th>queue</th><th>ready</th><th>consumers</th><th>dead letters (queue)</th><th>delay queues</th></tr>");
+    out.push_str(
+        "<section><h2>Queues</h2><p class=rule>red: a dead letter (in the queue's DLQ or the table), \
+         or messages ready while no consumer process is alive (no heartbeat for 15 s)</p>",
+    );
+    out.push_str(
+        "<table><tr><th>queue</th><th>ready</th><th>unacked</th><th>consumers attached</th>\
+         <th>processes alive</th><th>deliveries/s</th><th>acks/s</th><th>retries/s</th>\
+         <th>dead letters/s</th><th>claims/s</th><th>duplicates/s</th><th>dead letters</th>\
+         <th>relay</th><th>delay queues</th></tr>",
+    );
     for q in &status.queues {
-        let dlq = q.dlq_ready.unwrap_or(0);
+        let point = latest.queues.get(&q.queue).cloned().unwrap_or_default();
+        let mine: Vec<_> = instances.iter().filter(|i| i.queue == q.queue).collect();
+        let alive = mine.iter().filter(|i| i.is_alive()).count();
+        let relays: Vec<&str> = mine
+            .iter()
+            .filter(|i| i.is_alive())
+            .filter_map(|i| i.relay.as_deref())
+            .collect();
         let delays: Vec<String> = q
             .delay_queues
             .iter()
             .map(|d| format!("{}={}", d.queue, d.ready))
             .collect();
+        let r = point.rates;
+        let bad = point.dead > 0.0 || (q.ready.unwrap_or(0) > 0 && alive == 0);
         let _ = write!(
             out,
-            "<tr class={}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            health(dlq > 0),
+            "<tr class={}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{alive} of {}</td>\
+             <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            health(bad),
             text(&q.queue),
             q.ready.map_or("-".into(), |r| r.to_string()),
+            point.unacked.map_or("-".into(), |u| format!("{u:.0}")),
             q.consumers.map_or("-".into(), |c| c.to_string()),
-            dlq,
+            mine.len(),
+            rate(r.deliveries),
+            rate(r.acks),
+            rate(r.retries),
+            rate(r.dead_letters),
+            rate(r.claims),
+            rate(r.duplicates),
+            point.dead,
+            text(&if relays.is_empty() { "-".into() } else { relays.join(", ") }),
             text(&delays.join(" "))
         );
     }
-    out.push_str("</table></section>");
+    out.push_str("</table>");
+    match &latest.management {
+        Ok((url, _)) => {
+            let _ = write!(
+                out,
+                "<p class=rule>unacked: RabbitMQ's management API at {}</p>",
+                text(url)
+            );
+        }
+        Err(why) => {
+            let _ = write!(
+                out,
+                "<p class=rule>unacked: not known ({}); <code>--management-url</code> says where the API is</p>",
+                text(why)
+            );
+        }
+    }
+    out.push_str("</section>");
+    out.push_str(&chart_table(charts));
     out.push_str("<section><h2>Consumers</h2><table><tr><th>consumer</th><th>claims</th><th>newest claim</th><th>redelivery horizon</th></tr>");
     for c in &status.consumers {
         let _ = write!(
@@ -74,7 +140,40 @@ pub(crate) fn overview(status: &Status) -> String {
             short_duration(c.redelivery_horizon)
         );
     }
-    out.push_str("</table></section>");
+    out.push_str("</table>");
+    if !instances.is_empty() {
+        out.push_str(
+            "<h3>Processes</h3><p class=rule>red: alive but not consuming, or its relay blocked; \
+             grey: stopped or silent for 15 s (kept here 15 minutes)</p>\
+             <table><tr><th>consumer</th><th>queue</th><th>host</th><th>pid</th><th>state</th><th>relay</th>\
+             <th>up</th><th>last heartbeat</th><th>deliveries</th><th>processed</th><th>duplicates</th></tr>",
+        );
+        for i in instances {
+            let class = if !i.is_alive() {
+                "muted"
+            } else {
+                health(i.state != "consuming" || i.relay.as_deref() == Some("blocked"))
+            };
+            let _ = write!(
+                out,
+                "<tr class={class}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
+                 <td>{}</td><td>{} ago</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                text(&i.consumer),
+                text(&i.queue),
+                text(&i.host),
+                i.pid,
+                text(&i.state),
+                text(i.relay.as_deref().unwrap_or("-")),
+                short_duration(std::time::Duration::from_secs_f64(i.up_secs)),
+                short_duration(std::time::Duration::from_secs_f64(i.seen_secs_ago)),
+                i.counters.deliveries,
+                i.counters.processed,
+                i.counters.duplicates
+            );
+        }
+        out.push_str("</table>");
+    }
+    out.push_str("</section>");
     if let Some(letters) = &status.dead_letters {
         out.push_str(
             "<section><h2>Dead letters (table)</h2><p class=rule>red: any live dead letter</p>",
@@ -96,20 +195,63 @@ pub(crate) fn overview(status: &Status) -> String {
     }
     if let Some(o) = &status.outbox {
         let oldest = o.oldest_pending_age.map(|d| d.as_secs()).unwrap_or(0);
+        let relays: Vec<String> = instances
+            .iter()
+            .filter(|i| i.is_alive())
+            .filter_map(|i| i.relay.as_ref().map(|r| format!("{}: {r}", i.consumer)))
+            .collect();
         let _ = write!(
             out,
             "<section><h2>Outbox</h2><p class=rule>red: a failed message, or the oldest pending one older than 60 s</p>\
-             <p class={}>{} pending, {} failed, oldest pending {}</p></section>",
+             <p class={}>{} pending, {} failed, oldest pending {}</p><p>relays: {}</p></section>",
             health(o.failed > 0 || oldest > 60),
             o.pending,
             o.failed,
-            o.oldest_pending_age.map_or("-".into(), short_duration)
+            o.oldest_pending_age.map_or("-".into(), short_duration),
+            text(&if relays.is_empty() { "none running".into() } else { relays.join(", ") })
         );
     }
     for w in &status.warnings {
         let _ = write!(out, "<p class=\"warning red\">{}</p>", text(&w.to_string()));
     }
     out
+}
+
+/// The charts of the last 15 minutes, one row per series.
+fn chart_table(charts: &[(String, Vec<f64>)]) -> String {
+    if charts.is_empty() {
+        return "<p class=rule>charts: the last 15 minutes; they appear after the second sample</p>"
+            .into();
+    }
+    let mut out = String::from(
+        "<section><h2>Last 15 minutes</h2><table class=charts><tr><th>series</th><th>chart</th><th>now</th></tr>",
+    );
+    for (name, values) in charts {
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
+            text(name),
+            sparkline(values),
+            rate(values.last().copied().unwrap_or_default())
+        );
+    }
+    out.push_str("</table></section>");
+    out
+}
+
+/// A small SVG line of `values`, scaled to its own maximum.
+fn sparkline(values: &[f64]) -> String {
+    let max = values.iter().copied().fold(0.0f64, f64::max).max(1.0);
+    let step = 160.0 / (values.len().max(2) - 1) as f64;
+    let points: Vec<String> = values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| format!("{:.1},{:.1}", i as f64 * step, 30.0 - v / max * 28.0))
+        .collect();
+    format!(
+        "<svg class=chart viewBox=\"0 0 160 32\" role=img aria-label=\"max {max:.0}\"><polyline points=\"{}\"/></svg>",
+        points.join(" ")
+    )
 }
 
 pub(crate) fn groups(queue: Option<&str>, groups: &[Group]) -> String {
@@ -279,11 +421,22 @@ pub(crate) fn outbox(
             &[],
             "Retry every failed message",
         ));
+        out.push_str(&action(
+            "/outbox/discard",
+            csrf,
+            &[],
+            "Discard every failed message",
+        ));
     }
     out.push_str("<table><tr><th>row</th><th>message id</th><th>destination</th><th>attempts</th><th>last error</th><th></th></tr>");
     for f in failed {
         let retry = match csrf {
-            Some(csrf) => action("/outbox/retry", csrf, &[("id", &f.id.to_string())], "Retry"),
+            Some(csrf) => {
+                let row = [("id", f.id.to_string())];
+                let row: Vec<(&str, &str)> = row.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                action("/outbox/retry", csrf, &row, "Retry")
+                    + &action("/outbox/discard", csrf, &row, "Discard")
+            }
             None => String::new(),
         };
         let _ = write!(
@@ -382,19 +535,23 @@ pub(crate) fn letter(detail: &LetterDetail, csrf: Option<&str>) -> String {
 }
 
 /// The confirmation step of an action: what it would do, and the button.
+/// The confirmation of `what` on `count` `items` ("dead letter(s)"): the
+/// action's form again with `confirm`, or back to `cancel`.
 pub(crate) fn confirm(
-    what: &str,
-    count: u64,
+    (what, count, items): (&str, u64, &str),
     path: &str,
+    cancel: &str,
     csrf: &str,
     fields: &[(&str, &str)],
 ) -> String {
     let mut fields = fields.to_vec();
     fields.push(("confirm", "1"));
     format!(
-        "<h1>Confirm</h1><p>{} {count} dead letter(s)?</p>{}<p><a href=/dead-letters>Cancel</a></p>",
+        "<h1>Confirm</h1><p>{} {count} {}?</p>{}<p><a href=\"{}\">Cancel</a></p>",
         text(what),
-        action(path, csrf, &fields, &format!("{what} {count}"))
+        text(items),
+        action(path, csrf, &fields, &format!("{what} {count}")),
+        attr(cancel)
     )
 }
 

@@ -1,0 +1,208 @@
+//! Heartbeats: every running consumer writes its state and counters to
+//! `idempo_heartbeats` every few seconds, so that `idempo dashboard` (another
+//! process, maybe another host) can show deliveries, duplicates, retries and
+//! dead letters per second, and the relay's state, of every instance.
+//!
+//! A heartbeat that fails (the database away, the table not migrated) is
+//! logged at debug level and tried again at the next beat: it never slows or
+//! stops the consumer.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use super::health::Health;
+use super::stats::{Stats, StatsSnapshot};
+use crate::error::Result;
+
+/// How often a running consumer writes its heartbeat.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
+
+/// Rows not written for this long are deleted (by the next consumer start).
+const FORGET_AFTER: &str = "1 day";
+
+/// One consumer process as its last heartbeat described it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Instance {
+    /// `host:pid:random`, new at every start.
+    pub instance: String,
+    /// The consumer's name.
+    pub consumer: String,
+    /// The queue it consumes.
+    pub queue: String,
+    /// The host it runs on.
+    pub host: String,
+    /// Its process id there.
+    pub pid: i32,
+    /// Seconds since it started.
+    pub up_secs: f64,
+    /// Seconds since its last heartbeat (more than a few: it is gone).
+    pub seen_secs_ago: f64,
+    /// The runtime's state (`consuming`, `reconnecting`, `stopped`, ...).
+    pub state: String,
+    /// The state of the outbox relay it runs (`running`, `blocked`, ...).
+    pub relay: Option<String>,
+    /// Its counters since it started.
+    pub counters: StatsSnapshot,
+}
+
+impl Instance {
+    /// Whether its last heartbeat is recent (three beats) and it has not stopped.
+    pub fn is_alive(&self) -> bool {
+        self.state != "stopped" && self.seen_secs_ago < 3.0 * HEARTBEAT_EVERY.as_secs_f64()
+    }
+}
+
+/// Who is beating.
+#[derive(Clone)]
+pub(crate) struct Identity {
+    pub(crate) instance: String,
+    pub(crate) consumer: String,
+    pub(crate) queue: String,
+}
+
+impl Identity {
+    pub(crate) fn new(consumer: &str, queue: &str) -> Self {
+        let host = host_name();
+        Identity {
+            instance: format!(
+                "{host}:{}:{:08x}",
+                std::process::id(),
+                fastrand::u32(..)
+            ),
+            consumer: consumer.to_owned(),
+            queue: queue.to_owned(),
+        }
+    }
+}
+
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Writes a heartbeat now and every [`HEARTBEAT_EVERY`] until `stop`, then a
+/// last one saying `stopped` (the caller awaits it after the runtime ended).
+pub(crate) async fn beat_periodically(
+    pool: PgPool,
+    who: Identity,
+    stats: Stats,
+    health: Health,
+    stop: CancellationToken,
+) {
+    if let Err(e) = forget_stale(&pool).await {
+        tracing::debug!(error = %e, "heartbeat: cannot delete stale rows");
+    }
+    loop {
+        beat_once(&pool, &who, &stats, &health, None).await;
+        tokio::select! {
+            () = tokio::time::sleep(HEARTBEAT_EVERY) => {}
+            () = stop.cancelled() => break,
+        }
+    }
+}
+
+/// One heartbeat; `state` overrides the runtime's (the last one: `stopped`).
+pub(crate) async fn beat_once(
+    pool: &PgPool,
+    who: &Identity,
+    stats: &Stats,
+    health: &Health,
+    state: Option<&str>,
+) {
+    let snapshot = health.snapshot();
+    let state = state.map_or_else(|| lower(snapshot.state), str::to_owned);
+    #[cfg(feature = "outbox")]
+    let relay = snapshot.relay.map(lower);
+    #[cfg(not(feature = "outbox"))]
+    let relay: Option<String> = None;
+    let counters = serde_json::to_value(stats.snapshot()).unwrap_or_default();
+    let written = sqlx::query(
+        "INSERT INTO idempo_heartbeats \
+             (instance, consumer, queue, host, pid, state, relay, counters) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+         ON CONFLICT (instance) DO UPDATE SET seen_at = now(), state = EXCLUDED.state, \
+             relay = EXCLUDED.relay, counters = EXCLUDED.counters",
+    )
+    .bind(&who.instance)
+    .bind(&who.consumer)
+    .bind(&who.queue)
+    .bind(host_name())
+    .bind(std::process::id() as i32)
+    .bind(state)
+    .bind(relay)
+    .bind(counters)
+    .execute(pool)
+    .await;
+    if let Err(e) = written {
+        tracing::debug!(error = %e, "heartbeat not written");
+    }
+}
+
+/// A state's name as stored: its variant in lower case.
+fn lower(state: impl std::fmt::Debug) -> String {
+    format!("{state:?}").to_lowercase()
+}
+
+async fn forget_stale(pool: &PgPool) -> Result<u64> {
+    let sql = format!(
+        "DELETE FROM idempo_heartbeats WHERE seen_at < now() - interval '{FORGET_AFTER}'"
+    );
+    Ok(sqlx::query(sqlx::AssertSqlSafe(sql))
+        .execute(pool)
+        .await?
+        .rows_affected())
+}
+
+/// The instances that wrote a heartbeat within `within`, by consumer and
+/// start.
+///
+/// # Errors
+/// [`Error::Database`](crate::Error::Database) when the query fails (also
+/// when the table does not exist: run [`migrate`](crate::migrate)).
+pub async fn instances(pool: &PgPool, within: Duration) -> Result<Vec<Instance>> {
+    let rows: Vec<(
+        String,
+        String,
+        String,
+        String,
+        i32,
+        f64,
+        f64,
+        String,
+        Option<String>,
+        serde_json::Value,
+    )> = sqlx::query_as(
+        "SELECT instance, consumer, queue, host, pid, \
+                extract(epoch FROM now() - started_at)::float8, \
+                extract(epoch FROM now() - seen_at)::float8, state, relay, counters \
+         FROM idempo_heartbeats WHERE seen_at > now() - make_interval(secs => $1) \
+         ORDER BY consumer, started_at",
+    )
+    .bind(within.as_secs_f64())
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(instance, consumer, queue, host, pid, up, seen, state, relay, counters)| Instance {
+                instance,
+                consumer,
+                queue,
+                host,
+                pid,
+                up_secs: up.max(0.0),
+                seen_secs_ago: seen.max(0.0),
+                state,
+                relay,
+                counters: serde_json::from_value(counters).unwrap_or_default(),
+            },
+        )
+        .collect())
+}
