@@ -275,11 +275,23 @@ async fn failed_outbox_messages_are_retried_and_a_group_deleted_after_confirmati
     };
     let asked = discard(false).await.unwrap().text().await.unwrap();
     assert!(asked.contains("Discard 1"), "{asked}");
-    assert_eq!(db.count("SELECT count(*) FROM outbox").await, 2, "asking deletes nothing");
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox").await,
+        2,
+        "asking deletes nothing"
+    );
     let done = discard(true).await.unwrap().text().await.unwrap();
     assert!(done.contains("1 failed row(s) discarded"), "{done}");
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE message_id = 'm-2'").await, 0);
-    assert_eq!(db.count("SELECT count(*) FROM outbox WHERE message_id = 'm-1'").await, 1);
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE message_id = 'm-2'")
+            .await,
+        0
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM outbox WHERE message_id = 'm-1'")
+            .await,
+        1
+    );
 
     let fingerprint: String = sqlx::query_scalar("SELECT min(fingerprint) FROM dead_letters")
         .fetch_one(&db.pool)

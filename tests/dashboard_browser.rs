@@ -134,14 +134,20 @@ async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_onc
             .await?
             .click()
             .await?;
-        let confirm = browser.source().await?;
-        assert!(confirm.contains("Replay 25"), "{confirm}");
-        browser
-            .find(Locator::Css("form[action='/dead-letters/replay'] button"))
-            .await?
-            .click()
+        // The confirmation page (waited for: the click returns before it loads).
+        let confirm = browser
+            .wait()
+            .at_most(Duration::from_secs(20))
+            .for_element(Locator::XPath("//button[contains(., 'Replay 25')]"))
             .await?;
-        let done = browser.find(Locator::Css("p.result")).await?.text().await?;
+        confirm.click().await?;
+        let done = browser
+            .wait()
+            .at_most(Duration::from_secs(20))
+            .for_element(Locator::Css("p.result"))
+            .await?
+            .text()
+            .await?;
         assert!(done.contains("25 replayed"), "{done}");
         eventually("every payment applied", Duration::from_secs(60), || async {
             db.payments().await == load.ids.len() as i64
@@ -167,7 +173,11 @@ async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_onc
                 vec![],
             )
             .await?;
-        assert_eq!(fits, serde_json::Value::Bool(true), "the overview fits 390 px");
+        assert_eq!(
+            fits,
+            serde_json::Value::Bool(true),
+            "the overview fits 390 px"
+        );
         std::fs::write(
             screenshots().join("dashboard-phone.png"),
             browser.screenshot().await?,

@@ -55,6 +55,21 @@ impl Instance {
     }
 }
 
+/// A row of `idempo_heartbeats` as [`instances`] reads it.
+#[derive(sqlx::FromRow)]
+struct Row {
+    instance: String,
+    consumer: String,
+    queue: String,
+    host: String,
+    pid: i32,
+    up_secs: f64,
+    seen_secs_ago: f64,
+    state: String,
+    relay: Option<String>,
+    counters: serde_json::Value,
+}
+
 /// Who is beating.
 #[derive(Clone)]
 pub(crate) struct Identity {
@@ -67,11 +82,7 @@ impl Identity {
     pub(crate) fn new(consumer: &str, queue: &str) -> Self {
         let host = host_name();
         Identity {
-            instance: format!(
-                "{host}:{}:{:08x}",
-                std::process::id(),
-                fastrand::u32(..)
-            ),
+            instance: format!("{host}:{}:{:08x}", std::process::id(), fastrand::u32(..)),
             consumer: consumer.to_owned(),
             queue: queue.to_owned(),
         }
@@ -87,8 +98,9 @@ fn host_name() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-/// Writes a heartbeat now and every [`HEARTBEAT_EVERY`] until `stop`, then a
-/// last one saying `stopped` (the caller awaits it after the runtime ended).
+/// Writes a heartbeat now, every [`HEARTBEAT_EVERY`] and when the runtime's
+/// state changes, until `stop` (the caller writes the last one, `stopped`,
+/// after the runtime ended).
 pub(crate) async fn beat_periodically(
     pool: PgPool,
     who: Identity,
@@ -100,9 +112,12 @@ pub(crate) async fn beat_periodically(
         tracing::debug!(error = %e, "heartbeat: cannot delete stale rows");
     }
     loop {
+        let state = health.snapshot().state;
         beat_once(&pool, &who, &stats, &health, None).await;
+        // A change of state is written at once (consuming, reconnecting, ...).
         tokio::select! {
             () = tokio::time::sleep(HEARTBEAT_EVERY) => {}
+            _ = health.wait_for(|s| s.state != state) => {}
             () = stop.cancelled() => break,
         }
     }
@@ -151,9 +166,8 @@ fn lower(state: impl std::fmt::Debug) -> String {
 }
 
 async fn forget_stale(pool: &PgPool) -> Result<u64> {
-    let sql = format!(
-        "DELETE FROM idempo_heartbeats WHERE seen_at < now() - interval '{FORGET_AFTER}'"
-    );
+    let sql =
+        format!("DELETE FROM idempo_heartbeats WHERE seen_at < now() - interval '{FORGET_AFTER}'");
     Ok(sqlx::query(sqlx::AssertSqlSafe(sql))
         .execute(pool)
         .await?
@@ -167,21 +181,10 @@ async fn forget_stale(pool: &PgPool) -> Result<u64> {
 /// [`Error::Database`](crate::Error::Database) when the query fails (also
 /// when the table does not exist: run [`migrate`](crate::migrate)).
 pub async fn instances(pool: &PgPool, within: Duration) -> Result<Vec<Instance>> {
-    let rows: Vec<(
-        String,
-        String,
-        String,
-        String,
-        i32,
-        f64,
-        f64,
-        String,
-        Option<String>,
-        serde_json::Value,
-    )> = sqlx::query_as(
+    let rows: Vec<Row> = sqlx::query_as(
         "SELECT instance, consumer, queue, host, pid, \
-                extract(epoch FROM now() - started_at)::float8, \
-                extract(epoch FROM now() - seen_at)::float8, state, relay, counters \
+                extract(epoch FROM now() - started_at)::float8 AS up_secs, \
+                extract(epoch FROM now() - seen_at)::float8 AS seen_secs_ago, state, relay, counters \
          FROM idempo_heartbeats WHERE seen_at > now() - make_interval(secs => $1) \
          ORDER BY consumer, started_at",
     )
@@ -190,19 +193,17 @@ pub async fn instances(pool: &PgPool, within: Duration) -> Result<Vec<Instance>>
     .await?;
     Ok(rows
         .into_iter()
-        .map(
-            |(instance, consumer, queue, host, pid, up, seen, state, relay, counters)| Instance {
-                instance,
-                consumer,
-                queue,
-                host,
-                pid,
-                up_secs: up.max(0.0),
-                seen_secs_ago: seen.max(0.0),
-                state,
-                relay,
-                counters: serde_json::from_value(counters).unwrap_or_default(),
-            },
-        )
+        .map(|r| Instance {
+            instance: r.instance,
+            consumer: r.consumer,
+            queue: r.queue,
+            host: r.host,
+            pid: r.pid,
+            up_secs: r.up_secs.max(0.0),
+            seen_secs_ago: r.seen_secs_ago.max(0.0),
+            state: r.state,
+            relay: r.relay,
+            counters: serde_json::from_value(r.counters).unwrap_or_default(),
+        })
         .collect())
 }

@@ -496,6 +496,7 @@ mod tests {
             http_keys: None,
             window: Some(Vec::new()),
             dead_letters: None,
+            instances: None,
             warnings: vec![Warning::NotMigrated],
         };
         let json = serde_json::to_value(&status).unwrap();

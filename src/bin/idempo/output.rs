@@ -91,6 +91,22 @@ pub(crate) fn status(s: &Status) {
             );
         }
     }
+    if let Some(instances) = s.instances.as_ref().filter(|i| !i.is_empty()) {
+        println!();
+        println!(
+            "PROCESSES (heartbeats)  CONSUMER                 HOST:PID                 STATE         RELAY      LAST BEAT"
+        );
+        for i in instances {
+            println!(
+                "                        {:<24} {:<24} {:<13} {:<10} {} ago",
+                i.consumer,
+                format!("{}:{}", i.host, i.pid),
+                i.state,
+                i.relay.as_deref().unwrap_or("-"),
+                short_duration(std::time::Duration::from_secs_f64(i.seen_secs_ago))
+            );
+        }
+    }
     for warning in &s.warnings {
         println!("WARNING: {warning}");
     }

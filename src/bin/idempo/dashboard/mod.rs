@@ -48,7 +48,12 @@ pub(crate) struct DashboardArgs {
     /// the queues' unacked messages; by default the first AMQP node's host,
     /// port 15672, with the AMQP URL's credentials. Optional: without it the
     /// overview shows everything else.
-    #[arg(long, value_name = "URL", env = "RABBITMQ_MANAGEMENT_URL", hide_env_values = true)]
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "RABBITMQ_MANAGEMENT_URL",
+        hide_env_values = true
+    )]
     management_url: Option<String>,
 }
 

@@ -106,7 +106,11 @@ pub(crate) fn overview(
             rate(r.claims),
             rate(r.duplicates),
             point.dead,
-            text(&if relays.is_empty() { "-".into() } else { relays.join(", ") }),
+            text(&if relays.is_empty() {
+                "-".into()
+            } else {
+                relays.join(", ")
+            }),
             text(&delays.join(" "))
         );
     }
@@ -208,7 +212,11 @@ pub(crate) fn overview(
             o.pending,
             o.failed,
             o.oldest_pending_age.map_or("-".into(), short_duration),
-            text(&if relays.is_empty() { "none running".into() } else { relays.join(", ") })
+            text(&if relays.is_empty() {
+                "none running".into()
+            } else {
+                relays.join(", ")
+            })
         );
     }
     for w in &status.warnings {

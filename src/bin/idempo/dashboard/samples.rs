@@ -167,11 +167,11 @@ impl Samples {
             if let Some((before, counters)) = state.beats.get(&i.instance) {
                 let secs = beat.saturating_duration_since(*before).as_secs_f64();
                 if secs > 0.5 {
-                    queues
-                        .entry(i.queue.clone())
-                        .or_default()
-                        .rates
-                        .add(counters, &i.counters, secs);
+                    queues.entry(i.queue.clone()).or_default().rates.add(
+                        counters,
+                        &i.counters,
+                        secs,
+                    );
                     beats.insert(i.instance.clone(), (beat, i.counters));
                     continue;
                 }
@@ -196,11 +196,7 @@ impl Samples {
             inserts,
             outbox_pending: status.outbox.map_or(0.0, |o| o.pending as f64),
         });
-        while state
-            .points
-            .front()
-            .is_some_and(|p| p.at.elapsed() > KEEP)
-        {
+        while state.points.front().is_some_and(|p| p.at.elapsed() > KEEP) {
             state.points.pop_front();
         }
         state.latest = Some(Arc::new(Latest {
@@ -227,24 +223,40 @@ impl Samples {
             .unwrap_or_default();
         let mut series = Vec::new();
         let mut add = |name: String, get: &dyn Fn(&Point) -> Option<f64>| {
-            let values: Vec<f64> = points.iter().skip(1).map(|p| get(p).unwrap_or(0.0)).collect();
+            let values: Vec<f64> = points
+                .iter()
+                .skip(1)
+                .map(|p| get(p).unwrap_or(0.0))
+                .collect();
             series.push((name, values));
         };
         for queue in &queues {
             let q = |p: &Point| p.queues.get(queue).cloned();
-            add(format!("{queue}: deliveries/s"), &|p| q(p).map(|q| q.rates.deliveries));
+            add(format!("{queue}: deliveries/s"), &|p| {
+                q(p).map(|q| q.rates.deliveries)
+            });
             add(format!("{queue}: acks/s"), &|p| q(p).map(|q| q.rates.acks));
-            add(format!("{queue}: retries/s"), &|p| q(p).map(|q| q.rates.retries));
+            add(format!("{queue}: retries/s"), &|p| {
+                q(p).map(|q| q.rates.retries)
+            });
             add(format!("{queue}: dead letters/s"), &|p| {
                 q(p).map(|q| q.rates.dead_letters)
             });
-            add(format!("{queue}: claims/s"), &|p| q(p).map(|q| q.rates.claims));
+            add(format!("{queue}: claims/s"), &|p| {
+                q(p).map(|q| q.rates.claims)
+            });
             add(format!("{queue}: duplicates/s"), &|p| {
                 q(p).map(|q| q.rates.duplicates)
             });
             add(format!("{queue}: ready"), &|p| q(p).map(|q| q.ready));
-            if points.back().and_then(q).is_some_and(|q| q.unacked.is_some()) {
-                add(format!("{queue}: unacked"), &|p| q(p).and_then(|q| q.unacked));
+            if points
+                .back()
+                .and_then(q)
+                .is_some_and(|q| q.unacked.is_some())
+            {
+                add(format!("{queue}: unacked"), &|p| {
+                    q(p).and_then(|q| q.unacked)
+                });
             }
             add(format!("{queue}: dead letters"), &|p| q(p).map(|q| q.dead));
         }
