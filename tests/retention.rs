@@ -377,3 +377,51 @@ async fn claims_made_before_the_switch_still_deduplicate_after_it() {
     let per_consumer = inbox::claims_per_consumer(&db.pool, &[]).await.unwrap();
     assert_eq!(per_consumer[0].claims, 51);
 }
+
+/// The AMQP consumer in the partitioned mode (`ConsumerBuilder::partitioned`),
+/// through the test harness: racing copies and a redelivery after the
+/// partition rolled over apply the payment once.
+#[cfg(feature = "testing")]
+#[tokio::test]
+async fn the_consumer_in_partitioned_mode_applies_each_payment_once() {
+    use idempo::Tx;
+    use idempo::amqp::{JsonBody, Message};
+    use idempo::testing::Harness;
+    use support::payments::{self, Behaviour, Payment};
+
+    let h = Harness::new(support::small_pool().await, "partitioned")
+        .setup(payments::TABLES)
+        .configure(|c| c.partitioned(seconds()))
+        .handler(move |tx: Tx, m: (JsonBody<Payment>, Message)| {
+            payments::handle(tx, m, Behaviour::default())
+        })
+        .await
+        .expect("harness");
+    partitioned::switch_to_partitioned(h.pool(), &seconds(), Some(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    let payment = Payment {
+        account: "a".into(),
+        amount_cents: 5,
+    };
+    let message = h.json("pay-1", &payment);
+    let copies = h.deliver_concurrently(message.clone(), 6).await.unwrap();
+    assert_eq!(copies.iter().filter(|d| d.is_acked()).count(), 1);
+    assert_eq!(copies.iter().filter(|d| d.is_duplicate()).count(), 5);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    partitioned::maintain(
+        h.pool(),
+        h.consumer(),
+        Some(Duration::from_secs(60)),
+        &seconds(),
+    )
+    .await
+    .unwrap();
+    let again = h.deliver(message).await.unwrap();
+    assert!(again.is_duplicate(), "{again:?}");
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM payments WHERE message_id = 'pay-1'")
+        .fetch_one(h.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+}
