@@ -425,3 +425,79 @@ async fn the_consumer_in_partitioned_mode_applies_each_payment_once() {
         .unwrap();
     assert_eq!(rows, 1);
 }
+
+/// A one-off timing, not a proof (`cargo test --all-features --test retention
+/// -- --ignored --nocapture`): sequential fresh claims with `BEGIN` and commit
+/// and duplicate claims, plain table vs partitioned (`partitions` partitions
+/// attached), per claim.
+#[tokio::test]
+#[ignore = "a timing: run it by hand"]
+async fn claim_cost_plain_vs_partitioned() {
+    const N: usize = 1_000;
+    async fn time(db: &Db, partitioned: bool, prefix: &str) -> (Duration, Duration) {
+        let begin = |id: String| {
+            let pool = db.pool.clone();
+            async move {
+                if partitioned {
+                    partitioned::begin_claim(&pool, "c", &id, b"body").await
+                } else {
+                    inbox::begin_claim(&pool, "c", &id, b"body").await
+                }
+                .unwrap()
+            }
+        };
+        let start = Instant::now();
+        for i in 0..N {
+            let id = format!("{prefix}-{i}");
+            let Begun::Fresh(tx) = begin(id.clone()).await else {
+                panic!("fresh")
+            };
+            inbox::commit(tx, "c", &id).await.unwrap();
+        }
+        let fresh = start.elapsed() / N as u32;
+        let start = Instant::now();
+        for i in 0..N {
+            assert!(matches!(
+                begin(format!("{prefix}-{i}")).await,
+                Begun::Duplicate
+            ));
+        }
+        (fresh, start.elapsed() / N as u32)
+    }
+    let plain = Db::new().await;
+    time(&plain, false, "warm").await;
+    let (fresh, duplicate) = time(&plain, false, "m").await;
+    println!("plain:        fresh claim + commit {fresh:?}, duplicate {duplicate:?}");
+    for period in [3600u64, 450, 150] {
+        // A one-hour retention cut into periods: 1 + 3600/period partitions
+        // live, 2 ahead.
+        let db = Db::new().await;
+        let cut = Partitioning::new()
+            .period(Duration::from_secs(period))
+            .ahead(2);
+        partitioned::switch_to_partitioned(&db.pool, &cut, None)
+            .await
+            .unwrap();
+        let mut conn = db.pool.acquire().await.unwrap();
+        // Partitions of the past: attached as the retention would keep them.
+        for k in 1..(3600 / period) as i64 {
+            let (from, to) = (4_000_000_000 + k * 1000, 4_000_000_000 + k * 1000 + 1000);
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "CREATE TABLE old_{k} (LIKE processed_messages INCLUDING DEFAULTS); \
+                 ALTER TABLE old_{k} ADD PRIMARY KEY (consumer, message_id); \
+                 ALTER TABLE processed_messages ATTACH PARTITION old_{k} \
+                 FOR VALUES FROM (to_timestamp({from})) TO (to_timestamp({to}))"
+            )))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        }
+        drop(conn);
+        let n = partitioned::partitions(&db.pool).await.unwrap().len();
+        time(&db, true, "warm").await;
+        let (fresh, duplicate) = time(&db, true, "m").await;
+        println!(
+            "partitioned ({n} partitions): fresh claim + commit {fresh:?}, duplicate {duplicate:?}"
+        );
+    }
+}
