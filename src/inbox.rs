@@ -72,6 +72,8 @@ use crate::error::{Error, Result};
 use crate::literal;
 pub use crate::message_id::{InvalidMessageId, MAX_MESSAGE_ID_LEN, validate_message_id};
 
+pub mod partitioned;
+
 /// What a claim found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
@@ -347,6 +349,24 @@ pub(crate) async fn begin_claims(
     messages: &[(&str, &[u8])],
     isolation: Isolation,
 ) -> Result<ClaimedBatch> {
+    let sql = |consumer: &str, rows: &[&Row<'_>]| claim_then_begin(consumer, rows, isolation);
+    begin_claims_by(pool, consumer, messages, sql, "23505").await
+}
+
+/// An id to claim and its body's hash.
+type Row<'a> = (&'a str, [u8; 32]);
+
+/// The round trips of [`begin_claims`]: `sql` makes the simple query that
+/// claims the consumer's (literal) rows and opens the transaction, and
+/// fails with `conflict` (SQLSTATE) when some id was claimed already.
+/// The partitioned mode claims through the same loop with its own query.
+async fn begin_claims_by(
+    pool: &PgPool,
+    consumer: &str,
+    messages: &[(&str, &[u8])],
+    sql: impl Fn(&str, &[&Row<'_>]) -> Result<String>,
+    conflict: &str,
+) -> Result<ClaimedBatch> {
     let consumer_literal = literal::text("consumer", consumer)?;
     let mut rows = Vec::with_capacity(messages.len());
     for (id, body) in messages {
@@ -369,8 +389,11 @@ pub(crate) async fn begin_claims(
         if open.is_empty() {
             break;
         }
-        let sql = claim_then_begin(&consumer_literal, open.iter().map(|&i| &rows[i]), isolation)?;
-        match pool.begin_with(AssertSqlSafe(sql)).await {
+        let claimed: Vec<&Row<'_>> = open.iter().map(|&i| &rows[i]).collect();
+        match pool
+            .begin_with(AssertSqlSafe(sql(&consumer_literal, &claimed)?))
+            .await
+        {
             Ok(begun) => {
                 for &i in &open {
                     claims[i] = Some(Claim::Fresh);
@@ -379,7 +402,7 @@ pub(crate) async fn begin_claims(
                 tx = Some(begun);
                 break;
             }
-            Err(e) if is_unique_violation(&e) => {
+            Err(e) if sqlstate(&e).as_deref() == Some(conflict) => {
                 // The claim's implicit transaction failed before its BEGIN:
                 // nothing is open. A new statement sees the committed rows.
                 let ids: Vec<&str> = open.iter().map(|&i| rows[i].0).collect();
@@ -417,11 +440,7 @@ pub(crate) async fn begin_claims(
 /// The simple query of [`begin_claim_batch`]: the claims, then `BEGIN`,
 /// which takes them into its transaction (statements before a `BEGIN` in
 /// one simple query are part of the block it opens).
-fn claim_then_begin<'a>(
-    consumer: &str,
-    rows: impl ExactSizeIterator<Item = &'a (&'a str, [u8; 32])>,
-    isolation: Isolation,
-) -> Result<String> {
+fn claim_then_begin(consumer: &str, rows: &[&Row<'_>], isolation: Isolation) -> Result<String> {
     let mut sql = String::new();
     if isolation == Isolation::Set {
         sql.push_str("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ");
@@ -457,10 +476,8 @@ fn claim_then_begin<'a>(
     Ok(sql)
 }
 
-fn is_unique_violation(e: &sqlx::Error) -> bool {
-    e.as_database_error()
-        .and_then(|d| d.code())
-        .is_some_and(|code| code == "23505")
+fn sqlstate(e: &sqlx::Error) -> Option<String> {
+    Some(e.as_database_error()?.code()?.into_owned())
 }
 
 /// What a stored claim says of a message with `hash`: `None` when there is
@@ -565,7 +582,9 @@ pub(crate) async fn commit_with(
 }
 
 /// Deletes `consumer`'s claims older than `age`, `batch` rows per statement,
-/// and returns how many rows went.
+/// and returns how many rows went. A partitioned `processed_messages` loses
+/// nothing here (`ONLY`: a ctid names no row across partitions); its claims
+/// go with their partitions ([`partitioned::maintain`]).
 ///
 /// Each statement is its own short transaction and skips rows that another
 /// reaper has locked, so replicas reaping at once neither wait for nor
@@ -583,8 +602,8 @@ pub async fn delete_processed_before(
     let mut total = 0;
     loop {
         let deleted = sqlx::query(
-            "DELETE FROM processed_messages WHERE ctid = ANY(ARRAY(\
-                 SELECT ctid FROM processed_messages \
+            "DELETE FROM ONLY processed_messages WHERE ctid = ANY(ARRAY(\
+                 SELECT ctid FROM ONLY processed_messages \
                  WHERE consumer = $1 AND processed_at < now() - make_interval(secs => $2) \
                  LIMIT $3 FOR UPDATE SKIP LOCKED))",
         )

@@ -71,6 +71,7 @@ pub(crate) struct Settings {
     shutdown_timeout: Duration,
     retention: Option<Duration>,
     retention_interval: Duration,
+    partitioning: Option<crate::inbox::partitioned::Partitioning>,
     connection_name: Option<String>,
     wait_for_topology: bool,
     also_declare: Vec<String>,
@@ -135,6 +136,7 @@ impl ConsumerBuilder<NoHandler> {
                 shutdown_timeout: Duration::from_secs(30),
                 retention: Some(Duration::from_secs(7 * 24 * 3600)),
                 retention_interval: Duration::from_secs(300),
+                partitioning: None,
                 connection_name: None,
                 wait_for_topology: false,
                 also_declare: Vec::new(),
@@ -399,6 +401,23 @@ impl<Mode> ConsumerBuilder<Mode> {
         self
     }
 
+    /// Claim in the partitioned `processed_messages`
+    /// ([`inbox::partitioned`](crate::inbox::partitioned)) instead of the
+    /// plain table: retention by `DETACH`/`DROP PARTITION` instead of
+    /// `DELETE`, at the price of a probe per partition in each claim. The
+    /// database must have been switched (`idempo partitions switch`); the
+    /// consumer refuses to start otherwise. The retention reaper then
+    /// maintains the partitions (one instance at a time), every
+    /// [`retention_interval`](Self::retention_interval) and at least once a
+    /// period.
+    ///
+    /// # Default
+    /// The plain table.
+    pub fn partitioned(mut self, partitioning: crate::inbox::partitioned::Partitioning) -> Self {
+        self.settings.partitioning = Some(partitioning);
+        self
+    }
+
     /// How often the retention reaper runs (default: 5 min).
     pub fn retention_interval(mut self, interval: Duration) -> Self {
         self.settings.retention_interval = interval;
@@ -605,6 +624,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
         gate: &gate,
         stats: &stats,
         forwarding: &forwarding,
+        partitioned: s.partitioning.is_some(),
     })?;
     Ok(Consumer {
         config: Config {
@@ -626,6 +646,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
             shutdown_timeout: s.shutdown_timeout,
             retention: s.retention,
             retention_interval: s.retention_interval,
+            partitioning: s.partitioning,
             connection_name,
             wait_for_topology: s.wait_for_topology,
             also_declare: s.also_declare,

@@ -29,6 +29,8 @@ pub(crate) struct Config {
     pub(crate) shutdown_timeout: Duration,
     pub(crate) retention: Option<Duration>,
     pub(crate) retention_interval: Duration,
+    /// The partitioned inbox, when chosen.
+    pub(crate) partitioning: Option<crate::inbox::partitioned::Partitioning>,
     pub(crate) connection_name: String,
     /// Keep retrying when the queues exist with other arguments.
     pub(crate) wait_for_topology: bool,

@@ -202,11 +202,18 @@ impl Consumer {
         if !schema_ready(&config, &shutdown).await? {
             return Ok(());
         }
-        let reaper = config.retention.map(|retention| {
+        if config.partitioning.is_some()
+            && !crate::inbox::partitioned::is_partitioned(&config.pool).await?
+        {
+            return Err(crate::inbox::partitioned::PartitionError::NotPartitioned.into());
+        }
+        let reaping = config.retention.is_some() || config.partitioning.is_some();
+        let reaper = reaping.then(|| {
             tokio::spawn(retention::reap_periodically(
                 config.pool.clone(),
                 config.consumer.clone(),
-                retention,
+                config.retention,
+                config.partitioning,
                 config.retention_interval,
                 config.dead_letter_retention(),
                 shutdown.graceful_token().clone(),

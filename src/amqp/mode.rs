@@ -127,6 +127,8 @@ pub(crate) struct Parts<'a> {
     pub(crate) gate: &'a Arc<DatabaseGate>,
     pub(crate) stats: &'a Stats,
     pub(crate) forwarding: &'a Arc<Forwarding>,
+    /// Claims in the partitioned `processed_messages`.
+    pub(crate) partitioned: bool,
 }
 
 /// A mode, ready to run: how deliveries are decided and dispatched.
@@ -153,6 +155,7 @@ fn inbox(handler: Arc<dyn Prepare>, parts: &Parts<'_>) -> Arc<dyn Decide> {
         stats: parts.stats.clone(),
         forwarding: parts.forwarding.clone(),
         read_committed: tokio::sync::OnceCell::new(),
+        partitioned: parts.partitioned,
     })
 }
 

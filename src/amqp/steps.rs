@@ -59,6 +59,8 @@ pub(crate) struct InboxSteps {
     /// Whether the pool's sessions default to READ COMMITTED, once known:
     /// the claims then skip `SET TRANSACTION`.
     pub(crate) read_committed: tokio::sync::OnceCell<bool>,
+    /// Claims in the partitioned `processed_messages` (`inbox::partitioned`).
+    pub(crate) partitioned: bool,
 }
 
 /// Deliveries that go through the steps together: indexes into the messages.
@@ -206,7 +208,11 @@ impl InboxSteps {
             Ok(true) => Isolation::Default,
             _ => Isolation::Set,
         };
-        let claimed = inbox::begin_claims(&self.pool, &self.consumer, &ids, isolation).await;
+        let claimed = if self.partitioned {
+            inbox::partitioned::begin_claims(&self.pool, &self.consumer, &ids, isolation).await
+        } else {
+            inbox::begin_claims(&self.pool, &self.consumer, &ids, isolation).await
+        };
         let (claims, tx) = match claimed {
             Ok(claimed) => (claimed.claims, claimed.tx),
             Err(e) => return database_error(unit, "claim failed", e),

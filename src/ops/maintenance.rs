@@ -1,5 +1,7 @@
-//! The migrations' state ([`migrate_status`], [`migrate`]) and the retention
-//! and expiry deletes, run once ([`reap`], [`cleanup`]).
+//! The migrations' state ([`migrate_status`], [`migrate`]), the retention
+//! and expiry deletes, run once ([`reap`], [`cleanup`]), and the
+//! partitioned inbox's switch and maintenance ([`partitions_switch`],
+//! [`partitions_maintain`]).
 
 use std::time::Duration;
 
@@ -7,6 +9,7 @@ use serde::Serialize;
 
 use super::{OpsError, Result, Services, missing_table};
 use crate::http::IdempotencyStore;
+use crate::inbox::partitioned::{self, Maintained, Partitioning, Switched};
 use crate::window::WindowStore;
 
 /// One of idempo's migrations.
@@ -122,6 +125,13 @@ pub async fn reap(
         )));
     }
     let pool = services.database().await?;
+    if partitioned::is_partitioned(pool).await.unwrap_or(false) {
+        return Err(OpsError::Idempo(crate::Error::Config(
+            "processed_messages is partitioned: its claims go with their partitions \
+             (`idempo partitions maintain`), not by DELETE"
+                .into(),
+        )));
+    }
     let consumers = if consumers.is_empty() {
         crate::inbox::consumers(pool).await?
     } else {
@@ -144,6 +154,38 @@ pub async fn reap(
         reaped.push(done);
     }
     Ok(reaped)
+}
+
+/// Turns the plain `processed_messages` into the partitioned one, keeping
+/// every claim ([`partitioned::switch_to_partitioned`], whose docs give the
+/// procedure); nothing to do when it is partitioned already.
+///
+/// # Errors
+/// Connection and query errors.
+pub async fn partitions_switch(
+    services: &Services,
+    partitioning: &Partitioning,
+    retention: Option<Duration>,
+) -> Result<Switched> {
+    let pool = services.database().await?;
+    Ok(partitioned::switch_to_partitioned(pool, partitioning, retention).await?)
+}
+
+/// One pass of the partitions' maintenance for `consumer` kept `retention`
+/// ([`partitioned::maintain`]): partitions created ahead, those beyond the
+/// longest registered retention retired; skipped while another instance
+/// maintains.
+///
+/// # Errors
+/// Connection and query errors; a plain `processed_messages`.
+pub async fn partitions_maintain(
+    services: &Services,
+    consumer: &str,
+    retention: Option<Duration>,
+    partitioning: &Partitioning,
+) -> Result<Maintained> {
+    let pool = services.database().await?;
+    Ok(partitioned::maintain(pool, consumer, retention, partitioning).await?)
 }
 
 /// Deletes the expired HTTP idempotency keys (`idempotency_keys`) and

@@ -15,6 +15,7 @@ mod dlq;
 mod maintenance;
 mod outbox;
 mod output;
+mod partitions;
 mod status;
 
 use std::process::ExitCode;
@@ -91,6 +92,11 @@ enum Command {
     Reap(maintenance::ReapArgs),
     /// Delete expired HTTP idempotency keys and window entries (the cleanups, once).
     Cleanup(maintenance::CleanupArgs),
+    /// The partitioned inbox: switch to it, maintain its partitions, list them.
+    Partitions {
+        #[command(subcommand)]
+        command: partitions::PartitionsCommand,
+    },
 }
 
 /// What every command gets: the services and the output mode.
@@ -133,6 +139,7 @@ fn main() -> ExitCode {
             Command::Outbox { command } => outbox::exec(&ctx, command).await,
             Command::Reap(args) => maintenance::reap(&ctx, args).await,
             Command::Cleanup(args) => maintenance::cleanup(&ctx, args).await,
+            Command::Partitions { command } => partitions::exec(&ctx, command).await,
         }
     });
     match outcome {
