@@ -656,13 +656,16 @@ pub struct ConsumerClaims {
 /// of the connection's schema, from PostgreSQL's statistics (cheap; counts
 /// claims whose transaction rolled back too, and restarts at a statistics
 /// reset): the difference of two readings is a claim rate, for dashboards.
+/// A partitioned table's partitions are summed (a partition dropped takes
+/// its count with it).
 ///
 /// # Errors
 /// [`Error::Database`] when the query fails.
 pub async fn claims_inserted(pool: &PgPool) -> Result<i64> {
     Ok(sqlx::query_scalar(
-        "SELECT coalesce(sum(n_tup_ins), 0)::int8 FROM pg_stat_user_tables \
-         WHERE relid = to_regclass('processed_messages')",
+        "SELECT coalesce(sum(s.n_tup_ins), 0)::int8 \
+         FROM pg_partition_tree(to_regclass('processed_messages')) t \
+         JOIN pg_stat_user_tables s ON s.relid = t.relid",
     )
     .fetch_one(pool)
     .await?)

@@ -512,6 +512,7 @@ mod tests {
                 "http_keys": null,
                 "window": [],
                 "dead_letters": null,
+                "instances": null,
                 "warnings": ["idempo's tables do not exist: run `idempo migrate`"],
             })
         );

@@ -1,0 +1,608 @@
+//! Sustained, not burst: the `payments` workload published at a fixed rate
+//! for tens of minutes while retention runs, against a PostgreSQL with
+//! production settings (autovacuum on). Minutes long: not part of `cargo test`.
+//!
+//! ```text
+//! cargo bench --bench sustained                               # per-message, 30 min
+//! SUSTAINED_MODE=batch cargo bench --bench sustained          # batch mode
+//! SUSTAINED_FORWARD=1 cargo bench --bench sustained           # + an outbox forward per payment
+//! ```
+//!
+//! Environment:
+//! - `SUSTAINED_MODE`: `per-message` (concurrency 16, the default) or `batch` (batches of 500).
+//! - `SUSTAINED_MINUTES` (30), `SUSTAINED_RETENTION` (`5m`: several horizons pass).
+//! - `SUSTAINED_RETENTION_MODE`: `partitioned` (the default: retention by
+//!   DETACH/DROP PARTITION) or `plain` (the batched `DELETE` reaper).
+//! - `SUSTAINED_RATE`: messages offered per second; by default the burst rate
+//!   measured first in the same run (a prefilled queue drained into the fresh table).
+//! - `SUSTAINED_BURST`: messages of that burst (default 60,000; 300,000 in batch mode).
+//! - `SUSTAINED_FORWARD=1`: each payment also stages a forward through the
+//!   outbox (the relay publishes it to a capped queue): the outbox table under
+//!   sustained forwarding.
+//! - `SUSTAINED_DATABASE_URL`: a PostgreSQL to use. Without it the bench
+//!   starts a cluster of its own, `idempo_sustained` on port 5499
+//!   (`pg_createcluster`, trust auth, autovacuum on, shared_buffers 1GB), because
+//!   the shared test server runs with autovacuum off. A database
+//!   `sustained` is created afresh in it for every run.
+//! - `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`).
+//!
+//! Every minute it prints, and at the end writes to
+//! `target/sustained-<mode>-<retention mode>.json`: offered and achieved
+//! rates, the backlog, claim latency p50/p99 (a probe claims a fresh id every
+//! 20 ms beside the load: `begin_claim` + `commit`), the size of
+//! `processed_messages` (heap and indexes, all partitions), its dead tuples,
+//! WAL bytes per claim, the oldest claim against the horizon, and with
+//! forwarding the outbox's size and oldest pending row.
+
+#[path = "../examples/common/payments.rs"]
+#[allow(dead_code)]
+mod payments;
+
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy};
+use idempo::inbox::{self, Begun};
+use idempo::inbox::partitioned::{self, Partitioning};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use serde::Serialize;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+const OWN_PORT: u16 = 5499;
+const OWN_CLUSTER: &str = "idempo_sustained";
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// One minute of the run.
+#[derive(Debug, Clone, Serialize)]
+struct Minute {
+    minute: u32,
+    offered_per_sec: f64,
+    achieved_per_sec: f64,
+    backlog: u32,
+    claim_p50_ms: f64,
+    claim_p99_ms: f64,
+    table_bytes: i64,
+    dead_tuples: i64,
+    wal_bytes_per_claim: f64,
+    oldest_claim_secs: f64,
+    oldest_over_horizon: f64,
+    partitions: i64,
+    outbox_bytes: Option<i64>,
+    outbox_pending: Option<i64>,
+    outbox_oldest_secs: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    mode: String,
+    retention_mode: String,
+    retention_secs: f64,
+    burst_per_sec: f64,
+    offered_per_sec: f64,
+    minutes: Vec<Minute>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    // `cargo bench` passes --bench; a filter is not used here.
+    let mode: String = env_or("SUSTAINED_MODE", "per-message".to_string());
+    let batch = match mode.as_str() {
+        "per-message" => None,
+        "batch" => Some(500usize),
+        other => bail!("SUSTAINED_MODE={other}: per-message or batch"),
+    };
+    let retention_mode: String = env_or("SUSTAINED_RETENTION_MODE", "partitioned".to_string());
+    let partitioned_mode = match retention_mode.as_str() {
+        "partitioned" => true,
+        "plain" => false,
+        other => bail!("SUSTAINED_RETENTION_MODE={other}: partitioned or plain"),
+    };
+    let minutes: u32 = env_or("SUSTAINED_MINUTES", 30);
+    let retention = humantime::parse_duration(&env_or("SUSTAINED_RETENTION", "5m".to_string()))
+        .context("SUSTAINED_RETENTION")?;
+    let burst: u64 = env_or(
+        "SUSTAINED_BURST",
+        if batch.is_some() { 300_000 } else { 60_000 },
+    );
+    let forward = env_or("SUSTAINED_FORWARD", 0u8) == 1;
+    let amqp_url: String = env_or(
+        "AMQP_URL",
+        "amqp://guest:guest@127.0.0.1:5672/%2f".to_string(),
+    );
+    let database_url = match std::env::var("SUSTAINED_DATABASE_URL") {
+        Ok(url) => url,
+        Err(_) => own_cluster()?,
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(24)
+        .connect(&database_url)
+        .await
+        .with_context(|| format!("cannot connect to {}", idempo::redact_url(&database_url)))?;
+    idempo::migrate(&pool).await?;
+    payments::create_tables(&pool).await?;
+    let partitioning = Partitioning::new();
+    if partitioned_mode {
+        partitioned::switch_to_partitioned(&pool, &partitioning, Some(retention)).await?;
+    }
+    let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
+        .fetch_one(&pool)
+        .await?;
+    println!(
+        "sustained: mode {mode}, retention {} ({retention_mode}), {minutes} min, forward {forward}, \
+         autovacuum {autovacuum}",
+        humantime::format_duration(retention)
+    );
+
+    let queue = format!("sustained-{mode}-{}", std::process::id());
+    let forward_queue = format!("{queue}.forwarded");
+    let connection = Connection::connect(&amqp_url, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    declare(&channel, &queue, &[]).await?;
+    // The forwards land in a capped queue nobody reads.
+    declare(
+        &channel,
+        &forward_queue,
+        &[("x-max-length", AMQPValue::LongLongInt(10_000))],
+    )
+    .await?;
+
+    // Burst: a prefilled queue drained into the fresh table.
+    let published = Arc::new(AtomicU64::new(0));
+    let next_id = Arc::new(AtomicU64::new(0));
+    publish_n(&channel, &queue, &next_id, burst).await?;
+    published.fetch_add(burst, Ordering::Relaxed);
+
+    let behaviour = payments::Behaviour {
+        fail_rate: 0.0,
+        forward_to: forward.then(|| forward_queue.as_str().into()),
+    };
+    let mut builder = Consumer::builder(amqp_url.clone(), pool.clone())
+        .queue(&queue)
+        .queue_type(QueueType::Quorum)
+        .prefetch(if batch.is_some() { 1_000 } else { 32 })
+        .concurrency(16)
+        .retry(RedeliveryPolicy::requeue(Duration::from_millis(100)))
+        .retention(retention)
+        .retention_interval(Duration::from_secs(10));
+    if partitioned_mode {
+        builder = builder.partitioned(partitioning.clone());
+    }
+    let consumer = match batch {
+        Some(size) => {
+            let behaviour = behaviour.clone();
+            builder
+                .batch_handler(move |tx, b| payments::handle_batch(tx, b, behaviour.clone()))
+                .batch(size)
+                .build()?
+        }
+        None => {
+            let behaviour = behaviour.clone();
+            builder
+                .handler(move |tx, m| payments::handle(tx, m, behaviour.clone()))
+                .build()?
+        }
+    };
+    let stats = consumer.stats();
+    let shutdown = consumer.shutdown_handle();
+    let running = tokio::spawn(consumer.run());
+    let settled = |s: idempo::amqp::StatsSnapshot| s.processed + s.duplicates;
+    let started = Instant::now();
+    while settled(stats.snapshot()) < burst {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if started.elapsed() > Duration::from_secs(1800) {
+            bail!("the burst did not drain in 30 minutes");
+        }
+    }
+    let burst_rate = burst as f64 / started.elapsed().as_secs_f64();
+    let rate: f64 = env_or("SUSTAINED_RATE", burst_rate.round());
+    println!("burst: {burst} messages in {:.1?}: {burst_rate:.0}/s; offering {rate:.0}/s", started.elapsed());
+
+    // Sustained: publish `rate` per second in ticks of 100 ms, 2 % of them twice.
+    let publisher = {
+        let (channel, queue, next_id, published) =
+            (channel.clone(), queue.clone(), next_id.clone(), published.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            let start = Instant::now();
+            let mut sent = 0u64;
+            loop {
+                tick.tick().await;
+                let due = (start.elapsed().as_secs_f64() * rate) as u64;
+                let n = due.saturating_sub(sent);
+                if n > 0 {
+                    if let Err(e) = publish_n(&channel, &queue, &next_id, n).await {
+                        eprintln!("publish failed: {e}");
+                        return;
+                    }
+                    sent += n;
+                    published.fetch_add(n, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    let latencies = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
+    let probe = {
+        let (pool, latencies) = (pool.clone(), latencies.clone());
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            let mut tick = tokio::time::interval(Duration::from_millis(20));
+            loop {
+                tick.tick().await;
+                n += 1;
+                let id = format!("probe-{}-{n}", std::process::id());
+                let t = Instant::now();
+                let begun = if partitioned_mode {
+                    partitioned::begin_claim(&pool, "sustained-probe", &id, b"{}").await
+                } else {
+                    inbox::begin_claim(&pool, "sustained-probe", &id, b"{}").await
+                };
+                if let Ok(Begun::Fresh(tx)) = begun
+                    && inbox::commit(tx, "sustained-probe", &id).await.is_ok()
+                {
+                    let ms = t.elapsed().as_secs_f64() * 1e3;
+                    latencies.lock().unwrap().push(ms);
+                }
+            }
+        })
+    };
+
+    let mut report = Report {
+        mode: mode.clone(),
+        retention_mode: retention_mode.clone(),
+        retention_secs: retention.as_secs_f64(),
+        burst_per_sec: burst_rate,
+        offered_per_sec: rate,
+        minutes: Vec::new(),
+    };
+    println!(
+        "{:>3} {:>9} {:>9} {:>8} {:>7} {:>7} {:>10} {:>9} {:>8} {:>8} {:>5} {:>10} {:>8}",
+        "min", "offered/s", "achieved/s", "backlog", "p50 ms", "p99 ms", "table MB", "dead tup",
+        "WAL B/cl", "oldest/h", "parts", "outbox MB", "outbox age"
+    );
+    let mut last = (
+        Instant::now(),
+        published.load(Ordering::Relaxed),
+        settled(stats.snapshot()),
+        wal(&pool).await?,
+    );
+    for minute in 1..=minutes {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let now = (
+            Instant::now(),
+            published.load(Ordering::Relaxed),
+            settled(stats.snapshot()),
+            wal(&pool).await?,
+        );
+        let secs = now.0.duration_since(last.0).as_secs_f64();
+        let claims = now.2.saturating_sub(last.2);
+        let mut lat = std::mem::take(&mut *latencies.lock().unwrap());
+        lat.sort_by(f64::total_cmp);
+        let pct = |p: f64| {
+            lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1)))
+                .copied()
+                .unwrap_or(f64::NAN)
+        };
+        let (table_bytes, dead_tuples, partitions) = table(&pool, "processed_messages").await?;
+        let oldest: f64 = sqlx::query_scalar(
+            "SELECT coalesce(extract(epoch FROM now() - min(processed_at)), 0)::float8 \
+             FROM processed_messages WHERE consumer = $1",
+        )
+        .bind(&queue)
+        .fetch_one(&pool)
+        .await?;
+        let (outbox_bytes, outbox_pending, outbox_oldest) = if forward {
+            let (bytes, _, _) = table(&pool, "outbox").await?;
+            let status = idempo::outbox::status(&pool).await?;
+            (
+                Some(bytes),
+                Some(status.pending),
+                Some(status.oldest_pending_age.map_or(0.0, |d| d.as_secs_f64())),
+            )
+        } else {
+            (None, None, None)
+        };
+        let row = Minute {
+            minute,
+            offered_per_sec: now.1.saturating_sub(last.1) as f64 / secs,
+            achieved_per_sec: claims as f64 / secs,
+            backlog: backlog(&channel, &queue).await,
+            claim_p50_ms: pct(0.50),
+            claim_p99_ms: pct(0.99),
+            table_bytes,
+            dead_tuples,
+            wal_bytes_per_claim: (now.3 - last.3) as f64 / claims.max(1) as f64,
+            oldest_claim_secs: oldest,
+            oldest_over_horizon: oldest / retention.as_secs_f64(),
+            partitions,
+            outbox_bytes,
+            outbox_pending,
+            outbox_oldest_secs: outbox_oldest,
+        };
+        println!(
+            "{:>3} {:>9.0} {:>9.0} {:>8} {:>7.2} {:>7.2} {:>10.1} {:>9} {:>8.0} {:>8.2} {:>5} {:>10} {:>8}",
+            row.minute,
+            row.offered_per_sec,
+            row.achieved_per_sec,
+            row.backlog,
+            row.claim_p50_ms,
+            row.claim_p99_ms,
+            row.table_bytes as f64 / 1e6,
+            row.dead_tuples,
+            row.wal_bytes_per_claim,
+            row.oldest_over_horizon,
+            row.partitions,
+            row.outbox_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1e6)),
+            row.outbox_oldest_secs.map_or("-".into(), |s| format!("{s:.1}s")),
+        );
+        report.minutes.push(row);
+        last = now;
+    }
+    publisher.abort();
+    probe.abort();
+    shutdown.shutdown();
+    let _ = tokio::time::timeout(Duration::from_secs(60), running).await;
+    summarize(&report);
+    let path = format!(
+        "{}/target/sustained-{mode}-{retention_mode}{}.json",
+        env!("CARGO_MANIFEST_DIR"),
+        if forward { "-forward" } else { "" }
+    );
+    std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
+    println!("figures: {path}");
+    let _ = connection.close(200, "done".into()).await;
+    Ok(())
+}
+
+/// The issue's three targets, read off the minutes.
+fn summarize(r: &Report) {
+    let horizon_min = (r.retention_secs / 60.0).ceil().max(1.0) as usize;
+    let at = |m: usize| r.minutes.get(m.saturating_sub(1));
+    let (Some(first_horizon), Some(end), Some(two)) =
+        (at(horizon_min), r.minutes.last(), at(2))
+    else {
+        println!("too short for the targets");
+        return;
+    };
+    let steady: Vec<&Minute> = r.minutes.iter().skip(1).collect();
+    let achieved = steady.iter().map(|m| m.achieved_per_sec).sum::<f64>() / steady.len().max(1) as f64;
+    let worst_oldest = r
+        .minutes
+        .iter()
+        .skip(horizon_min)
+        .map(|m| m.oldest_over_horizon)
+        .fold(0.0, f64::max);
+    println!(
+        "sustained rate {achieved:.0}/s = {:.2}x the burst ({:.0}/s) [target >= 0.9]",
+        achieved / r.burst_per_sec,
+        r.burst_per_sec
+    );
+    println!("oldest claim at most {worst_oldest:.2}x the horizon after the first [target <= 1.1]");
+    println!(
+        "processed_messages {:.1} MB at minute {} vs {:.1} MB at the end of the first horizon: {:.2}x [target <= 1.2]",
+        end.table_bytes as f64 / 1e6,
+        end.minute,
+        first_horizon.table_bytes as f64 / 1e6,
+        end.table_bytes as f64 / first_horizon.table_bytes.max(1) as f64
+    );
+    println!(
+        "claim p99 {:.2} ms at minute {} vs {:.2} ms at minute 2: {:.2}x [target <= 1.5]",
+        end.claim_p99_ms,
+        end.minute,
+        two.claim_p99_ms,
+        end.claim_p99_ms / two.claim_p99_ms
+    );
+    if let (Some(a), Some(b)) = (first_horizon.outbox_bytes, end.outbox_bytes) {
+        println!(
+            "outbox {:.1} MB at minute {} vs {:.1} MB at the end of the first horizon: {:.2}x; oldest pending {:.1} s",
+            b as f64 / 1e6,
+            end.minute,
+            a as f64 / 1e6,
+            b as f64 / a.max(1) as f64,
+            end.outbox_oldest_secs.unwrap_or(0.0)
+        );
+    }
+}
+
+/// Heap and indexes of `table` and of all its partitions, their dead tuples,
+/// and how many partitions.
+async fn table(pool: &PgPool, table: &str) -> anyhow::Result<(i64, i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT coalesce(sum(pg_total_relation_size(t.relid)), 0)::int8, \
+                coalesce(sum(s.n_dead_tup), 0)::int8, \
+                (count(*) FILTER (WHERE t.isleaf AND t.level > 0))::int8 \
+         FROM pg_partition_tree($1::regclass) t \
+         LEFT JOIN pg_stat_user_tables s ON s.relid = t.relid",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await?)
+}
+
+async fn wal(pool: &PgPool) -> anyhow::Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8")
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+async fn backlog(channel: &lapin::Channel, queue: &str) -> u32 {
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_or(0, |q| q.message_count())
+}
+
+async fn declare(
+    channel: &lapin::Channel,
+    queue: &str,
+    args: &[(&str, AMQPValue)],
+) -> anyhow::Result<()> {
+    let mut table = FieldTable::default();
+    for (k, v) in args {
+        table.insert((*k).into(), v.clone());
+    }
+    if args.is_empty() {
+        // As the consumer declares it: quorum, dead-lettering into its DLQ.
+        table.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+        table.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString("".into()),
+        );
+        table.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(format!("{queue}.dlq").into()),
+        );
+        channel
+            .queue_declare(
+                format!("{queue}.dlq").as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                {
+                    let mut t = FieldTable::default();
+                    t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+                    t
+                },
+            )
+            .await?;
+    }
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            table,
+        )
+        .await?;
+    Ok(())
+}
+
+/// Publishes `n` payments (ids from `next_id`; every 50th published twice),
+/// then waits for the broker's confirms.
+async fn publish_n(
+    channel: &lapin::Channel,
+    queue: &str,
+    next_id: &AtomicU64,
+    n: u64,
+) -> anyhow::Result<()> {
+    let mut confirms = Vec::with_capacity(n as usize);
+    let mut left = n;
+    while left > 0 {
+        let i = next_id.fetch_add(1, Ordering::Relaxed);
+        let body = format!(
+            "{{\"account\":\"acc-{}\",\"amount_cents\":1}}",
+            i % 1_000
+        );
+        let copies = if i % 50 == 0 && left > 1 { 2 } else { 1 };
+        for _ in 0..copies {
+            let properties = BasicProperties::default()
+                .with_message_id(format!("s-{i}").into())
+                .with_delivery_mode(2);
+            confirms.push(
+                channel
+                    .basic_publish(
+                        "".into(),
+                        queue.into(),
+                        BasicPublishOptions::default(),
+                        body.as_bytes(),
+                        properties,
+                    )
+                    .await?,
+            );
+            left -= 1;
+        }
+    }
+    for confirm in confirms {
+        confirm.await?;
+    }
+    Ok(())
+}
+
+/// The bench's own PostgreSQL (autovacuum on), created and started if needed.
+fn own_cluster() -> anyhow::Result<String> {
+    let url = format!("postgres://postgres@127.0.0.1:{OWN_PORT}/sustained");
+    let version = std::fs::read_dir("/etc/postgresql")
+        .context("no /etc/postgresql: set SUSTAINED_DATABASE_URL")?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .max()
+        .context("no PostgreSQL version in /etc/postgresql")?;
+    let exists = std::path::Path::new(&format!("/etc/postgresql/{version}/{OWN_CLUSTER}")).exists();
+    if !exists {
+        run(Command::new("pg_createcluster").args([
+            &version,
+            OWN_CLUSTER,
+            "--port",
+            &OWN_PORT.to_string(),
+            "-o",
+            "autovacuum=on",
+            "-o",
+            "shared_buffers=1GB",
+            "-o",
+            "max_wal_size=4GB",
+            "-o",
+            "max_connections=200",
+            "--",
+            "--auth=trust",
+        ]))?;
+    }
+    let _ = Command::new("pg_ctlcluster")
+        .args(["--skip-systemctl-redirect", &version, OWN_CLUSTER, "start"])
+        .status();
+    for _ in 0..30 {
+        if std::net::TcpStream::connect(("127.0.0.1", OWN_PORT)).is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let psql = |sql: &str| {
+        run(Command::new("psql").args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &OWN_PORT.to_string(),
+            "-U",
+            "postgres",
+            "-d",
+            "postgres",
+            "-qc",
+            sql,
+        ]))
+    };
+    psql("DROP DATABASE IF EXISTS sustained WITH (FORCE)")?;
+    psql("CREATE DATABASE sustained")?;
+    Ok(url)
+}
+
+fn run(command: &mut Command) -> anyhow::Result<()> {
+    let status = command.status().with_context(|| format!("{command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed: {status}");
+    }
+    Ok(())
+}
