@@ -132,7 +132,9 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("cannot connect to {}", idempo::redact_url(&database_url)))?;
     idempo::migrate(&pool).await?;
     payments::create_tables(&pool).await?;
-    let partitioning = Partitioning::new();
+    // Partitions of a sixteenth of the horizon: a claim is retired at most
+    // 1/16 of the horizon (plus one maintenance interval) after it expires.
+    let partitioning = Partitioning::new().period(retention / 16);
     if partitioned_mode {
         partitioned::switch_to_partitioned(&pool, &partitioning, Some(retention)).await?;
     }
@@ -152,7 +154,6 @@ async fn main() -> anyhow::Result<()> {
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
-    declare(&channel, &queue, &[]).await?;
     // The forwards land in a capped queue nobody reads.
     declare(
         &channel,
@@ -161,42 +162,48 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
 
+    let behaviour = payments::Behaviour {
+        fail_rate: 0.0,
+        forward_to: forward.then(|| forward_queue.as_str().into()),
+    };
+    let build = || {
+        let mut builder = Consumer::builder(amqp_url.clone(), pool.clone())
+            .queue(&queue)
+            .queue_type(QueueType::Quorum)
+            .prefetch(if batch.is_some() { 1_000 } else { 32 })
+            .concurrency(16)
+            .retry(RedeliveryPolicy::requeue(Duration::from_millis(100)))
+            .retention(retention)
+            .retention_interval(Duration::from_secs(5));
+        if partitioned_mode {
+            builder = builder.partitioned(partitioning.clone());
+        }
+        let behaviour = behaviour.clone();
+        match batch {
+            Some(size) => builder
+                .batch_handler(move |tx, b| payments::handle_batch(tx, b, behaviour.clone()))
+                .batch(size)
+                .build(),
+            None => builder
+                .handler(move |tx, m| payments::handle(tx, m, behaviour.clone()))
+                .build(),
+        }
+    };
+
+    // The runtime declares its topology once, then the queue is filled.
+    let declaring = build()?;
+    let (stop, health) = (declaring.shutdown_handle(), declaring.health());
+    let task = tokio::spawn(declaring.run());
+    health.wait_for(|h| h.is_consuming()).await;
+    stop.shutdown();
+    task.await??;
+
     // Burst: a prefilled queue drained into the fresh table.
     let published = Arc::new(AtomicU64::new(0));
     let next_id = Arc::new(AtomicU64::new(0));
     publish_n(&channel, &queue, &next_id, burst).await?;
     published.fetch_add(burst, Ordering::Relaxed);
-
-    let behaviour = payments::Behaviour {
-        fail_rate: 0.0,
-        forward_to: forward.then(|| forward_queue.as_str().into()),
-    };
-    let mut builder = Consumer::builder(amqp_url.clone(), pool.clone())
-        .queue(&queue)
-        .queue_type(QueueType::Quorum)
-        .prefetch(if batch.is_some() { 1_000 } else { 32 })
-        .concurrency(16)
-        .retry(RedeliveryPolicy::requeue(Duration::from_millis(100)))
-        .retention(retention)
-        .retention_interval(Duration::from_secs(10));
-    if partitioned_mode {
-        builder = builder.partitioned(partitioning.clone());
-    }
-    let consumer = match batch {
-        Some(size) => {
-            let behaviour = behaviour.clone();
-            builder
-                .batch_handler(move |tx, b| payments::handle_batch(tx, b, behaviour.clone()))
-                .batch(size)
-                .build()?
-        }
-        None => {
-            let behaviour = behaviour.clone();
-            builder
-                .handler(move |tx, m| payments::handle(tx, m, behaviour.clone()))
-                .build()?
-        }
-    };
+    let consumer = build()?;
     let stats = consumer.stats();
     let shutdown = consumer.shutdown_handle();
     let running = tokio::spawn(consumer.run());
@@ -204,6 +211,9 @@ async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     while settled(stats.snapshot()) < burst {
         tokio::time::sleep(Duration::from_millis(50)).await;
+        if running.is_finished() {
+            bail!("the consumer stopped: {:?}", running.await);
+        }
         if started.elapsed() > Duration::from_secs(1800) {
             bail!("the burst did not drain in 30 minutes");
         }
@@ -425,7 +435,8 @@ async fn table(pool: &PgPool, table: &str) -> anyhow::Result<(i64, i64, i64)> {
         "SELECT coalesce(sum(pg_total_relation_size(t.relid)), 0)::int8, \
                 coalesce(sum(s.n_dead_tup), 0)::int8, \
                 (count(*) FILTER (WHERE t.isleaf AND t.level > 0))::int8 \
-         FROM pg_partition_tree($1::regclass) t \
+         FROM (SELECT relid, isleaf, level FROM pg_partition_tree($1::regclass) \
+               UNION SELECT $1::regclass, true, 0) t \
          LEFT JOIN pg_stat_user_tables s ON s.relid = t.relid",
     )
     .bind(table)
@@ -463,32 +474,6 @@ async fn declare(
     let mut table = FieldTable::default();
     for (k, v) in args {
         table.insert((*k).into(), v.clone());
-    }
-    if args.is_empty() {
-        // As the consumer declares it: quorum, dead-lettering into its DLQ.
-        table.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
-        table.insert(
-            "x-dead-letter-exchange".into(),
-            AMQPValue::LongString("".into()),
-        );
-        table.insert(
-            "x-dead-letter-routing-key".into(),
-            AMQPValue::LongString(format!("{queue}.dlq").into()),
-        );
-        channel
-            .queue_declare(
-                format!("{queue}.dlq").as_str().into(),
-                QueueDeclareOptions {
-                    durable: true,
-                    ..QueueDeclareOptions::default()
-                },
-                {
-                    let mut t = FieldTable::default();
-                    t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
-                    t
-                },
-            )
-            .await?;
     }
     channel
         .queue_declare(

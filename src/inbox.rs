@@ -663,9 +663,10 @@ pub struct ConsumerClaims {
 /// [`Error::Database`] when the query fails.
 pub async fn claims_inserted(pool: &PgPool) -> Result<i64> {
     Ok(sqlx::query_scalar(
-        "SELECT coalesce(sum(s.n_tup_ins), 0)::int8 \
-         FROM pg_partition_tree(to_regclass('processed_messages')) t \
-         JOIN pg_stat_user_tables s ON s.relid = t.relid",
+        // pg_partition_tree is empty for a plain table.
+        "SELECT coalesce(sum(n_tup_ins), 0)::int8 FROM pg_stat_user_tables \
+         WHERE relid = to_regclass('processed_messages') \
+            OR relid IN (SELECT relid FROM pg_partition_tree(to_regclass('processed_messages')))",
     )
     .fetch_one(pool)
     .await?)
