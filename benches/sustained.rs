@@ -45,8 +45,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy};
-use idempo::inbox::{self, Begun};
 use idempo::inbox::partitioned::{self, Partitioning};
+use idempo::inbox::{self, Begun};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
@@ -220,12 +220,19 @@ async fn main() -> anyhow::Result<()> {
     }
     let burst_rate = burst as f64 / started.elapsed().as_secs_f64();
     let rate: f64 = env_or("SUSTAINED_RATE", burst_rate.round());
-    println!("burst: {burst} messages in {:.1?}: {burst_rate:.0}/s; offering {rate:.0}/s", started.elapsed());
+    println!(
+        "burst: {burst} messages in {:.1?}: {burst_rate:.0}/s; offering {rate:.0}/s",
+        started.elapsed()
+    );
 
     // Sustained: publish `rate` per second in ticks of 100 ms, 2 % of them twice.
     let publisher = {
-        let (channel, queue, next_id, published) =
-            (channel.clone(), queue.clone(), next_id.clone(), published.clone());
+        let (channel, queue, next_id, published) = (
+            channel.clone(),
+            queue.clone(),
+            next_id.clone(),
+            published.clone(),
+        );
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(100));
             let start = Instant::now();
@@ -281,8 +288,19 @@ async fn main() -> anyhow::Result<()> {
     };
     println!(
         "{:>3} {:>9} {:>9} {:>8} {:>7} {:>7} {:>10} {:>9} {:>8} {:>8} {:>5} {:>10} {:>8}",
-        "min", "offered/s", "achieved/s", "backlog", "p50 ms", "p99 ms", "table MB", "dead tup",
-        "WAL B/cl", "oldest/h", "parts", "outbox MB", "outbox age"
+        "min",
+        "offered/s",
+        "achieved/s",
+        "backlog",
+        "p50 ms",
+        "p99 ms",
+        "table MB",
+        "dead tup",
+        "WAL B/cl",
+        "oldest/h",
+        "parts",
+        "outbox MB",
+        "outbox age"
     );
     let mut last = (
         Instant::now(),
@@ -356,8 +374,10 @@ async fn main() -> anyhow::Result<()> {
             row.wal_bytes_per_claim,
             row.oldest_over_horizon,
             row.partitions,
-            row.outbox_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / 1e6)),
-            row.outbox_oldest_secs.map_or("-".into(), |s| format!("{s:.1}s")),
+            row.outbox_bytes
+                .map_or("-".into(), |b| format!("{:.1}", b as f64 / 1e6)),
+            row.outbox_oldest_secs
+                .map_or("-".into(), |s| format!("{s:.1}s")),
         );
         report.minutes.push(row);
         last = now;
@@ -382,14 +402,14 @@ async fn main() -> anyhow::Result<()> {
 fn summarize(r: &Report) {
     let horizon_min = (r.retention_secs / 60.0).ceil().max(1.0) as usize;
     let at = |m: usize| r.minutes.get(m.saturating_sub(1));
-    let (Some(first_horizon), Some(end), Some(two)) =
-        (at(horizon_min), r.minutes.last(), at(2))
+    let (Some(first_horizon), Some(end), Some(two)) = (at(horizon_min), r.minutes.last(), at(2))
     else {
         println!("too short for the targets");
         return;
     };
     let steady: Vec<&Minute> = r.minutes.iter().skip(1).collect();
-    let achieved = steady.iter().map(|m| m.achieved_per_sec).sum::<f64>() / steady.len().max(1) as f64;
+    let achieved =
+        steady.iter().map(|m| m.achieved_per_sec).sum::<f64>() / steady.len().max(1) as f64;
     let worst_oldest = r
         .minutes
         .iter()
@@ -500,10 +520,7 @@ async fn publish_n(
     let mut left = n;
     while left > 0 {
         let i = next_id.fetch_add(1, Ordering::Relaxed);
-        let body = format!(
-            "{{\"account\":\"acc-{}\",\"amount_cents\":1}}",
-            i % 1_000
-        );
+        let body = format!("{{\"account\":\"acc-{}\",\"amount_cents\":1}}", i % 1_000);
         let copies = if i % 50 == 0 && left > 1 { 2 } else { 1 };
         for _ in 0..copies {
             let properties = BasicProperties::default()

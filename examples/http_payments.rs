@@ -36,6 +36,8 @@
 
 #[path = "common/http_payments.rs"]
 mod http_payments;
+#[path = "common/services.rs"]
+mod services;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -167,16 +169,11 @@ async fn main() -> anyhow::Result<()> {
     );
     // sqlx retries a refused connection until the acquire timeout (30 s by
     // default): a wrong address should fail a start sooner than that.
-    let pool = PgPoolOptions::new()
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&database_url)
-        .await
-        .with_context(|| {
-            format!(
-                "connect to PostgreSQL at {}",
-                idempo::redact_url(&database_url)
-            )
-        })?;
+    let pool = services::connect_postgres(
+        PgPoolOptions::new().acquire_timeout(Duration::from_secs(10)),
+        &database_url,
+    )
+    .await?;
     // Least privilege: with PAYMENTS_MIGRATE=0 nothing here needs CREATE.
     match env_or("PAYMENTS_MIGRATE", "1").as_str() {
         "1" => {
@@ -197,9 +194,13 @@ async fn main() -> anyhow::Result<()> {
         "postgres" => app(pool.clone(), PostgresStore::new(pool)),
         "redis" => {
             let url = env_or("REDIS_URL", "redis://127.0.0.1:6379");
-            let store = RedisStore::connect(&url)
-                .await
-                .with_context(|| format!("connect to Redis at {}", idempo::redact_url(&url)))?;
+            let store = RedisStore::connect(&url).await.with_context(|| {
+                format!(
+                    "connect to Redis at {} ({})",
+                    idempo::redact_url(&url),
+                    services::how_to_start("Redis")
+                )
+            })?;
             app(pool, store)
         }
         "memory" => app(pool, MemoryStore::new()),

@@ -48,6 +48,8 @@
 
 #[path = "common/payments.rs"]
 mod payments;
+#[path = "common/services.rs"]
+mod services;
 
 use std::time::Duration;
 
@@ -151,17 +153,13 @@ async fn main() -> anyhow::Result<()> {
     idempo::certificate::check_database_url(&database_url)?;
     let broker = Broker::new(&amqp_url)?.tls_files(&BrokerTlsFiles::from_env())?;
 
-    let pool = PgPoolOptions::new()
-        .max_connections(u32::from(concurrency) + 2)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&database_url)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot connect to PostgreSQL at {}",
-                idempo::redact_url(&database_url)
-            )
-        })?;
+    let pool = services::connect_postgres(
+        PgPoolOptions::new()
+            .max_connections(u32::from(concurrency) + 2)
+            .acquire_timeout(Duration::from_secs(10)),
+        &database_url,
+    )
+    .await?;
     // Least privilege: with PAYMENTS_MIGRATE=0 nothing here needs CREATE.
     let schema = if migrate {
         payments::create_tables(&pool).await?;
@@ -171,7 +169,7 @@ async fn main() -> anyhow::Result<()> {
         Schema::Check
     };
 
-    let mut consumer = Consumer::builder(amqp_url, pool)
+    let mut consumer = Consumer::builder(amqp_url.clone(), pool)
         .broker(broker)
         .queue(queue)
         .prefetch(prefetch.max(concurrency))
@@ -183,18 +181,18 @@ async fn main() -> anyhow::Result<()> {
         tracing::info!(queue = %to, "forwarding applied payments through the outbox");
         consumer = consumer.declare_like_own(to);
     }
-    if batch > 0 {
+    let consumer = if batch > 0 {
         consumer
             .batch_handler(move |tx, batch| payments::handle_batch(tx, batch, behaviour.clone()))
             .batch(batch)
-            .run_until_signal()
-            .await?;
+            .build()?
     } else {
         consumer
             .handler(move |tx, message| payments::handle(tx, message, behaviour.clone()))
-            .run_until_signal()
-            .await?;
-    }
+            .build()?
+    };
+    services::hint_while_broker_unreachable(consumer.health(), &amqp_url);
+    consumer.run_until_signal().await?;
     tracing::info!("drained; bye");
     Ok(())
 }

@@ -820,3 +820,59 @@ async fn a_refused_copy_does_not_end_the_session() {
     assert!(!running.task.is_finished(), "the consumer still runs");
     running.stop().await.expect("a graceful stop");
 }
+
+/// A newcomer without the services: the first failure names the service,
+/// its address and how to start it, in one line; an absent broker is
+/// retried without flooding the log.
+#[test]
+fn a_missing_service_is_named_with_its_address_and_how_to_start_it() {
+    let payments = example_binary("payments");
+    let (code, out) = run_for(
+        &payments,
+        &[
+            ("DATABASE_URL", "postgres://postgres@127.0.0.1:1/db"),
+            ("AMQP_URL", &amqp_url()),
+        ],
+        &[],
+        Duration::from_secs(60),
+    );
+    assert!(matches!(code, Some(c) if c != 0), "exits: {code:?}\n{out}");
+    let line = out
+        .lines()
+        .find(|l| l.contains("cannot reach PostgreSQL at 127.0.0.1:1"))
+        .unwrap_or_else(|| panic!("no line names PostgreSQL and its address:\n{out}"));
+    assert!(
+        line.contains("refused") && line.contains("docker compose up -d"),
+        "why and how to start it, in the same line: {line}"
+    );
+    assert!(!out.contains("pool timed out"), "{out}");
+
+    let (_, out) = run_for(
+        &payments,
+        &[
+            ("DATABASE_URL", &database_url()),
+            ("AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f"),
+            ("PAYMENTS_QUEUE", &unique("no_broker")),
+        ],
+        &[],
+        Duration::from_secs(10),
+    );
+    let hints: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("RabbitMQ does not answer at amqp://guest:***@127.0.0.1:1"))
+        .collect();
+    assert_eq!(hints.len(), 1, "one hint:\n{out}");
+    assert!(
+        hints[0].contains("rabbitmq-server -detached"),
+        "{}",
+        hints[0]
+    );
+    // Backoff from 100 ms: about eight attempts in 10 s, of which the 1st,
+    // 2nd, 4th and 8th are logged.
+    let logged = out.matches("cannot reach RabbitMQ").count();
+    assert!(
+        (1..=4).contains(&logged),
+        "{logged} failures logged in 10 s:\n{out}"
+    );
+    assert!(!out.contains("cannot connect to this node"), "{out}");
+}

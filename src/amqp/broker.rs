@@ -342,7 +342,7 @@ impl Broker {
         last: Option<usize>,
         name: &str,
     ) -> Result<(Connection, usize)> {
-        let mut failures = Vec::new();
+        let mut failures: Vec<(Failure, NodeFailure)> = Vec::new();
         for index in self.order(last) {
             let uri = self.uri(index)?;
             let tls = uri.scheme == AMQPScheme::AMQPS;
@@ -361,7 +361,15 @@ impl Broker {
             // does not apply the URL's timeout, and a node that accepts TCP and
             // never answers would otherwise hold us forever.
             let failure = match tokio::time::timeout(self.connection_timeout, connecting).await {
-                Ok(Ok(connection)) => return Ok((connection, index)),
+                Ok(Ok(connection)) => {
+                    // Failed over: the nodes passed over are worth a look.
+                    // (When every node fails, the error names them all.)
+                    for (_, failed) in &failures {
+                        tracing::warn!(node = %failed.node, reason = %failed.reason,
+                            "cannot connect to this node; connected to the next");
+                    }
+                    return Ok((connection, index));
+                }
                 Ok(Err(e)) => classify(&e, tls),
                 Err(_) => (
                     Failure::Outage,
@@ -371,7 +379,7 @@ impl Broker {
                     ),
                 ),
             };
-            tracing::warn!(%node, reason = %failure.1, "cannot connect to this node");
+            tracing::debug!(%node, reason = %failure.1, "cannot connect to this node");
             failures.push((
                 failure.0,
                 NodeFailure {

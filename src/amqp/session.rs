@@ -18,7 +18,7 @@ use super::dispatch::{Dispatcher, Feed, FeedEnd};
 use super::health::{Health, RuntimeState};
 use super::mode::Dispatch;
 use super::quarantine;
-use super::reconnect::{self, Reconnect, Session, Sessions};
+use super::reconnect::{self, Loss, Reconnect, Session, Sessions};
 use super::republish::Republisher;
 use super::route::Router;
 use super::shutdown::ShutdownHandle;
@@ -368,9 +368,19 @@ impl Sessions for Runtime {
         end
     }
 
-    async fn lost(&mut self, error: String, lasted: Duration, pause: Duration) {
-        tracing::error!(%error, ?pause, "broker session lost; reconnecting");
-        self.health.record_error(error);
+    async fn lost(&mut self, loss: &Loss) {
+        let (error, lasted, pause) = (&loss.error, loss.lasted, loss.pause);
+        match (loss.logged, loss.never_connected) {
+            (true, true) => tracing::error!(
+                %error, ?pause, note = %loss.note(),
+                "cannot reach RabbitMQ: is it running at that address? retrying"
+            ),
+            (true, false) => tracing::error!(
+                %error, ?pause, note = %loss.note(), "broker session lost; reconnecting"
+            ),
+            (false, _) => tracing::debug!(%error, ?pause, in_row = loss.in_row, "reconnecting"),
+        }
+        self.health.record_error(error.clone());
         // After the loss is recorded, so that what the quarantine found is
         // the last word in Health.
         if self.unparseable {

@@ -13,7 +13,7 @@ use tracing::Instrument;
 use super::broker_link::BrokerLink;
 use super::said::{self, Envelope, Said};
 use super::{CLEANUP_BATCH, CONTENDED_RETRY, LOCAL_LINGER, Publishing, Relay, RelayState};
-use crate::amqp::reconnect::{self, Reconnect, Session, Sessions};
+use crate::amqp::reconnect::{self, Loss, Reconnect, Session, Sessions};
 use crate::backoff::Backoff;
 use crate::outbox;
 use crate::outbox::batch::{self, Batch, Failures, NOTIFY_CHANNEL, Row};
@@ -559,8 +559,15 @@ impl Sessions for Running<'_> {
         }
     }
 
-    async fn lost(&mut self, error: String, _lasted: Duration, _pause: Duration) {
-        tracing::warn!(%error, "outbox relay: broker session lost; reconnecting");
+    async fn lost(&mut self, loss: &Loss) {
+        let (error, pause) = (&loss.error, loss.pause);
+        if loss.logged {
+            tracing::warn!(%error, ?pause, note = %loss.note(),
+                "outbox relay: broker session lost; reconnecting");
+        } else {
+            tracing::debug!(%error, ?pause, in_row = loss.in_row, "outbox relay: reconnecting");
+        }
+        let error = error.clone();
         self.relay.health.update(|s| s.last_error = Some(error));
         self.relay.set_state(RelayState::Reconnecting);
     }

@@ -1,0 +1,84 @@
+//! What a newcomer is told when a service the example needs is not there:
+//! which service, at which address, and how to start it.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::Context;
+use sqlx::ConnectOptions;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+/// How to start each service: the repository's compose file, or Debian's commands.
+pub fn how_to_start(service: &str) -> &'static str {
+    match service {
+        "PostgreSQL" => {
+            "start it with `docker compose up -d` (the repository's docker-compose.yml), or on \
+             Debian `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`; \
+             or point DATABASE_URL at yours"
+        }
+        "RabbitMQ" => {
+            "start it with `docker compose up -d` (the repository's docker-compose.yml), or on \
+             Debian `rabbitmq-server -detached`; or point AMQP_URL at yours"
+        }
+        _ => {
+            "start it with `docker compose up -d` (the repository's docker-compose.yml), or \
+             `redis-server --daemonize yes`; or point REDIS_URL at yours"
+        }
+    }
+}
+
+/// Connects a pool to PostgreSQL at `url`. sqlx's pool retries a refused
+/// connection until its acquire timeout and then says only "pool timed
+/// out": one direct attempt finds the reason, said with the address (never
+/// the password) and how to start the server.
+pub async fn connect_postgres(options: PgPoolOptions, url: &str) -> anyhow::Result<PgPool> {
+    let error = match options.connect(url).await {
+        Ok(pool) => return Ok(pool),
+        Err(error) => error,
+    };
+    let redacted = idempo::redact_url(url);
+    let Ok(direct) = PgConnectOptions::from_str(url) else {
+        return Err(error).with_context(|| format!("cannot connect to PostgreSQL at {redacted}"));
+    };
+    let at = format!("{}:{}", direct.get_host(), direct.get_port());
+    if !matches!(error, sqlx::Error::PoolTimedOut) {
+        return Err(error).with_context(|| format!("cannot connect to PostgreSQL at {redacted}"));
+    }
+    let why = match tokio::time::timeout(Duration::from_secs(3), direct.connect()).await {
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "no answer within 3 s".to_owned(),
+        // It answers now: it was starting, or the pool was too small.
+        Ok(Ok(_)) => {
+            return Err(error)
+                .with_context(|| format!("cannot connect to PostgreSQL at {redacted}"));
+        }
+    };
+    anyhow::bail!(
+        "cannot reach PostgreSQL at {at} ({why}): {}",
+        how_to_start("PostgreSQL")
+    )
+}
+
+/// Once the consumer's first attempt to reach RabbitMQ fails (before it
+/// ever consumed), says how to start it, once; the consumer keeps trying.
+#[allow(dead_code)]
+pub fn hint_while_broker_unreachable(health: idempo::amqp::Health, amqp_url: &str) {
+    let at = idempo::redact_url(amqp_url);
+    tokio::spawn(async move {
+        let first = health
+            .wait_for(|h| h.is_consuming() || h.last_error.is_some())
+            .await;
+        if !first.is_consuming()
+            && first
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.starts_with("cannot connect to RabbitMQ"))
+        {
+            tracing::warn!(
+                "RabbitMQ does not answer at {at}: {}; the consumer keeps trying",
+                how_to_start("RabbitMQ")
+            );
+        }
+    });
+}
