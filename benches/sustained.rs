@@ -176,7 +176,7 @@ async fn main() -> anyhow::Result<()> {
             .retention(retention)
             .retention_interval(Duration::from_secs(5));
         if partitioned_mode {
-            builder = builder.partitioned(partitioning.clone());
+            builder = builder.partitioned(partitioning);
         }
         let behaviour = behaviour.clone();
         match batch {
@@ -521,7 +521,11 @@ async fn publish_n(
     while left > 0 {
         let i = next_id.fetch_add(1, Ordering::Relaxed);
         let body = format!("{{\"account\":\"acc-{}\",\"amount_cents\":1}}", i % 1_000);
-        let copies = if i % 50 == 0 && left > 1 { 2 } else { 1 };
+        let copies = if i.is_multiple_of(50) && left > 1 {
+            2
+        } else {
+            1
+        };
         for _ in 0..copies {
             let properties = BasicProperties::default()
                 .with_message_id(format!("s-{i}").into())
