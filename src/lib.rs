@@ -64,10 +64,29 @@
 //! | `saga` | Saga steps safe to re-execute and re-compensate (`saga`) | no |
 //! | `retry` | A retrying reqwest client that keeps its `Idempotency-Key`, and a generic retry loop (`retry`) | no |
 //! | `redis` | Redis stores for the modules that have one | no |
-//! | `ops` | The operations behind the `idempo` command as library functions (`ops`): status, dead letters, replay, reaping, cleanup | no |
-//! | `cli` | The `idempo` command (a thin client of `ops`) | no |
+//! | `ops` | The operations behind the `idempo` command as library functions (`ops`): status, dead letters, replay, reaping, cleanup, partitions | no |
+//! | `cli` | The `idempo` command (a thin client of `ops`) and its web dashboard | no |
+//! | `testing` | A harness that runs a consumer's delivery path without a broker, and store contract tests (`testing`) | no |
 //! | `tls` | TLS (rustls, no OpenSSL) to every service: `amqps://`, PostgreSQL `sslmode=require/verify-ca/verify-full`, `rediss://` | yes |
 //! | `anyhow` | `?` on an `anyhow::Error` in a handler classifies the error it carries (a database error, an undecodable body) instead of an opaque wrapper | yes |
+#![cfg_attr(
+    all(
+        feature = "amqp",
+        feature = "outbox",
+        feature = "http",
+        feature = "window",
+        feature = "saga",
+        feature = "retry",
+        feature = "redis",
+        feature = "tls",
+        feature = "anyhow",
+        feature = "ops",
+        feature = "testing"
+    ),
+    doc = "\n## The guide\n\nThe depth is in [`_guide`]: one page per topic (a consumer with \
+           dedup, failures, batch mode, the outbox, HTTP, the window, sagas, retries, testing, \
+           production, scale-out, operations), every code block compiled as a doctest."
+)]
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -140,6 +159,24 @@ pub mod testing;
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub use error::NodeFailure;
 pub use error::{Error, Result};
+
+// The guide (src/_guide/): what the README leaves out, one topic per page,
+// every code block a doctest. Compiled with every feature its examples use
+// (`cargo test --all-features` tests them; docs.rs renders them).
+#[cfg(all(
+    feature = "amqp",
+    feature = "outbox",
+    feature = "http",
+    feature = "window",
+    feature = "saga",
+    feature = "retry",
+    feature = "redis",
+    feature = "tls",
+    feature = "anyhow",
+    feature = "ops",
+    feature = "testing"
+))]
+pub mod _guide;
 
 /// The README's examples, compiled as doctests so that they cannot drift
 /// from the code (`cargo test --all-features`).
