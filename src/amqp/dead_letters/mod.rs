@@ -1,6 +1,6 @@
 //! Dead letters kept in PostgreSQL (features `amqp` + `outbox`): the
 //! `dead_letters` table, written by a consumer configured with
-//! [`DeadLetters::Table`](crate::amqp::DeadLetters::Table), and the library
+//! [`DeadLetters::Table`], and the library
 //! functions that list, group, show, replay, discard, purge and reap them
 //! (used by the `idempo dlq` commands).
 //!
