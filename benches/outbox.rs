@@ -26,6 +26,8 @@
 #[path = "../examples/common/payments.rs"]
 #[allow(dead_code)]
 mod payments;
+#[path = "support/topology.rs"]
+mod topology;
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -982,12 +984,7 @@ async fn payments_consumer(bench: &Bench, variant: &str) -> anyhow::Result<Figur
     };
 
     // Let the runtime declare its topology once, then fill the input queue.
-    let declaring = build()?;
-    let (stop, health) = (declaring.shutdown_handle(), declaring.health());
-    let task = tokio::spawn(declaring.run());
-    health.wait_for(|h| h.is_consuming()).await;
-    stop.shutdown();
-    task.await??;
+    topology::declare_once(build()?).await?;
     bench.fill(&input, messages).await?;
 
     // Every run starts its timed phase right after a checkpoint, so that none

@@ -37,6 +37,8 @@
 #[path = "../examples/common/payments.rs"]
 #[allow(dead_code)]
 mod payments;
+#[path = "support/topology.rs"]
+mod topology;
 
 use std::process::Command;
 use std::sync::Arc;
@@ -191,12 +193,7 @@ async fn main() -> anyhow::Result<()> {
     };
 
     // The runtime declares its topology once, then the queue is filled.
-    let declaring = build()?;
-    let (stop, health) = (declaring.shutdown_handle(), declaring.health());
-    let task = tokio::spawn(declaring.run());
-    health.wait_for(|h| h.is_consuming()).await;
-    stop.shutdown();
-    task.await??;
+    topology::declare_once(build()?).await?;
 
     // Burst: a prefilled queue drained into the fresh table.
     let published = Arc::new(AtomicU64::new(0));

@@ -39,6 +39,8 @@
 mod payments;
 #[path = "support/pg_trips.rs"]
 mod pg_trips;
+#[path = "support/topology.rs"]
+mod topology;
 
 use std::process::Command;
 use std::sync::Arc;
@@ -515,12 +517,7 @@ async fn run_idempo(
     };
 
     // Let the runtime declare its topology once, then fill the queue.
-    let declaring = build()?;
-    let (stop, health) = (declaring.shutdown_handle(), declaring.health());
-    let task = tokio::spawn(declaring.run());
-    health.wait_for(|h| h.is_consuming()).await;
-    stop.shutdown();
-    task.await??;
+    topology::declare_once(build()?).await?;
     let prefix = if duplicates { "dup" } else { "t" };
     if duplicates {
         let ids: Vec<String> = (0..messages).map(|i| format!("dup-{i}")).collect();

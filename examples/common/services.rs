@@ -37,25 +37,26 @@ pub async fn connect_postgres(options: PgPoolOptions, url: &str) -> anyhow::Resu
         Ok(pool) => return Ok(pool),
         Err(error) => error,
     };
-    let redacted = idempo::redact_url(url);
-    let Ok(direct) = PgConnectOptions::from_str(url) else {
-        return Err(error).with_context(|| format!("cannot connect to PostgreSQL at {redacted}"));
+    let context = || {
+        format!(
+            "cannot connect to PostgreSQL at {}",
+            idempo::redact_url(url)
+        )
     };
-    let at = format!("{}:{}", direct.get_host(), direct.get_port());
-    if !matches!(error, sqlx::Error::PoolTimedOut) {
-        return Err(error).with_context(|| format!("cannot connect to PostgreSQL at {redacted}"));
-    }
+    let direct = match (&error, PgConnectOptions::from_str(url)) {
+        (sqlx::Error::PoolTimedOut, Ok(direct)) => direct,
+        _ => return Err(error).with_context(context),
+    };
     let why = match tokio::time::timeout(Duration::from_secs(3), direct.connect()).await {
         Ok(Err(e)) => e.to_string(),
         Err(_) => "no answer within 3 s".to_owned(),
         // It answers now: it was starting, or the pool was too small.
-        Ok(Ok(_)) => {
-            return Err(error)
-                .with_context(|| format!("cannot connect to PostgreSQL at {redacted}"));
-        }
+        Ok(Ok(_)) => return Err(error).with_context(context),
     };
     anyhow::bail!(
-        "cannot reach PostgreSQL at {at} ({why}): {}",
+        "cannot reach PostgreSQL at {}:{} ({why}): {}",
+        direct.get_host(),
+        direct.get_port(),
         how_to_start("PostgreSQL")
     )
 }
