@@ -187,10 +187,10 @@ async fn retention_deletes_only_this_consumers_old_claims_in_batches() {
     assert_eq!(left, [("billing".into(), 3), ("ledger".into(), 4)]);
 }
 
-/// sqlx 0.9.0 connects without `TCP_NODELAY` (sqlx#4335), and then every
-/// statement larger than one TCP segment (a batch's claims) waits up to 40 ms
-/// for the server's delayed ACK. This repository builds against sqlx-core
-/// with it restored (vendor/README.md): this fails if that patch is lost.
+/// sqlx-core 0.9.0 connected without `TCP_NODELAY` (sqlx#4335), and then
+/// every statement larger than one TCP segment (a batch's claims) waited up
+/// to 40 ms for the server's delayed ACK. idempo requires 0.9.1, which sets
+/// it again: this fails if a dependency change brings the old behaviour back.
 #[cfg(target_os = "linux")]
 #[tokio::test]
 async fn connections_to_postgres_over_tcp_send_without_delay() {
