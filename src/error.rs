@@ -161,6 +161,10 @@ pub enum Error {
         missing: Vec<i64>,
     },
 
+    /// The operating system gave no random bytes for a key, token or id.
+    #[error(transparent)]
+    Randomness(#[from] crate::random::RandomnessUnavailable),
+
     /// A builder was given an impossible configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
@@ -234,7 +238,7 @@ impl Error {
     /// `COMMIT` whose answer was lost): find out before acting on it again.
     pub fn is_connection_error(&self) -> bool {
         match self {
-            Error::Database(e) => sqlx_connection_error(e),
+            Error::Database(e) => crate::sqlstate::is_connection_error(e),
             _ => false,
         }
     }
@@ -258,7 +262,7 @@ impl Error {
     /// took no effect.
     pub fn is_unavailable(&self) -> bool {
         match self {
-            Error::Database(e) => sqlx_unavailable(e),
+            Error::Database(e) => crate::sqlstate::is_unavailable(e),
             _ => false,
         }
     }
@@ -267,21 +271,18 @@ impl Error {
     /// statement had aborted (SQLSTATE 25P02): nothing of that transaction
     /// can commit.
     pub fn is_aborted_transaction(&self) -> bool {
-        self.sqlstate().as_deref() == Some("25P02")
+        self.is_sqlstate(crate::sqlstate::IN_FAILED_TRANSACTION)
     }
 
     /// Whether PostgreSQL refused a connection because it has no slot left
     /// (`FATAL: sorry, too many clients already`, SQLSTATE 53300): the server
     /// is up, its `max_connections` is used up.
     pub fn is_too_many_clients(&self) -> bool {
-        self.sqlstate().as_deref() == Some("53300")
+        self.is_sqlstate(crate::sqlstate::TOO_MANY_CONNECTIONS)
     }
 
-    fn sqlstate(&self) -> Option<std::borrow::Cow<'_, str>> {
-        match self {
-            Error::Database(sqlx::Error::Database(e)) => e.code(),
-            _ => None,
-        }
+    fn is_sqlstate(&self, code: &str) -> bool {
+        matches!(self, Error::Database(e) if crate::sqlstate::is(e, code))
     }
 }
 
@@ -315,63 +316,6 @@ pub(crate) fn tls_failure<'a>(error: &'a (dyn StdError + 'static)) -> Option<&'a
     None
 }
 
-/// [`Error::is_connection_error`] for a bare sqlx error.
-pub(crate) fn sqlx_connection_error(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        // sqlx reads the answer to its SSLRequest (sent first under the default
-        // sslmode=prefer) without checking for end of file: a server or proxy
-        // that closes the connection then shows as this protocol error.
-        sqlx::Error::Protocol(message) => {
-            message.starts_with("unexpected response from SSLRequest: 0x00")
-        }
-        sqlx::Error::Database(db) => {
-            // FATAL (or PANIC) ends the session: every error that refuses or
-            // drops a connection is one (28000 a role that may not log in,
-            // 55000 a database not accepting connections, 3D000, 53300, 57P01
-            // a terminated backend, ...), whatever its SQLSTATE.
-            let fatal = db
-                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
-                .is_some_and(|pg| {
-                    matches!(
-                        pg.severity(),
-                        sqlx::postgres::PgSeverity::Fatal | sqlx::postgres::PgSeverity::Panic
-                    )
-                });
-            // Class 08: connection exception (but 08P01, protocol violation, is
-            // also what a wrong number of bind parameters gets: a bug, not an
-            // outage); 57P01-57P03: admin shutdown, crash shutdown, cannot
-            // connect now; 53300: too many clients.
-            fatal
-                || db.code().is_some_and(|code| {
-                    (code.starts_with("08") && code != "08P01")
-                        || matches!(&*code, "57P01" | "57P02" | "57P03" | "53300")
-                })
-        }
-        _ => false,
-    }
-}
-
-/// [`Error::is_unavailable`] for a bare sqlx error.
-pub(crate) fn sqlx_unavailable(error: &sqlx::Error) -> bool {
-    if sqlx_connection_error(error) {
-        return true;
-    }
-    let sqlx::Error::Database(db) = error else {
-        return false;
-    };
-    db.code().is_some_and(|code| {
-        code == "25006"
-            || code.starts_with("53")
-            || code.starts_with("58")
-            || matches!(&*code, "57P01" | "57P02" | "57P03" | "57P04" | "57P05")
-    })
-}
-
 /// Whether an error of any type (a handler's) is, or wraps, a database that
 /// cannot take writes now ([`Error::is_unavailable`]).
 #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
@@ -379,7 +323,7 @@ pub(crate) fn database_unavailable(error: &(dyn StdError + 'static)) -> bool {
     let mut current = Some(error);
     while let Some(e) = current {
         if let Some(sqlx) = e.downcast_ref::<sqlx::Error>() {
-            return sqlx_unavailable(sqlx);
+            return crate::sqlstate::is_unavailable(sqlx);
         }
         if let Some(ours) = e.downcast_ref::<Error>() {
             return ours.is_unavailable();

@@ -350,7 +350,14 @@ pub(crate) async fn begin_claims(
     isolation: Isolation,
 ) -> Result<ClaimedBatch> {
     let sql = |consumer: &str, rows: &[&Row<'_>]| claim_then_begin(consumer, rows, isolation);
-    begin_claims_by(pool, consumer, messages, sql, "23505").await
+    begin_claims_by(
+        pool,
+        consumer,
+        messages,
+        sql,
+        crate::sqlstate::UNIQUE_VIOLATION,
+    )
+    .await
 }
 
 /// An id to claim and its body's hash.
@@ -402,7 +409,7 @@ async fn begin_claims_by(
                 tx = Some(begun);
                 break;
             }
-            Err(e) if sqlstate(&e).as_deref() == Some(conflict) => {
+            Err(e) if crate::sqlstate::is(&e, conflict) => {
                 // The claim's implicit transaction failed before its BEGIN:
                 // nothing is open. A new statement sees the committed rows.
                 let ids: Vec<&str> = open.iter().map(|&i| rows[i].0).collect();
@@ -474,10 +481,6 @@ fn claim_then_begin(consumer: &str, rows: &[&Row<'_>], isolation: Isolation) -> 
     }
     sql.push_str("; BEGIN");
     Ok(sql)
-}
-
-fn sqlstate(e: &sqlx::Error) -> Option<String> {
-    Some(e.as_database_error()?.code()?.into_owned())
 }
 
 /// What a stored claim says of a message with `hash`: `None` when there is
@@ -558,11 +561,14 @@ pub(crate) async fn commit_with(
         literal::text("consumer", consumer)?,
         literal::text("message id", message_id)?,
     );
-    let claim_lost = |e: sqlx::Error| match e.as_database_error().and_then(|d| d.code()) {
-        Some(code) if code == "22012" => Error::ClaimLost {
-            message_id: message_id.to_owned(),
-        },
-        _ => Error::Database(e),
+    let claim_lost = |e: sqlx::Error| {
+        if crate::sqlstate::is(&e, crate::sqlstate::DIVISION_BY_ZERO) {
+            Error::ClaimLost {
+                message_id: message_id.to_owned(),
+            }
+        } else {
+            Error::Database(e)
+        }
     };
     if PgTransactionManager::get_transaction_depth(&tx) == 1 {
         let sql = format!("{check}{statements}COMMIT AND CHAIN");

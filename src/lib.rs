@@ -102,6 +102,7 @@ pub mod certificate;
 #[cfg(any(feature = "http", feature = "window"))]
 mod cleanup;
 mod error;
+mod host;
 pub mod inbox;
 #[cfg(any(feature = "http", feature = "retry"))]
 mod key;
@@ -121,6 +122,7 @@ mod random;
 mod redact;
 #[cfg(feature = "redis")]
 mod redis_connection;
+mod sqlstate;
 mod tx;
 
 #[cfg(feature = "amqp")]
@@ -159,6 +161,7 @@ pub mod testing;
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub use error::NodeFailure;
 pub use error::{Error, Result};
+pub use random::RandomnessUnavailable;
 
 // The guide (src/_guide/): what the README leaves out, one topic per page,
 // every code block a doctest. Compiled with every feature its examples use

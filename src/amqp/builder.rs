@@ -537,18 +537,6 @@ pub(crate) use runnable;
 runnable!(PerMessage);
 runnable!(Batched);
 
-/// This machine's name, for the connection name (operators find a replica's
-/// connection by it).
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
-        .ok()
-        .map(|name| name.trim().to_owned())
-        .filter(|name| !name.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "unknown-host".into())
-}
-
 /// Checks the settings, then the mode, and builds the consumer.
 pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Result<Consumer> {
     let ConsumerBuilder { settings: s, mode } = builder;
@@ -602,9 +590,13 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
         Some(broker) => broker,
         None => Broker::new(&s.amqp_url)?,
     };
-    let connection_name = s
-        .connection_name
-        .unwrap_or_else(|| format!("idempo:{consumer}:{}:{}", host_name(), std::process::id()));
+    let connection_name = s.connection_name.unwrap_or_else(|| {
+        format!(
+            "idempo:{consumer}:{}:{}",
+            crate::host::name(),
+            std::process::id()
+        )
+    });
     let stats = Stats::new(&consumer);
     let health = Health::default();
     let shutdown = ShutdownHandle::default();

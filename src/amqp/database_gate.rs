@@ -110,13 +110,13 @@ async fn probe_write(pool: &PgPool) -> Result<(), sqlx::Error> {
         .await;
         match written {
             Ok(()) => return Ok(()),
-            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("25006") => {
+            Err(e) if crate::sqlstate::is(&e, crate::sqlstate::READ_ONLY) => {
                 conn.close_on_drop();
-                last = Some(sqlx::Error::Database(db));
+                last = Some(e);
             }
             // The server answers and refuses for another reason than an
             // outage (a role without TEMPORARY): it takes statements.
-            Err(e) if !crate::error::sqlx_unavailable(&e) => return Ok(()),
+            Err(e) if !crate::sqlstate::is_unavailable(&e) => return Ok(()),
             Err(e) => return Err(e),
         }
     }

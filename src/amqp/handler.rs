@@ -155,9 +155,9 @@ impl ErrorKind {
         let mut current = Some(error);
         while let Some(e) = current {
             let database = match e.downcast_ref::<sqlx::Error>() {
-                Some(sqlx::Error::Database(db)) => Some(db),
+                Some(db @ sqlx::Error::Database(_)) => Some(db),
                 _ => match e.downcast_ref::<crate::Error>() {
-                    Some(crate::Error::Database(sqlx::Error::Database(db))) => Some(db),
+                    Some(crate::Error::Database(db @ sqlx::Error::Database(_))) => Some(db),
                     _ => None,
                 },
             };
@@ -170,9 +170,10 @@ impl ErrorKind {
                 return ErrorKind::Permanent;
             }
             if let Some(db) = database {
-                return match db.code().as_deref().map(|code| code.get(..2)) {
-                    Some(Some("22" | "23" | "42")) => ErrorKind::Permanent,
-                    _ => ErrorKind::Transient,
+                return if crate::sqlstate::is_permanent(db) {
+                    ErrorKind::Permanent
+                } else {
+                    ErrorKind::Transient
                 };
             }
             current = e.source();

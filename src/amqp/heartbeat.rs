@@ -80,22 +80,13 @@ pub(crate) struct Identity {
 
 impl Identity {
     pub(crate) fn new(consumer: &str, queue: &str) -> Self {
-        let host = host_name();
+        let host = crate::host::name();
         Identity {
             instance: format!("{host}:{}:{:08x}", std::process::id(), fastrand::u32(..)),
             consumer: consumer.to_owned(),
             queue: queue.to_owned(),
         }
     }
-}
-
-fn host_name() -> String {
-    std::env::var("HOSTNAME")
-        .ok()
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "unknown".into())
 }
 
 /// Writes a heartbeat now, every [`HEARTBEAT_EVERY`] and when the runtime's
@@ -148,7 +139,7 @@ pub(crate) async fn beat_once(
     .bind(&who.instance)
     .bind(&who.consumer)
     .bind(&who.queue)
-    .bind(host_name())
+    .bind(crate::host::name())
     .bind(std::process::id() as i32)
     .bind(state)
     .bind(relay)

@@ -105,7 +105,7 @@ impl Seal {
     /// The consumer's key, created on first use (replicas racing to create it
     /// agree on whichever insert won).
     pub(crate) async fn load(pool: &PgPool, consumer: &str) -> Result<Seal> {
-        let fresh: [u8; 32] = crate::random::bytes();
+        let fresh: [u8; 32] = crate::random::bytes()?;
         let secret: Vec<u8> = sqlx::query_scalar(
             "WITH created AS (
                  INSERT INTO idempo_consumer_keys (consumer, secret) VALUES ($1, $2)

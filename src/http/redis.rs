@@ -167,7 +167,7 @@ impl IdempotencyStore for RedisStore {
         let (lease, data) = self.keys(operation.key);
         // Random tokens: unique with overwhelming probability, and unlike a
         // counter they need no key of their own that could expire and restart.
-        let token = FencingToken::new(crate::random::token());
+        let token = FencingToken::new(crate::random::token()?);
         let reply: (i64, Vec<u8>, i64) = self
             .scripts
             .begin

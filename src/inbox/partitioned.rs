@@ -308,12 +308,7 @@ pub async fn claim_batch(
 /// IDP01 from the claim function as the typed refusal.
 fn refusal(e: Error) -> Error {
     match &e {
-        Error::Database(db)
-            if db
-                .as_database_error()
-                .and_then(|d| d.code())
-                .is_some_and(|c| c == "IDP01") =>
-        {
+        Error::Database(db) if crate::sqlstate::is(db, crate::sqlstate::ISOLATION_REFUSED) => {
             let level = db
                 .as_database_error()
                 .and_then(|d| d.message().rsplit_once(", not ").map(|(_, l)| l.to_owned()))

@@ -252,10 +252,7 @@ fn not_found(error: &lapin::Error) -> bool {
 /// PostgreSQL's `undefined_table` (42P01): a table of a feature whose
 /// migration did not run.
 fn undefined_table(error: &sqlx::Error) -> bool {
-    error
-        .as_database_error()
-        .and_then(|e| e.code())
-        .is_some_and(|code| code == "42P01")
+    crate::sqlstate::is(error, crate::sqlstate::UNDEFINED_TABLE)
 }
 
 /// [`undefined_table`] for the crate's error.

@@ -111,6 +111,10 @@ pub enum OutboxError {
     /// [`idempo::migrate`](crate::migrate)).
     #[error("cannot stage the message: {0}")]
     Database(#[from] sqlx::Error),
+    /// No message id could be drawn: the operating system gave no random
+    /// bytes.
+    #[error(transparent)]
+    Randomness(#[from] crate::random::RandomnessUnavailable),
 }
 
 impl From<OutboxError> for crate::Error {
@@ -124,7 +128,7 @@ impl OutboxError {
     /// message, not a lost connection): a handler returning it is
     /// dead-lettered rather than retried.
     pub fn is_permanent(&self) -> bool {
-        !matches!(self, OutboxError::Database(_))
+        !matches!(self, OutboxError::Database(_) | OutboxError::Randomness(_))
     }
 }
 

@@ -102,7 +102,7 @@ pub async fn stage_all(
     let traceparent = current_traceparent();
     for m in &mut messages {
         if m.message_id.is_none() {
-            m.message_id = Some(crate::random::uuid_v7());
+            m.message_id = Some(crate::random::uuid_v7()?);
         }
         if let Some(tp) = &traceparent {
             m.headers

@@ -15,8 +15,13 @@ use crate::key::KeyError;
 /// A fresh random (version 4) UUID, e.g. for an `Idempotency-Key`: 122 bits
 /// from the operating system's generator, so keys of different clients do
 /// not collide (a collision would replay another request's answer).
+///
+/// # Panics
+///
+/// When the operating system gives no random bytes: a key from a weaker
+/// source could collide with another client's.
 pub fn new_key() -> String {
-    crate::random::uuid_v4()
+    crate::random::uuid_v4().expect("the operating system gives random bytes")
 }
 
 /// A final answer after retries: a success, or a status the policy does not

@@ -158,7 +158,7 @@ pub(crate) fn busy_backoff() -> Backoff {
 /// a pause instead of waiting inside PostgreSQL on a pooled connection,
 /// which the execution it waits for may need.
 pub(crate) fn is_busy(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
+    crate::sqlstate::is(e, crate::sqlstate::LOCK_NOT_AVAILABLE)
 }
 
 /// A step's row, locked for the transaction, with the state of its saga's

@@ -243,7 +243,7 @@ async fn isolate(admin: &PgPool, setup: &[String]) -> Result<(PgPool, String)> {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_secs();
-    let schema = format!("{SCHEMA_PREFIX}{secs}_{}", crate::random::token());
+    let schema = format!("{SCHEMA_PREFIX}{secs}_{}", crate::random::token()?);
     sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
         .execute(admin)
         .await?;

@@ -120,7 +120,7 @@ impl WindowStore for MemoryWindow {
     }
 
     async fn reserve(&self, key: &str, lease: Duration) -> Result<Reservation> {
-        let token = crate::random::token();
+        let token = crate::random::token()?;
         let entry = Entry {
             expires_at: expiry(Instant::now(), lease),
             state: State::Pending(token),

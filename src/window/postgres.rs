@@ -220,7 +220,7 @@ impl WindowStore for PostgresWindow {
 
     async fn reserve(&self, key: &str, lease: Duration) -> Result<Reservation> {
         check_key(key)?;
-        let token = crate::random::token();
+        let token = crate::random::token()?;
         let found = self
             .bounded(self.upsert(key, "pending", Some(token), None, lease))
             .await?;

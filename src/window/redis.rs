@@ -155,7 +155,7 @@ impl WindowStore for RedisWindow {
     }
 
     async fn reserve(&self, key: &str, lease: Duration) -> Result<Reservation> {
-        let token = crate::random::token();
+        let token = crate::random::token()?;
         match self.set_nx(key, &format!("p{token}"), lease).await? {
             None => Ok(Reservation::Reserved { token }),
             Some(value) => found(value),

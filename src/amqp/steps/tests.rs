@@ -38,7 +38,10 @@ impl TestDb {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_secs();
-        let schema = format!("idempo_test_db_{secs}_unit_{}", crate::random::token());
+        let schema = format!(
+            "idempo_test_db_{secs}_unit_{}",
+            crate::random::token().unwrap()
+        );
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "CREATE SCHEMA {schema}; CREATE TABLE {schema}.effects (id text NOT NULL)"
         )))

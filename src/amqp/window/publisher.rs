@@ -309,7 +309,7 @@ impl<S: WindowStore> DedupPublisher<S> {
             .unwrap_or_else(|| DedupId::content(&message.body));
         let message_id = match &message.properties.message_id() {
             Some(known) => known.to_string(),
-            None => crate::random::uuid_v4(),
+            None => crate::random::uuid_v4()?,
         };
         // Recorded after the confirm: refuse it before anything is sent.
         crate::window::check_value(&message_id)?;

@@ -177,7 +177,7 @@ fn expect_eq<T: PartialEq + fmt::Debug>(step: &str, found: T, want: T) -> Result
 
 /// A random id for one run: its keys are no other run's.
 fn run_id() -> String {
-    hex::encode(crate::random::bytes::<8>())
+    hex::encode(crate::random::bytes::<8>().expect("the operating system gives random bytes"))
 }
 
 type Check<'a> = (&'static str, BoxFuture<'a, Result<(), Failure>>);

@@ -1,0 +1,25 @@
+//! This machine's name: the one reading of it, for connection names,
+//! heartbeats and the operator recorded on dead letters.
+
+/// The host name the operating system reports (`gethostname(2)`), or
+/// `"unknown-host"` when it is empty.
+#[cfg_attr(not(any(feature = "amqp", feature = "ops")), allow(dead_code))]
+pub(crate) fn name() -> String {
+    let name = gethostname::gethostname();
+    let name = name.to_string_lossy();
+    let name = name.trim();
+    if name.is_empty() {
+        "unknown-host".to_owned()
+    } else {
+        name.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_host_name_is_the_kernels() {
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+        assert_eq!(super::name(), kernel.trim());
+    }
+}
