@@ -124,6 +124,7 @@ mod redact;
 mod redis_connection;
 mod sqlstate;
 mod tx;
+mod wait;
 
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]

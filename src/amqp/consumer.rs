@@ -260,21 +260,18 @@ impl Consumer {
 /// Migrates or checks idempo's schema as configured; while the database is
 /// unreachable, waits for it (`false`: shutdown came first).
 async fn schema_ready(config: &Config, shutdown: &ShutdownHandle) -> Result<bool> {
-    let mut backoff =
-        crate::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
-    loop {
-        match config.schema.apply(&config.pool).await {
-            Ok(()) => return Ok(true),
-            Err(e) if e.is_connection_error() => {
-                let pause = backoff.next_delay();
-                tracing::warn!(error = %e, ?pause, "cannot reach PostgreSQL to check idempo's schema; waiting");
-                tokio::select! {
-                    () = tokio::time::sleep(pause) => {}
-                    () = shutdown.graceful_token().cancelled() => return Ok(false),
-                }
-            }
-            Err(e) => return Err(e),
-        }
+    let waited = crate::wait::until_database_answers(
+        "cannot reach PostgreSQL to check idempo's schema",
+        (Duration::from_millis(200), Duration::from_secs(10)),
+        shutdown.graceful_token().cancelled(),
+        || config.schema.apply(&config.pool),
+        Error::is_connection_error,
+    )
+    .await;
+    match waited {
+        crate::wait::Waited::Done(()) => Ok(true),
+        crate::wait::Waited::Failed(e) => Err(e),
+        crate::wait::Waited::Stopped => Ok(false),
     }
 }
 

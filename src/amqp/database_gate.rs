@@ -17,7 +17,6 @@ use tokio_util::sync::CancellationToken;
 
 use super::health::Health;
 use super::stats::{Counter, Stats};
-use crate::backoff::Backoff;
 
 pub(crate) struct DatabaseGate {
     pool: PgPool,
@@ -71,21 +70,23 @@ impl DatabaseGate {
     }
 
     async fn probe(&self) {
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
-        loop {
-            tokio::select! {
-                () = tokio::time::sleep(backoff.next_delay()) => {}
-                () = self.stop.cancelled() => return,
-            }
-            match probe_write(&self.pool).await {
-                Ok(()) => {
-                    tracing::info!("database takes writes again");
-                    self.health.set_database(true, None);
-                    self.available.send_replace(true);
-                    return;
-                }
-                Err(e) => tracing::debug!(error = %e, "database still cannot take writes"),
-            }
+        // The delivery that reported the outage just met it: pause first.
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            () = self.stop.cancelled() => return,
+        }
+        let waited = crate::wait::until_database_answers(
+            "the database cannot take writes",
+            (Duration::from_millis(100), Duration::from_secs(30)),
+            self.stop.cancelled(),
+            || probe_write(&self.pool),
+            |_| true,
+        )
+        .await;
+        if let crate::wait::Waited::Done(()) = waited {
+            tracing::info!("database takes writes again");
+            self.health.set_database(true, None);
+            self.available.send_replace(true);
         }
     }
 }

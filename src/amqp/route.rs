@@ -25,6 +25,8 @@ use super::redelivery::{Mode, RedeliveryPolicy, delay_queue};
 use super::republish::copy_properties;
 use super::seal::{Keyring, claimed_id};
 use super::{Message, MessageIdSource};
+#[cfg(feature = "outbox")]
+use crate::wait::Waited;
 
 /// Error texts in headers are cut to this: a frame carries the headers whole.
 const MAX_ERROR_HEADER: usize = 4096;
@@ -143,20 +145,18 @@ impl Router {
             first_failed_at: &failures.first_failure,
             last_failed_at: &failures.last_failure,
         };
-        let mut backoff =
-            crate::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
-        loop {
-            match super::dead_letters::insert(&self.pool, &letter).await {
-                Ok(()) => return Stored::Yes,
-                Err(e) if e.is_unavailable() => {
-                    tracing::warn!(error = %e, "cannot store the dead letter; waiting for the database");
-                    tokio::select! {
-                        () = tokio::time::sleep(backoff.next_delay()) => {}
-                        () = abandon.wait() => return Stored::Abandoned,
-                    }
-                }
-                Err(e) => return Stored::Refused(e),
-            }
+        let waited = crate::wait::until_database_answers(
+            "cannot store the dead letter",
+            (Duration::from_millis(100), Duration::from_secs(10)),
+            abandon.wait(),
+            || super::dead_letters::insert(&self.pool, &letter),
+            crate::Error::is_unavailable,
+        )
+        .await;
+        match waited {
+            Waited::Done(()) => Stored::Yes,
+            Waited::Failed(e) => Stored::Refused(e),
+            Waited::Stopped => Stored::Abandoned,
         }
     }
 

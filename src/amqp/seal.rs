@@ -57,20 +57,18 @@ impl Keyring {
     /// The key, waiting (with backoff) while the database cannot give it;
     /// `None` if `give_up` resolves first.
     pub(crate) async fn wait(&self, give_up: impl Future<Output = ()>) -> Option<&Seal> {
-        let mut backoff =
-            crate::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
-        tokio::pin!(give_up);
-        loop {
-            match self.get().await {
-                Ok(seal) => return Some(seal),
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot load the consumer's key; waiting");
-                    tokio::select! {
-                        () = tokio::time::sleep(backoff.next_delay()) => {}
-                        () = &mut give_up => return None,
-                    }
-                }
-            }
+        let waited = crate::wait::until_database_answers(
+            "cannot load the consumer's key",
+            (Duration::from_millis(100), Duration::from_secs(10)),
+            give_up,
+            || self.get(),
+            // Whatever the cause, the key is needed before any copy is sent.
+            |_| true,
+        )
+        .await;
+        match waited {
+            crate::wait::Waited::Done(seal) => Some(seal),
+            _ => None,
         }
     }
 }
