@@ -160,11 +160,7 @@ impl Broker {
             ca_pem: None,
             identity: None,
         };
-        for address in addresses
-            .split(',')
-            .map(str::trim)
-            .filter(|a| !a.is_empty())
-        {
+        for address in super::urls::split(addresses) {
             broker = broker.address(address)?;
         }
         if broker.addresses.is_empty() {

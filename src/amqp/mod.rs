@@ -82,6 +82,7 @@ mod shutdown;
 pub(crate) mod stats;
 mod steps;
 mod topology;
+pub(crate) mod urls;
 mod watched;
 #[cfg(feature = "window")]
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
@@ -118,7 +119,7 @@ pub use relay::{Relay, RelayHealth, RelaySnapshot, RelayState};
 pub(crate) use seal::consumers_with_keys;
 pub use shutdown::ShutdownHandle;
 pub use stats::{Stats, StatsSnapshot};
-pub use topology::{MAX_NAME_LEN, QueueType, check_name, dead_letter_queue};
+pub use topology::{MAX_NAME_LEN, QueueType, check_name, dead_letter_queue, work_queue};
 pub use watched::Watched;
 
 pub use lapin;

@@ -41,7 +41,23 @@ impl QueueType {
 /// assert_eq!(idempo::amqp::dead_letter_queue("payments"), "payments.dlq");
 /// ```
 pub fn dead_letter_queue(queue: &str) -> String {
-    format!("{queue}.dlq")
+    format!("{queue}{DLQ_SUFFIX}")
+}
+
+/// What [`dead_letter_queue`] appends.
+const DLQ_SUFFIX: &str = ".dlq";
+
+/// The inverse of [`dead_letter_queue`]: the work queue that `name` refers
+/// to, whether it names the work queue or its dead-letter queue (operators
+/// type either).
+///
+/// ```
+/// use idempo::amqp::work_queue;
+/// assert_eq!(work_queue("payments.dlq"), "payments");
+/// assert_eq!(work_queue("payments"), "payments");
+/// ```
+pub fn work_queue(name: &str) -> &str {
+    name.strip_suffix(DLQ_SUFFIX).unwrap_or(name)
 }
 
 /// The longest name AMQP carries (a queue, an exchange, a routing key): a

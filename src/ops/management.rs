@@ -59,7 +59,7 @@ impl Management {
     /// # Errors
     /// [`OpsError::Management`] when the URL does not parse.
     pub fn for_broker(amqp_url: &str) -> Result<Self> {
-        let first = amqp_url.split(',').next().unwrap_or_default().trim();
+        let first = crate::amqp::urls::first(amqp_url);
         let uri = AMQPUri::from_str(first).map_err(|e| OpsError::Management {
             url: crate::redact_url(first),
             message: format!("the AMQP URL does not parse: {e}"),

@@ -185,11 +185,7 @@ impl Services {
 
     /// The broker URLs without their passwords.
     fn amqp_urls(&self) -> String {
-        self.amqp_url
-            .split(',')
-            .map(|u| redacted(u.trim()))
-            .collect::<Vec<_>>()
-            .join(",")
+        crate::amqp::urls::redacted(&self.amqp_url)
     }
 }
 

@@ -42,11 +42,7 @@ pub async fn import(
         )));
     }
     let opened = Opened::new(services, queue).await?;
-    let work = opened
-        .dlq
-        .strip_suffix(".dlq")
-        .unwrap_or(&opened.dlq)
-        .to_owned();
+    let work = crate::amqp::work_queue(&opened.dlq).to_owned();
     let mut imported = 0;
     let moved: Result<()> = async {
         while let Some(delivery) = opened.next().await? {
@@ -98,6 +94,6 @@ pub async fn import(
 /// [`OpsError::DatabaseUnreachable`] and query errors.
 pub async fn table_holds(services: &Services, queue: &str) -> Result<bool> {
     let pool = services.database().await?;
-    let work = queue.strip_suffix(".dlq").unwrap_or(queue);
+    let work = crate::amqp::work_queue(queue);
     Ok(dead_letters::table_exists(pool).await? && dead_letters::holds(pool, work).await?)
 }

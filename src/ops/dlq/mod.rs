@@ -126,12 +126,7 @@ impl DeadLetterSummary {
 
 /// The DLQ of `queue`: `queue` itself when it already is one.
 fn dlq_name(queue: &str) -> String {
-    // `dead_letter_queue("")` is the suffix alone.
-    if queue.ends_with(&dead_letter_queue("")) {
-        queue.to_owned()
-    } else {
-        dead_letter_queue(queue)
-    }
+    dead_letter_queue(crate::amqp::work_queue(queue))
 }
 
 /// How long a copy (a replay, or a dead letter put back) may wait for its
