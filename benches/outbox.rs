@@ -37,8 +37,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
-use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy, Relay, RelayState};
+use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy};
 use idempo::outbox::{self, OutboxMessage};
+use idempo::relay::{Relay, RelayState};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,

@@ -17,7 +17,7 @@
 //!
 //! - [`outbox`] (feature `outbox`, on by default): messages a transaction
 //!   emits, staged as rows in it and published after the commit by
-//!   [`amqp::Relay`] (every consumer runs one), with the id fixed at staging:
+//!   [`relay::Relay`] (every consumer runs one), with the id fixed at staging:
 //!   the next idempo consumer applies each exactly once.
 //!
 //! ## What is guaranteed
@@ -124,11 +124,23 @@ mod redact;
 mod redis_connection;
 mod sqlstate;
 mod tx;
+#[cfg(feature = "amqp")]
 mod wait;
+
+#[cfg(feature = "amqp")]
+mod runtime;
 
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub mod amqp;
+
+#[cfg(all(feature = "amqp", feature = "outbox"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "amqp", feature = "outbox"))))]
+pub mod relay;
+
+#[cfg(all(feature = "amqp", feature = "outbox"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "amqp", feature = "outbox"))))]
+pub mod dead_letters;
 
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]

@@ -9,14 +9,17 @@ pub(crate) const UNIQUE_VIOLATION: &str = "23505";
 /// `division_by_zero`: how the commit check says its claim is gone.
 pub(crate) const DIVISION_BY_ZERO: &str = "22012";
 /// `read_only_sql_transaction`: a standby, or a database set read-only.
+#[cfg(feature = "amqp")]
 pub(crate) const READ_ONLY: &str = "25006";
 /// `in_failed_sql_transaction`.
 pub(crate) const IN_FAILED_TRANSACTION: &str = "25P02";
 /// `too_many_connections`.
 pub(crate) const TOO_MANY_CONNECTIONS: &str = "53300";
 /// `lock_not_available`: a `NOWAIT` lock held by another transaction.
+#[cfg(feature = "saga")]
 pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// `undefined_table`: a table whose migration did not run.
+#[cfg(feature = "ops")]
 pub(crate) const UNDEFINED_TABLE: &str = "42P01";
 /// idempo's own: the partitioned claim refused below READ COMMITTED.
 pub(crate) const ISOLATION_REFUSED: &str = "IDP01";
@@ -34,6 +37,7 @@ pub(crate) fn is(error: &sqlx::Error, code: &str) -> bool {
 /// Whether the statement itself is wrong for its data (classes 22 data
 /// exception, 23 integrity constraint violation, 42 syntax or access rule):
 /// running it again can never succeed.
+#[cfg(feature = "amqp")]
 pub(crate) fn is_permanent(error: &sqlx::Error) -> bool {
     of(error).is_some_and(|code| matches!(code.get(..2), Some("22" | "23" | "42")))
 }

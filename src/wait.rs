@@ -26,7 +26,6 @@ pub(crate) enum Waited<T, E> {
 /// logging `what` with the error (a warning for the 1st, 2nd, 4th… outage in
 /// a row, debug otherwise). Cancel-safe: dropping the
 /// future between attempts loses nothing.
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) async fn until_database_answers<T, E, Fut>(
     what: &str,
     (min, max): (Duration, Duration),

@@ -6,8 +6,9 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use idempo::amqp::{HandlerError, Message, RedeliveryPolicy, Relay, RelayState};
+use idempo::amqp::{HandlerError, Message, RedeliveryPolicy};
 use idempo::outbox::{self, OutboxMessage};
+use idempo::relay::{Relay, RelayState};
 use support::consumer::{Running, consumer_for};
 
 /// The tests here raise and clear the one alarm: one at a time.

@@ -1,4 +1,4 @@
-//! The PostgreSQL dead-letter store (`idempo::amqp::dead_letters`): every
+//! The PostgreSQL dead-letter store (`idempo::dead_letters`): every
 //! dead-letter path writes a row (through the test harness, which runs the
 //! consumer's real delivery path), the queries, and replays that publish
 //! each letter exactly once, also when two run at once.
@@ -9,8 +9,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use idempo::Tx;
-use idempo::amqp::dead_letters::{self, Filter, LetterState, ReplayOptions};
-use idempo::amqp::{DeadLetters, HandlerError, JsonBody, Message, RedeliveryPolicy};
+use idempo::amqp::{HandlerError, JsonBody, Message, RedeliveryPolicy};
+use idempo::dead_letters::DeadLetters;
+use idempo::dead_letters::{self, Filter, LetterState, ReplayOptions};
 use idempo::testing::{Fault, Harness};
 use support::payments::{self, Payment};
 

@@ -160,7 +160,7 @@ impl Broker {
             ca_pem: None,
             identity: None,
         };
-        for address in super::urls::split(addresses) {
+        for address in crate::amqp::urls::split(addresses) {
             broker = broker.address(address)?;
         }
         if broker.addresses.is_empty() {

@@ -1,5 +1,5 @@
 //! [`ConsumerBuilder`]: every option of a [`Consumer`] and its default;
-//! the mode (see [`mode`](super::mode)) is the builder's type.
+//! the mode (see [`mode`](crate::amqp::mode)) is the builder's type.
 
 use std::fmt;
 use std::sync::Arc;
@@ -7,25 +7,25 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::broker::Broker;
-use super::config::Config;
-use super::consumer::Consumer;
-use super::database_gate::DatabaseGate;
-use super::handler::{EachMessage, Handler, WholeBatch};
-use super::health::Health;
-use super::message::FromMessage;
-use super::mode::{Batched, IntoDispatch, NoHandler, Parts, PerMessage};
-use super::outbox::Forwarding;
-use super::redelivery::delay_queue;
-use super::shutdown::ShutdownHandle;
-use super::stats::Stats;
-use super::topology::{QueueType, Topology, check_name, dead_letter_queue};
 use super::{MessageIdSource, RedeliveryPolicy};
+use crate::amqp::broker::Broker;
+use crate::amqp::config::Config;
+use crate::amqp::consumer::Consumer;
+use crate::amqp::mode::{Batched, IntoDispatch, NoHandler, Parts, PerMessage};
+use crate::amqp::outbox::Forwarding;
+use crate::amqp::topology::{QueueType, Topology, check_name, dead_letter_queue};
+use crate::runtime::database_gate::DatabaseGate;
+use crate::runtime::handler::{EachMessage, Handler, WholeBatch};
+use crate::runtime::health::Health;
+use crate::runtime::message::FromMessage;
+use crate::runtime::redelivery::delay_queue;
+use crate::runtime::shutdown::ShutdownHandle;
+use crate::runtime::stats::Stats;
 use crate::{Error, Result, Schema};
 
 /// Configures a [`Consumer`]. Created by [`Consumer::builder`].
 ///
-/// The type parameter is the consumer's [mode](super::mode): a handler
+/// The type parameter is the consumer's [mode](crate::amqp::mode): a handler
 /// method moves the builder from [`NoHandler`] into [`PerMessage`] or
 /// [`Batched`] (or, with feature `window`, a windowed mode), and `build` /
 /// `run` exist only once there is a handler.
@@ -44,7 +44,7 @@ use crate::{Error, Result, Schema};
 ///   [`broker`](ConsumerBuilder::broker));
 /// - connection name: `idempo:<consumer>:<host>:<pid>`;
 /// - batch mode: batches of 100 (or the size given), `batch_linger` 5 ms;
-/// - an outbox [`Relay`](crate::amqp::Relay) for the pool (feature `outbox`),
+/// - an outbox [`Relay`](crate::relay::Relay) for the pool (feature `outbox`),
 ///   dormant until the process uses the outbox (see [`relay`](ConsumerBuilder::relay)).
 #[must_use]
 pub struct ConsumerBuilder<Mode = NoHandler> {
@@ -78,7 +78,7 @@ pub(crate) struct Settings {
     relay: bool,
     schema: Schema,
     #[cfg(feature = "outbox")]
-    dead_letters: super::DeadLetters,
+    dead_letters: crate::dead_letters::DeadLetters,
     #[cfg(feature = "outbox")]
     dead_letters_kept: Duration,
 }
@@ -143,7 +143,7 @@ impl ConsumerBuilder<NoHandler> {
                 relay: cfg!(feature = "outbox"),
                 schema: Schema::default(),
                 #[cfg(feature = "outbox")]
-                dead_letters: super::DeadLetters::default(),
+                dead_letters: crate::dead_letters::DeadLetters::default(),
                 #[cfg(feature = "outbox")]
                 dead_letters_kept: Duration::from_secs(30 * 24 * 3600),
             },
@@ -276,18 +276,18 @@ impl ConsumerBuilder<Batched> {
 
 impl<Mode> ConsumerBuilder<Mode> {
     /// Where dead letters go (feature `outbox`): the RabbitMQ queue
-    /// `<queue>.dlq` ([`DeadLetters::Queue`](super::DeadLetters::Queue), the
+    /// `<queue>.dlq` ([`DeadLetters::Queue`](crate::dead_letters::DeadLetters::Queue), the
     /// default), or the `dead_letters` table
-    /// ([`DeadLetters::Table`](super::DeadLetters::Table)): queryable,
+    /// ([`DeadLetters::Table`](crate::dead_letters::DeadLetters::Table)): queryable,
     /// grouped by cause, replayed exactly once through the outbox (see
-    /// [`dead_letters`](super::dead_letters)). With the table, each dead
+    /// [`dead_letters`](crate::dead_letters)). With the table, each dead
     /// letter is inserted in a transaction of its own and acked only after
     /// that commit; while PostgreSQL cannot take it, the delivery waits
     /// (unacked). A letter the table refuses for another reason goes to the
     /// queue instead, so that nothing is lost.
     #[cfg(feature = "outbox")]
     #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
-    pub fn dead_letters(mut self, store: super::DeadLetters) -> Self {
+    pub fn dead_letters(mut self, store: crate::dead_letters::DeadLetters) -> Self {
         self.settings.dead_letters = store;
         self
     }
@@ -468,7 +468,7 @@ impl<Mode> ConsumerBuilder<Mode> {
         self
     }
 
-    /// Whether the consumer runs an outbox [`Relay`](crate::amqp::Relay) for
+    /// Whether the consumer runs an outbox [`Relay`](crate::relay::Relay) for
     /// its pool (default: `true` with feature `outbox`). It stays dormant,
     /// without a broker connection, until the process stages a message or
     /// finds pending rows. Turn it off when a separate relay process serves
@@ -579,7 +579,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
         check_name("queue", other)?;
         check_name(
             "dead-letter queue",
-            &super::topology::dead_letter_queue(other),
+            &crate::amqp::topology::dead_letter_queue(other),
         )?;
     }
     for (exchange, routing_key) in &s.bindings {

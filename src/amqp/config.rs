@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::broker::Broker;
-use super::message_id::MessageIdSource;
-use super::redelivery::RedeliveryPolicy;
-use super::topology::Topology;
 use crate::Schema;
+use crate::amqp::broker::Broker;
+use crate::amqp::topology::Topology;
+use crate::runtime::message_id::MessageIdSource;
+use crate::runtime::redelivery::RedeliveryPolicy;
 
 /// RabbitMQ's default `consumer_timeout`: an unacked delivery older than this
 /// makes the broker close the channel, and the message is redelivered.
@@ -40,7 +40,7 @@ pub(crate) struct Config {
     pub(crate) schema: Schema,
     /// Where dead letters go.
     #[cfg(feature = "outbox")]
-    pub(crate) dead_letters: super::DeadLetters,
+    pub(crate) dead_letters: crate::dead_letters::DeadLetters,
     /// How long replayed and discarded letters of the table store are kept.
     #[cfg(feature = "outbox")]
     pub(crate) dead_letters_kept: Duration,
@@ -51,7 +51,8 @@ impl Config {
     pub(crate) fn dead_letter_retention(&self) -> Option<Duration> {
         #[cfg(feature = "outbox")]
         {
-            (self.dead_letters == super::DeadLetters::Table).then_some(self.dead_letters_kept)
+            (self.dead_letters == crate::dead_letters::DeadLetters::Table)
+                .then_some(self.dead_letters_kept)
         }
         #[cfg(not(feature = "outbox"))]
         {

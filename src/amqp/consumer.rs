@@ -7,15 +7,15 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::config::Config;
-use super::health::Health;
-use super::heartbeat;
-use super::mode::Dispatch;
-use super::outbox::Forwarding;
-use super::retention;
-use super::session::Runtime;
-use super::shutdown::{ShutdownHandle, Signals};
-use super::stats::Stats;
+use crate::amqp::config::Config;
+use crate::amqp::mode::Dispatch;
+use crate::amqp::outbox::Forwarding;
+use crate::amqp::session::Runtime;
+use crate::runtime::health::Health;
+use crate::runtime::heartbeat;
+use crate::runtime::retention;
+use crate::runtime::shutdown::{ShutdownHandle, Signals};
+use crate::runtime::stats::Stats;
 use crate::{Error, Result};
 
 /// An exactly-once-effects consumer of one RabbitMQ queue.

@@ -26,17 +26,17 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, field};
 
 use super::Message;
-use super::acks::{AckTracker, Misplaced};
-use super::dead_letter::DeadLetterReason;
-use super::headers::{Failures, REASON_HEADER};
-use super::health::Health;
-use super::outcome::{Abandon, Settled};
-use super::publish::PublishError;
-use super::republish::Republisher;
+use crate::amqp::acks::{AckTracker, Misplaced};
+use crate::amqp::publish::PublishError;
+use crate::amqp::republish::Republisher;
+use crate::runtime::dead_letter::DeadLetterReason;
+use crate::runtime::headers::{Failures, REASON_HEADER};
+use crate::runtime::health::Health;
+use crate::runtime::outcome::{Abandon, Settled};
 #[cfg(feature = "outbox")]
-use super::route::Stored;
-use super::route::{Route, Router};
-use super::stats::{Counter, Stats};
+use crate::runtime::route::Stored;
+use crate::runtime::route::{Route, Router};
+use crate::runtime::stats::{Counter, Stats};
 
 /// A pause before handing a delivery back with nack when no confirmed
 /// republish was possible, so a failing broker path is not hammered.

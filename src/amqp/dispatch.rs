@@ -15,11 +15,11 @@ use tokio::sync::{Semaphore, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::delivery::Pipeline;
-use super::headers::string_header;
-use super::mode::Dispatch;
-use super::outcome::Settled;
 use crate::Error;
+use crate::amqp::delivery::Pipeline;
+use crate::amqp::mode::Dispatch;
+use crate::runtime::headers::string_header;
+use crate::runtime::outcome::Settled;
 
 /// Batches processed at once in batch mode (each on its own connection).
 const BATCHES_IN_FLIGHT: usize = 2;

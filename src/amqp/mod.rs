@@ -46,80 +46,54 @@
 //! See <https://www.rabbitmq.com/docs/confirms> for RabbitMQ's acknowledgement semantics.
 
 mod acks;
-mod broker;
+pub(crate) mod broker;
 pub(crate) mod builder;
-mod config;
+pub(crate) mod config;
 mod consumer;
-mod database_gate;
-mod dead_letter;
-#[cfg(feature = "outbox")]
-#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
-pub mod dead_letters;
-mod delivery;
+pub(crate) mod delivery;
 mod dispatch;
-mod fit;
-pub(crate) mod handler;
-pub(crate) mod headers;
-mod health;
-pub mod heartbeat;
-mod message;
-mod message_id;
+pub(crate) mod fit;
 pub mod mode;
-mod outbox;
-pub(crate) mod outcome;
-mod publish;
+pub(crate) mod outbox;
+pub(crate) mod publish;
 mod quarantine;
-mod reconnect;
-mod redelivery;
-#[cfg(feature = "outbox")]
-pub(crate) mod relay;
+pub(crate) mod reconnect;
 pub(crate) mod republish;
-mod retention;
-pub(crate) mod route;
-mod seal;
 mod session;
-mod shutdown;
-pub(crate) mod stats;
-mod steps;
-mod topology;
+pub(crate) mod topology;
 pub(crate) mod urls;
-mod watched;
 #[cfg(feature = "window")]
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
 pub mod window;
 
+pub use crate::runtime::dead_letter::{
+    DeadLetter, DeadLetterReason, MAX_REPLAY_HISTORY, REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER,
+    ReplayRecord,
+};
+pub use crate::runtime::handler::{ErrorKind, Handler, HandlerError, ResultExt};
+pub use crate::runtime::headers::{
+    ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
+    MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER,
+    REASON_HEADER, ROUTING_KEY_HEADER, TRIMMED_HEADERS_HEADER,
+};
+pub use crate::runtime::health::{Health, HealthSnapshot, RuntimeState};
+pub use crate::runtime::message::{DecodeError, FromMessage, JsonBody, Message};
+pub use crate::runtime::message_id::{IdFn, MessageIdSource};
+pub use crate::runtime::redelivery::{RedeliveryPolicy, delay_queue};
+#[cfg(feature = "ops")]
+pub(crate) use crate::runtime::seal::consumers_with_keys;
+pub use crate::runtime::shutdown::ShutdownHandle;
+pub use crate::runtime::stats::{Stats, StatsSnapshot};
+pub use crate::runtime::watched::Watched;
 pub use broker::{
     AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE, Broker, BrokerTlsFiles,
     DEFAULT_CONNECTION_TIMEOUT,
 };
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
-pub use dead_letter::{
-    DeadLetter, DeadLetterReason, MAX_REPLAY_HISTORY, REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER,
-    ReplayRecord,
-};
-#[cfg(feature = "outbox")]
-#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
-pub use dead_letters::DeadLetters;
-pub use handler::{ErrorKind, Handler, HandlerError, ResultExt};
-pub use headers::{
-    ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER,
-    REASON_HEADER, ROUTING_KEY_HEADER, TRIMMED_HEADERS_HEADER,
-};
-pub use health::{Health, HealthSnapshot, RuntimeState};
-pub use message::{DecodeError, FromMessage, JsonBody, Message};
-pub use message_id::{IdFn, MessageIdSource};
 pub use publish::{ConfirmChannel, PublishError};
-pub use redelivery::{RedeliveryPolicy, delay_queue};
-#[cfg(feature = "outbox")]
-#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
-pub use relay::{Relay, RelayHealth, RelaySnapshot, RelayState};
-#[cfg(feature = "ops")]
-pub(crate) use seal::consumers_with_keys;
-pub use shutdown::ShutdownHandle;
-pub use stats::{Stats, StatsSnapshot};
 pub use topology::{MAX_NAME_LEN, QueueType, check_name, dead_letter_queue, work_queue};
-pub use watched::Watched;
+
+pub use crate::runtime::heartbeat;
 
 pub use lapin;

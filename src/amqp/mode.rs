@@ -72,13 +72,13 @@ use sqlx::PgPool;
 
 #[cfg(doc)]
 use super::ConsumerBuilder;
-use super::database_gate::DatabaseGate;
-use super::handler::Prepare;
-use super::outbox::Forwarding;
-use super::outcome::Decide;
-use super::stats::Stats;
-use super::steps::InboxSteps;
 use crate::Result;
+use crate::amqp::outbox::Forwarding;
+use crate::runtime::database_gate::DatabaseGate;
+use crate::runtime::handler::Prepare;
+use crate::runtime::outcome::Decide;
+use crate::runtime::stats::Stats;
+use crate::runtime::steps::InboxSteps;
 
 /// The builder's state before a handler is set: only the common options,
 /// and the methods that choose a mode.

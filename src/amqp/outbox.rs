@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use sqlx::{PgPool, Postgres, Transaction};
 
-use super::broker::Broker;
-use super::health::Health;
 use crate::Tx;
+use crate::amqp::broker::Broker;
+use crate::runtime::health::Health;
 
 pub(crate) use imp::{Forwarding, Unit};
 
@@ -21,9 +21,9 @@ mod imp {
     use std::sync::Arc;
 
     use super::*;
-    use crate::amqp::relay::{Relay, RelayLink};
-    use crate::amqp::shutdown::ShutdownHandle;
     use crate::outbox::UnitOutbox;
+    use crate::relay::{Relay, RelayLink};
+    use crate::runtime::shutdown::ShutdownHandle;
 
     /// What a unit's handler staged.
     pub(crate) type Unit = Arc<UnitOutbox>;
@@ -104,7 +104,7 @@ mod imp {
                     }
                     () = forward => {}
                 }
-                mirror.update(|s| s.relay = Some(crate::amqp::RelayState::Stopped));
+                mirror.update(|s| s.relay = Some(crate::relay::RelayState::Stopped));
             });
             RunningRelay(Some((stop, task)))
         }

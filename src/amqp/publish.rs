@@ -153,7 +153,7 @@ impl ConfirmChannel {
             status: channel.clone(),
             channel: Mutex::new(channel),
             confirm_timeout,
-            frame_max: super::fit::frame_max(connection),
+            frame_max: crate::amqp::fit::frame_max(connection),
         })
     }
 
@@ -192,9 +192,11 @@ impl ConfirmChannel {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
-        super::fit::check(&properties, self.frame_max).map_err(|e| PublishError::TooLarge {
-            size: e.size,
-            frame_max: e.frame_max,
+        crate::amqp::fit::check(&properties, self.frame_max).map_err(|e| {
+            PublishError::TooLarge {
+                size: e.size,
+                frame_max: e.frame_max,
+            }
         })?;
         let Ok(channel) = timeout_at(deadline, self.channel.lock()).await else {
             return Err(PublishError::Busy(self.confirm_timeout));

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 
-use super::broker::Broker;
 use crate::Result;
+use crate::amqp::broker::Broker;
 use crate::backoff::Backoff;
 
 /// A session that lasted this long starts the backoff over: shorter ones

@@ -9,9 +9,9 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection};
 
 use super::Message;
-use super::fit;
-use super::headers::ORIGINAL_EXPIRATION_HEADER;
-use super::publish::{ConfirmChannel, PublishError};
+use crate::amqp::fit;
+use crate::amqp::publish::{ConfirmChannel, PublishError};
+use crate::runtime::headers::ORIGINAL_EXPIRATION_HEADER;
 
 /// How long a copy may wait for its confirm before the original is handed back.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);

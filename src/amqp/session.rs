@@ -11,19 +11,19 @@ use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
-use super::acks::AckTracker;
-use super::config::Config;
-use super::delivery::Pipeline;
-use super::dispatch::{Dispatcher, Feed, FeedEnd};
-use super::health::{Health, RuntimeState};
-use super::mode::Dispatch;
-use super::quarantine;
-use super::reconnect::{self, Loss, Reconnect, Session, Sessions};
-use super::republish::Republisher;
-use super::route::Router;
-use super::shutdown::ShutdownHandle;
-use super::stats::{Counter, Stats};
-use super::topology::{Topology, dead_letter_queue};
+use crate::amqp::acks::AckTracker;
+use crate::amqp::config::Config;
+use crate::amqp::delivery::Pipeline;
+use crate::amqp::dispatch::{Dispatcher, Feed, FeedEnd};
+use crate::amqp::mode::Dispatch;
+use crate::amqp::quarantine;
+use crate::amqp::reconnect::{self, Loss, Reconnect, Session, Sessions};
+use crate::amqp::republish::Republisher;
+use crate::amqp::topology::{Topology, dead_letter_queue};
+use crate::runtime::health::{Health, RuntimeState};
+use crate::runtime::route::Router;
+use crate::runtime::shutdown::ShutdownHandle;
+use crate::runtime::stats::{Counter, Stats};
 use crate::{Error, Result};
 
 /// How many confirm-mode channels publish retries and dead letters side by side.

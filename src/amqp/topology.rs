@@ -6,8 +6,8 @@ use lapin::Channel;
 use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
-use super::redelivery::delay_queue;
 use crate::Result;
+use crate::runtime::redelivery::delay_queue;
 
 /// The kind of RabbitMQ queue to declare.
 ///

@@ -74,10 +74,10 @@ pub struct Status {
     pub window: Option<Vec<StateCount>>,
     /// Live dead letters in the table store per consumer, queue and cause
     /// (`None`: the table does not exist).
-    pub dead_letters: Option<Vec<crate::amqp::dead_letters::LetterCount>>,
+    pub dead_letters: Option<Vec<crate::dead_letters::LetterCount>>,
     /// The consumer processes whose heartbeat was written in the last 15
     /// minutes, running or stopped (`None`: the table does not exist).
-    pub instances: Option<Vec<crate::amqp::heartbeat::Instance>>,
+    pub instances: Option<Vec<crate::runtime::heartbeat::Instance>>,
     /// What an operator must act on, in the order found.
     pub warnings: Vec<Warning>,
 }
@@ -272,9 +272,9 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
     // then the broker's beside the rest.
     let (claims, dead_letters, sealed, instances) = tokio::join!(
         crate::inbox::claims_per_consumer(pool, &options.consumers),
-        crate::amqp::dead_letters::counts(pool),
+        crate::dead_letters::counts(pool),
         crate::amqp::consumers_with_keys(pool),
-        crate::amqp::heartbeat::instances(pool, INSTANCES_WITHIN),
+        crate::runtime::heartbeat::instances(pool, INSTANCES_WITHIN),
     );
     let instances: Option<Vec<_>> = match instances {
         Ok(found) => Some(

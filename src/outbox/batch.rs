@@ -1,7 +1,7 @@
 //! The relay's side of the `outbox` table (no broker here): lock a batch of
 //! due rows, keep the first of each ordering key, and write down what the
 //! broker said (delete or mark the published rows, record failed attempts),
-//! in one transaction per batch. `amqp::Relay` publishes in between. All the
+//! in one transaction per batch. `relay::Relay` publishes in between. All the
 //! relay's SQL lives here.
 
 use std::collections::HashMap;

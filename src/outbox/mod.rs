@@ -5,7 +5,7 @@
 //! its transaction later rolls back, and loses the event when the process dies
 //! between commit and publish. [`stage`] instead writes the message as a row
 //! of the `outbox` table **in the caller's transaction**: it commits or rolls
-//! back with the caller's writes. A relay ([`amqp::Relay`](crate::amqp::Relay),
+//! back with the caller's writes. A relay ([`relay::Relay`](crate::relay::Relay),
 //! run by every [`Consumer`](crate::amqp::Consumer) by default) publishes
 //! committed rows with publisher confirms and `mandatory`, and deletes each
 //! row only after the broker confirmed it. A crash anywhere leads to a resend
@@ -300,7 +300,7 @@ pub async fn discard_failed(pool: &PgPool, ids: Option<&[i64]>) -> Result<u64, s
 }
 
 /// Deletes up to `batch` published rows kept longer than `keep` (rows are
-/// kept only with [`Relay::keep_published`](crate::amqp::Relay::keep_published));
+/// kept only with [`Relay::keep_published`](crate::relay::Relay::keep_published));
 /// returns how many. The relay calls it in bounded batches.
 ///
 /// # Errors

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::Tx;
-use crate::amqp::handler::{Call, Prepare};
 use crate::amqp::{DecodeError, HandlerError, Message};
+use crate::runtime::handler::{Call, Prepare};
 
 /// A fault for [`Harness::deliver_with`](super::Harness::deliver_with).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

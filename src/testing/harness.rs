@@ -18,15 +18,15 @@ use tokio_util::sync::CancellationToken;
 use super::delivered::Delivered;
 use super::fault::{CUT_SETUP, Fault, Faulty, Plan};
 use crate::amqp::builder::finish;
-use crate::amqp::headers::REASON_HEADER;
 use crate::amqp::mode::{Batched, NoHandler, PerMessage};
-use crate::amqp::outcome::Abandon;
 use crate::amqp::republish::copy_properties;
-use crate::amqp::route::{Route, Router, Stored};
-use crate::amqp::stats::Counter;
 use crate::amqp::{Consumer, ConsumerBuilder, DeadLetterReason, FromMessage, Handler, Message};
 use crate::outbox::OutboxMessage;
 use crate::outbox::batch::{Batch, Failures};
+use crate::runtime::headers::REASON_HEADER;
+use crate::runtime::outcome::Abandon;
+use crate::runtime::route::{Route, Router, Stored};
+use crate::runtime::stats::Counter;
 use crate::{Error, Result};
 
 /// Connections of a harness's own pool: enough for a few deliveries at once
@@ -399,7 +399,7 @@ impl Harness {
     /// harness's [`drain`](Harness::drain) into another's input.
     pub fn forwarded(&self, message: &OutboxMessage) -> Message {
         let staged = message.to_staged();
-        let frame = crate::amqp::relay::frame::frame(&staged);
+        let frame = crate::relay::frame::frame(&staged);
         Message::incoming(
             staged.body.clone(),
             frame.properties,
@@ -619,7 +619,7 @@ impl Harness {
         message: &Message,
         reason: DeadLetterReason,
         error: &str,
-        failures: &crate::amqp::headers::Failures,
+        failures: &crate::runtime::headers::Failures,
     ) -> bool {
         if !self.router.dead_letters_to_table() {
             return false;

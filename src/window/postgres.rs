@@ -80,7 +80,7 @@ impl PostgresWindow {
     /// [`DEFAULT_STORE_TIMEOUT`], 5 s): see [Timeouts](Self#timeouts).
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout.clamp(Duration::from_millis(1), super::MAX_WINDOW);
+        self.timeout = timeout.clamp(Duration::from_millis(1), super::store::MAX_WINDOW);
         self
     }
 

@@ -27,8 +27,8 @@ use std::time::{Duration, SystemTime};
 use lapin::tcp::AMQPUriTcpExt;
 
 use super::broker::Broker;
-use super::dead_letter::DeadLetterReason;
-use super::headers::{
+use crate::runtime::dead_letter::DeadLetterReason;
+use crate::runtime::headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
     QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, rfc3339,
 };
@@ -164,7 +164,7 @@ async fn store(
         .map(|id| id.to_string())
         .unwrap_or_default();
     let routing_key = String::from_utf8_lossy(&got.routing_key);
-    let letter = super::dead_letters::NewLetter {
+    let letter = crate::dead_letters::NewLetter {
         consumer: target.consumer,
         queue: target.queue,
         message_id: &message_id,
@@ -178,7 +178,7 @@ async fn store(
         first_failed_at: now,
         last_failed_at: now,
     };
-    super::dead_letters::insert(pool, &letter)
+    crate::dead_letters::insert(pool, &letter)
         .await
         .map_err(|e| QuarantineError::Store(e.to_string()))
 }

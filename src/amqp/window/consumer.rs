@@ -19,15 +19,15 @@ use futures::future::BoxFuture;
 use crate::Result;
 use crate::amqp::ConsumerBuilder;
 use crate::amqp::builder::runnable;
-use crate::amqp::handler::HandlerError;
-use crate::amqp::headers::string_header;
-use crate::amqp::message::{DecodeError, FromMessage, Message, decode};
 use crate::amqp::mode::{Dispatch, IntoDispatch, NoHandler, Parts};
-use crate::amqp::outcome::{
+use crate::runtime::handler::HandlerError;
+use crate::runtime::headers::string_header;
+use crate::runtime::message::{DecodeError, FromMessage, Message, decode};
+use crate::runtime::outcome::{
     Abandon, Decide, HandlerRun, Outcome, guarded, handler_failed, mismatch, retry, timed_out,
     undecodable,
 };
-use crate::amqp::stats::Stats;
+use crate::runtime::stats::Stats;
 use crate::window::{DedupId, DedupWindow, Reservation, Scope, WindowStore};
 
 /// The builder's state after [`dedup_window`](ConsumerBuilder::dedup_window):

@@ -1,10 +1,10 @@
-//! `idempo dlq …` on the table store: [`idempo::amqp::dead_letters`] and
+//! `idempo dlq …` on the table store: [`idempo::dead_letters`] and
 //! [`idempo::ops::dlq::import`], printed.
 
 use std::io::Write;
 
 use anyhow::bail;
-use idempo::amqp::dead_letters::{self as store, Filter, ReplayOptions};
+use idempo::dead_letters::{self as store, Filter, ReplayOptions};
 use serde_json::json;
 
 use crate::output::{self, Progress};

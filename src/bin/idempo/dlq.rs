@@ -1,5 +1,5 @@
 //! `idempo dlq list|show|replay|purge|discard|import`: [`idempo::ops::dlq`]
-//! on a RabbitMQ DLQ, [`idempo::amqp::dead_letters`] (in `dead_letters.rs`)
+//! on a RabbitMQ DLQ, [`idempo::dead_letters`] (in `dead_letters.rs`)
 //! on the table store.
 
 use std::io::Write;
@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use clap::{Args, Subcommand};
-use idempo::amqp::dead_letters::{Filter, LetterState};
+use idempo::dead_letters::{Filter, LetterState};
 use idempo::ops::OpsError;
 use idempo::ops::dlq::{self, PurgeOptions, ReplayEvent, ReplayOptions, Selection};
 use serde_json::json;

@@ -1,6 +1,6 @@
 //! `idempo dashboard`: the web pages for the people on call, over the same
 //! library functions as the other commands ([`idempo::ops::status`],
-//! [`idempo::amqp::dead_letters`]). Server-rendered (`pages.rs`), assets
+//! [`idempo::dead_letters`]). Server-rendered (`pages.rs`), assets
 //! embedded, token and CSRF checks in `auth.rs`.
 
 mod auth;
@@ -18,7 +18,7 @@ use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use clap::Args;
-use idempo::amqp::dead_letters::{self as store, Filter, ReplayOptions};
+use idempo::dead_letters::{self as store, Filter, ReplayOptions};
 use idempo::ops::Services;
 use idempo::ops::management::Management;
 use serde::Deserialize;

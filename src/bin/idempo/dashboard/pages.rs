@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use html_escape::{encode_double_quoted_attribute as attr, encode_text as text};
-use idempo::amqp::dead_letters::{Group, Letter, LetterDetail};
+use idempo::dead_letters::{Group, Letter, LetterDetail};
 use idempo::ops::short_duration;
 
 use super::samples::Latest;

@@ -3,9 +3,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::Message;
-use super::headers::header_text;
 use crate::inbox::{InvalidMessageId, payload_sha256, validate_message_id};
+use crate::runtime::headers::header_text;
+use crate::runtime::message::Message;
 
 /// A user function that finds a delivery's id; `None` means "no id".
 pub type IdFn = Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>;
@@ -42,7 +42,7 @@ impl MessageIdSource {
     /// Extracts and validates the id of `message` from this source.
     ///
     /// (The runtime first looks for the id an idempo copy carries forward in
-    /// [`MESSAGE_ID_HEADER`](super::MESSAGE_ID_HEADER), sealed under the
+    /// [`MESSAGE_ID_HEADER`](crate::runtime::headers::MESSAGE_ID_HEADER), sealed under the
     /// consumer's key; a header without a valid seal is ignored, and then
     /// this source decides.)
     ///

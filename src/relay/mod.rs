@@ -30,12 +30,12 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio::sync::Notify;
 
-use super::broker::Broker;
-use super::shutdown::ShutdownHandle;
-use super::watched::Watched;
 use crate::Result;
+use crate::amqp::broker::Broker;
 use crate::outbox::OutboxStatus;
 use crate::outbox::batch::RetrySchedule;
+use crate::runtime::shutdown::ShutdownHandle;
+use crate::runtime::watched::Watched;
 
 /// Where a relay is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,13 +135,13 @@ impl Drop for Publishing<'_> {
 }
 
 /// Publishes the outbox's committed rows: run one (or several, on several
-/// hosts) per database. Every [`Consumer`](super::Consumer) runs one for its
-/// pool unless [`ConsumerBuilder::relay`](super::ConsumerBuilder::relay)
+/// hosts) per database. Every [`Consumer`](crate::amqp::Consumer) runs one for its
+/// pool unless [`ConsumerBuilder::relay`](crate::amqp::ConsumerBuilder::relay)
 /// turns it off; run one yourself in a process that stages without
 /// consuming (an axum service).
 ///
 /// ```no_run
-/// use idempo::amqp::Relay;
+/// use idempo::relay::Relay;
 ///
 /// # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
 /// let relay = Relay::new("amqp://guest:guest@127.0.0.1:5672/%2f", pool)?;

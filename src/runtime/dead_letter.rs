@@ -10,7 +10,7 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable};
 use serde::{Deserialize, Serialize};
 
-use super::headers::{
+use crate::runtime::headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
     MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, header_text, json_value,
     rfc3339, truncate,
@@ -34,7 +34,7 @@ pub enum DeadLetterReason {
     PayloadMismatch,
     /// The handler returned a permanent error.
     PermanentError,
-    /// Transient failures used up the [`RedeliveryPolicy`](super::RedeliveryPolicy)'s attempts.
+    /// Transient failures used up the [`RedeliveryPolicy`](crate::runtime::redelivery::RedeliveryPolicy)'s attempts.
     AttemptsExhausted,
     /// A retry copy with the failure headers added would not fit one frame
     /// of the connection (its own headers are too large), so it cannot be
@@ -43,7 +43,7 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
-    /// The value of the [`REASON_HEADER`](super::REASON_HEADER) header.
+    /// The value of the [`REASON_HEADER`](crate::runtime::headers::REASON_HEADER) header.
     pub fn as_str(self) -> &'static str {
         match self {
             DeadLetterReason::MissingMessageId => "missing message id",
@@ -97,13 +97,13 @@ const RESET_ON_REPLAY: [&str; 5] = [
 /// The runtime publishes each dead letter with its reason, the last error,
 /// the failed attempts, the consumer, the queue and routing key it came
 /// from, and when its first and last attempts failed (see the
-/// [`REASON_HEADER`](super::REASON_HEADER) family of constants). This view
+/// [`REASON_HEADER`](crate::runtime::headers::REASON_HEADER) family of constants). This view
 /// reads them from a delivery's [`BasicProperties`]: text headers must be
 /// UTF-8 (a value that is not reads as absent, as it does for the runtime);
 /// [`headers_for_display`](Self::headers_for_display) shows every header,
 /// whatever its type, for people.
 ///
-/// A message without [`QUEUE_HEADER`](super::QUEUE_HEADER) was not
+/// A message without [`QUEUE_HEADER`](crate::runtime::headers::QUEUE_HEADER) was not
 /// dead-lettered by idempo ([`is_foreign`](Self::is_foreign)): put into the
 /// DLQ by hand, or by the broker's own dead-lettering.
 ///
@@ -250,7 +250,7 @@ impl<'a> DeadLetter<'a> {
     }
 
     /// Whether idempo did not dead-letter it: it has no
-    /// [`QUEUE_HEADER`](super::QUEUE_HEADER), so a replay needs a target.
+    /// [`QUEUE_HEADER`](crate::runtime::headers::QUEUE_HEADER), so a replay needs a target.
     pub fn is_foreign(&self) -> bool {
         self.original_queue().is_none()
     }

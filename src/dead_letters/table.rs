@@ -13,9 +13,9 @@ use super::{
     fingerprint::fingerprint,
 };
 use crate::amqp::DeadLetter;
-use crate::amqp::headers::json_headers;
 use crate::inbox::{self, Claim};
 use crate::outbox::{self, OutboxMessage};
+use crate::runtime::headers::json_headers;
 use crate::{Error, Result};
 
 /// A letter's state.

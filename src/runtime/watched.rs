@@ -1,6 +1,6 @@
 //! [`Watched`]: a state that the runtime updates and hosts read or wait on,
-//! the one shape of the consumer's [`Health`](super::Health) and the
-//! relay's [`RelayHealth`](super::RelayHealth).
+//! the one shape of the consumer's [`Health`](crate::runtime::health::Health) and the
+//! relay's [`RelayHealth`](crate::relay::RelayHealth).
 
 use std::fmt;
 use std::sync::Arc;

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use super::message::{DecodeError, FromMessage, Message, decode};
 use crate::Tx;
+use crate::runtime::message::{DecodeError, FromMessage, Message, decode};
 
 type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 
@@ -97,7 +97,7 @@ type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// }
 /// ```
 ///
-/// [`batch_handler`]: super::ConsumerBuilder::batch_handler
+/// [`batch_handler`]: crate::amqp::ConsumerBuilder::batch_handler
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a `Handler<{M}>`",
     label = "not a handler of `{M}`",
@@ -252,7 +252,7 @@ impl HandlerError {
     }
 
     /// Asks for the retry to wait about `delay` (a transient error): the
-    /// smallest delay tier of the [`RedeliveryPolicy`](super::RedeliveryPolicy) that is
+    /// smallest delay tier of the [`RedeliveryPolicy`](crate::runtime::redelivery::RedeliveryPolicy) that is
     /// at least as long is used. For example, a downstream answered
     /// "429, Retry-After: 30".
     #[must_use]
@@ -403,7 +403,7 @@ fn traceparent(message: &Message) -> Option<String> {
     {
         message
             .header(crate::outbox::TRACEPARENT_HEADER)
-            .and_then(super::headers::header_text)
+            .and_then(crate::runtime::headers::header_text)
     }
     #[cfg(not(feature = "outbox"))]
     {
@@ -501,7 +501,7 @@ mod tests {
 
     use super::*;
     use crate::amqp::DeadLetterReason;
-    use crate::amqp::outcome::{Outcome, handler_failed};
+    use crate::runtime::outcome::{Outcome, handler_failed};
 
     /// A database error with a SQLSTATE, as PostgreSQL would report it.
     #[derive(Debug)]

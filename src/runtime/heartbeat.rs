@@ -12,9 +12,9 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use super::health::Health;
-use super::stats::{Stats, StatsSnapshot};
 use crate::error::Result;
+use crate::runtime::health::Health;
+use crate::runtime::stats::{Stats, StatsSnapshot};
 
 /// How often a running consumer writes its heartbeat.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);

@@ -1,6 +1,6 @@
 //! What the host can read about a running consumer: [`Health`].
 
-use super::watched::Watched;
+use crate::runtime::watched::Watched;
 
 /// Where the runtime is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,7 +39,7 @@ pub struct HealthSnapshot {
     pub wedged_sessions: u32,
     /// The state of the outbox relay the consumer runs (`None` without one).
     #[cfg(feature = "outbox")]
-    pub relay: Option<super::RelayState>,
+    pub relay: Option<crate::relay::RelayState>,
 }
 
 impl HealthSnapshot {

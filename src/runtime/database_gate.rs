@@ -15,8 +15,8 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::health::Health;
-use super::stats::{Counter, Stats};
+use crate::runtime::health::Health;
+use crate::runtime::stats::{Counter, Stats};
 
 pub(crate) struct DatabaseGate {
     pool: PgPool,

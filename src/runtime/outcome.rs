@@ -11,11 +11,12 @@ use futures::future::BoxFuture;
 use lapin::Acker;
 use tokio_util::sync::CancellationToken;
 
-use super::dead_letter::DeadLetterReason;
-use super::handler::HandlerError;
-use super::stats::{Counter, Stats};
-use super::{DecodeError, Message};
 use crate::inbox::InvalidMessageId;
+use crate::runtime::dead_letter::DeadLetterReason;
+use crate::runtime::handler::HandlerError;
+use crate::runtime::message::DecodeError;
+use crate::runtime::message::Message;
+use crate::runtime::stats::{Counter, Stats};
 
 /// How a delivery is to end: decided by the steps, carried out by `settle`.
 #[derive(Debug, Clone)]

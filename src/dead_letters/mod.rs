@@ -26,7 +26,7 @@
 //! a second replay finds nothing live to take.
 //!
 //! ```no_run
-//! use idempo::amqp::dead_letters::{self, Filter, ReplayOptions};
+//! use idempo::dead_letters::{self, Filter, ReplayOptions};
 //! # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
 //! let filter = Filter::queue("payments");
 //! for group in dead_letters::groups(&pool, &filter).await? {

@@ -28,18 +28,18 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use sqlx::{PgPool, Postgres, Transaction};
 
-use super::Message;
-use super::database_gate::DatabaseGate;
-use super::handler::{Call, Prepare};
-use super::outbox::Forwarding;
-use super::outcome::{
+use crate::Error;
+use crate::amqp::outbox::Forwarding;
+use crate::error::database_unavailable;
+use crate::inbox::{self, Claim, Isolation};
+use crate::runtime::database_gate::DatabaseGate;
+use crate::runtime::handler::{Call, Prepare};
+use crate::runtime::message::Message;
+use crate::runtime::outcome::{
     Abandon, Decide, HandlerRun, Outcome, guarded, handler_failed, mismatch, retry, timed_out,
     undecodable,
 };
-use super::stats::{Counter, Stats};
-use crate::Error;
-use crate::error::database_unavailable;
-use crate::inbox::{self, Claim, Isolation};
+use crate::runtime::stats::{Counter, Stats};
 
 /// Passes that end in a connection error although the database answered in
 /// between: after this many, the error is the unit's (a statement that kills
@@ -359,7 +359,7 @@ impl InboxSteps {
 }
 
 /// What a unit's handler staged in the outbox, for its commit.
-type Staging = super::outbox::Unit;
+type Staging = crate::amqp::outbox::Unit;
 
 /// A database that cannot take writes now sends the unit to the gate;
 /// anything else fails it.

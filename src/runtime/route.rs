@@ -11,20 +11,21 @@ use std::time::Duration;
 
 use lapin::types::AMQPValue;
 
-use super::config::Config;
-use super::dead_letter::DeadLetterReason;
+use crate::amqp::config::Config;
 #[cfg(feature = "outbox")]
-use super::headers::REASON_HEADER;
-use super::headers::{
+use crate::amqp::republish::copy_properties;
+use crate::runtime::dead_letter::DeadLetterReason;
+#[cfg(feature = "outbox")]
+use crate::runtime::headers::REASON_HEADER;
+use crate::runtime::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
     QUEUE_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
 };
-use super::outcome::{Abandon, Decide, Outcome, invalid_id};
-use super::redelivery::{Mode, RedeliveryPolicy, delay_queue};
-#[cfg(feature = "outbox")]
-use super::republish::copy_properties;
-use super::seal::{Keyring, claimed_id};
-use super::{Message, MessageIdSource};
+use crate::runtime::message::Message;
+use crate::runtime::message_id::MessageIdSource;
+use crate::runtime::outcome::{Abandon, Decide, Outcome, invalid_id};
+use crate::runtime::redelivery::{Mode, RedeliveryPolicy, delay_queue};
+use crate::runtime::seal::{Keyring, claimed_id};
 #[cfg(feature = "outbox")]
 use crate::wait::Waited;
 
@@ -69,7 +70,7 @@ pub(crate) struct Router {
     pub(crate) redelivery: RedeliveryPolicy,
     /// Where dead letters go, and the pool of the table store.
     #[cfg(feature = "outbox")]
-    pub(crate) dead_letters: super::DeadLetters,
+    pub(crate) dead_letters: crate::dead_letters::DeadLetters,
     #[cfg(feature = "outbox")]
     pub(crate) pool: sqlx::PgPool,
 }
@@ -108,7 +109,7 @@ impl Router {
     pub(crate) fn dead_letters_to_table(&self) -> bool {
         #[cfg(feature = "outbox")]
         {
-            self.dead_letters == super::DeadLetters::Table
+            self.dead_letters == crate::dead_letters::DeadLetters::Table
         }
         #[cfg(not(feature = "outbox"))]
         {
@@ -131,7 +132,7 @@ impl Router {
         headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
         let properties = copy_properties(message, headers);
         let routing_key = original_routing_key(message);
-        let letter = super::dead_letters::NewLetter {
+        let letter = crate::dead_letters::NewLetter {
             consumer: &self.consumer,
             queue: &self.queue,
             message_id: message.id(),
@@ -149,7 +150,7 @@ impl Router {
             "cannot store the dead letter",
             (Duration::from_millis(100), Duration::from_secs(10)),
             abandon.wait(),
-            || super::dead_letters::insert(&self.pool, &letter),
+            || crate::dead_letters::insert(&self.pool, &letter),
             crate::Error::is_unavailable,
         )
         .await;

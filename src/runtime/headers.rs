@@ -4,9 +4,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::types::{AMQPValue, FieldTable};
 
-use super::Message;
+use crate::runtime::message::Message;
 
-/// Why the message was dead-lettered (one of [`DeadLetterReason::as_str`](super::DeadLetterReason::as_str)).
+/// Why the message was dead-lettered (one of [`DeadLetterReason::as_str`](crate::runtime::dead_letter::DeadLetterReason::as_str)).
 pub const REASON_HEADER: &str = "x-idempo-reason";
 /// The text of the last error.
 pub const ERROR_HEADER: &str = "x-idempo-error";

@@ -19,10 +19,10 @@ use sqlx::PgPool;
 use subtle::ConstantTimeEq;
 use tokio::sync::OnceCell;
 
-use super::Message;
-use super::headers::{MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, header_text};
 use crate::Result;
 use crate::inbox::payload_sha256;
+use crate::runtime::headers::{MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, header_text};
+use crate::runtime::message::Message;
 
 /// Where a consumer's [`Seal`] comes from: loaded (or created) on first
 /// use, so that a consumer whose database is down still starts, consumes and

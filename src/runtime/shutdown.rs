@@ -3,8 +3,8 @@
 
 use tokio_util::sync::CancellationToken;
 
-/// Stops a running [`Consumer`](super::Consumer) or
-/// [`Relay`](super::Relay) from another task. Cheap to clone.
+/// Stops a running [`Consumer`](crate::amqp::Consumer) or
+/// [`Relay`](crate::relay::Relay) from another task. Cheap to clone.
 ///
 /// A graceful shutdown lets the work in flight finish; `shutdown_now` drops
 /// it (transactions roll back, deliveries are redelivered: nothing is lost).
@@ -16,7 +16,7 @@ pub struct ShutdownHandle {
 
 impl ShutdownHandle {
     /// Asks to stop after the work in flight: see
-    /// [Shutdown](super::Consumer#shutdown).
+    /// [Shutdown](crate::amqp::Consumer#shutdown).
     pub fn shutdown(&self) {
         self.graceful.cancel();
     }
