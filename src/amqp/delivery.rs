@@ -1,19 +1,16 @@
 //! A session's deliveries on their way, over lapin: [`Pipeline::run`] has
-//! the `Router` (`route.rs`) give each delivery its id, its outcome and its
-//! route, and `settle`s every delivery: the only code that acks, nacks,
-//! retries or dead-letters.
+//! the `Router` give each delivery its id, its outcome and its route, and
+//! the runtime's `Settle` carries the routes out through [`Pipeline`]'s
+//! [`Transport`]: the only code that acks, nacks, republishes or rejects.
 //!
 //! ```text
-//! received ─► id ─┬─ missing/invalid ─► DeadLetter
-//!                 └─ decide (steps.rs) ─► Outcome
-//! settle = Processed, Duplicate ─► ack (batch mode: one multiple ack over settled tags)
-//!          DeadLetter ─► publish to <queue>.dlq (confirmed; headers trimmed to fit the frame) ─► ack
-//!                        even idempo's headers do not fit ─► reject: the broker dead-letters it
-//!          Retry whose copy does not fit the frame ─► DeadLetter (headers too large to retry)
-//!          Retry ─► publish to <queue>.retry.<delay> (confirmed) ─► ack; attempts used up: DeadLetter;
-//!                   requeue policy: pause ─► nack(requeue)
-//!          a copy that is not confirmed ─► pause ─► nack(requeue): never acked
-//!          Abandoned ─► nothing: the delivery returns when its channel closes
+//! ack            ─► basic.ack (batch mode: one multiple ack over the unit's settled tags)
+//! retry_later    ─► confirmed copy to <queue>.retry.<delay> ─► ack
+//!                   the delay queue is gone ─► copy to the work queue after a pause ─► ack
+//! dead_letter    ─► confirmed copy to <queue>.dlq, headers trimmed to fit the frame ─► ack
+//! requeue        ─► pause ─► nack(requeue)
+//! reject         ─► basic.reject: the work queue's dead-letter exchange takes it
+//! a copy that is not confirmed: the session reconnects when its connection is gone
 //! ```
 
 use std::sync::Arc;
@@ -21,80 +18,44 @@ use std::time::Duration;
 
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
-use lapin::types::AMQPValue;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, field};
 
-use super::Message;
 use crate::amqp::acks::{AckTracker, Misplaced};
 use crate::amqp::publish::PublishError;
 use crate::amqp::republish::Republisher;
-use crate::runtime::dead_letter::DeadLetterReason;
-use crate::runtime::headers::{Failures, REASON_HEADER};
 use crate::runtime::health::Health;
+use crate::runtime::message::Message;
 use crate::runtime::outcome::{Abandon, Settled};
-#[cfg(feature = "outbox")]
-use crate::runtime::route::Stored;
-use crate::runtime::route::{Route, Router};
+use crate::runtime::route::Router;
+use crate::runtime::settle::{LogLimit, Settle};
 use crate::runtime::stats::{Counter, Stats};
+use crate::runtime::transport::{Finished, Later, Letter, Refused, Transport};
 
-/// A pause before handing a delivery back with nack when no confirmed
-/// republish was possible, so a failing broker path is not hammered.
+/// The pause before a retry that could not reach its delay queue goes
+/// through the work queue instead.
 const FALLBACK_PAUSE: Duration = Duration::from_secs(1);
 
-/// Everything a session's delivery tasks share.
 pub(crate) struct Pipeline {
-    /// Ids, decisions and routes: the transport-free part.
     pub(crate) router: Arc<Router>,
     pub(crate) dead_letter_queue: String,
-    /// Whether the runtime declares its queues (and so may declare a missing
-    /// one again).
     pub(crate) declare: bool,
-    /// Copies to delay queues and to the DLQ, confirmed before the ack.
     pub(crate) republisher: Republisher,
-    /// Batch mode: coalesced acks for this session's channel.
     pub(crate) coalesced: Option<AckTracker>,
-    /// Fired when the session must end (republishing channels gone, a tag
-    /// the ack bookkeeping cannot place).
     pub(crate) broken: CancellationToken,
-    /// Fired on shutdown: deliveries waiting for the database give up.
     pub(crate) shutdown: CancellationToken,
     pub(crate) health: Health,
     pub(crate) stats: Stats,
     pub(crate) log_limit: LogLimit,
 }
 
-/// Lets a repeated log line through once per interval.
-#[derive(Debug, Default)]
-pub(crate) struct LogLimit {
-    last: std::sync::Mutex<Option<std::time::Instant>>,
-}
-
-impl LogLimit {
-    const EVERY: Duration = Duration::from_secs(10);
-
-    fn allow(&self) -> bool {
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        let now = std::time::Instant::now();
-        match *last {
-            Some(at) if now.duration_since(at) < Self::EVERY => false,
-            _ => {
-                *last = Some(now);
-                true
-            }
-        }
-    }
-}
-
-/// One delivery on its way: the message and what settles it.
-struct Item {
-    message: Message,
+/// One lapin delivery's handle.
+pub(crate) struct Receipt {
     acker: Acker,
+    tag: u64,
 }
 
 impl Pipeline {
-    /// Takes a unit of deliveries (one, or a batch) through the steps and
-    /// settles each, inside a span that records the outcome.
     pub(crate) async fn run(
         self: Arc<Self>,
         deliveries: Vec<lapin::message::Delivery>,
@@ -113,36 +74,44 @@ impl Pipeline {
             }
         };
         async {
-            let mut ackers = Vec::with_capacity(deliveries.len());
+            let mut receipts = Vec::with_capacity(deliveries.len());
             let mut messages: Vec<Message> = deliveries
                 .into_iter()
                 .map(|delivery| {
                     self.stats.incr(Counter::Deliveries);
-                    ackers.push(delivery.acker.clone());
+                    receipts.push(Receipt {
+                        acker: delivery.acker.clone(),
+                        tag: delivery.delivery_tag,
+                    });
                     Message::from_delivery(delivery)
                 })
                 .collect();
             // The unit's deliveries share a channel: the first one's tells
-            // when it closed.
+            // when it closed (lapin poisons every acker of a closed channel).
             let abandon = Abandon {
                 shutdown: self.shutdown.clone(),
-                channel: ackers.first().cloned(),
+                gone: receipts.first().map(|r| {
+                    let acker = r.acker.clone();
+                    Box::new(move || acker.poisoned()) as crate::runtime::outcome::Gone
+                }),
             };
             let outcomes = self.router.outcomes(&mut messages, &abandon).await;
             if let [message] = messages.as_slice() {
                 Span::current().record("message_id", message.id());
             }
-            let items = messages
-                .into_iter()
-                .zip(ackers)
-                .map(|(message, acker)| Item { message, acker })
-                .collect();
             let routes = outcomes
                 .into_iter()
-                .zip(&items)
-                .map(|(outcome, item): (_, &Item)| self.router.route(&item.message, outcome))
+                .zip(&messages)
+                .map(|(outcome, message)| self.router.route(message, outcome))
                 .collect();
-            let settled = self.settle(items, routes).await;
+            let items = messages.into_iter().zip(receipts).collect();
+            let settle = Settle {
+                router: &self.router,
+                health: &self.health,
+                stats: &self.stats,
+                log_limit: &self.log_limit,
+            };
+            let settled = settle.unit(&*self, items, routes, &abandon).await;
             if let [one] = settled.as_slice() {
                 Span::current().record("outcome", one.as_str());
             }
@@ -152,215 +121,8 @@ impl Pipeline {
         .await
     }
 
-    /// Carries out each delivery's route, and says what it did. Nothing is
-    /// acked before its effects, its retry copy or its dead letter are
-    /// durable. In batch mode, processed and duplicate deliveries are acked
-    /// together with one multiple ack, once every lower tag is settled.
-    async fn settle(&self, items: Vec<Item>, routes: Vec<Route>) -> Vec<Settled> {
-        let mut settled = Vec::with_capacity(items.len());
-        let mut tags: Vec<(u64, Option<Acker>)> = Vec::with_capacity(items.len());
-        for (item, route) in items.into_iter().zip(routes) {
-            let tag = item.message.delivery_tag();
-            let done = match route {
-                Route::Ack { duplicate } => {
-                    let (counter, done) = if duplicate {
-                        tracing::debug!("duplicate acknowledged without running the handler");
-                        (Counter::Duplicates, Settled::Duplicate)
-                    } else {
-                        (Counter::Processed, Settled::Processed)
-                    };
-                    self.stats.incr(counter);
-                    if self.coalesced.is_some() {
-                        tags.push((tag, Some(item.acker)));
-                    } else {
-                        ack(&item.acker, false).await;
-                    }
-                    settled.push(done);
-                    continue;
-                }
-                Route::DeadLetter {
-                    reason,
-                    error,
-                    failures,
-                } => self.dead_letter(&item, reason, &error, failures).await,
-                Route::Delay {
-                    queue,
-                    delay,
-                    error,
-                    failures,
-                } => self.delay(&item, &queue, delay, &error, failures).await,
-                Route::Requeue { pause, error } => {
-                    tracing::warn!(%error, "transient failure; requeueing");
-                    self.stats.incr(Counter::Retried);
-                    nack_after(&item.acker, pause).await;
-                    Settled::Retried
-                }
-                // Never recorded: no multiple ack may cover it.
-                Route::Abandon => {
-                    settled.push(Settled::Abandoned);
-                    continue;
-                }
-            };
-            if done == Settled::Abandoned {
-                settled.push(done);
-                continue;
-            }
-            tags.push((tag, None));
-            settled.push(done);
-        }
-        if let Some(tracker) = &self.coalesced {
-            let mut acks = tracker.lock().await;
-            match acks.record(tags) {
-                // Sent under the lock: multiple acks leave in increasing order.
-                Ok(Some(acker)) => ack(&acker, true).await,
-                Ok(None) => {}
-                Err(Misplaced(tag)) => {
-                    tracing::error!(
-                        tag,
-                        watermark = acks.watermark(),
-                        "delivery tag reported twice or out of range; reconnecting"
-                    );
-                    self.broken.cancel();
-                }
-            }
-        }
-        settled
-    }
-
-    /// Republishes a copy to the delay queue, then acks the original.
-    async fn delay(
-        &self,
-        item: &Item,
-        queue: &str,
-        delay: Duration,
-        error: &str,
-        failures: Failures,
-    ) -> Settled {
-        let headers = self
-            .router
-            .failure_headers(&item.message, error, &failures)
-            .await;
-        let mut published = self
-            .republisher
-            .publish(queue, &item.message, headers.clone())
-            .await;
-        if let Err(PublishError::Returned(_)) = &published {
-            // The delay queue is gone (deleted by hand). Retry through
-            // the work queue itself, with the attempt counted, so
-            // that the attempts still run out; a pause stands in for
-            // the delay.
-            self.missing_queue(queue);
-            tokio::time::sleep(FALLBACK_PAUSE).await;
-            published = self
-                .republisher
-                .publish(&self.router.queue, &item.message, headers)
-                .await;
-        }
-        match published {
-            Ok(()) => {
-                tracing::warn!(%error, attempts = failures.attempts, ?delay, "transient failure; retrying later");
-                self.stats.incr(Counter::Retried);
-                ack(&item.acker, false).await;
-            }
-            // Sent, it would close the connection, and the original
-            // would come back to fail the same way: it never can be
-            // retried.
-            Err(e @ PublishError::TooLarge { .. }) => {
-                let error = format!("{e}; the last failure: {error}");
-                return self
-                    .dead_letter(item, DeadLetterReason::HeadersTooLarge, &error, failures)
-                    .await;
-            }
-            Err(e) => {
-                let error = format!("cannot publish the retry to {queue:?}: {e}");
-                self.publish_failed(&item.acker, error).await;
-            }
-        }
-        Settled::Retried
-    }
-
-    async fn dead_letter(
-        &self,
-        item: &Item,
-        reason: DeadLetterReason,
-        error: &str,
-        failures: Failures,
-    ) -> Settled {
-        #[cfg(feature = "outbox")]
-        if self.router.dead_letters_to_table() {
-            let abandon = Abandon {
-                shutdown: self.shutdown.clone(),
-                channel: Some(item.acker.clone()),
-            };
-            match self
-                .router
-                .store_dead_letter(&item.message, reason, error, &failures, &abandon)
-                .await
-            {
-                Stored::Yes => {
-                    self.stats.incr(Counter::DeadLettered);
-                    tracing::warn!(%reason, %error, "dead-lettered to the table");
-                    ack(&item.acker, false).await;
-                    return Settled::DeadLettered;
-                }
-                Stored::Abandoned => return Settled::Abandoned,
-                Stored::Refused(e) => {
-                    let refused = format!(
-                        "the dead-letter table refused the letter ({e}); sending it to the queue"
-                    );
-                    tracing::error!(error = %refused);
-                    self.health.record_error(refused);
-                }
-            }
-        }
-        let mut headers = self
-            .router
-            .failure_headers(&item.message, error, &failures)
-            .await;
-        headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
-        match self
-            .republisher
-            .publish_trimmed(&self.dead_letter_queue, &item.message, headers)
-            .await
-        {
-            Ok(trimmed) => {
-                self.stats.incr(Counter::DeadLettered);
-                if trimmed.is_empty() {
-                    tracing::warn!(%reason, %error, "dead-lettered");
-                } else {
-                    tracing::warn!(%reason, %error, ?trimmed, "dead-lettered with headers trimmed to fit the frame size");
-                }
-                ack(&item.acker, false).await;
-                Settled::DeadLettered
-            }
-            Err(e @ PublishError::TooLarge { .. }) => {
-                // Even idempo's own headers do not fit (a tiny frame size):
-                // the broker's own dead-lettering (the work queue's
-                // dead-letter exchange) moves the original as it is.
-                let error = format!("cannot dead-letter ({reason}): {e}; rejecting the original");
-                tracing::error!(%error);
-                self.health.record_error(error);
-                self.stats.incr(Counter::DeadLettered);
-                reject(&item.acker).await;
-                Settled::DeadLettered
-            }
-            Err(e) => {
-                if let PublishError::Returned(_) = e {
-                    self.missing_queue(&self.dead_letter_queue);
-                }
-                let error = format!(
-                    "cannot dead-letter ({reason}) to {:?}: {e}",
-                    self.dead_letter_queue
-                );
-                self.publish_failed(&item.acker, error).await;
-                Settled::Retried
-            }
-        }
-    }
-
-    /// A copy was returned as unroutable: `queue` is gone (an operator
-    /// deleted it). When the runtime declares its queues, a new session
-    /// declares them again; otherwise only a human can create it.
+    /// A copy the broker returned (no such queue): redeclare when this
+    /// consumer declares its topology, say so either way.
     fn missing_queue(&self, queue: &str) {
         let error = if self.declare {
             self.broken.cancel();
@@ -375,27 +137,127 @@ impl Pipeline {
         self.health.record_error(error);
     }
 
-    /// No confirmed copy: hand the original back instead. If the publishing
-    /// channels are gone, the session must reconnect.
-    async fn publish_failed(&self, acker: &Acker, error: String) {
-        // At ERROR once every 10 s: a missing queue fails every copy.
-        if self.log_limit.allow() {
-            tracing::error!(%error, "requeueing the original instead");
-        } else {
-            tracing::debug!(%error, "requeueing the original instead");
+    /// A copy that was not sent: as [`Refused`], reconnecting when the
+    /// connection is gone.
+    fn refused(&self, error: PublishError) -> Refused {
+        match error {
+            e @ PublishError::TooLarge { .. } => Refused::TooLarge(e.to_string()),
+            e => {
+                if !self.republisher.is_open() {
+                    self.broken.cancel();
+                }
+                Refused::Failed(e.to_string())
+            }
         }
-        self.health.record_error(error);
-        if !self.republisher.is_open() {
-            self.broken.cancel();
-        }
-        self.stats.incr(Counter::Retried);
-        self.stats.incr(Counter::PublishFailures);
-        nack_after(acker, FALLBACK_PAUSE).await;
     }
 }
 
-/// Hands the delivery back after a pause, so a failing dependency is not
-/// hammered in a tight redelivery loop.
+impl Transport for Pipeline {
+    type Receipt = Receipt;
+
+    async fn retry_later(
+        &self,
+        message: &Message,
+        receipt: &Receipt,
+        later: Later<'_>,
+    ) -> Result<(), Refused> {
+        let mut published = self
+            .republisher
+            .publish(later.queue, message, later.headers.clone())
+            .await;
+        if let Err(PublishError::Returned(_)) = &published {
+            // The delay queue is gone (deleted by hand). Retry through the
+            // work queue itself, with the attempt counted, so that the
+            // attempts still run out; a pause stands in for the delay.
+            self.missing_queue(later.queue);
+            tokio::time::sleep(FALLBACK_PAUSE).await;
+            published = self
+                .republisher
+                .publish(&self.router.queue, message, later.headers)
+                .await;
+        }
+        published.map_err(|e| self.refused(e))?;
+        ack(&receipt.acker, false).await;
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        receipt: &Receipt,
+        letter: Letter<'_>,
+    ) -> Result<Vec<(String, usize)>, Refused> {
+        let published = self
+            .republisher
+            .publish_trimmed(&self.dead_letter_queue, message, letter.headers)
+            .await;
+        match published {
+            Ok(trimmed) => {
+                ack(&receipt.acker, false).await;
+                Ok(trimmed)
+            }
+            Err(e) => {
+                if let PublishError::Returned(_) = e {
+                    self.missing_queue(&self.dead_letter_queue);
+                }
+                Err(match self.refused(e) {
+                    Refused::Failed(why) => {
+                        Refused::Failed(format!("to {:?}: {why}", self.dead_letter_queue))
+                    }
+                    too_large => too_large,
+                })
+            }
+        }
+    }
+
+    async fn letter_stored(&self, _message: &Message, receipt: &Receipt, _letter: Letter<'_>) {
+        ack(&receipt.acker, false).await;
+    }
+
+    async fn requeue(&self, _message: &Message, receipt: &Receipt, pause: Duration, _error: &str) {
+        nack_after(&receipt.acker, pause).await;
+    }
+
+    async fn reject(&self, receipt: &Receipt) {
+        reject(&receipt.acker).await;
+    }
+
+    async fn finish(&self, unit: Vec<Finished<Receipt>>) {
+        let Some(tracker) = &self.coalesced else {
+            for finished in unit {
+                if let Finished::Ack { receipt, .. } = finished {
+                    ack(&receipt.acker, false).await;
+                }
+            }
+            return;
+        };
+        // Abandoned deliveries are never recorded: no multiple ack may cover
+        // them.
+        let tags: Vec<(u64, Option<Acker>)> = unit
+            .into_iter()
+            .filter_map(|finished| match finished {
+                Finished::Ack { receipt, .. } => Some((receipt.tag, Some(receipt.acker))),
+                Finished::Settled(receipt) => Some((receipt.tag, None)),
+                Finished::Abandoned(_) => None,
+            })
+            .collect();
+        let mut acks = tracker.lock().await;
+        match acks.record(tags) {
+            // Sent under the lock: multiple acks leave in increasing order.
+            Ok(Some(acker)) => ack(&acker, true).await,
+            Ok(None) => {}
+            Err(Misplaced(tag)) => {
+                tracing::error!(
+                    tag,
+                    watermark = acks.watermark(),
+                    "delivery tag reported twice or out of range; reconnecting"
+                );
+                self.broken.cancel();
+            }
+        }
+    }
+}
+
 async fn nack_after(acker: &Acker, pause: Duration) {
     tokio::time::sleep(pause).await;
     let nack = BasicNackOptions {

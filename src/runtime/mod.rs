@@ -13,6 +13,7 @@
 //! properties and field tables); the transport itself — connections,
 //! sessions, topology, confirms, reconnects — lives in [`crate::amqp`].
 
+pub(crate) mod copy;
 pub(crate) mod database_gate;
 pub(crate) mod dead_letter;
 pub(crate) mod handler;
@@ -26,7 +27,9 @@ pub(crate) mod redelivery;
 pub(crate) mod retention;
 pub(crate) mod route;
 pub(crate) mod seal;
+pub(crate) mod settle;
 pub(crate) mod shutdown;
 pub(crate) mod stats;
 pub(crate) mod steps;
+pub(crate) mod transport;
 pub(crate) mod watched;

@@ -1,6 +1,6 @@
 //! How a delivery is to end ([`Outcome`]), decided by the inbox steps
 //! (`steps.rs`) or the dedup window (`window/consumer.rs`) and carried out
-//! by `delivery.rs`; and the outcomes of the ways user code fails.
+//! by `settle.rs` through a transport; and the outcomes of the ways user code fails.
 
 use std::any::Any;
 use std::panic::AssertUnwindSafe;
@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use lapin::Acker;
 use tokio_util::sync::CancellationToken;
 
 use crate::inbox::InvalidMessageId;
@@ -80,18 +79,21 @@ pub(crate) trait Decide: Send + Sync + 'static {
 /// redelivers it anyway.
 pub(crate) struct Abandon {
     pub(crate) shutdown: CancellationToken,
-    /// A delivery of the unit: its channel is the unit's.
-    pub(crate) channel: Option<Acker>,
+    /// Whether the unit's deliveries can no longer be settled (their channel
+    /// closed): asked of the transport once a second.
+    pub(crate) gone: Option<Gone>,
 }
+
+/// The transport's answer to "is this delivery beyond settling?".
+pub(crate) type Gone = Box<dyn Fn() -> bool + Send + Sync>;
 
 impl Abandon {
     /// Resolves when waiting is pointless.
     pub(crate) async fn wait(&self) {
         let closed = async {
-            match &self.channel {
-                // lapin poisons every acker of a channel that closed.
-                Some(acker) => {
-                    while !acker.poisoned() {
+            match &self.gone {
+                Some(gone) => {
+                    while !gone() {
                         tokio::time::sleep(Duration::from_secs(1)).await;
                     }
                 }

@@ -13,7 +13,7 @@ use lapin::types::AMQPValue;
 
 use crate::amqp::config::Config;
 #[cfg(feature = "outbox")]
-use crate::amqp::republish::copy_properties;
+use crate::runtime::copy::copy_properties;
 use crate::runtime::dead_letter::DeadLetterReason;
 #[cfg(feature = "outbox")]
 use crate::runtime::headers::REASON_HEADER;

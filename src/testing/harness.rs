@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use lapin::BasicProperties;
-use lapin::types::AMQPValue;
 use serde::Serialize;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
@@ -17,15 +16,15 @@ use tokio_util::sync::CancellationToken;
 
 use super::delivered::Delivered;
 use super::fault::{CUT_SETUP, Fault, Faulty, Plan};
+use super::transport::Recorder;
 use crate::amqp::builder::finish;
 use crate::amqp::mode::{Batched, NoHandler, PerMessage};
-use crate::amqp::republish::copy_properties;
-use crate::amqp::{Consumer, ConsumerBuilder, DeadLetterReason, FromMessage, Handler, Message};
+use crate::amqp::{Consumer, ConsumerBuilder, FromMessage, Handler, Message};
 use crate::outbox::OutboxMessage;
 use crate::outbox::batch::{Batch, Failures};
-use crate::runtime::headers::REASON_HEADER;
 use crate::runtime::outcome::Abandon;
-use crate::runtime::route::{Route, Router, Stored};
+use crate::runtime::route::Router;
+use crate::runtime::settle::{LogLimit, Settle};
 use crate::runtime::stats::Counter;
 use crate::{Error, Result};
 
@@ -576,7 +575,8 @@ impl Harness {
         self.tags.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// One unit through the router, each outcome carried out as a value.
+    /// One unit through the router and the runtime's settling, the
+    /// transport recording each settlement as a value.
     async fn unit(&self, messages: Vec<Message>) -> Vec<Delivered> {
         let stats = &self.consumer.stats;
         let mut unit: Vec<Message> = messages
@@ -586,158 +586,38 @@ impl Harness {
                 m.delivered_again(m.redelivered(), self.next_tag())
             })
             .collect();
+        // Only a wait at the gate, for the key or for the dead-letter table
+        // gives up, after the hold timeout.
         let give_up = CancellationToken::new();
-        let abandon = Abandon {
-            shutdown: give_up.clone(),
-            channel: None,
-        };
-        let hold = self.hold_timeout;
-        let outcomes = {
-            let decided = self.router.outcomes(&mut unit, &abandon);
-            tokio::pin!(decided);
-            tokio::select! {
-                outcomes = &mut decided => outcomes,
-                () = tokio::time::sleep(hold) => {
-                    // Only a wait at the gate (or for the key) gives up.
-                    give_up.cancel();
-                    decided.await
-                }
-            }
-        };
-        let mut delivered = Vec::with_capacity(unit.len());
-        for (message, outcome) in unit.iter().zip(outcomes) {
-            let route = self.router.route(message, outcome);
-            delivered.push(self.carry_out(message, route).await);
-        }
-        delivered
-    }
-
-    /// With the table store: the dead letter inserted as the runtime does;
-    /// `true` when it had to be given up (the database held it too long).
-    async fn store_dead_letter(
-        &self,
-        message: &Message,
-        reason: DeadLetterReason,
-        error: &str,
-        failures: &crate::runtime::headers::Failures,
-    ) -> bool {
-        if !self.router.dead_letters_to_table() {
-            return false;
-        }
-        let give_up = CancellationToken::new();
-        let abandon = Abandon {
-            shutdown: give_up.clone(),
-            channel: None,
-        };
-        let stored = self
-            .router
-            .store_dead_letter(message, reason, error, failures, &abandon);
-        tokio::pin!(stored);
-        let stored = tokio::select! {
-            stored = &mut stored => stored,
-            () = tokio::time::sleep(self.hold_timeout) => {
+        let timer = tokio::spawn({
+            let give_up = give_up.clone();
+            let hold = self.hold_timeout;
+            async move {
+                tokio::time::sleep(hold).await;
                 give_up.cancel();
-                stored.await
             }
+        });
+        let abandon = Abandon {
+            shutdown: give_up,
+            gone: None,
         };
-        match stored {
-            Stored::Yes => false,
-            Stored::Abandoned => true,
-            Stored::Refused(e) => {
-                tracing::error!(error = %e, "the dead-letter table refused the letter");
-                false
-            }
-        }
-    }
-
-    /// What the transport would do with `route`, as a value, counted in
-    /// the consumer's stats as the runtime counts it.
-    async fn carry_out(&self, message: &Message, route: Route) -> Delivered {
-        let counter = match &route {
-            Route::Ack { duplicate: false } => Some(Counter::Processed),
-            Route::Ack { duplicate: true } => Some(Counter::Duplicates),
-            Route::DeadLetter { .. } => Some(Counter::DeadLettered),
-            Route::Delay { .. } | Route::Requeue { .. } => Some(Counter::Retried),
-            Route::Abandon => None,
+        let outcomes = self.router.outcomes(&mut unit, &abandon).await;
+        let routes = unit
+            .iter()
+            .zip(outcomes)
+            .map(|(message, outcome)| self.router.route(message, outcome))
+            .collect();
+        let recorder = Recorder::new(&self.dead_letter_queue, unit.len());
+        let items = unit.into_iter().enumerate().map(|(i, m)| (m, i)).collect();
+        let log_limit = LogLimit::default();
+        let settle = Settle {
+            router: &self.router,
+            health: &self.consumer.health,
+            stats,
+            log_limit: &log_limit,
         };
-        if let Some(counter) = counter {
-            self.consumer.stats.incr(counter);
-        }
-        if let Route::DeadLetter {
-            reason,
-            error,
-            failures,
-        } = &route
-            && self
-                .store_dead_letter(message, *reason, error, failures)
-                .await
-        {
-            return Delivered::Held;
-        }
-        match route {
-            Route::Ack { duplicate: false } => Delivered::Acked,
-            Route::Ack { duplicate: true } => Delivered::Duplicate,
-            Route::DeadLetter {
-                reason: DeadLetterReason::PayloadMismatch,
-                error,
-                ..
-            } => Delivered::Mismatch { error },
-            Route::DeadLetter {
-                reason,
-                error,
-                failures,
-            } => {
-                let mut headers = self
-                    .router
-                    .failure_headers(message, &error, &failures)
-                    .await;
-                headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
-                let copy = Message::incoming(
-                    message.body().to_vec(),
-                    copy_properties(message, headers),
-                    "",
-                    &self.dead_letter_queue,
-                    false,
-                    0,
-                );
-                Delivered::DeadLettered {
-                    reason,
-                    error,
-                    copy,
-                }
-            }
-            Route::Delay {
-                queue,
-                delay,
-                error,
-                failures,
-            } => {
-                let headers = self
-                    .router
-                    .failure_headers(message, &error, &failures)
-                    .await;
-                let copy = Message::incoming(
-                    message.body().to_vec(),
-                    copy_properties(message, headers),
-                    "",
-                    &queue,
-                    false,
-                    0,
-                );
-                Delivered::Retried {
-                    delay,
-                    attempt: failures.attempts,
-                    error,
-                    copy,
-                }
-            }
-            Route::Requeue { pause, error } => Delivered::Retried {
-                delay: pause,
-                attempt: 0,
-                error,
-                copy: message.delivered_again(true, 0),
-            },
-            Route::Abandon => Delivered::Held,
-        }
+        settle.unit(&recorder, items, routes, &abandon).await;
+        timer.abort();
+        recorder.into_delivered()
     }
 }

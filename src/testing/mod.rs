@@ -77,6 +77,7 @@
 mod delivered;
 mod fault;
 mod harness;
+mod transport;
 
 pub use delivered::Delivered;
 pub use fault::Fault;

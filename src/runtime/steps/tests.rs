@@ -113,7 +113,7 @@ fn steps(pool: &PgPool, handler: Arc<dyn Prepare>) -> InboxSteps {
 fn nobody_leaves() -> Abandon {
     Abandon {
         shutdown: CancellationToken::new(),
-        channel: None,
+        gone: None,
     }
 }
 
