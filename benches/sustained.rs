@@ -261,12 +261,20 @@ async fn main() -> anyhow::Result<()> {
                 let id = format!("probe-{}-{n}", std::process::id());
                 let t = Instant::now();
                 let begun = if partitioned_mode {
-                    partitioned::begin_claim(&pool, "sustained-probe", &id, b"{}").await
+                    inbox::Inbox::new("sustained-probe")
+                        .partitioned(true)
+                        .begin(&pool, &id, b"{}")
+                        .await
                 } else {
-                    inbox::begin_claim(&pool, "sustained-probe", &id, b"{}").await
+                    inbox::Inbox::new("sustained-probe")
+                        .begin(&pool, &id, b"{}")
+                        .await
                 };
                 if let Ok(Begun::Fresh(tx)) = begun
-                    && inbox::commit(tx, "sustained-probe", &id).await.is_ok()
+                    && inbox::Inbox::new("sustained-probe")
+                        .commit(tx, &id)
+                        .await
+                        .is_ok()
                 {
                     let ms = t.elapsed().as_secs_f64() * 1e3;
                     latencies.lock().unwrap().push(ms);

@@ -66,7 +66,7 @@ pub enum Error {
 
     /// The claim of a message id was no longer in the transaction at commit:
     /// the caller ended the transaction itself (`ROLLBACK`, `COMMIT`). Nothing
-    /// was committed by [`inbox::commit`](crate::inbox::commit).
+    /// was committed by [`Inbox::commit`](crate::inbox::Inbox::commit).
     #[error("the claim of {message_id:?} was gone at commit: the transaction was ended by hand")]
     ClaimLost {
         /// The message id whose claim was checked.

@@ -162,7 +162,7 @@ impl fmt::Debug for TxGuard<'_> {
 }
 
 impl TxGuard<'_> {
-    /// The transaction itself, e.g. to pass to [`inbox::claim`](crate::inbox::claim)
+    /// The transaction itself, e.g. to pass to [`Inbox::claim`](crate::inbox::Inbox::claim)
     /// or to open a savepoint with `begin()`.
     pub fn transaction(&mut self) -> &mut Transaction<'static, Postgres> {
         self.guard.as_mut().expect("checked in Tx::try_lock")

@@ -12,7 +12,10 @@ use support::Db;
 /// Claims in a transaction of its own, then commits it or rolls it back.
 async fn claim_then(db: &Db, consumer: &str, id: &str, body: &[u8], commit: bool) -> Claim {
     let mut tx = db.pool.begin().await.unwrap();
-    let claim = inbox::claim(&mut tx, consumer, id, body).await.unwrap();
+    let claim = inbox::Inbox::new(consumer)
+        .claim(&mut tx, id, body)
+        .await
+        .unwrap();
     if commit {
         tx.commit().await.unwrap();
     } else {
@@ -83,7 +86,10 @@ async fn blocked_second_claim(db: &Db) -> tokio::task::JoinHandle<Claim> {
             .await
             .unwrap();
         pid_tx.send(pid).unwrap();
-        let claim = inbox::claim(&mut tx, "c", "m-1", b"x").await.unwrap();
+        let claim = inbox::Inbox::new("c")
+            .claim(&mut tx, "m-1", b"x")
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         claim
     });
@@ -111,7 +117,10 @@ async fn a_concurrent_claim_waits_for_the_first_and_then_sees_a_duplicate() {
     let db = Db::new().await;
     let mut first = db.pool.begin().await.unwrap();
     assert_eq!(
-        inbox::claim(&mut first, "c", "m-1", b"x").await.unwrap(),
+        inbox::Inbox::new("c")
+            .claim(&mut first, "m-1", b"x")
+            .await
+            .unwrap(),
         Claim::Fresh
     );
     let second = blocked_second_claim(&db).await;
@@ -125,7 +134,10 @@ async fn a_concurrent_claim_proceeds_when_the_first_rolls_back() {
     let db = Db::new().await;
     let mut first = db.pool.begin().await.unwrap();
     assert_eq!(
-        inbox::claim(&mut first, "c", "m-1", b"x").await.unwrap(),
+        inbox::Inbox::new("c")
+            .claim(&mut first, "m-1", b"x")
+            .await
+            .unwrap(),
         Claim::Fresh
     );
     let second = blocked_second_claim(&db).await;
@@ -138,9 +150,13 @@ async fn a_concurrent_claim_proceeds_when_the_first_rolls_back() {
 async fn invalid_ids_are_refused_before_touching_the_table() {
     let db = Db::new().await;
     let mut tx = db.pool.begin().await.unwrap();
-    let empty = inbox::claim(&mut tx, "c", "", b"x").await.unwrap_err();
+    let empty = inbox::Inbox::new("c")
+        .claim(&mut tx, "", b"x")
+        .await
+        .unwrap_err();
     assert_eq!(empty.to_string(), "empty message id");
-    let long = inbox::claim(&mut tx, "c", &"x".repeat(256), b"x")
+    let long = inbox::Inbox::new("c")
+        .claim(&mut tx, &"x".repeat(256), b"x")
         .await
         .unwrap_err();
     assert_eq!(
@@ -173,7 +189,8 @@ async fn retention_deletes_only_this_consumers_old_claims_in_batches() {
     old_claims(&db, "ledger", 4, 8).await; // another consumer's
 
     let week = Duration::from_secs(7 * 24 * 3600);
-    let deleted = inbox::delete_processed_before(&db.pool, "billing", week, 2)
+    let deleted = inbox::Inbox::new("billing")
+        .delete_processed_before(&db.pool, week, 2)
         .await
         .unwrap();
 
@@ -250,12 +267,14 @@ fn found(begun: &Begun) -> Claim {
 
 /// `begin_claim`, then `commit` when fresh; returns what the claim found.
 async fn begin_claim_then_commit(pool: &PgPool, consumer: &str, id: &str, body: &[u8]) -> Claim {
-    let begun = inbox::begin_claim(pool, consumer, id, body)
+    let begun = inbox::Inbox::new(consumer)
+        .begin(pool, id, body)
         .await
         .unwrap_or_else(|e| panic!("begin_claim of {id:?}: {e}"));
     let claim = found(&begun);
     if let Begun::Fresh(tx) = begun {
-        inbox::commit(tx, consumer, id)
+        inbox::Inbox::new(consumer)
+            .commit(tx, id)
             .await
             .unwrap_or_else(|e| panic!("commit of {id:?}: {e}"));
     }
@@ -304,7 +323,8 @@ async fn begin_claim_is_fresh_once_then_a_duplicate_or_a_mismatch_with_no_transa
         .await
         .unwrap();
 
-    let Begun::Fresh(tx) = inbox::begin_claim(&db.pool, "c", "m-1", b"body")
+    let Begun::Fresh(tx) = inbox::Inbox::new("c")
+        .begin(&db.pool, "m-1", b"body")
         .await
         .unwrap()
     else {
@@ -320,14 +340,15 @@ async fn begin_claim_is_fresh_once_then_a_duplicate_or_a_mismatch_with_no_transa
         0,
         "not before COMMIT"
     );
-    inbox::commit(tx, "c", "m-1").await.unwrap();
+    inbox::Inbox::new("c").commit(tx, "m-1").await.unwrap();
     assert_eq!(db.claims().await, 1);
 
     for (body, expected) in [
         (&b"body"[..], Claim::Duplicate),
         (&b"another body"[..], Claim::Mismatch),
     ] {
-        let begun = inbox::begin_claim(&db.pool, "c", "m-1", body)
+        let begun = inbox::Inbox::new("c")
+            .begin(&db.pool, "m-1", body)
             .await
             .unwrap();
         assert_eq!(found(&begun), expected);
@@ -339,7 +360,10 @@ async fn begin_claim_is_fresh_once_then_a_duplicate_or_a_mismatch_with_no_transa
             "{expected:?}"
         );
         assert_eq!(
-            inbox::lookup(&db.pool, "c", "m-1", body).await.unwrap(),
+            inbox::Inbox::new("c")
+                .lookup(&db.pool, "m-1", body)
+                .await
+                .unwrap(),
             expected
         );
     }
@@ -379,7 +403,8 @@ async fn begin_claim_batch_claims_the_first_copy_of_a_repeated_id() {
         ("c", b"3"),
         ("b", b"2"),
     ];
-    let claimed = inbox::begin_claim_batch(&db.pool, "c", &batch)
+    let claimed = inbox::Inbox::new("c")
+        .begin_batch(&db.pool, &batch)
         .await
         .unwrap();
     use Claim::{Duplicate, Fresh, Mismatch};
@@ -391,7 +416,7 @@ async fn begin_claim_batch_claims_the_first_copy_of_a_repeated_id() {
         .tx
         .expect("fresh claims come with their transaction");
     assert_eq!(db.claims().await, 0, "not before COMMIT");
-    inbox::commit(tx, "c", "a").await.unwrap();
+    inbox::Inbox::new("c").commit(tx, "a").await.unwrap();
     assert_eq!(db.claims().await, 3, "one row per id");
     assert_eq!(
         stored_hash(&db.pool, "c", "a").await.as_deref(),
@@ -408,18 +433,23 @@ async fn begin_claim_batch_claims_the_first_copy_of_a_repeated_id() {
         ("d", b"not 4"),
         ("b", b"zz"),
     ];
-    let claimed = inbox::begin_claim_batch(&db.pool, "c", &again)
+    let claimed = inbox::Inbox::new("c")
+        .begin_batch(&db.pool, &again)
         .await
         .unwrap();
     assert_eq!(
         claimed.claims,
         [Duplicate, Mismatch, Fresh, Duplicate, Mismatch, Mismatch]
     );
-    inbox::commit(claimed.tx.unwrap(), "c", "d").await.unwrap();
+    inbox::Inbox::new("c")
+        .commit(claimed.tx.unwrap(), "d")
+        .await
+        .unwrap();
     assert_eq!(db.claims().await, 4);
 
     // Nothing fresh: no transaction.
-    let claimed = inbox::begin_claim_batch(&db.pool, "c", &again[..2])
+    let claimed = inbox::Inbox::new("c")
+        .begin_batch(&db.pool, &again[..2])
         .await
         .unwrap();
     assert_eq!(claimed.claims, [Duplicate, Mismatch]);
@@ -458,14 +488,18 @@ async fn blocked_second_begin_claim(db: &Db, consumer: &str) -> tokio::task::Joi
 async fn a_concurrent_begin_claim_waits_for_the_first_and_then_sees_a_duplicate() {
     let db = Db::new().await;
     let consumer = support::unique("c");
-    let Begun::Fresh(first) = inbox::begin_claim(&db.pool, &consumer, "m-1", b"x")
+    let Begun::Fresh(first) = inbox::Inbox::new(&consumer)
+        .begin(&db.pool, "m-1", b"x")
         .await
         .unwrap()
     else {
         panic!("the first claim is fresh");
     };
     let second = blocked_second_begin_claim(&db, &consumer).await;
-    inbox::commit(first, &consumer, "m-1").await.unwrap();
+    inbox::Inbox::new(&consumer)
+        .commit(first, "m-1")
+        .await
+        .unwrap();
     assert_eq!(second.await.unwrap(), Claim::Duplicate);
     assert_eq!(db.claims().await, 1);
 }
@@ -474,7 +508,8 @@ async fn a_concurrent_begin_claim_waits_for_the_first_and_then_sees_a_duplicate(
 async fn a_concurrent_begin_claim_proceeds_when_the_first_rolls_back() {
     let db = Db::new().await;
     let consumer = support::unique("c");
-    let Begun::Fresh(first) = inbox::begin_claim(&db.pool, &consumer, "m-1", b"x")
+    let Begun::Fresh(first) = inbox::Inbox::new(&consumer)
+        .begin(&db.pool, "m-1", b"x")
         .await
         .unwrap()
     else {
@@ -493,7 +528,8 @@ async fn a_concurrent_begin_claim_proceeds_when_the_first_rolls_back() {
 #[tokio::test]
 async fn commit_of_a_savepoint_releases_it_and_leaves_the_outer_transaction_open() {
     let db = Db::new().await;
-    let Begun::Fresh(mut outer) = inbox::begin_claim(&db.pool, "c", "m-1", b"x")
+    let Begun::Fresh(mut outer) = inbox::Inbox::new("c")
+        .begin(&db.pool, "m-1", b"x")
         .await
         .unwrap()
     else {
@@ -504,7 +540,10 @@ async fn commit_of_a_savepoint_releases_it_and_leaves_the_outer_transaction_open
         .execute(&mut *savepoint)
         .await
         .unwrap();
-    inbox::commit(savepoint, "c", "m-1").await.unwrap();
+    inbox::Inbox::new("c")
+        .commit(savepoint, "m-1")
+        .await
+        .unwrap();
     assert_eq!(
         (db.claims().await, db.payments().await),
         (0, 0),
@@ -524,7 +563,10 @@ async fn commit_of_a_savepoint_releases_it_and_leaves_the_outer_transaction_open
         .execute(&mut *savepoint)
         .await
         .unwrap();
-    let lost = inbox::commit(savepoint, "c", "m-1").await.unwrap_err();
+    let lost = inbox::Inbox::new("c")
+        .commit(savepoint, "m-1")
+        .await
+        .unwrap_err();
     assert!(
         matches!(&lost, idempo::Error::ClaimLost { message_id } if message_id == "m-1"),
         "{lost}"
@@ -532,12 +574,15 @@ async fn commit_of_a_savepoint_releases_it_and_leaves_the_outer_transaction_open
     // A savepoint with a failed statement: refused as aborted.
     let mut savepoint = sqlx::Acquire::begin(&mut outer).await.unwrap();
     let _ = sqlx::query("SELECT 1 / 0").execute(&mut *savepoint).await;
-    let aborted = inbox::commit(savepoint, "c", "m-1").await.unwrap_err();
+    let aborted = inbox::Inbox::new("c")
+        .commit(savepoint, "m-1")
+        .await
+        .unwrap_err();
     assert!(aborted.is_aborted_transaction(), "{aborted}");
 
     // Both rolled back to their savepoints: the outer transaction commits
     // with its claim and the first savepoint's write.
-    inbox::commit(outer, "c", "m-1").await.unwrap();
+    inbox::Inbox::new("c").commit(outer, "m-1").await.unwrap();
     assert_eq!((db.claims().await, db.payments().await), (1, 1));
 }
 
@@ -547,18 +592,20 @@ async fn commit_of_a_savepoint_releases_it_and_leaves_the_outer_transaction_open
 #[tokio::test]
 async fn commit_refuses_an_aborted_transaction_and_one_the_caller_ended() {
     let db = Db::new().await;
-    let Begun::Fresh(mut tx) = inbox::begin_claim(&db.pool, "c", "m-1", b"x")
+    let Begun::Fresh(mut tx) = inbox::Inbox::new("c")
+        .begin(&db.pool, "m-1", b"x")
         .await
         .unwrap()
     else {
         panic!("fresh");
     };
     let _ = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
-    let aborted = inbox::commit(tx, "c", "m-1").await.unwrap_err();
+    let aborted = inbox::Inbox::new("c").commit(tx, "m-1").await.unwrap_err();
     assert!(aborted.is_aborted_transaction(), "{aborted}");
     assert!(!aborted.is_connection_error());
 
-    let Begun::Fresh(mut tx) = inbox::begin_claim(&db.pool, "c", "m-1", b"x")
+    let Begun::Fresh(mut tx) = inbox::Inbox::new("c")
+        .begin(&db.pool, "m-1", b"x")
         .await
         .unwrap()
     else {
@@ -569,7 +616,7 @@ async fn commit_refuses_an_aborted_transaction_and_one_the_caller_ended() {
         .await
         .unwrap();
     sqlx::query("ROLLBACK").execute(&mut *tx).await.unwrap();
-    let lost = inbox::commit(tx, "c", "m-1").await.unwrap_err();
+    let lost = inbox::Inbox::new("c").commit(tx, "m-1").await.unwrap_err();
     assert!(matches!(lost, idempo::Error::ClaimLost { .. }), "{lost}");
     assert_eq!((db.claims().await, db.payments().await), (0, 0));
     assert_eq!(
@@ -645,7 +692,10 @@ async fn hostile_ids_round_trip(pool: &PgPool) -> Vec<(String, String, Vec<u8>)>
             "{id:?} reused"
         );
         assert_eq!(
-            inbox::lookup(pool, &one, id, &body_of(id)).await.unwrap(),
+            inbox::Inbox::new(&one)
+                .lookup(pool, id, &body_of(id))
+                .await
+                .unwrap(),
             Claim::Duplicate,
             "{id:?} found by a bound parameter"
         );
@@ -661,7 +711,8 @@ async fn hostile_ids_round_trip(pool: &PgPool) -> Vec<(String, String, Vec<u8>)>
         messages.push((id, body));
         messages.push((id, b"another body"));
     }
-    let claimed = inbox::begin_claim_batch(pool, &batch, &messages)
+    let claimed = inbox::Inbox::new(&batch)
+        .begin_batch(pool, &messages)
         .await
         .unwrap();
     let n = ids.len();
@@ -669,10 +720,12 @@ async fn hostile_ids_round_trip(pool: &PgPool) -> Vec<(String, String, Vec<u8>)>
     expected.extend([Claim::Duplicate, Claim::Mismatch].repeat(n));
     assert_eq!(claimed.claims, expected);
     // The check of the commit names a hostile id too.
-    inbox::commit(claimed.tx.unwrap(), &batch, &ids[9])
+    inbox::Inbox::new(&batch)
+        .commit(claimed.tx.unwrap(), &ids[9])
         .await
         .unwrap();
-    let again = inbox::begin_claim_batch(pool, &batch, &messages)
+    let again = inbox::Inbox::new(&batch)
+        .begin_batch(pool, &messages)
         .await
         .unwrap();
     let mut expected = vec![Claim::Duplicate; n];

@@ -74,13 +74,15 @@ async fn partition_of(db: &Db, id: &str) -> String {
 /// Claims with `begin_claim` and, when fresh, holds the transaction for
 /// `hold` and commits.
 async fn claim_and_commit(pool: &sqlx::PgPool, id: &str, body: &[u8], hold: Duration) -> Claim {
-    match partitioned::begin_claim(pool, "c", id, body)
+    match inbox::Inbox::new("c")
+        .partitioned(true)
+        .begin(pool, id, body)
         .await
         .expect("claim")
     {
         Begun::Fresh(tx) => {
             tokio::time::sleep(hold).await;
-            inbox::commit(tx, "c", id).await.expect("commit");
+            inbox::Inbox::new("c").commit(tx, id).await.expect("commit");
             Claim::Fresh
         }
         Begun::Duplicate => Claim::Duplicate,
@@ -120,7 +122,9 @@ async fn sixteen_copies_racing_across_a_partition_rollover_make_exactly_one_fres
     }
     // A copy that rolls back leaves the id to exactly one of the others.
     until_boundary(Duration::from_millis(20)).await;
-    let Begun::Fresh(first) = partitioned::begin_claim(&db.pool, "c", "rolled-back", b"x")
+    let Begun::Fresh(first) = inbox::Inbox::new("c")
+        .partitioned(true)
+        .begin(&db.pool, "rolled-back", b"x")
         .await
         .unwrap()
     else {
@@ -176,18 +180,19 @@ async fn an_id_claimed_in_one_partition_is_a_duplicate_after_the_next_opened() {
     );
     // Inside a transaction of the caller's, and in a batch with a repeat.
     let mut tx = db.pool.begin().await.unwrap();
-    let claims = partitioned::claim_batch(
-        &mut tx,
-        "c",
-        &[
-            ("m-1", b"body"),
-            ("m-3", b"x"),
-            ("m-3", b"x"),
-            ("m-3", b"y"),
-        ],
-    )
-    .await
-    .unwrap();
+    let claims = inbox::Inbox::new("c")
+        .partitioned(true)
+        .claim_batch(
+            &mut tx,
+            &[
+                ("m-1", b"body"),
+                ("m-3", b"x"),
+                ("m-3", b"x"),
+                ("m-3", b"y"),
+            ],
+        )
+        .await
+        .unwrap();
     assert_eq!(
         claims,
         [
@@ -209,7 +214,9 @@ async fn a_claim_at_repeatable_read_is_refused() {
         .execute(&mut *tx)
         .await
         .unwrap();
-    let error = partitioned::claim(&mut tx, "c", "m-1", b"x")
+    let error = inbox::Inbox::new("c")
+        .partitioned(true)
+        .claim(&mut tx, "m-1", b"x")
         .await
         .expect_err("refused");
     assert!(
@@ -236,12 +243,17 @@ async fn partitions_beyond_the_horizon_go_while_claims_run() {
         n += 1;
         let messages: Vec<(&str, &[u8])> =
             batch.iter().map(|id| (id.as_str(), &b"b"[..])).collect();
-        let begun = partitioned::begin_claim_batch(&db.pool, "c", &messages)
+        let begun = inbox::Inbox::new("c")
+            .partitioned(true)
+            .begin_batch(&db.pool, &messages)
             .await
             .expect("claims run while partitions go");
         assert!(begun.claims.iter().all(|c| *c == Claim::Fresh));
         let tx = begun.tx.expect("fresh");
-        inbox::commit(tx, "c", &batch[0]).await.expect("commit");
+        inbox::Inbox::new("c")
+            .commit(tx, &batch[0])
+            .await
+            .expect("commit");
         let at = Instant::now();
         claimed.extend(batch.into_iter().map(|id| (id, at)));
         for (id, at) in claimed.iter().rev().step_by(7).take(5) {
@@ -309,18 +321,21 @@ async fn claims_made_before_the_switch_still_deduplicate_after_it() {
     let db = Db::new().await;
     for i in 0..50 {
         let id = format!("before-{i}");
-        let Begun::Fresh(tx) = inbox::begin_claim(&db.pool, "c", &id, b"body")
+        let Begun::Fresh(tx) = inbox::Inbox::new("c")
+            .begin(&db.pool, &id, b"body")
             .await
             .unwrap()
         else {
             panic!("fresh");
         };
-        inbox::commit(tx, "c", &id).await.unwrap();
+        inbox::Inbox::new("c").commit(tx, &id).await.unwrap();
     }
     assert!(!partitioned::is_partitioned(&db.pool).await.unwrap());
     // The partitioned claim refuses the plain table.
     assert!(
-        partitioned::begin_claim(&db.pool, "c", "x", b"x")
+        inbox::Inbox::new("c")
+            .partitioned(true)
+            .begin(&db.pool, "x", b"x")
             .await
             .is_err()
     );
@@ -351,14 +366,17 @@ async fn claims_made_before_the_switch_still_deduplicate_after_it() {
     // A consumer left in the plain mode fails loudly instead of claiming
     // where the partitioned probe would not look... or where it would, but
     // without the lock.
-    let plain = inbox::begin_claim(&db.pool, "c", "plain-0", b"body").await;
+    let plain = inbox::Inbox::new("c")
+        .begin(&db.pool, "plain-0", b"body")
+        .await;
     assert!(
         plain.is_err(),
         "a plain claim on the partitioned table fails"
     );
     // The plain reaper deletes nothing it cannot name.
     assert_eq!(
-        inbox::delete_processed_before(&db.pool, "c", Duration::ZERO, 100)
+        inbox::Inbox::new("c")
+            .delete_processed_before(&db.pool, Duration::ZERO, 100)
             .await
             .unwrap(),
         0
@@ -369,7 +387,8 @@ async fn claims_made_before_the_switch_still_deduplicate_after_it() {
         .unwrap();
     assert!(again.already);
     assert_eq!(
-        inbox::lookup(&db.pool, "c", "before-7", b"body")
+        inbox::Inbox::new("c")
+            .lookup(&db.pool, "before-7", b"body")
             .await
             .unwrap(),
         Claim::Duplicate
@@ -439,9 +458,12 @@ async fn claim_cost_plain_vs_partitioned() {
             let pool = db.pool.clone();
             async move {
                 if partitioned {
-                    partitioned::begin_claim(&pool, "c", &id, b"body").await
+                    inbox::Inbox::new("c")
+                        .partitioned(true)
+                        .begin(&pool, &id, b"body")
+                        .await
                 } else {
-                    inbox::begin_claim(&pool, "c", &id, b"body").await
+                    inbox::Inbox::new("c").begin(&pool, &id, b"body").await
                 }
                 .unwrap()
             }
@@ -452,7 +474,7 @@ async fn claim_cost_plain_vs_partitioned() {
             let Begun::Fresh(tx) = begin(id.clone()).await else {
                 panic!("fresh")
             };
-            inbox::commit(tx, "c", &id).await.unwrap();
+            inbox::Inbox::new("c").commit(tx, &id).await.unwrap();
         }
         let fresh = start.elapsed() / N as u32;
         let start = Instant::now();

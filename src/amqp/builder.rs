@@ -395,7 +395,7 @@ impl<Mode> ConsumerBuilder<Mode> {
     }
 
     /// Keep `processed_messages` rows forever (or delete them yourself, e.g.
-    /// with [`inbox::delete_processed_before`](crate::inbox::delete_processed_before)).
+    /// with [`Inbox::delete_processed_before`](crate::inbox::Inbox::delete_processed_before)).
     pub fn without_retention(mut self) -> Self {
         self.settings.retention = None;
         self

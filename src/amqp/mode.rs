@@ -155,7 +155,7 @@ fn inbox(handler: Arc<dyn Prepare>, parts: &Parts<'_>) -> Arc<dyn Decide> {
         stats: parts.stats.clone(),
         forwarding: parts.forwarding.clone(),
         read_committed: tokio::sync::OnceCell::new(),
-        partitioned: parts.partitioned,
+        inbox: crate::inbox::Inbox::new(parts.consumer).partitioned(parts.partitioned),
     })
 }
 

@@ -4,7 +4,7 @@
 //! through it (its claim check writes the deferred messages), and the
 //! consumer's own [`Relay`](super::Relay) is woken after a commit that
 //! staged. Without feature `outbox` the same calls commit with
-//! [`inbox::commit`](crate::inbox::commit) and run no relay.
+//! [`Inbox::commit`](crate::inbox::Inbox::commit) and run no relay.
 
 use std::time::Duration;
 
@@ -156,7 +156,7 @@ mod imp {
             consumer: &str,
             message_id: &str,
         ) -> crate::Result<()> {
-            crate::inbox::commit(tx, consumer, message_id).await
+            crate::inbox::commit_with(tx, consumer, message_id, "").await
         }
 
         pub(crate) fn start_relay(

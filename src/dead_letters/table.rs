@@ -445,7 +445,9 @@ pub async fn replay(
             let encoded: Vec<u8> = row.try_get("properties")?;
             let body: Vec<u8> = row.try_get("body")?;
             if let (Some(mid), false) = (&message_id, options.force) {
-                let claim = inbox::lookup(pool, &consumer, mid, &body).await?;
+                let claim = inbox::Inbox::new(consumer.as_str())
+                    .lookup(pool, mid, &body)
+                    .await?;
                 if claim != Claim::Fresh {
                     let why = match claim {
                         Claim::Mismatch => "its id was processed with another body (use force)",

@@ -4,9 +4,10 @@
 //!
 //! Opt-in: the plain table stays the default. A database switches once
 //! ([`switch_to_partitioned`], `idempo partitions switch`); from then on
-//! every consumer of that database claims with this module ([`begin_claim`],
-//! [`begin_claim_batch`], [`claim`], [`claim_batch`]) and commits with
-//! [`inbox::commit`](super::commit) as before, and one of them at a time
+//! every consumer of that database claims through an
+//! [`Inbox`](super::Inbox) made [`partitioned`](super::Inbox::partitioned)
+//! (its `begin`, `begin_batch`, `claim`, `claim_batch`) and commits with
+//! [`Inbox::commit`](super::Inbox::commit) as before, and one of them at a time
 //! runs [`maintain`] (the AMQP consumer does, with
 //! `ConsumerBuilder::partitioned`).
 //!
@@ -51,19 +52,20 @@
 //! A fresh claim is still one round trip with `BEGIN`, but the probe reads
 //! one index per attached partition, so keep the partitions few: the
 //! default period is an eighth of the retention, with two periods created
-//! ahead. [`inbox::commit`](super::commit)'s claim check reads them too.
+//! ahead. [`Inbox::commit`](super::Inbox::commit)'s claim check reads them too.
 //!
 //! # Example: any worker loop
 //! ```no_run
-//! use idempo::inbox::{self, Begun, partitioned};
+//! use idempo::inbox::{Begun, Inbox, partitioned};
 //!
 //! # async fn doc(pool: sqlx::PgPool, id: &str, body: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
-//! match partitioned::begin_claim(&pool, "billing", id, body).await? {
+//! let inbox = Inbox::new("billing").partitioned(true);
+//! match inbox.begin(&pool, id, body).await? {
 //!     Begun::Fresh(mut tx) => {
 //!         sqlx::query("UPDATE accounts SET balance = balance + 10 WHERE id = 1")
 //!             .execute(&mut *tx)
 //!             .await?;
-//!         inbox::commit(tx, "billing", id).await?;
+//!         inbox.commit(tx, id).await?;
 //!     }
 //!     Begun::Duplicate => {}
 //!     Begun::Mismatch => {}
@@ -74,17 +76,9 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
 use std::time::Duration;
 
-use sqlx::{PgPool, Postgres, Transaction};
-
-use super::{
-    Begun, Claim, ClaimedBatch, Isolation, Row, begin_claims_by, compare, payload_sha256,
-    validate_message_id,
-};
-use crate::error::{Error, Result};
-use crate::literal;
+use crate::error::Error;
 
 mod maintenance;
 
@@ -167,155 +161,6 @@ impl Partitioning {
 
     pub(crate) fn ahead_periods(&self) -> i64 {
         i64::from(self.ahead.unwrap_or(2))
-    }
-}
-
-/// [`inbox::begin_claim`](super::begin_claim) on a partitioned
-/// `processed_messages`: `BEGIN` and the claim in one round trip; a
-/// duplicate costs a second (the read of the stored hash) and leaves no
-/// transaction open. Commit with [`inbox::commit`](super::commit).
-///
-/// # Errors
-/// As [`begin_claim_batch`].
-pub async fn begin_claim(
-    pool: &PgPool,
-    consumer: &str,
-    message_id: &str,
-    body: &[u8],
-) -> Result<Begun> {
-    let mut claimed = begin_claim_batch(pool, consumer, &[(message_id, body)]).await?;
-    Ok(match (claimed.claims[0], claimed.tx.take()) {
-        (Claim::Fresh, Some(tx)) => Begun::Fresh(tx),
-        (Claim::Mismatch, _) => Begun::Mismatch,
-        _ => Begun::Duplicate,
-    })
-}
-
-/// [`inbox::begin_claim_batch`](super::begin_claim_batch) on a partitioned
-/// `processed_messages`: one round trip opens a READ COMMITTED transaction
-/// with every claim in it; when some ids were claimed already, their hashes
-/// are read and the rest claimed again.
-///
-/// # Errors
-/// [`Error::InvalidMessageId`]; [`Error::Database`] when a statement fails
-/// (also when no partition covers the current time: [`maintain`] has not
-/// run for longer than the partitions created ahead).
-pub async fn begin_claim_batch(
-    pool: &PgPool,
-    consumer: &str,
-    messages: &[(&str, &[u8])],
-) -> Result<ClaimedBatch> {
-    begin_claims(pool, consumer, messages, Isolation::Set).await
-}
-
-/// [`begin_claim_batch`], with the isolation level set or known.
-pub(crate) async fn begin_claims(
-    pool: &PgPool,
-    consumer: &str,
-    messages: &[(&str, &[u8])],
-    isolation: Isolation,
-) -> Result<ClaimedBatch> {
-    let sql = |consumer: &str, rows: &[&Row<'_>]| -> Result<String> {
-        let mut ids = Vec::with_capacity(rows.len());
-        let mut hashes = Vec::with_capacity(rows.len());
-        for (id, hash) in rows {
-            ids.push(literal::text("message id", id)?);
-            hashes.push(literal::bytes(hash));
-        }
-        let set = match isolation {
-            Isolation::Set => "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
-            Isolation::Default => "",
-        };
-        // IDP02 (some id claimed already) ends the implicit transaction
-        // before its BEGIN, as a unique violation does in the plain mode.
-        Ok(format!(
-            "{set}SELECT count(*) FROM idempo_claim_partitioned({consumer}, \
-             ARRAY[{}]::text[], ARRAY[{}]::bytea[], true); BEGIN",
-            ids.join(", "),
-            hashes.join(", ")
-        ))
-    };
-    begin_claims_by(pool, consumer, messages, sql, "IDP02")
-        .await
-        .map_err(refusal)
-}
-
-/// [`inbox::claim`](super::claim) on a partitioned `processed_messages`,
-/// inside the caller's transaction, which must be READ COMMITTED (see the
-/// [module docs](self)). One round trip, fresh or not.
-///
-/// # Errors
-/// [`PartitionError::NotReadCommitted`] (in [`Error::Other`]) at another
-/// isolation level; otherwise as [`begin_claim_batch`].
-pub async fn claim(
-    tx: &mut Transaction<'_, Postgres>,
-    consumer: &str,
-    message_id: &str,
-    body: &[u8],
-) -> Result<Claim> {
-    Ok(claim_batch(tx, consumer, &[(message_id, body)]).await?[0])
-}
-
-/// [`inbox::claim_batch`](super::claim_batch) on a partitioned
-/// `processed_messages`: one [`Claim`] per message, in order; an id that
-/// occurs twice is claimed by its first occurrence. One round trip.
-///
-/// # Errors
-/// As [`claim`].
-pub async fn claim_batch(
-    tx: &mut Transaction<'_, Postgres>,
-    consumer: &str,
-    messages: &[(&str, &[u8])],
-) -> Result<Vec<Claim>> {
-    let mut firsts: HashMap<&str, usize> = HashMap::with_capacity(messages.len());
-    let mut ids = Vec::with_capacity(messages.len());
-    let mut hashes = Vec::with_capacity(messages.len());
-    for (i, (id, body)) in messages.iter().enumerate() {
-        validate_message_id(id)?;
-        if !firsts.contains_key(id) {
-            firsts.insert(id, i);
-            ids.push(*id);
-            hashes.push(payload_sha256(body).to_vec());
-        }
-    }
-    let stored: HashMap<String, Option<Vec<u8>>> = sqlx::query_as::<_, (String, Option<Vec<u8>>)>(
-        "SELECT claimed_id, stored_sha256 FROM idempo_claim_partitioned($1, $2, $3, false)",
-    )
-    .bind(consumer)
-    .bind(&ids)
-    .bind(&hashes)
-    .fetch_all(&mut **tx)
-    .await
-    .map_err(|e| refusal(e.into()))?
-    .into_iter()
-    .collect();
-    messages
-        .iter()
-        .enumerate()
-        .map(|(i, (id, body))| {
-            let hash = payload_sha256(body);
-            let first = firsts[id];
-            Ok(match compare(stored.get(*id), &hash) {
-                Some(claim) => claim,
-                None if first == i => Claim::Fresh,
-                None if payload_sha256(messages[first].1) == hash => Claim::Duplicate,
-                None => Claim::Mismatch,
-            })
-        })
-        .collect()
-}
-
-/// IDP01 from the claim function as the typed refusal.
-fn refusal(e: Error) -> Error {
-    match &e {
-        Error::Database(db) if crate::sqlstate::is(db, crate::sqlstate::ISOLATION_REFUSED) => {
-            let level = db
-                .as_database_error()
-                .and_then(|d| d.message().rsplit_once(", not ").map(|(_, l)| l.to_owned()))
-                .unwrap_or_default();
-            PartitionError::NotReadCommitted { level }.into()
-        }
-        _ => e,
     }
 }
 

@@ -103,7 +103,7 @@ pub enum Progress<'a> {
 
 /// Deletes the claims older than `older_than` of `consumers` (every
 /// consumer with claims when empty), `batch` rows per statement: the
-/// retention reaper, once ([`crate::inbox::delete_processed_before`]).
+/// retention reaper, once ([`Inbox::delete_processed_before`](crate::inbox::Inbox::delete_processed_before)).
 ///
 /// Delete only what can no longer be redelivered: see the redelivery horizon
 /// in [`status()`](super::status()).
@@ -140,7 +140,8 @@ pub async fn reap(
     let mut reaped = Vec::new();
     for consumer in consumers {
         on_progress(Progress::Started { name: &consumer });
-        let deleted = crate::inbox::delete_processed_before(pool, &consumer, older_than, batch)
+        let deleted = crate::inbox::Inbox::new(consumer.as_str())
+            .delete_processed_before(pool, older_than, batch)
             .await
             .map_err(|source| OpsError::Reap {
                 consumer: consumer.clone(),

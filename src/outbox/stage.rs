@@ -154,12 +154,12 @@ pub async fn stage_all(
 }
 
 /// Commits a consumer unit's transaction with
-/// [`inbox::commit`](crate::inbox::commit), the messages its handler
+/// [`Inbox::commit`](crate::inbox::Inbox::commit), the messages its handler
 /// deferred written between the claim check and `COMMIT`, in the same round
 /// trip (see [`inbox::commit_with`](crate::inbox::commit_with)).
 ///
 /// # Errors
-/// As [`inbox::commit`](crate::inbox::commit).
+/// As [`Inbox::commit`](crate::inbox::Inbox::commit).
 #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) async fn commit_unit(
     unit: &UnitOutbox,

@@ -68,7 +68,10 @@ pub(crate) async fn reap_periodically(
 /// One round of the plain table's delete.
 async fn reap_rows(pool: &PgPool, consumer: &str, retention: Duration) {
     {
-        match inbox::delete_processed_before(pool, consumer, retention, BATCH).await {
+        match inbox::Inbox::new(consumer)
+            .delete_processed_before(pool, retention, BATCH)
+            .await
+        {
             Ok(0) => {}
             Ok(deleted) => {
                 tracing::info!(%consumer, deleted, "retention: deleted old processed_messages rows")

@@ -31,7 +31,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 use crate::Error;
 use crate::amqp::outbox::Forwarding;
 use crate::error::database_unavailable;
-use crate::inbox::{self, Claim, Isolation};
+use crate::inbox::{self, Claim, Inbox, Isolation};
 use crate::runtime::database_gate::DatabaseGate;
 use crate::runtime::handler::{Call, Prepare};
 use crate::runtime::message::Message;
@@ -59,8 +59,8 @@ pub(crate) struct InboxSteps {
     /// Whether the pool's sessions default to READ COMMITTED, once known:
     /// the claims then skip `SET TRANSACTION`.
     pub(crate) read_committed: tokio::sync::OnceCell<bool>,
-    /// Claims in the partitioned `processed_messages` (`inbox::partitioned`).
-    pub(crate) partitioned: bool,
+    /// Where the claims go (plain or partitioned).
+    pub(crate) inbox: Inbox,
 }
 
 /// Deliveries that go through the steps together: indexes into the messages.
@@ -208,11 +208,7 @@ impl InboxSteps {
             Ok(true) => Isolation::Default,
             _ => Isolation::Set,
         };
-        let claimed = if self.partitioned {
-            inbox::partitioned::begin_claims(&self.pool, &self.consumer, &ids, isolation).await
-        } else {
-            inbox::begin_claims(&self.pool, &self.consumer, &ids, isolation).await
-        };
+        let claimed = self.inbox.begin_claims(&self.pool, &ids, isolation).await;
         let (claims, tx) = match claimed {
             Ok(claimed) => (claimed.claims, claimed.tx),
             Err(e) => return database_error(unit, "claim failed", e),

@@ -315,7 +315,10 @@ impl Run<'_> {
         let target = dead.original_queue().or_else(|| self.options.to.clone());
         let mismatch = match (dead.consumer(), dead.message_id()) {
             (Some(consumer), Some(id)) => {
-                inbox::lookup(self.pool, &consumer, &id, &delivery.data).await? == Claim::Mismatch
+                inbox::Inbox::new(consumer)
+                    .lookup(self.pool, &id, &delivery.data)
+                    .await?
+                    == Claim::Mismatch
             }
             _ => false,
         };

@@ -106,7 +106,7 @@ fn steps(pool: &PgPool, handler: Arc<dyn Prepare>) -> InboxSteps {
         stats,
         forwarding: Arc::new(Forwarding::new(false)),
         read_committed: tokio::sync::OnceCell::new(),
-        partitioned: false,
+        inbox: crate::inbox::Inbox::new("unit"),
     }
 }
 

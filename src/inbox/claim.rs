@@ -1,0 +1,507 @@
+//! The claim's SQL: every statement that claims, checks or commits a claim
+//! in `processed_messages`, plain or partitioned, and the round trips that
+//! carry them (the wire shape is in the [module docs](super)). The public
+//! face is [`Inbox`](super::Inbox).
+
+use std::collections::HashMap;
+
+use sqlx::postgres::PgTransactionManager;
+use sqlx::{AssertSqlSafe, PgExecutor, PgPool, Postgres, Transaction};
+use sqlx_core::transaction::TransactionManager;
+
+use super::partitioned::PartitionError;
+use super::{Begun, Claim, ClaimedBatch, payload_sha256, validate_message_id};
+use crate::error::{Error, Result};
+use crate::literal;
+
+/// Claims `message_id` for `consumer` inside the caller's transaction.
+pub(crate) async fn claim(
+    tx: &mut Transaction<'_, Postgres>,
+    consumer: &str,
+    message_id: &str,
+    body: &[u8],
+) -> Result<Claim> {
+    validate_message_id(message_id)?;
+    let hash = payload_sha256(body);
+    // Bounded: the row we conflicted with can only vanish if retention deleted
+    // it in between, and then the next insert succeeds.
+    for _ in 0..3 {
+        let inserted = sqlx::query(
+            "INSERT INTO processed_messages (consumer, message_id, payload_sha256) \
+             VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+        )
+        .bind(consumer)
+        .bind(message_id)
+        .bind(&hash[..])
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        if inserted == 1 {
+            return Ok(Claim::Fresh);
+        }
+        // A new statement takes a new snapshot (READ COMMITTED), so it sees the
+        // row that the conflicting transaction committed.
+        let stored = stored_hash(&mut **tx, consumer, message_id).await?;
+        if let Some(claim) = compare(stored.as_ref(), &hash) {
+            return Ok(claim);
+        }
+    }
+    Err(vanished())
+}
+
+/// Never guess "duplicate" for a row that keeps vanishing: that would
+/// acknowledge unprocessed work.
+fn vanished() -> Error {
+    sqlx::Error::Protocol("the conflicting processed_messages row vanished three times".into())
+        .into()
+}
+
+/// Claims many message ids for `consumer` in one statement (plus one to read
+/// the stored hashes of those already there), inside the caller's
+/// transaction: [`claim`] for a batch. Returns one [`Claim`] per entry of
+/// `messages` (`(message id, body)` pairs), in order.
+pub(crate) async fn claim_batch(
+    tx: &mut Transaction<'_, Postgres>,
+    consumer: &str,
+    messages: &[(&str, &[u8])],
+) -> Result<Vec<Claim>> {
+    for (id, _) in messages {
+        validate_message_id(id)?;
+    }
+    let mut claims: Vec<Option<Claim>> = vec![None; messages.len()];
+    // Bounded, as in `claim`: a row we conflicted with vanishes only when
+    // retention deleted it in between; those ids are claimed again.
+    for _ in 0..3 {
+        let open: Vec<usize> = (0..messages.len())
+            .filter(|&i| claims[i].is_none())
+            .collect();
+        if open.is_empty() {
+            break;
+        }
+        let ids: Vec<&str> = open.iter().map(|&i| messages[i].0).collect();
+        let hashes: Vec<Vec<u8>> = open
+            .iter()
+            .map(|&i| payload_sha256(messages[i].1).to_vec())
+            .collect();
+        // Ties in the sort are broken by position, so the first copy of a
+        // repeated id is the one inserted; the others conflict with it.
+        let inserted: Vec<String> = sqlx::query_scalar(
+            "INSERT INTO processed_messages (consumer, message_id, payload_sha256) \
+             SELECT $1, id, hash FROM unnest($2::text[], $3::bytea[]) WITH ORDINALITY AS t(id, hash, ord) \
+             ORDER BY id, ord \
+             ON CONFLICT DO NOTHING RETURNING message_id",
+        )
+        .bind(consumer)
+        .bind(&ids)
+        .bind(&hashes)
+        .fetch_all(&mut **tx)
+        .await?;
+        let mut fresh: HashMap<String, bool> = inserted.into_iter().map(|id| (id, false)).collect();
+        let mut stored: HashMap<String, Option<Vec<u8>>> = HashMap::new();
+        if fresh.len() < ids.len() {
+            // Also returns what this statement inserted, for ids that occur twice.
+            stored.extend(stored_hashes(&mut **tx, consumer, &ids).await?);
+        }
+        for (&i, hash) in open.iter().zip(&hashes) {
+            let id = messages[i].0;
+            let stored_hash = stored.get(id);
+            if let Some(taken) = fresh.get_mut(id)
+                && !*taken
+                && stored_hash.is_none_or(|s| s.as_deref() == Some(hash.as_slice()))
+            {
+                *taken = true;
+                claims[i] = Some(Claim::Fresh);
+                continue;
+            }
+            // None: vanished, claimed again in the next round.
+            claims[i] = compare(stored_hash, hash);
+        }
+    }
+    claims
+        .into_iter()
+        .map(|claim| claim.ok_or_else(vanished))
+        .collect()
+}
+
+/// How [`begin_claims`] gets its transaction to READ COMMITTED.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+// Only the consumer runtime knows its sessions' default.
+pub(crate) enum Isolation {
+    /// `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` first, whatever the
+    /// session's default.
+    Set,
+    /// The caller checked that the pool's sessions default to READ
+    /// COMMITTED ([`reads_committed_by_default`]): one statement less, which
+    /// PostgreSQL's end of transaction does not have to undo.
+    Default,
+}
+
+/// Whether sessions of `pool` default to READ COMMITTED (PostgreSQL's own
+/// default), asked once on one of its connections.
+pub(crate) async fn reads_committed_by_default(pool: &PgPool) -> Result<bool> {
+    let level: String =
+        sqlx::query_scalar("SELECT current_setting('default_transaction_isolation')")
+            .fetch_one(pool)
+            .await?;
+    Ok(level == "read committed")
+}
+
+/// [`begin_claim_batch`], with the isolation level set or known.
+pub(crate) async fn begin_claims(
+    pool: &PgPool,
+    consumer: &str,
+    messages: &[(&str, &[u8])],
+    isolation: Isolation,
+) -> Result<ClaimedBatch> {
+    let sql = |consumer: &str, rows: &[&Row<'_>]| claim_then_begin(consumer, rows, isolation);
+    begin_claims_by(
+        pool,
+        consumer,
+        messages,
+        sql,
+        crate::sqlstate::UNIQUE_VIOLATION,
+    )
+    .await
+}
+
+/// An id to claim and its body's hash.
+type Row<'a> = (&'a str, [u8; 32]);
+
+/// The round trips of [`begin_claims`]: `sql` makes the simple query that
+/// claims the consumer's (literal) rows and opens the transaction, and
+/// fails with `conflict` (SQLSTATE) when some id was claimed already.
+/// The partitioned mode claims through the same loop with its own query.
+async fn begin_claims_by(
+    pool: &PgPool,
+    consumer: &str,
+    messages: &[(&str, &[u8])],
+    sql: impl Fn(&str, &[&Row<'_>]) -> Result<String>,
+    conflict: &str,
+) -> Result<ClaimedBatch> {
+    let consumer_literal = literal::text("consumer", consumer)?;
+    let mut rows = Vec::with_capacity(messages.len());
+    for (id, body) in messages {
+        validate_message_id(id)?;
+        rows.push((*id, payload_sha256(body)));
+    }
+    // The first occurrence of each id is claimed; the others follow it.
+    let mut firsts: HashMap<&str, usize> = HashMap::with_capacity(rows.len());
+    for (i, (id, _)) in rows.iter().enumerate() {
+        firsts.entry(id).or_insert(i);
+    }
+    let mut open: Vec<usize> = firsts.values().copied().collect();
+    open.sort_unstable_by_key(|&i| rows[i].0);
+    let mut claims: Vec<Option<Claim>> = vec![None; rows.len()];
+    let mut stored: HashMap<String, Option<Vec<u8>>> = HashMap::new();
+    let mut tx = None;
+    // Bounded: each round decides the ids it conflicted on, unless their
+    // rows vanished (retention deleted them) in between.
+    for _ in 0..3 {
+        if open.is_empty() {
+            break;
+        }
+        let claimed: Vec<&Row<'_>> = open.iter().map(|&i| &rows[i]).collect();
+        match pool
+            .begin_with(AssertSqlSafe(sql(&consumer_literal, &claimed)?))
+            .await
+        {
+            Ok(begun) => {
+                for &i in &open {
+                    claims[i] = Some(Claim::Fresh);
+                }
+                open.clear();
+                tx = Some(begun);
+                break;
+            }
+            Err(e) if crate::sqlstate::is(&e, conflict) => {
+                // The claim's implicit transaction failed before its BEGIN:
+                // nothing is open. A new statement sees the committed rows.
+                let ids: Vec<&str> = open.iter().map(|&i| rows[i].0).collect();
+                stored.extend(stored_hashes(pool, consumer, &ids).await?);
+                for &i in &open {
+                    claims[i] = compare(stored.get(rows[i].0), &rows[i].1);
+                }
+                open.retain(|&i| claims[i].is_none());
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if !open.is_empty() {
+        return Err(vanished());
+    }
+    for (i, (id, hash)) in rows.iter().enumerate() {
+        let first = firsts[id];
+        if first != i {
+            claims[i] = Some(match claims[first] {
+                Some(Claim::Fresh) if rows[first].1 == *hash => Claim::Duplicate,
+                Some(Claim::Fresh) => Claim::Mismatch,
+                _ => compare(stored.get(*id), hash).ok_or_else(vanished)?,
+            });
+        }
+    }
+    Ok(ClaimedBatch {
+        claims: claims
+            .into_iter()
+            .map(|claim| claim.ok_or_else(vanished))
+            .collect::<Result<_>>()?,
+        tx,
+    })
+}
+
+/// The simple query of [`begin_claim_batch`]: the claims, then `BEGIN`,
+/// which takes them into its transaction (statements before a `BEGIN` in
+/// one simple query are part of the block it opens).
+fn claim_then_begin(consumer: &str, rows: &[&Row<'_>], isolation: Isolation) -> Result<String> {
+    let mut sql = String::new();
+    if isolation == Isolation::Set {
+        sql.push_str("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ");
+    }
+    sql.push_str("INSERT INTO processed_messages (consumer, message_id, payload_sha256) ");
+    if rows.len() == 1 {
+        for (id, hash) in rows {
+            sql.push_str(&format!(
+                "VALUES ({consumer}, {}, {})",
+                literal::text("message id", id)?,
+                literal::bytes(hash)
+            ));
+        }
+    } else {
+        // Not a VALUES row each: PostgreSQL plans every row of a VALUES
+        // list, while an array is one constant. The hashes travel as one
+        // bytea, 32 bytes per id, in the ids' order.
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut hashes = Vec::with_capacity(rows.len() * 32);
+        for (id, hash) in rows {
+            ids.push(literal::text("message id", id)?);
+            hashes.extend_from_slice(hash);
+        }
+        sql.push_str(&format!(
+            "SELECT {consumer}, id, substring(h FROM n::int * 32 - 31 FOR 32) \
+             FROM unnest(ARRAY[{}]::text[]) WITH ORDINALITY AS t(id, n), {} AS h \
+             ORDER BY n",
+            ids.join(", "),
+            literal::bytes(&hashes)
+        ));
+    }
+    sql.push_str("; BEGIN");
+    Ok(sql)
+}
+
+/// What a stored claim says of a message with `hash`: `None` when there is
+/// no claim (it vanished), or a row without a hash (written by hand), which
+/// cannot be compared and counts as the same message.
+fn compare(stored: Option<&Option<Vec<u8>>>, hash: &[u8]) -> Option<Claim> {
+    match stored? {
+        Some(s) if s != hash => Some(Claim::Mismatch),
+        _ => Some(Claim::Duplicate),
+    }
+}
+
+/// The stored body hashes of those of `ids` that `consumer` claimed.
+async fn stored_hashes<'e>(
+    executor: impl PgExecutor<'e>,
+    consumer: &str,
+    ids: &[&str],
+) -> Result<HashMap<String, Option<Vec<u8>>>> {
+    // A join with unnest, not `= ANY($2)`: the generic plan of the latter
+    // can scan the whole table.
+    let rows: Vec<(String, Option<Vec<u8>>)> = sqlx::query_as(
+        "SELECT p.message_id, p.payload_sha256 FROM unnest($2::text[]) AS t(id) \
+         JOIN processed_messages p ON p.consumer = $1 AND p.message_id = t.id",
+    )
+    .bind(consumer)
+    .bind(ids)
+    .fetch_all(executor)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// Commits a transaction in which `message_id` was claimed, after checking
+/// that the claim is still in it: **one round trip**, the check and `COMMIT`
+/// sent together (see the [module docs](self#the-wire-shape)).
+pub(crate) async fn commit(
+    tx: Transaction<'_, Postgres>,
+    consumer: &str,
+    message_id: &str,
+) -> Result<()> {
+    commit_with(tx, consumer, message_id, "").await
+}
+
+/// [`commit`] with `statements` (SQL of idempo's own, literals only, each
+/// followed by `; `) run between the claim check and `COMMIT`, in the same
+/// round trip. The consumer's outbox writes a unit's forwarded messages this
+/// way, so forwarding costs no round trip of its own.
+pub(crate) async fn commit_with(
+    mut tx: Transaction<'_, Postgres>,
+    consumer: &str,
+    message_id: &str,
+    statements: &str,
+) -> Result<()> {
+    validate_message_id(message_id)?;
+    // Divides by zero when the claim is gone: the simple query stops there.
+    let check = format!(
+        "SELECT 1 / count(*) FROM processed_messages WHERE consumer = {} AND message_id = {}; ",
+        literal::text("consumer", consumer)?,
+        literal::text("message id", message_id)?,
+    );
+    let claim_lost = |e: sqlx::Error| {
+        if crate::sqlstate::is(&e, crate::sqlstate::DIVISION_BY_ZERO) {
+            Error::ClaimLost {
+                message_id: message_id.to_owned(),
+            }
+        } else {
+            Error::Database(e)
+        }
+    };
+    if PgTransactionManager::get_transaction_depth(&tx) == 1 {
+        let sql = format!("{check}{statements}COMMIT AND CHAIN");
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&mut *tx)
+            .await
+            .map_err(claim_lost)?;
+        // Dropped: its ROLLBACK ends the empty chained transaction.
+        return Ok(());
+    }
+    sqlx::raw_sql(AssertSqlSafe(format!("{check}{statements}")))
+        .execute(&mut *tx)
+        .await
+        .map_err(claim_lost)?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// What a [`claim`] of `message_id` by `consumer` with `body` would find
+/// now, without claiming anything: [`Claim::Fresh`] when the id was not
+/// processed (or its claim was reaped), [`Claim::Duplicate`] when it was,
+/// with this body (or by a row without a hash), [`Claim::Mismatch`] when it
+/// was processed with another body. One primary-key lookup; the answer can
+/// change as soon as it is given (a consumer may claim the id meanwhile).
+pub(crate) async fn lookup(
+    pool: &PgPool,
+    consumer: &str,
+    message_id: &str,
+    body: &[u8],
+) -> Result<Claim> {
+    let stored = stored_hash(pool, consumer, message_id).await?;
+    Ok(compare(stored.as_ref(), &payload_sha256(body)).unwrap_or(Claim::Fresh))
+}
+
+/// The stored body hash of `consumer`'s claim of `message_id`: `None`
+/// without a claim, `Some(None)` for a row without a hash.
+async fn stored_hash<'e>(
+    executor: impl PgExecutor<'e>,
+    consumer: &str,
+    message_id: &str,
+) -> Result<Option<Option<Vec<u8>>>> {
+    Ok(sqlx::query_scalar(
+        "SELECT payload_sha256 FROM processed_messages WHERE consumer = $1 AND message_id = $2",
+    )
+    .bind(consumer)
+    .bind(message_id)
+    .fetch_optional(executor)
+    .await?)
+}
+
+/// One message through [`begin_claims`]-like `begin` of a batch.
+pub(crate) fn single(mut claimed: ClaimedBatch) -> Begun {
+    match (claimed.claims[0], claimed.tx.take()) {
+        (Claim::Fresh, Some(tx)) => Begun::Fresh(tx),
+        (Claim::Mismatch, _) => Begun::Mismatch,
+        _ => Begun::Duplicate,
+    }
+}
+
+// ------------------------------------------------------------- partitioned
+
+/// [`begin_claims`] on a partitioned `processed_messages`, through its
+/// claim function (migration 0009).
+pub(crate) async fn partitioned_begin_claims(
+    pool: &PgPool,
+    consumer: &str,
+    messages: &[(&str, &[u8])],
+    isolation: Isolation,
+) -> Result<ClaimedBatch> {
+    let sql = |consumer: &str, rows: &[&Row<'_>]| -> Result<String> {
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut hashes = Vec::with_capacity(rows.len());
+        for (id, hash) in rows {
+            ids.push(literal::text("message id", id)?);
+            hashes.push(literal::bytes(hash));
+        }
+        let set = match isolation {
+            Isolation::Set => "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
+            Isolation::Default => "",
+        };
+        // IDP02 (some id claimed already) ends the implicit transaction
+        // before its BEGIN, as a unique violation does in the plain mode.
+        Ok(format!(
+            "{set}SELECT count(*) FROM idempo_claim_partitioned({consumer}, \
+             ARRAY[{}]::text[], ARRAY[{}]::bytea[], true); BEGIN",
+            ids.join(", "),
+            hashes.join(", ")
+        ))
+    };
+    begin_claims_by(pool, consumer, messages, sql, "IDP02")
+        .await
+        .map_err(refusal)
+}
+
+/// [`claim_batch`] on a partitioned `processed_messages`: one round trip.
+/// `processed_messages`: one [`Claim`] per message, in order; an id that
+/// occurs twice is claimed by its first occurrence. One round trip.
+pub(crate) async fn partitioned_claim_batch(
+    tx: &mut Transaction<'_, Postgres>,
+    consumer: &str,
+    messages: &[(&str, &[u8])],
+) -> Result<Vec<Claim>> {
+    let mut firsts: HashMap<&str, usize> = HashMap::with_capacity(messages.len());
+    let mut ids = Vec::with_capacity(messages.len());
+    let mut hashes = Vec::with_capacity(messages.len());
+    for (i, (id, body)) in messages.iter().enumerate() {
+        validate_message_id(id)?;
+        if !firsts.contains_key(id) {
+            firsts.insert(id, i);
+            ids.push(*id);
+            hashes.push(payload_sha256(body).to_vec());
+        }
+    }
+    let stored: HashMap<String, Option<Vec<u8>>> = sqlx::query_as::<_, (String, Option<Vec<u8>>)>(
+        "SELECT claimed_id, stored_sha256 FROM idempo_claim_partitioned($1, $2, $3, false)",
+    )
+    .bind(consumer)
+    .bind(&ids)
+    .bind(&hashes)
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(|e| refusal(e.into()))?
+    .into_iter()
+    .collect();
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, (id, body))| {
+            let hash = payload_sha256(body);
+            let first = firsts[id];
+            Ok(match compare(stored.get(*id), &hash) {
+                Some(claim) => claim,
+                None if first == i => Claim::Fresh,
+                None if payload_sha256(messages[first].1) == hash => Claim::Duplicate,
+                None => Claim::Mismatch,
+            })
+        })
+        .collect()
+}
+
+/// IDP01 from the claim function as the typed refusal.
+fn refusal(e: Error) -> Error {
+    match &e {
+        Error::Database(db) if crate::sqlstate::is(db, crate::sqlstate::ISOLATION_REFUSED) => {
+            let level = db
+                .as_database_error()
+                .and_then(|d| d.message().rsplit_once(", not ").map(|(_, l)| l.to_owned()))
+                .unwrap_or_default();
+            PartitionError::NotReadCommitted { level }.into()
+        }
+        _ => e,
+    }
+}

@@ -1,0 +1,382 @@
+//! The transactional inbox: claim a message id inside the caller's transaction.
+//!
+//! This is the transport-agnostic core of idempo. A *claim* inserts
+//! `(consumer, message_id)` into `processed_messages` in the same PostgreSQL
+//! transaction as the business writes. If the transaction commits, the message
+//! is recorded as processed together with its effects; if it rolls back, neither
+//! survives. The table's primary key is the lock: two workers claiming one id
+//! at once serialize on the unique index, so exactly one of them gets
+//! [`Claim::Fresh`]. There is no separate "processing" mark and no
+//! check-then-insert.
+//!
+//! The claim stores the SHA-256 of the body, so a *different* message reusing
+//! an id is detected ([`Claim::Mismatch`]) instead of being silently dropped.
+//!
+//! # Example: any worker loop (Kafka, NATS, cron, ...)
+//! ```no_run
+//! use idempo::inbox::{Begun, Inbox};
+//!
+//! # async fn doc(pool: sqlx::PgPool, id: &str, body: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
+//! let inbox = Inbox::new("billing");
+//! // BEGIN and the claim travel together: one round trip.
+//! match inbox.begin(&pool, id, body).await? {
+//!     Begun::Fresh(mut tx) => {
+//!         sqlx::query("UPDATE accounts SET balance = balance + 10 WHERE id = 1")
+//!             .execute(&mut *tx)
+//!             .await?;
+//!         // The claim check and COMMIT travel together too. Effects and claim
+//!         // commit together; an aborted transaction (a failed statement that
+//!         // was ignored) is an error, not a silent rollback.
+//!         inbox.commit(tx, id).await?;
+//!     }
+//!     Begun::Duplicate => {} // already applied: just acknowledge
+//!     Begun::Mismatch => {
+//!         // the id was reused for a different body: park the message for a human
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! [`Inbox::claim`] does the same inside a transaction the caller opened.
+//!
+//! # The wire shape
+//! A fresh message costs two round trips of idempo's own around the
+//! caller's statements, fewer than a careful hand-written loop (`BEGIN`,
+//! claim, ..., `COMMIT`):
+//!
+//! 1. `SET TRANSACTION ISOLATION LEVEL READ COMMITTED; INSERT INTO
+//!    processed_messages ...; BEGIN` as one simple query. The insert has no
+//!    `ON CONFLICT`: a committed claim of the id fails it (`23505`), which ends
+//!    the implicit transaction of the message before its `BEGIN` runs, so the
+//!    connection is left idle, never inside a failed transaction. A duplicate
+//!    then costs one more round trip, the read of the stored body hash.
+//! 2. `SELECT 1 / count(*) FROM processed_messages WHERE <the claim>; COMMIT
+//!    AND CHAIN`. PostgreSQL stops a simple query at its first error: in an
+//!    aborted transaction the `SELECT` fails (`25P02`), and when the claim is
+//!    gone (the caller rolled back) it divides by zero, so in neither case
+//!    does `COMMIT` run. `AND CHAIN` leaves an empty transaction open for the
+//!    `ROLLBACK` that sqlx's `Transaction` sends when dropped; it travels with
+//!    the pool's check of the returned connection, not on the message's path.
+//!
+//! Values travel in the SQL text as literals (`src/literal.rs`): validated,
+//! quoted by libpq's rules, bytes as hex digits.
+
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use sqlx::{PgPool, Postgres, Transaction};
+
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
+pub use crate::message_id::{InvalidMessageId, MAX_MESSAGE_ID_LEN, validate_message_id};
+
+mod claim;
+pub mod partitioned;
+mod reports;
+mod retention;
+
+pub(crate) use claim::commit_with;
+#[cfg(feature = "amqp")]
+pub(crate) use claim::{Isolation, reads_committed_by_default};
+pub use reports::{ConsumerClaims, claims_inserted, claims_per_consumer, consumers};
+
+/// What a claim found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Claim {
+    /// First time this consumer sees the id: do the work in this transaction,
+    /// then commit.
+    Fresh,
+    /// Already processed (committed) by this consumer with the same body: roll
+    /// back and acknowledge.
+    Duplicate,
+    /// Already processed, but with a *different* body: the id was reused.
+    /// Nothing should run; report it.
+    Mismatch,
+}
+
+/// SHA-256 of a message body: what the inbox stores to detect a reused id.
+pub fn payload_sha256(body: &[u8]) -> [u8; 32] {
+    Sha256::digest(body).into()
+}
+
+/// What [`Inbox::begin`] found, with the transaction it opened for a fresh
+/// claim.
+#[derive(Debug)]
+#[must_use]
+pub enum Begun {
+    /// First time this consumer sees the id: the claim is in this open
+    /// transaction (READ COMMITTED). Do the work in it, then [`Inbox::commit`].
+    Fresh(Transaction<'static, Postgres>),
+    /// Already processed with the same body: acknowledge. No transaction is
+    /// open.
+    Duplicate,
+    /// Already processed with a *different* body: the id was reused. No
+    /// transaction is open.
+    Mismatch,
+}
+
+/// What [`Inbox::begin_batch`] found.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct ClaimedBatch {
+    /// One claim per message, in order.
+    pub claims: Vec<Claim>,
+    /// The open transaction that holds the fresh claims; `None` when no
+    /// claim is fresh.
+    pub tx: Option<Transaction<'static, Postgres>>,
+}
+
+/// A consumer's inbox: the claims of its message ids in
+/// `processed_messages`, plain or [partitioned](mod@partitioned). Each method
+/// works inside, or opens, the caller's PostgreSQL transaction; the inbox
+/// itself holds no connection and is cheap to clone.
+///
+/// ```no_run
+/// use idempo::inbox::{Claim, Inbox};
+/// # async fn doc(pool: sqlx::PgPool, body: &[u8]) -> idempo::Result<()> {
+/// let inbox = Inbox::new("billing");
+/// let mut tx = pool.begin().await?;
+/// if inbox.claim(&mut tx, "pay-1", body).await? == Claim::Fresh {
+///     // ... the work, in `tx` ...
+///     inbox.commit(tx, "pay-1").await?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inbox {
+    consumer: String,
+    partitioned: bool,
+}
+
+impl Inbox {
+    /// The inbox of `consumer` (its claims are apart from every other
+    /// consumer's), on the plain `processed_messages`.
+    pub fn new(consumer: impl Into<String>) -> Self {
+        Inbox {
+            consumer: consumer.into(),
+            partitioned: false,
+        }
+    }
+
+    /// Claims in the partitioned `processed_messages` (see [`partitioned`]:
+    /// the table must have been switched, and claims need READ COMMITTED)
+    /// instead of the plain table.
+    #[must_use]
+    pub fn partitioned(mut self, partitioned: bool) -> Self {
+        self.partitioned = partitioned;
+        self
+    }
+
+    /// The consumer whose claims these are.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// Whether claims go to the partitioned table.
+    pub fn is_partitioned(&self) -> bool {
+        self.partitioned
+    }
+
+    /// Claims `message_id` for `consumer` inside the caller's transaction.
+    ///
+    /// `body` is the message's raw bytes: its SHA-256 is stored with the claim,
+    /// so that a later message reusing the id with another body is reported as
+    /// [`Claim::Mismatch`].
+    ///
+    /// On [`Claim::Fresh`] the claim row is written in `tx`: commit `tx` after the
+    /// work, or roll it back to release the id. On [`Claim::Duplicate`] and
+    /// [`Claim::Mismatch`] nothing was written; roll back.
+    ///
+    /// Costs one round trip for a fresh id; a duplicate costs a second one to read
+    /// the stored hash.
+    ///
+    /// # Concurrency
+    /// A concurrent claim of the same `(consumer, message_id)` blocks on this
+    /// transaction's uncommitted row until it commits (the other side then sees
+    /// `Duplicate`) or rolls back (the other side then gets `Fresh`). Run the
+    /// transaction at the default READ COMMITTED level; under REPEATABLE READ a
+    /// concurrent claim fails with a serialization error, which is safe to retry.
+    ///
+    /// # Errors
+    /// [`Error::InvalidMessageId`] for an empty or
+    /// oversized id, [`Error::Database`] when a statement
+    /// fails.
+    pub async fn claim(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        message_id: &str,
+        body: &[u8],
+    ) -> Result<Claim> {
+        if self.partitioned {
+            Ok(claim::partitioned_claim_batch(tx, &self.consumer, &[(message_id, body)]).await?[0])
+        } else {
+            claim::claim(tx, &self.consumer, message_id, body).await
+        }
+    }
+
+    /// Claims many message ids for `consumer` in one statement (plus one to read
+    /// the stored hashes of those already there), inside the caller's
+    /// transaction: [`claim`](Inbox::claim) for a batch. Returns one [`Claim`] per entry of
+    /// `messages` (`(message id, body)` pairs), in order.
+    ///
+    /// The ids are inserted in sorted order, so that two batches (or a batch and
+    /// a single claim) that share ids take their row locks in the same order and
+    /// cannot deadlock. An id that occurs twice in `messages` is `Fresh` for its
+    /// first occurrence with the inserted body and `Duplicate` (same body) or
+    /// `Mismatch` (other body) for the others, as if they had come one by one.
+    ///
+    /// # Errors
+    /// As [`claim`](Inbox::claim).
+    pub async fn claim_batch(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        messages: &[(&str, &[u8])],
+    ) -> Result<Vec<Claim>> {
+        if self.partitioned {
+            claim::partitioned_claim_batch(tx, &self.consumer, messages).await
+        } else {
+            claim::claim_batch(tx, &self.consumer, messages).await
+        }
+    }
+
+    /// Opens a transaction on `pool` with `message_id` claimed in it, in **one
+    /// round trip**: [`claim`](Inbox::claim) without a `BEGIN` of its own. A duplicate costs a
+    /// second round trip (the read of the stored body hash) and leaves no
+    /// transaction open.
+    ///
+    /// Commit a [`Begun::Fresh`] transaction with [`commit`](Inbox::commit) (one more round
+    /// trip), or drop it to roll back. How the statements travel, and why every
+    /// guarantee of [`claim`](Inbox::claim) and [`commit`](Inbox::commit) holds, is in the [module
+    /// docs](self#the-wire-shape).
+    ///
+    /// # Errors
+    /// As [`claim`](Inbox::claim).
+    pub async fn begin(&self, pool: &PgPool, message_id: &str, body: &[u8]) -> Result<Begun> {
+        let claimed = self.begin_batch(pool, &[(message_id, body)]).await?;
+        Ok(claim::single(claimed))
+    }
+
+    /// [`begin`](Inbox::begin) for many messages (`(message id, body)` pairs): one round
+    /// trip opens the transaction with every claim in it, in sorted id order
+    /// (two batches sharing ids cannot deadlock). When some ids were processed
+    /// already, their stored hashes are read and the rest claimed again: a
+    /// batch with duplicates costs two round trips more.
+    ///
+    /// An id that occurs twice in `messages` is claimed by its first occurrence
+    /// and the others are `Duplicate` (same body) or `Mismatch` (other body), as
+    /// with [`claim_batch`](Inbox::claim_batch).
+    ///
+    /// # Errors
+    /// As [`claim`](Inbox::claim).
+    pub async fn begin_batch(
+        &self,
+        pool: &PgPool,
+        messages: &[(&str, &[u8])],
+    ) -> Result<ClaimedBatch> {
+        self.begin_claims(pool, messages, claim::Isolation::Set)
+            .await
+    }
+
+    /// [`begin_batch`](Inbox::begin_batch), with the isolation level set or
+    /// known to be the sessions' default.
+    pub(crate) async fn begin_claims(
+        &self,
+        pool: &PgPool,
+        messages: &[(&str, &[u8])],
+        isolation: claim::Isolation,
+    ) -> Result<ClaimedBatch> {
+        if self.partitioned {
+            claim::partitioned_begin_claims(pool, &self.consumer, messages, isolation).await
+        } else {
+            claim::begin_claims(pool, &self.consumer, messages, isolation).await
+        }
+    }
+
+    /// Commits a transaction in which `message_id` was claimed, after checking
+    /// that the claim is still in it: **one round trip**, the check and `COMMIT`
+    /// sent together (see the [module docs](self#the-wire-shape)).
+    ///
+    /// Why not just `tx.commit()`: PostgreSQL answers `COMMIT` of an *aborted*
+    /// transaction (one in which a statement failed, even if the caller ignored
+    /// the error) with `ROLLBACK`, and sqlx reports success. The message would
+    /// then be acknowledged with its effects and its claim rolled back: lost.
+    /// And if the caller ended the transaction itself (`ROLLBACK`), there is
+    /// nothing left to commit. The check is a primary-key lookup on the same
+    /// connection that fails in an aborted transaction and when the claim is
+    /// gone, and `COMMIT` runs only when it passed.
+    ///
+    /// `tx` may be a savepoint (a transaction begun inside another): then the
+    /// check runs, and the savepoint is released, not committed.
+    ///
+    /// # Errors
+    /// - [`Error::ClaimLost`] when the claim is no longer in the transaction;
+    /// - [`Error::Database`] for which [`Error::is_aborted_transaction`] holds
+    ///   when a statement had failed in it;
+    /// - other [`Error::Database`] errors when the `COMMIT` failed (a deferred
+    ///   constraint, a serialization failure): nothing was committed;
+    /// - an error for which [`Error::is_connection_error`] holds: **the outcome
+    ///   is unknown** if it came from the `COMMIT`; a new claim of the id tells
+    ///   (duplicate: it committed).
+    pub async fn commit(&self, tx: Transaction<'_, Postgres>, message_id: &str) -> Result<()> {
+        claim::commit(tx, &self.consumer, message_id).await
+    }
+
+    /// What a [`claim`](Inbox::claim) of `message_id` by `consumer` with `body` would find
+    /// now, without claiming anything: [`Claim::Fresh`] when the id was not
+    /// processed (or its claim was reaped), [`Claim::Duplicate`] when it was,
+    /// with this body (or by a row without a hash), [`Claim::Mismatch`] when it
+    /// was processed with another body. One primary-key lookup; the answer can
+    /// change as soon as it is given (a consumer may claim the id meanwhile).
+    ///
+    /// Used before replaying a dead letter: a mismatch would be dead-lettered
+    /// again.
+    ///
+    /// ```no_run
+    /// use idempo::inbox::{Claim, Inbox};
+    /// # async fn doc(pool: sqlx::PgPool, body: &[u8]) -> idempo::Result<()> {
+    /// if Inbox::new("billing").lookup(&pool, "pay-1", body).await? == Claim::Mismatch {
+    ///     println!("pay-1 was processed with another body");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the query fails.
+    pub async fn lookup(&self, pool: &PgPool, message_id: &str, body: &[u8]) -> Result<Claim> {
+        claim::lookup(pool, &self.consumer, message_id, body).await
+    }
+
+    /// Deletes `consumer`'s claims older than `age`, `batch` rows per statement,
+    /// and returns how many rows went. A partitioned `processed_messages` loses
+    /// nothing here (`ONLY`: a ctid names no row across partitions); its claims
+    /// go with their partitions ([`partitioned::maintain`]).
+    ///
+    /// Each statement is its own short transaction and skips rows that another
+    /// reaper has locked, so replicas reaping at once neither wait for nor
+    /// deadlock with each other. Delete only what can no longer be redelivered: a
+    /// redelivery that arrives after its claim is gone is processed again.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when a statement fails.
+    pub async fn delete_processed_before(
+        &self,
+        pool: &PgPool,
+        age: Duration,
+        batch: i64,
+    ) -> Result<u64> {
+        retention::delete_processed_before(pool, &self.consumer, age, batch).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payload_hash_is_sha256() {
+        let h = payload_sha256(b"abc");
+        assert_eq!(h[..4], [0xba, 0x78, 0x16, 0xbf]);
+    }
+}
