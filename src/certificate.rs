@@ -4,16 +4,18 @@
 //! found`, a missing file without its path), so idempo names the file and
 //! what is wrong with it up front.
 //!
-//! - [`read_ca_file`]: CA certificates to trust (`AMQP_CA_FILE`, `sslrootcert`,
-//!   `SSL_CERT_FILE`);
-//! - [`read_certificate_file`] and [`read_key_file`]: a client certificate
-//!   and its key;
-//! - [`check_database_url`] and [`check_ssl_cert_file`]: the files a
-//!   PostgreSQL URL or the environment point the clients to.
+//! The broker's files (`AMQP_CA_FILE`, `AMQP_CLIENT_CERT_FILE`,
+//! `AMQP_CLIENT_KEY_FILE`) are checked when the connection is built; a
+//! PostgreSQL URL's (`sslrootcert`, `sslcert`, `sslkey`) and `SSL_CERT_FILE`
+//! with [`check_database_url`], before the pool connects. Each failure is a
+//! [`CertificateError`] naming the file:
 //!
 //! ```
-//! let error = idempo::certificate::read_ca_file("/nonexistent/ca.pem").unwrap_err();
-//! assert_eq!(error.to_string(), "certificate file not found: /nonexistent/ca.pem");
+//! let error = idempo::certificate::check_database_url(
+//!     "postgres://app@db/app?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
+//! )
+//! .unwrap_err();
+//! assert!(error.to_string().contains("/nonexistent/ca.pem"), "{error}");
 //! ```
 
 use std::io;
@@ -166,7 +168,7 @@ fn sections(path: &Path, bytes: &[u8]) -> Result<Sections, CertificateError> {
 /// # Errors
 /// A [`CertificateError`] naming the file: not found, unreadable, empty, not
 /// PEM, a private key instead of a certificate, no certificate.
-pub fn read_ca_file(path: impl AsRef<Path>) -> Result<Vec<u8>, CertificateError> {
+pub(crate) fn read_ca_file(path: impl AsRef<Path>) -> Result<Vec<u8>, CertificateError> {
     read_certificate_file(path)
 }
 
@@ -175,7 +177,7 @@ pub fn read_ca_file(path: impl AsRef<Path>) -> Result<Vec<u8>, CertificateError>
 ///
 /// # Errors
 /// As [`read_ca_file`].
-pub fn read_certificate_file(path: impl AsRef<Path>) -> Result<Vec<u8>, CertificateError> {
+pub(crate) fn read_certificate_file(path: impl AsRef<Path>) -> Result<Vec<u8>, CertificateError> {
     let path = path.as_ref();
     let bytes = read(path)?;
     let found = sections(path, &bytes)?;
@@ -196,7 +198,7 @@ pub fn read_certificate_file(path: impl AsRef<Path>) -> Result<Vec<u8>, Certific
 /// # Errors
 /// A [`CertificateError`] naming the file: not found, unreadable, empty, not
 /// PEM, an encrypted key, a certificate instead of a key, no key.
-pub fn read_key_file(path: impl AsRef<Path>) -> Result<Vec<u8>, CertificateError> {
+pub(crate) fn read_key_file(path: impl AsRef<Path>) -> Result<Vec<u8>, CertificateError> {
     let path = path.as_ref();
     let bytes = read(path)?;
     let found = sections(path, &bytes)?;
@@ -219,7 +221,7 @@ pub fn read_key_file(path: impl AsRef<Path>) -> Result<Vec<u8>, CertificateError
 ///
 /// # Errors
 /// As [`read_ca_file`].
-pub fn check_ssl_cert_file() -> Result<(), CertificateError> {
+pub(crate) fn check_ssl_cert_file() -> Result<(), CertificateError> {
     match std::env::var_os("SSL_CERT_FILE") {
         Some(path) if !path.is_empty() => read_ca_file(PathBuf::from(path)).map(drop),
         _ => Ok(()),
@@ -232,8 +234,7 @@ pub fn check_ssl_cert_file() -> Result<(), CertificateError> {
 /// parse is left to sqlx to report.
 ///
 /// # Errors
-/// A [`CertificateError`] naming the file, as [`read_ca_file`] and
-/// [`read_key_file`].
+/// A [`CertificateError`] naming the file, as when the broker's files are read.
 pub fn check_database_url(url: &str) -> Result<(), CertificateError> {
     let mut root = std::env::var_os("PGSSLROOTCERT")
         .filter(|p| !p.is_empty())

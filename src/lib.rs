@@ -102,6 +102,7 @@ pub mod certificate;
 #[cfg(any(feature = "http", feature = "window"))]
 mod cleanup;
 mod error;
+pub mod headers;
 mod host;
 pub mod inbox;
 #[cfg(any(feature = "http", feature = "retry"))]
@@ -170,10 +171,16 @@ pub mod ops;
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 
+#[cfg(any(feature = "http", feature = "window"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "window"))))]
+pub use cleanup::StateCount;
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub use error::NodeFailure;
 pub use error::{Error, Result};
+#[cfg(any(feature = "http", feature = "retry"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "retry"))))]
+pub use key::KeyError;
 pub use random::RandomnessUnavailable;
 
 // The guide (src/_guide/): what the README leaves out, one topic per page,
@@ -209,9 +216,6 @@ pub mod _guide;
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-/// The request header that carries an idempotency key: read by the
-/// `http` layer, sent by the `retry` client.
-pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 pub use migrate::{MIGRATIONS_TABLE, Schema, check_migrations, migrate, migrator};
 pub use redact::redact_url;
 #[cfg(all(feature = "redis", feature = "tls"))]

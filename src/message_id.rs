@@ -3,7 +3,7 @@
 //! whose claims key on them.
 
 /// The longest accepted message id, in bytes.
-pub const MAX_MESSAGE_ID_LEN: usize = 255;
+pub(crate) const MAX_MESSAGE_ID_LEN: usize = 255;
 
 /// Why a message id was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -15,7 +15,7 @@ pub enum InvalidMessageId {
     /// The id is the empty string.
     #[error("empty message id")]
     Empty,
-    /// The id is longer than [`MAX_MESSAGE_ID_LEN`] bytes.
+    /// The id is longer than 255 bytes.
     #[error("message id is {len} bytes long, the limit is {MAX_MESSAGE_ID_LEN}")]
     TooLong {
         /// The id's length in bytes.
@@ -29,13 +29,13 @@ pub enum InvalidMessageId {
     FunctionPanicked,
 }
 
-/// Checks that `id` is usable as a message id: 1 to [`MAX_MESSAGE_ID_LEN`]
+/// Checks that `id` is usable as a message id: 1 to 255
 /// bytes, without NUL (which PostgreSQL text cannot hold).
 ///
 /// # Errors
 /// [`InvalidMessageId::Empty`], [`InvalidMessageId::TooLong`] or
 /// [`InvalidMessageId::ContainsNul`].
-pub fn validate_message_id(id: &str) -> Result<(), InvalidMessageId> {
+pub(crate) fn validate_message_id(id: &str) -> Result<(), InvalidMessageId> {
     match id.len() {
         0 => Err(InvalidMessageId::Empty),
         len if len > MAX_MESSAGE_ID_LEN => Err(InvalidMessageId::TooLong { len }),

@@ -8,10 +8,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use idempo::Tx;
-use idempo::amqp::{
-    Consumer, HandlerError, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, Message, MessageIdSource,
-    QueueType,
-};
+use idempo::amqp::{Consumer, HandlerError, Message, MessageIdSource, QueueType};
+use idempo::headers::{MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER};
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, ExchangeKind};
@@ -172,13 +170,13 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_write_nothing()
     );
     assert_eq!(dead[0].body, b"{not json", "the original body is kept");
     assert_eq!(
-        dead[2].headers[idempo::amqp::ERROR_HEADER],
+        dead[2].headers[idempo::headers::ERROR_HEADER],
         "empty message id"
     );
-    assert!(dead[3].headers[idempo::amqp::ERROR_HEADER].contains("negative amount"));
+    assert!(dead[3].headers[idempo::headers::ERROR_HEADER].contains("negative amount"));
     for d in &dead {
-        assert_eq!(d.headers[idempo::amqp::CONSUMER_HEADER], queue);
-        assert_eq!(d.headers[idempo::amqp::QUEUE_HEADER], queue);
+        assert_eq!(d.headers[idempo::headers::CONSUMER_HEADER], queue);
+        assert_eq!(d.headers[idempo::headers::QUEUE_HEADER], queue);
     }
     assert_eq!(dead[4].message_id.as_deref(), Some("reused"));
     assert_eq!(
@@ -312,7 +310,7 @@ async fn an_oversized_message_id_is_dead_lettered() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].reason(), "invalid message id");
     assert_eq!(
-        dead[0].headers[idempo::amqp::ERROR_HEADER],
+        dead[0].headers[idempo::headers::ERROR_HEADER],
         "message id is 256 bytes long, the limit is 255"
     );
     assert_eq!(db.payments().await, 0);
@@ -334,7 +332,7 @@ async fn a_message_id_with_a_nul_is_dead_lettered_at_once() {
     let dead = broker.drain(&format!("{queue}.dlq")).await;
     assert_eq!(dead[0].reason(), "invalid message id");
     assert_eq!(
-        dead[0].headers[idempo::amqp::ERROR_HEADER],
+        dead[0].headers[idempo::headers::ERROR_HEADER],
         "message id contains a NUL character"
     );
     assert_eq!(db.claims().await, 0);
@@ -796,7 +794,7 @@ async fn a_dead_letter_does_not_inherit_the_original_expiration() {
         "a dead letter must not expire out of the DLQ"
     );
     assert_eq!(
-        dead[0].headers[idempo::amqp::ORIGINAL_EXPIRATION_HEADER],
+        dead[0].headers[idempo::headers::ORIGINAL_EXPIRATION_HEADER],
         "600000"
     );
     assert_eq!(dead[0].message_id.as_deref(), Some("ttl-poison"));
@@ -987,7 +985,7 @@ async fn a_panicking_message_id_function_dead_letters_the_message() {
     let dead = broker.drain(&format!("{queue}.dlq")).await;
     assert_eq!(dead[0].reason(), "invalid message id");
     assert_eq!(
-        dead[0].headers[idempo::amqp::ERROR_HEADER],
+        dead[0].headers[idempo::headers::ERROR_HEADER],
         "the message-id function panicked"
     );
     assert_eq!(db.payments_for("fine").await, 1);
@@ -1045,7 +1043,7 @@ async fn anyhow_errors_in_a_handler_are_classified_by_the_error_they_carry() {
     assert_eq!(dead[0].message_id.as_deref(), Some("not-json"));
     assert_eq!(dead[1].message_id.as_deref(), Some("division"));
     assert_eq!(
-        dead[1].headers[idempo::amqp::ERROR_HEADER],
+        dead[1].headers[idempo::headers::ERROR_HEADER],
         "computing the share"
     );
     assert_eq!(flaky_attempts.load(Ordering::SeqCst), 2, "retried once");

@@ -5,9 +5,10 @@ mod support;
 
 use std::time::Duration;
 
-use idempo::amqp::{
-    ATTEMPTS_HEADER, Consumer, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    QUEUE_HEADER, ROUTING_KEY_HEADER, RedeliveryPolicy, RuntimeState,
+use idempo::amqp::{Consumer, RedeliveryPolicy, RuntimeState};
+use idempo::headers::{
+    ATTEMPTS_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER, QUEUE_HEADER,
+    ROUTING_KEY_HEADER,
 };
 use support::consumer::{
     Running, WAIT, consumer_for, counting_payments, payments_consumer, payments_then,
@@ -86,7 +87,7 @@ async fn after_max_attempts_the_delivery_is_dead_lettered_with_its_history() {
     assert!(h[FIRST_FAILURE_HEADER] <= h[LAST_FAILURE_HEADER]);
     assert!(h[FIRST_FAILURE_HEADER].ends_with('Z'));
     assert_eq!(dead[0].message_id.as_deref(), Some("pay-doomed"));
-    assert_eq!(h[idempo::amqp::MESSAGE_ID_HEADER], "pay-doomed/600000");
+    assert_eq!(h[idempo::headers::MESSAGE_ID_HEADER], "pay-doomed/600000");
     assert_eq!(dead[0].expiration, None);
     assert_eq!(db.payments().await, 0);
 }
@@ -1121,7 +1122,7 @@ async fn a_delivery_that_keeps_killing_the_connection_is_reported_in_health() {
 /// per-message and in batch mode.
 #[tokio::test]
 async fn a_dead_letter_too_large_for_a_frame_is_trimmed_and_the_connection_survives() {
-    use idempo::amqp::{REASON_HEADER, TRIMMED_HEADERS_HEADER};
+    use idempo::headers::{REASON_HEADER, TRIMMED_HEADERS_HEADER};
     use lapin::types::{AMQPValue, FieldTable};
     for batch in [None, Some(10)] {
         let (db, broker, queue) = support::setup().await;
@@ -1184,7 +1185,7 @@ async fn a_dead_letter_too_large_for_a_frame_is_trimmed_and_the_connection_survi
 /// dead-lettered (trimmed) with reason `headers too large to retry`.
 #[tokio::test]
 async fn a_retry_too_large_for_a_frame_is_dead_lettered_instead() {
-    use idempo::amqp::TRIMMED_HEADERS_HEADER;
+    use idempo::headers::TRIMMED_HEADERS_HEADER;
     use lapin::types::{AMQPValue, FieldTable};
     let (db, broker, queue) = support::setup().await;
     let mut headers = FieldTable::default();

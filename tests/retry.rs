@@ -12,9 +12,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use idempo::retry::{
-    AttemptError, KeyError, RetryError, RetryPolicy, RetryingClient, SendError, retry,
-};
+use idempo::KeyError;
+use idempo::retry::{AttemptError, RetryError, RetryPolicy, RetryingClient, SendError, retry};
 use tokio::time::Instant;
 
 /// What the server saw: each attempt's key and arrival time (tokio's clock).

@@ -15,9 +15,10 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, Response, StatusCode, header};
 use axum::routing::post;
+use idempo::headers::IDEMPOTENT_REPLAYED;
 use idempo::http::{
-    Begin, FencingToken, Fingerprint, IDEMPOTENT_REPLAYED, IdempotencyLayer, IdempotencyStore,
-    MemoryStore, Operation, PROBLEM_BASE, PostgresStore, RecordKey, RedisStore, StoredResponse,
+    Begin, FencingToken, Fingerprint, IdempotencyLayer, IdempotencyStore, MemoryStore, Operation,
+    PROBLEM_BASE, PostgresStore, RecordKey, RedisStore, StoredResponse,
 };
 use idempo::testing::conformance::{
     self, ConformanceError, Failure, IDEMPOTENCY_STORE_CHECKS, WINDOW_STORE_CHECKS,

@@ -67,19 +67,13 @@ pub(crate) mod urls;
 pub mod window;
 
 pub use crate::runtime::dead_letter::{
-    DeadLetter, DeadLetterReason, MAX_REPLAY_HISTORY, REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER,
-    ReplayRecord,
+    DeadLetter, DeadLetterReason, MAX_REPLAY_HISTORY, ReplayRecord,
 };
 pub use crate::runtime::handler::{ErrorKind, Handler, HandlerError, ResultExt};
-pub use crate::runtime::headers::{
-    ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, ORIGINAL_EXPIRATION_HEADER, QUEUE_HEADER,
-    REASON_HEADER, ROUTING_KEY_HEADER, TRIMMED_HEADERS_HEADER,
-};
 pub use crate::runtime::health::{Health, HealthSnapshot, RuntimeState};
 pub use crate::runtime::message::{DecodeError, FromMessage, JsonBody, Message};
 pub use crate::runtime::message_id::{IdFn, MessageIdSource};
-pub use crate::runtime::redelivery::{RedeliveryPolicy, delay_queue};
+pub use crate::runtime::redelivery::RedeliveryPolicy;
 #[cfg(feature = "ops")]
 pub(crate) use crate::runtime::seal::consumers_with_keys;
 pub use crate::runtime::shutdown::ShutdownHandle;
@@ -91,8 +85,8 @@ pub use broker::{
 };
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
-pub use publish::{ConfirmChannel, PublishError};
-pub use topology::{MAX_NAME_LEN, QueueType, check_name, dead_letter_queue, work_queue};
+pub use publish::PublishError;
+pub use topology::{QueueType, dead_letter_queue, work_queue};
 
 pub use crate::runtime::heartbeat;
 

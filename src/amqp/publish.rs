@@ -11,7 +11,7 @@ use lapin::{BasicProperties, Channel, Connection, ErrorKind};
 use tokio::sync::Mutex;
 use tokio::time::{Instant, timeout_at};
 
-/// Why a publish on a [`ConfirmChannel`] was not confirmed.
+/// Why a publish on a confirm-mode channel was not confirmed.
 ///
 /// [`certainly_not_sent`](Self::certainly_not_sent) tells the failures after
 /// which the broker certainly does not hold the message from those after
@@ -101,25 +101,7 @@ fn refused_before_routing(error: &lapin::Error) -> bool {
 /// whichever pending confirm resolves next, so with several publishes in
 /// flight on one channel an unroutable message could be credited with
 /// another's clean confirm. Concurrent callers wait for the channel.
-///
-/// # Example
-/// ```no_run
-/// use std::time::Duration;
-/// use idempo::amqp::{Broker, ConfirmChannel};
-/// use idempo::amqp::lapin::BasicProperties;
-///
-/// # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
-/// let connection = Broker::new("amqp://guest:guest@127.0.0.1:5672/%2f")?
-///     .connect("my-tool")
-///     .await?;
-/// let channel = ConfirmChannel::open(&connection, Duration::from_secs(30)).await?;
-/// let properties = BasicProperties::default().with_message_id("pay-1".into());
-/// // The default exchange routes to the queue of that name.
-/// channel.publish("", "payments", br#"{"amount_cents":5}"#, properties).await?;
-/// channel.close().await;
-/// # Ok(()) }
-/// ```
-pub struct ConfirmChannel {
+pub(crate) struct ConfirmChannel {
     channel: Mutex<Channel>,
     /// A handle on the same channel for reading its status without waiting
     /// for the publish in progress.
@@ -144,7 +126,10 @@ impl ConfirmChannel {
     ///
     /// # Errors
     /// The channel could not be opened or put in confirm mode.
-    pub async fn open(connection: &Connection, confirm_timeout: Duration) -> lapin::Result<Self> {
+    pub(crate) async fn open(
+        connection: &Connection,
+        confirm_timeout: Duration,
+    ) -> lapin::Result<Self> {
         let channel = connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -170,7 +155,7 @@ impl ConfirmChannel {
     /// # Cancel safety
     /// Dropping the future after the message was sent leaves its fate
     /// unknown, as after [`PublishError::Timeout`].
-    pub async fn publish(
+    pub(crate) async fn publish(
         &self,
         exchange: &str,
         routing_key: &str,
@@ -351,19 +336,15 @@ impl ConfirmChannel {
 
     /// Closes the channel (if it is open), so that dropping it later does
     /// not race the connection's close.
-    pub async fn close(&self) {
+    pub(crate) async fn close(&self) {
         let channel = self.channel.lock().await;
         if channel.status().connected() {
             let _ = channel.close(200, "idempo consumer stopped".into()).await;
         }
     }
 
-    /// Whether the channel can still publish (waits for a publish in progress).
-    pub async fn is_open(&self) -> bool {
-        self.channel.lock().await.status().connected()
-    }
-
-    /// [`is_open`](Self::is_open), without waiting for a publish in progress.
+    /// Whether the channel can still publish (without waiting for a publish
+    /// in progress).
     pub(crate) fn is_usable(&self) -> bool {
         self.status.status().connected()
     }

@@ -62,7 +62,7 @@ pub fn work_queue(name: &str) -> &str {
 
 /// The longest name AMQP carries (a queue, an exchange, a routing key): a
 /// short string of 255 bytes.
-pub const MAX_NAME_LEN: usize = 255;
+pub(crate) const MAX_NAME_LEN: usize = 255;
 
 /// Checks that `name` (a `what`: "queue", "exchange", "routing key") fits an
 /// AMQP short string, so that an overlong name is refused up front with the
@@ -70,7 +70,7 @@ pub const MAX_NAME_LEN: usize = 255;
 ///
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) naming the name and its length.
-pub fn check_name(what: &str, name: &str) -> Result<()> {
+pub(crate) fn check_name(what: &str, name: &str) -> Result<()> {
     if name.len() <= MAX_NAME_LEN {
         return Ok(());
     }

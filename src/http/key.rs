@@ -4,15 +4,16 @@ use std::fmt;
 
 use http::{HeaderMap, HeaderName};
 
-/// [`crate::IDEMPOTENCY_KEY`], as a header name (lowercase, as `http` wants it).
+/// [`crate::headers::IDEMPOTENCY_KEY`], as a header name (lowercase, as `http` wants it).
 const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// `Idempotent-Replayed: true` marks a response that was replayed from the
 /// store rather than produced by the handler.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub(crate) const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 // The syntax is shared with the retry client, which checks what it sends.
-pub use crate::key::{KeyError, MAX_KEY_LEN};
+use crate::key::KeyError;
+pub use crate::key::MAX_KEY_LEN;
 
 /// A validated `Idempotency-Key`: 1 to 255 characters of visible ASCII.
 ///

@@ -15,10 +15,10 @@ use super::store::IdempotencyStore;
 
 /// The shortest [lease](IdempotencyLayer::lease): the heartbeat renews it
 /// every third of it.
-pub const MIN_LEASE: Duration = Duration::from_millis(100);
+pub(crate) const MIN_LEASE: Duration = Duration::from_millis(100);
 
 /// The longest [TTL](IdempotencyLayer::ttl): a year.
-pub const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+pub(crate) const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
 /// Makes POST and PATCH requests that carry an `Idempotency-Key` safe to
 /// retry: the first one runs, its response is stored, and every retry gets
@@ -191,7 +191,7 @@ impl<St> IdempotencyLayer<St> {
     /// How long an in-progress record is held. The layer renews it every
     /// third of the lease while the handler runs, so it runs out only when
     /// the process holding it died; then a retry may take it over. At least
-    /// [`MIN_LEASE`] (shorter values are raised to it).
+    /// 100 ms (shorter values are raised to it).
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.lease = lease.max(MIN_LEASE);
@@ -199,7 +199,7 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// How long a completed record is replayed; after that the key is free.
-    /// Between 1 ms and [`MAX_TTL`] (values outside are clamped).
+    /// Between 1 ms and a year (values outside are clamped).
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl.clamp(Duration::from_millis(1), MAX_TTL);

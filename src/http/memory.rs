@@ -22,7 +22,7 @@ use crate::Result;
 /// Cloning is cheap and shares the records: give a clone to each layer (and
 /// to [`run_cleanup`](super::run_cleanup)) that must see the same keys.
 ///
-/// Bounded: at most [`DEFAULT_CAPACITY`] records (or
+/// Bounded: at most 100,000 records (or
 /// [`with_capacity`](Self::with_capacity)). When it is full of live records,
 /// a new key is refused with [`Error::StoreFull`](crate::Error::StoreFull)
 /// (the layer answers 503 with `Retry-After`) rather than evicting one: an
@@ -35,7 +35,7 @@ pub struct MemoryStore {
 }
 
 /// The default capacity of a [`MemoryStore`].
-pub const DEFAULT_CAPACITY: usize = 100_000;
+pub(crate) const DEFAULT_CAPACITY: usize = 100_000;
 
 impl Default for MemoryStore {
     fn default() -> Self {
@@ -60,7 +60,7 @@ enum State {
 }
 
 impl MemoryStore {
-    /// An empty store of [`DEFAULT_CAPACITY`] records.
+    /// An empty store of 100,000 records.
     pub fn new() -> Self {
         Self::default()
     }

@@ -120,10 +120,9 @@ mod service;
 mod store;
 mod transaction;
 
-pub use crate::cleanup::StateCount;
-pub use key::{IDEMPOTENT_REPLAYED, IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use layer::{IdempotencyLayer, InFlight, MAX_TTL, MIN_LEASE, stores_status_by_default};
-pub use memory::{DEFAULT_CAPACITY, MemoryStore};
+pub use key::{IdempotencyKey, MAX_KEY_LEN};
+pub use layer::{IdempotencyLayer, InFlight, stores_status_by_default};
+pub use memory::MemoryStore;
 pub use postgres::PostgresStore;
 pub use problem::PROBLEM_BASE;
 pub use record::{Fingerprint, RecordKey, StoredResponse};

@@ -40,7 +40,7 @@ impl PostgresStore {
     /// # Errors
     /// [`Error::Database`] when the query fails (also when the table does
     /// not exist: run [`migrate`](crate::migrate)).
-    pub async fn count_by_state(&self) -> Result<Vec<super::StateCount>> {
+    pub async fn count_by_state(&self) -> Result<Vec<crate::StateCount>> {
         crate::cleanup::count_by_state(&self.pool, "idempotency_keys").await
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 use axum_core::body::Body;
 use http::{HeaderValue, Response, StatusCode, header};
 
-use super::key::KeyError;
+use crate::key::KeyError;
 
 /// Why the layer answered instead of the handler. Each kind has a fixed
 /// status and a `type` URI under [`PROBLEM_BASE`].

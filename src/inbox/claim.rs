@@ -10,9 +10,10 @@ use sqlx::{AssertSqlSafe, PgExecutor, PgPool, Postgres, Transaction};
 use sqlx_core::transaction::TransactionManager;
 
 use super::partitioned::PartitionError;
-use super::{Begun, Claim, ClaimedBatch, payload_sha256, validate_message_id};
+use super::{Begun, Claim, ClaimedBatch, payload_sha256};
 use crate::error::{Error, Result};
 use crate::literal;
+use crate::message_id::validate_message_id;
 
 /// Claims `message_id` for `consumer` inside the caller's transaction.
 pub(crate) async fn claim(
@@ -153,7 +154,7 @@ pub(crate) async fn begin_claims(
     messages: &[(&str, &[u8])],
     isolation: Isolation,
 ) -> Result<ClaimedBatch> {
-    let sql = |consumer: &str, rows: &[&Row<'_>]| claim_then_begin(consumer, rows, isolation);
+    let sql = |consumer: &str, rows: &[&Row<'_>]| begin_then_claim(consumer, rows, isolation);
     begin_claims_by(
         pool,
         consumer,
@@ -214,8 +215,9 @@ async fn begin_claims_by(
                 break;
             }
             Err(e) if crate::sqlstate::is(&e, conflict) => {
-                // The claim's implicit transaction failed before its BEGIN:
-                // nothing is open. A new statement sees the committed rows.
+                // The claim failed its transaction, which sqlx rolls back
+                // with the connection's next statement. A new statement
+                // sees the committed rows.
                 let ids: Vec<&str> = open.iter().map(|&i| rows[i].0).collect();
                 stored.extend(stored_hashes(pool, consumer, &ids).await?);
                 for &i in &open {
@@ -248,14 +250,23 @@ async fn begin_claims_by(
     })
 }
 
-/// The simple query of [`begin_claim_batch`]: the claims, then `BEGIN`,
-/// which takes them into its transaction (statements before a `BEGIN` in
-/// one simple query are part of the block it opens).
-fn claim_then_begin(consumer: &str, rows: &[&Row<'_>], isolation: Isolation) -> Result<String> {
-    let mut sql = String::new();
-    if isolation == Isolation::Set {
-        sql.push_str("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ");
+/// The `BEGIN` that opens a claim's transaction, READ COMMITTED whatever the
+/// session's default unless that is known to be it.
+fn begin(isolation: Isolation) -> &'static str {
+    match isolation {
+        Isolation::Set => "BEGIN ISOLATION LEVEL READ COMMITTED; ",
+        Isolation::Default => "BEGIN; ",
     }
+}
+
+/// The simple query of [`Inbox::begin_batch`](super::Inbox::begin_batch):
+/// `BEGIN`, then the claims, in one round trip.
+fn begin_then_claim(consumer: &str, rows: &[&Row<'_>], isolation: Isolation) -> Result<String> {
+    // BEGIN first: a conflict then fails an open transaction, which sqlx
+    // (0.9.1 counts the transaction before BEGIN's answer) rolls back; a
+    // conflict before BEGIN would leave nothing open for its ROLLBACK, and
+    // PostgreSQL would warn "there is no transaction in progress".
+    let mut sql = String::from(begin(isolation));
     sql.push_str("INSERT INTO processed_messages (consumer, message_id, payload_sha256) ");
     if rows.len() == 1 {
         for (id, hash) in rows {
@@ -283,7 +294,7 @@ fn claim_then_begin(consumer: &str, rows: &[&Row<'_>], isolation: Isolation) -> 
             literal::bytes(&hashes)
         ));
     }
-    sql.push_str("; BEGIN");
+
     Ok(sql)
 }
 
@@ -428,15 +439,12 @@ pub(crate) async fn partitioned_begin_claims(
             ids.push(literal::text("message id", id)?);
             hashes.push(literal::bytes(hash));
         }
-        let set = match isolation {
-            Isolation::Set => "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
-            Isolation::Default => "",
-        };
-        // IDP02 (some id claimed already) ends the implicit transaction
-        // before its BEGIN, as a unique violation does in the plain mode.
+        // IDP02 (some id claimed already) fails the transaction, as a
+        // unique violation does in the plain mode.
         Ok(format!(
-            "{set}SELECT count(*) FROM idempo_claim_partitioned({consumer}, \
-             ARRAY[{}]::text[], ARRAY[{}]::bytea[], true); BEGIN",
+            "{}SELECT count(*) FROM idempo_claim_partitioned({consumer}, \
+             ARRAY[{}]::text[], ARRAY[{}]::bytea[], true)",
+            begin(isolation),
             ids.join(", "),
             hashes.join(", ")
         ))

@@ -44,12 +44,11 @@
 //! caller's statements, fewer than a careful hand-written loop (`BEGIN`,
 //! claim, ..., `COMMIT`):
 //!
-//! 1. `SET TRANSACTION ISOLATION LEVEL READ COMMITTED; INSERT INTO
-//!    processed_messages ...; BEGIN` as one simple query. The insert has no
-//!    `ON CONFLICT`: a committed claim of the id fails it (`23505`), which ends
-//!    the implicit transaction of the message before its `BEGIN` runs, so the
-//!    connection is left idle, never inside a failed transaction. A duplicate
-//!    then costs one more round trip, the read of the stored body hash.
+//! 1. `BEGIN ISOLATION LEVEL READ COMMITTED; INSERT INTO processed_messages
+//!    ...` as one simple query. The insert has no `ON CONFLICT`: a committed
+//!    claim of the id fails it (`23505`) and with it the transaction, which
+//!    sqlx rolls back with the connection's next statement. A duplicate then
+//!    costs one more round trip, the read of the stored body hash.
 //! 2. `SELECT 1 / count(*) FROM processed_messages WHERE <the claim>; COMMIT
 //!    AND CHAIN`. PostgreSQL stops a simple query at its first error: in an
 //!    aborted transaction the `SELECT` fails (`25P02`), and when the claim is
@@ -69,7 +68,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 #[cfg(doc)]
 use crate::error::Error;
 use crate::error::Result;
-pub use crate::message_id::{InvalidMessageId, MAX_MESSAGE_ID_LEN, validate_message_id};
+pub use crate::message_id::InvalidMessageId;
 
 mod claim;
 pub mod partitioned;

@@ -11,7 +11,7 @@ use lapin::uri::AMQPUri;
 use super::error::{OpsError, Result};
 
 /// The management plugin's port on a broker's host.
-pub const MANAGEMENT_PORT: u16 = 15672;
+pub(crate) const MANAGEMENT_PORT: u16 = 15672;
 
 /// Where the management HTTP API answers, and as whom.
 #[derive(Clone)]
@@ -54,7 +54,7 @@ pub struct ManagedQueue {
 impl Management {
     /// The management API of the first node of `amqp_url` (comma-separated
     /// URLs allowed): the same host and credentials, port
-    /// [`MANAGEMENT_PORT`], HTTP.
+    /// 15672, HTTP.
     ///
     /// # Errors
     /// [`OpsError::Management`] when the URL does not parse.

@@ -206,8 +206,11 @@ pub struct QueueDepth {
 /// # Errors
 /// [`OpsError::InspectQueue`] when the broker refuses for another reason
 /// (access refused), [`OpsError::Amqp`] when no channel opens.
-pub async fn queue_depth(connection: &Connection, queue: &str) -> Result<Option<QueueDepth>> {
-    crate::amqp::check_name("queue", queue)?;
+pub(crate) async fn queue_depth(
+    connection: &Connection,
+    queue: &str,
+) -> Result<Option<QueueDepth>> {
+    crate::amqp::topology::check_name("queue", queue)?;
     let channel = connection.create_channel().await?;
     let declared = channel
         .queue_declare(

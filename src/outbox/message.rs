@@ -1,11 +1,12 @@
 //! [`OutboxMessage`]: what a handler stages, with its AMQP properties.
 
+use crate::headers::TRACEPARENT_HEADER;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::OutboxError;
 use super::packed::Staged;
-use crate::inbox::validate_message_id;
+use crate::message_id::validate_message_id;
 
 /// The largest body staged unless [`OutboxMessage::max_body_size`] says
 /// otherwise: RabbitMQ 4's default `max_message_size` (16 MiB), the strictest
@@ -25,9 +26,6 @@ const HEADER_FRAME_FIXED: usize = 22;
 
 /// AMQP short strings (exchange, routing key, header names) hold at most 255 bytes.
 const MAX_SHORT_STRING: usize = 255;
-
-/// The header that carries a W3C trace context.
-pub const TRACEPARENT_HEADER: &str = "traceparent";
 
 /// A message to publish once the staging transaction commits: exchange,
 /// routing key, body and AMQP properties. Persistent by default; its

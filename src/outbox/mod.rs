@@ -61,7 +61,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
-pub use message::{DEFAULT_MAX_BODY_SIZE, MAX_HEADER_FRAME, OutboxMessage, TRACEPARENT_HEADER};
+pub use message::{DEFAULT_MAX_BODY_SIZE, MAX_HEADER_FRAME, OutboxMessage};
 // The consumer's commit of a unit's staging: used by the AMQP runtime only.
 #[cfg(feature = "amqp")]
 pub(crate) use stage::commit_unit;
@@ -160,7 +160,7 @@ pub async fn with_traceparent<F: Future>(traceparent: Option<String>, future: F)
 }
 
 /// The `traceparent` set by the innermost [`with_traceparent`], if any.
-pub fn current_traceparent() -> Option<String> {
+pub(crate) fn current_traceparent() -> Option<String> {
     TRACEPARENT.try_with(Clone::clone).ok().flatten()
 }
 

@@ -7,8 +7,9 @@ use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, Postgres, Transaction};
 
 use super::unit::UnitOutbox;
-use super::{OutboxError, OutboxMessage, TRACEPARENT_HEADER, current_traceparent, packed};
+use super::{OutboxError, OutboxMessage, current_traceparent, packed};
 use crate::TxGuard;
+use crate::headers::TRACEPARENT_HEADER;
 
 /// The first key of the advisory locks that order staging per ordering key
 /// (the second is the key's hash): "outb".

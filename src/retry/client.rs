@@ -9,7 +9,7 @@ use reqwest::{Client, Request, Response};
 use super::policy::{RetryPolicy, parse_retry_after};
 use super::run::{Attempt, RetryError, retry_with};
 
-use crate::IDEMPOTENCY_KEY;
+use crate::headers::IDEMPOTENCY_KEY;
 use crate::key::KeyError;
 
 /// A fresh random (version 4) UUID, e.g. for an `Idempotency-Key`: 122 bits

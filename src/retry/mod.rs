@@ -15,7 +15,7 @@
 //!   the last retryable response (a 503 when the retries ran out) so that it
 //!   cannot pass for one.
 //!
-//! The header is [`crate::IDEMPOTENCY_KEY`]. (The consumer's broker-side
+//! The header is [`crate::headers::IDEMPOTENCY_KEY`]. (The consumer's broker-side
 //! delay tiers are a different thing, `amqp::RedeliveryPolicy`.)
 
 mod client;
@@ -23,9 +23,8 @@ mod policy;
 mod run;
 
 /// The key syntax the client checks before sending: the `http` layer's own.
-pub use crate::key::KeyError;
 pub use client::{
     AttemptError, DEFAULT_ATTEMPT_TIMEOUT, Retried, RetryingClient, SendError, new_key,
 };
-pub use policy::{RetryPolicy, parse_retry_after};
+pub use policy::RetryPolicy;
 pub use run::{Attempt, RetryError, retry, retry_with};

@@ -118,7 +118,7 @@ impl RetryPolicy {
 /// 06-Nov-94 08:49:37 GMT"` and asctime `"Sun Nov  6 08:49:37 1994"`,
 /// measured from `now` (a date in the past is zero). `None` for anything
 /// else.
-pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+pub(crate) fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
     if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
         // Too many seconds for a u64 is "a very long time" (the max delay caps it).

@@ -1,6 +1,7 @@
 //! Why a delivery is dead-lettered ([`DeadLetterReason`]), and what a dead
 //! letter says about itself ([`DeadLetter`]).
 
+use crate::headers::{REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::time::SystemTime;
@@ -43,7 +44,7 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
-    /// The value of the [`REASON_HEADER`](crate::runtime::headers::REASON_HEADER) header.
+    /// The value of the [`REASON_HEADER`](crate::headers::REASON_HEADER) header.
     pub fn as_str(self) -> &'static str {
         match self {
             DeadLetterReason::MissingMessageId => "missing message id",
@@ -64,18 +65,8 @@ impl fmt::Display for DeadLetterReason {
     }
 }
 
-/// The header a replayed copy carries its failure history in: a JSON array
-/// of [`ReplayRecord`]s, one per replay, oldest first, of the last
-/// [`MAX_REPLAY_HISTORY`] replays only (the header would otherwise grow
-/// with every replay until the message no longer fits a frame). Written by
-/// [`DeadLetter::replay_properties`], read by [`DeadLetter::replay_history`].
-pub const REPLAY_HISTORY_HEADER: &str = "x-idempo-replay-history";
-
-/// How many times the message was replayed in all (an integer), including
-/// the replays whose records left the [`REPLAY_HISTORY_HEADER`].
-pub const REPLAY_COUNT_HEADER: &str = "x-idempo-replay-count";
-
-/// How many [`ReplayRecord`]s the [`REPLAY_HISTORY_HEADER`] keeps.
+/// How many [`ReplayRecord`]s the
+/// [`REPLAY_HISTORY_HEADER`](crate::headers::REPLAY_HISTORY_HEADER) keeps.
 pub const MAX_REPLAY_HISTORY: usize = 5;
 
 /// A record's error text is cut to this many bytes (the full text of the
@@ -97,13 +88,13 @@ const RESET_ON_REPLAY: [&str; 5] = [
 /// The runtime publishes each dead letter with its reason, the last error,
 /// the failed attempts, the consumer, the queue and routing key it came
 /// from, and when its first and last attempts failed (see the
-/// [`REASON_HEADER`](crate::runtime::headers::REASON_HEADER) family of constants). This view
+/// [`REASON_HEADER`](crate::headers::REASON_HEADER) family of constants). This view
 /// reads them from a delivery's [`BasicProperties`]: text headers must be
 /// UTF-8 (a value that is not reads as absent, as it does for the runtime);
 /// [`headers_for_display`](Self::headers_for_display) shows every header,
 /// whatever its type, for people.
 ///
-/// A message without [`QUEUE_HEADER`](crate::runtime::headers::QUEUE_HEADER) was not
+/// A message without [`QUEUE_HEADER`](crate::headers::QUEUE_HEADER) was not
 /// dead-lettered by idempo ([`is_foreign`](Self::is_foreign)): put into the
 /// DLQ by hand, or by the broker's own dead-lettering.
 ///
@@ -250,7 +241,7 @@ impl<'a> DeadLetter<'a> {
     }
 
     /// Whether idempo did not dead-letter it: it has no
-    /// [`QUEUE_HEADER`](crate::runtime::headers::QUEUE_HEADER), so a replay needs a target.
+    /// [`QUEUE_HEADER`](crate::headers::QUEUE_HEADER), so a replay needs a target.
     pub fn is_foreign(&self) -> bool {
         self.original_queue().is_none()
     }

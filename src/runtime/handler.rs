@@ -402,7 +402,7 @@ fn traceparent(message: &Message) -> Option<String> {
     #[cfg(feature = "outbox")]
     {
         message
-            .header(crate::outbox::TRACEPARENT_HEADER)
+            .header(crate::headers::TRACEPARENT_HEADER)
             .and_then(crate::runtime::headers::header_text)
     }
     #[cfg(not(feature = "outbox"))]

@@ -1,45 +1,12 @@
-//! The `x-idempo-*` headers idempo writes on retried and dead-lettered copies.
+//! The failure history idempo writes on retried and dead-lettered copies,
+//! in the headers named in [`crate::headers`].
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::types::{AMQPValue, FieldTable};
 
+pub(crate) use crate::headers::*;
 use crate::runtime::message::Message;
-
-/// Why the message was dead-lettered (one of [`DeadLetterReason::as_str`](crate::runtime::dead_letter::DeadLetterReason::as_str)).
-pub const REASON_HEADER: &str = "x-idempo-reason";
-/// The text of the last error.
-pub const ERROR_HEADER: &str = "x-idempo-error";
-/// The consumer that retried or dead-lettered the message.
-pub const CONSUMER_HEADER: &str = "x-idempo-consumer";
-/// The queue the message was consumed from.
-pub const QUEUE_HEADER: &str = "x-idempo-original-queue";
-/// The routing key the message was originally published with.
-pub const ROUTING_KEY_HEADER: &str = "x-idempo-original-routing-key";
-/// The original per-message TTL, which republished copies drop (a dead letter
-/// must not expire out of the DLQ, a retry must not expire in its delay queue).
-pub const ORIGINAL_EXPIRATION_HEADER: &str = "x-idempo-original-expiration";
-/// The id idempo deduplicated the original on, written on every copy (with
-/// [`MESSAGE_ID_SEAL_HEADER`]): a copy's properties differ from the
-/// original's (routing key, expiration), so an id derived from them must not
-/// be derived again. Not written when the original had no usable id.
-pub const MESSAGE_ID_HEADER: &str = "x-idempo-message-id";
-/// The seal of [`MESSAGE_ID_HEADER`]: an HMAC-SHA256 (hex) of the consumer,
-/// the id and the body's hash under a per-consumer secret. Only an id with a
-/// valid seal is carried forward; a header without one is ignored.
-pub const MESSAGE_ID_SEAL_HEADER: &str = "x-idempo-message-id-seal";
-/// The headers removed from a dead letter so that it fits the broker's frame
-/// size, as `name=bytes` pairs, largest first (for example
-/// `x-pad=130811`). RabbitMQ closes the connection on a larger header frame,
-/// so a copy that would not fit is trimmed: first the largest headers that
-/// are not idempo's, then the error text and the replay history.
-pub const TRIMMED_HEADERS_HEADER: &str = "x-idempo-trimmed-headers";
-/// How many attempts have failed so far (an integer).
-pub const ATTEMPTS_HEADER: &str = "x-idempo-attempts";
-/// When the first attempt failed (RFC 3339, UTC).
-pub const FIRST_FAILURE_HEADER: &str = "x-idempo-first-failure";
-/// When the last attempt failed (RFC 3339, UTC).
-pub const LAST_FAILURE_HEADER: &str = "x-idempo-last-failure";
 
 /// The failure history a message carries, updated with the current failure.
 #[derive(Debug, Clone)]

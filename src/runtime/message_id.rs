@@ -3,7 +3,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::inbox::{InvalidMessageId, payload_sha256, validate_message_id};
+use crate::inbox::{InvalidMessageId, payload_sha256};
+use crate::message_id::validate_message_id;
 use crate::runtime::headers::header_text;
 use crate::runtime::message::Message;
 
@@ -42,7 +43,7 @@ impl MessageIdSource {
     /// Extracts and validates the id of `message` from this source.
     ///
     /// (The runtime first looks for the id an idempo copy carries forward in
-    /// [`MESSAGE_ID_HEADER`](crate::runtime::headers::MESSAGE_ID_HEADER), sealed under the
+    /// [`MESSAGE_ID_HEADER`](crate::headers::MESSAGE_ID_HEADER), sealed under the
     /// consumer's key; a header without a valid seal is ignored, and then
     /// this source decides.)
     ///

@@ -144,12 +144,7 @@ impl RedeliveryPolicy {
 /// `<queue>.retry.<delay>`, the delay written exactly and short (`1s`, `2m`,
 /// `250ms`, `1h`). For tools that inspect the topology (the `idempo` command's
 /// `status`).
-///
-/// ```
-/// use std::time::Duration;
-/// assert_eq!(idempo::amqp::delay_queue("payments", Duration::from_secs(120)), "payments.retry.2m");
-/// ```
-pub fn delay_queue(queue: &str, delay: Duration) -> String {
+pub(crate) fn delay_queue(queue: &str, delay: Duration) -> String {
     format!("{queue}.retry.{}", label(delay))
 }
 

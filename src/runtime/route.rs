@@ -13,10 +13,10 @@ use lapin::types::AMQPValue;
 
 use crate::amqp::config::Config;
 #[cfg(feature = "outbox")]
+use crate::headers::REASON_HEADER;
+#[cfg(feature = "outbox")]
 use crate::runtime::copy::copy_properties;
 use crate::runtime::dead_letter::DeadLetterReason;
-#[cfg(feature = "outbox")]
-use crate::runtime::headers::REASON_HEADER;
 use crate::runtime::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
     QUEUE_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
@@ -201,7 +201,7 @@ impl Router {
                 return Err(Outcome::Abandoned);
             };
             if let Some(id) = seal.carried_id(message) {
-                return crate::inbox::validate_message_id(&id)
+                return crate::message_id::validate_message_id(&id)
                     .map(|()| id)
                     .map_err(invalid_id);
             }

@@ -21,6 +21,6 @@ mod name;
 mod runner;
 mod step;
 
-pub use name::{MAX_SAGA_ID_LEN, MAX_STEP_LEN, NameError};
+pub use name::NameError;
 pub use runner::{Saga, SagaOutcome, StepContext};
 pub use step::{StepError, compensate, execute, idempotency_key};

@@ -7,13 +7,13 @@
 
 /// The longest saga id accepted, in bytes.
 ///
-/// With [`MAX_STEP_LEN`] and the `:` between them, the idempotency key
+/// With 64 and the `:` between them, the idempotency key
 /// `{saga_id}:{step}` stays within the 255 characters an `Idempotency-Key`
 /// may have (idempo's HTTP layer and Stripe both stop there).
-pub const MAX_SAGA_ID_LEN: usize = 190;
+pub(crate) const MAX_SAGA_ID_LEN: usize = 190;
 
-/// The longest step name accepted, in bytes (see [`MAX_SAGA_ID_LEN`]).
-pub const MAX_STEP_LEN: usize = 64;
+/// The longest step name accepted, in bytes (see 190).
+pub(crate) const MAX_STEP_LEN: usize = 64;
 
 /// Why a saga id or a step name was refused. Nothing was sent to the
 /// database.
@@ -26,7 +26,7 @@ pub enum NameError {
     /// The empty string.
     #[error("empty")]
     Empty,
-    /// Longer than [`MAX_SAGA_ID_LEN`] or [`MAX_STEP_LEN`].
+    /// Longer than 190 or 64.
     #[error("{len} bytes long, at most {max} are allowed")]
     TooLong {
         /// Its length in bytes.

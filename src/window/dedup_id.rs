@@ -5,7 +5,7 @@ use std::fmt;
 use sha2::{Digest, Sha256};
 
 /// The longest explicit id, as in SQS.
-pub const MAX_DEDUP_ID_LEN: usize = 128;
+pub(crate) const MAX_DEDUP_ID_LEN: usize = 128;
 
 /// A deduplication id: two messages with the same id within the window are
 /// one message.
@@ -72,7 +72,7 @@ pub enum InvalidDedupId {
     /// The id is empty.
     #[error("the deduplication id is empty")]
     Empty,
-    /// Longer than [`MAX_DEDUP_ID_LEN`].
+    /// Longer than 128.
     #[error(
         "the deduplication id is {len} characters long; at most {MAX_DEDUP_ID_LEN} are allowed"
     )]

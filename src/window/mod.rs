@@ -32,11 +32,10 @@ mod postgres;
 mod redis;
 mod store;
 
-pub use crate::cleanup::StateCount;
-pub use dedup_id::{DedupId, InvalidDedupId, MAX_DEDUP_ID_LEN, Scope};
+pub use dedup_id::{DedupId, InvalidDedupId, Scope};
 pub use dedup_window::{DEFAULT_WINDOW, DedupWindow};
 pub use memory::MemoryWindow;
-pub use postgres::{DEFAULT_STORE_TIMEOUT, PostgresWindow};
+pub use postgres::PostgresWindow;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisWindow;

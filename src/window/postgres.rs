@@ -11,7 +11,7 @@ use super::store::{Insertion, Reservation, WindowStore, bounded, check_key, chec
 use crate::{Error, Result};
 
 /// How long one store call may take, by default.
-pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The longest a timed-out call then spends finding out why.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -43,7 +43,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// removes them: spawn [`run_cleanup`](super::run_cleanup) as above.
 ///
 /// # Timeouts
-/// Each call takes at most the store timeout ([`DEFAULT_STORE_TIMEOUT`],
+/// Each call takes at most the store timeout (5 s,
 /// 5 s; see [`timeout`](Self::timeout)), waiting for a pool connection
 /// included. When it runs out (or the pool gives up first, which it reports
 /// only as "pool timed out"), one direct connection attempt of at most 2 s
@@ -77,7 +77,7 @@ impl PostgresWindow {
     }
 
     /// How long one store call may take (at least 1 ms; default
-    /// [`DEFAULT_STORE_TIMEOUT`], 5 s): see [Timeouts](Self#timeouts).
+    /// 5 s, 5 s): see [Timeouts](Self#timeouts).
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout.clamp(Duration::from_millis(1), super::store::MAX_WINDOW);
@@ -96,7 +96,7 @@ impl PostgresWindow {
     /// # Errors
     /// [`Error::Database`] when the query fails (also when the table does
     /// not exist: run [`migrate`](crate::migrate)).
-    pub async fn count_by_state(&self) -> Result<Vec<super::StateCount>> {
+    pub async fn count_by_state(&self) -> Result<Vec<crate::StateCount>> {
         crate::cleanup::count_by_state(&self.pool, "dedup_window").await
     }
 

@@ -546,7 +546,7 @@ pub struct DeadLetter {
 impl DeadLetter {
     pub fn reason(&self) -> &str {
         self.headers
-            .get(idempo::amqp::REASON_HEADER)
+            .get(idempo::headers::REASON_HEADER)
             .map(String::as_str)
             .unwrap_or("<no reason header>")
     }

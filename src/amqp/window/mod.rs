@@ -7,7 +7,4 @@ mod consumer;
 mod publisher;
 
 pub use consumer::{WindowHandler, WindowNoHandler, Windowed};
-pub use publisher::{
-    DEDUP_ID_HEADER, DEFAULT_CONFIRM_TIMEOUT, DEFAULT_LEASE, DedupPublisher, DedupPublisherBuilder,
-    GROUP_ID_HEADER, Outgoing, Published,
-};
+pub use publisher::{DedupPublisher, DedupPublisherBuilder, Outgoing, Published};

@@ -1,5 +1,6 @@
 //! [`DedupPublisher`]: publish once per dedup id within the window.
 
+use crate::headers::{DEDUP_ID_HEADER, GROUP_ID_HEADER};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,18 +16,12 @@ use crate::amqp::reconnect::Reconnect;
 use crate::window::{DedupId, DedupWindow, MAX_WINDOW, Reservation, Scope, WindowStore};
 use crate::{Error, Result};
 
-/// The header that carries a message's dedup id.
-pub const DEDUP_ID_HEADER: &str = "x-idempo-dedup-id";
-
-/// The header that carries a message's group id (SQS's `MessageGroupId`).
-pub const GROUP_ID_HEADER: &str = "x-group-id";
-
 /// How long a reservation lasts by default: it outlasts the default confirm
 /// timeout (30 s) with room for the store's calls.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(70);
+pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(70);
 
 /// How long a publish waits for a channel and the broker's confirm, by default.
-pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A message to publish with [`DedupPublisher::publish`].
 #[derive(Debug, Clone)]
@@ -129,7 +124,7 @@ pub struct Published {
 /// and a concurrent publish of the same id waits for the first to settle
 /// (then returns its message id, or publishes itself if the first failed). A
 /// process that dies between the confirm and the record leaves a reservation
-/// that expires after its lease ([`DEFAULT_LEASE`], 70 s); a retry after that
+/// that expires after its lease (70 s, 70 s); a retry after that
 /// publishes again: the window is at-least-once at that point. So does a
 /// publish whose confirm never came (the broker may hold it): it returns an
 /// error but keeps the id reserved for the lease.
@@ -162,8 +157,8 @@ impl<S> fmt::Debug for DedupPublisher<S> {
 /// Configures a [`DedupPublisher`]: [`DedupPublisher::builder`].
 ///
 /// # Default
-/// - lease: [`DEFAULT_LEASE`] (70 s);
-/// - confirm timeout: [`DEFAULT_CONFIRM_TIMEOUT`] (30 s);
+/// - lease: 70 s (70 s);
+/// - confirm timeout: 30 s (30 s);
 /// - connection name: `idempo-publisher:<pid>`.
 pub struct DedupPublisherBuilder<S> {
     broker: Broker,
@@ -186,7 +181,7 @@ impl<S> fmt::Debug for DedupPublisherBuilder<S> {
 
 impl<S: WindowStore> DedupPublisherBuilder<S> {
     /// How long a reservation holds the id while its publish is in flight
-    /// (default [`DEFAULT_LEASE`], 70 s; at most
+    /// (default 70 s, 70 s; at most
     /// [`MAX_WINDOW`](crate::window::MAX_WINDOW)). It must outlast the
     /// confirm timeout, with room for the store's calls: a lease that runs out
     /// before the confirm lets a concurrent publisher of the id send a second
@@ -200,7 +195,7 @@ impl<S: WindowStore> DedupPublisherBuilder<S> {
 
     /// How long one publish may take, from waiting for a channel (and
     /// reconnecting) to the broker's confirm (default
-    /// [`DEFAULT_CONFIRM_TIMEOUT`], 30 s; at least 1 ms).
+    /// 30 s, 30 s; at least 1 ms).
     #[must_use]
     pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
         self.confirm_timeout = timeout.clamp(Duration::from_millis(1), MAX_WINDOW);

@@ -1,11 +1,11 @@
 //! [`import`]: a RabbitMQ dead-letter queue moved into the table store.
 
 use super::{Opened, without_broker_headers};
-use crate::amqp::{
-    CONSUMER_HEADER, DeadLetter, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER, QUEUE_HEADER,
-    ROUTING_KEY_HEADER,
-};
+use crate::amqp::DeadLetter;
 use crate::dead_letters::{self, NewLetter};
+use crate::headers::{
+    CONSUMER_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER, QUEUE_HEADER, ROUTING_KEY_HEADER,
+};
 use crate::ops::{OpsError, Result, Services};
 
 /// What [`import`] moved.

@@ -41,7 +41,8 @@ use lapin::{BasicProperties, Channel, Connection};
 use serde::Serialize;
 
 use super::{OpsError, Result, Services, close, queue_depth};
-use crate::amqp::{ConfirmChannel, DeadLetter, dead_letter_queue};
+use crate::amqp::publish::ConfirmChannel;
+use crate::amqp::{DeadLetter, dead_letter_queue};
 
 pub use import::{ImportSummary, import, table_holds};
 pub use purge::{PurgeOptions, PurgePlan, purge, purge_now};
@@ -100,7 +101,7 @@ pub struct DeadLetterSummary {
 }
 
 /// What [`DeadLetterSummary::reason`] says of a dead letter without a reason.
-pub const FOREIGN: &str = "foreign";
+pub(crate) const FOREIGN: &str = "foreign";
 
 impl DeadLetterSummary {
     /// The summary of a dead letter fetched from a DLQ.
@@ -111,8 +112,8 @@ impl DeadLetterSummary {
             reason: dead.reason().unwrap_or_else(|| FOREIGN.into()),
             attempts: dead.attempts(),
             error: dead.error(),
-            first_failure: dead.header(crate::amqp::FIRST_FAILURE_HEADER),
-            last_failure: dead.header(crate::amqp::LAST_FAILURE_HEADER),
+            first_failure: dead.header(crate::headers::FIRST_FAILURE_HEADER),
+            last_failure: dead.header(crate::headers::LAST_FAILURE_HEADER),
             consumer: dead.consumer(),
             original_queue: dead.original_queue(),
             routing_key: dead
