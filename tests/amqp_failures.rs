@@ -328,7 +328,7 @@ async fn a_backend_killed_mid_transaction_reruns_the_delivery_once() {
 #[tokio::test]
 async fn a_database_outage_holds_deliveries_until_it_returns() {
     let (db, broker, queue) = support::setup().await;
-    let proxy = TcpProxy::start("127.0.0.1:5432").await;
+    let proxy = TcpProxy::postgres().await;
     let pool = support::pool_through(&proxy, &db).await;
     let consumer = Running::start(
         Consumer::builder(support::amqp_url(), pool)
@@ -544,7 +544,7 @@ async fn a_commit_whose_answer_is_lost_is_claimed_again_as_a_duplicate() {
     for batch in [None, Some(10)] {
         let (db, broker, queue) = support::setup().await;
         sleep_at_first_commit(&db).await;
-        let proxy = TcpProxy::start("127.0.0.1:5432").await;
+        let proxy = TcpProxy::postgres().await;
         let pool = support::pool_through(&proxy, &db).await;
         let messages: Vec<(String, Vec<u8>)> = (1..=10)
             .map(|i| (format!("pay-{i}"), support::payment_body("lu", i)))

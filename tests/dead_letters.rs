@@ -441,7 +441,7 @@ async fn the_consumer_writes_dead_letters_to_the_table_instead_of_the_dlq() {
 #[tokio::test]
 async fn a_dead_letter_waits_for_the_database_and_is_stored_once() {
     let (db, broker, queue) = support::setup().await;
-    let proxy = support::TcpProxy::start("127.0.0.1:5432").await;
+    let proxy = support::TcpProxy::postgres().await;
     let pool = support::pool_through(&proxy, &db).await;
     let consumer = support::consumer::Running::start(
         idempo::amqp::Consumer::builder(support::amqp_url(), pool)

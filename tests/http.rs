@@ -628,7 +628,7 @@ async fn a_store_that_is_down_fails_closed<St: TestStore>() {
     let target = if std::any::type_name::<St>().contains("Redis") {
         redis_url().trim_start_matches("redis://").to_owned()
     } else {
-        "127.0.0.1:5432".to_owned()
+        support::ServiceUrl::database().addr()
     };
     let proxy = TcpProxy::start(&target).await;
     let Some(store) = St::through(&proxy, &db).await else {
@@ -1236,10 +1236,11 @@ async fn a_full_memory_store_refuses_new_keys_and_never_forgets_a_live_one() {
 #[tokio::test]
 async fn a_store_that_hangs_answers_503_within_the_store_timeout() {
     let db = Db::new().await;
-    let proxy = TcpProxy::start("127.0.0.1:5432").await;
+    let proxy = TcpProxy::postgres().await;
     // A pool as users configure it: a long acquire timeout.
     let options = sqlx::postgres::PgConnectOptions::from_str(&support::database_url())
         .unwrap()
+        .host(&proxy.addr.ip().to_string())
         .port(proxy.addr.port())
         .options([("search_path", db.schema.as_str())]);
     let pool = sqlx::postgres::PgPoolOptions::new()

@@ -735,8 +735,8 @@ async fn refused_messages_are_retried_then_failed_with_their_reason_while_other_
 #[tokio::test]
 async fn a_broker_outage_holds_the_rows_until_it_returns() {
     let (db, broker, queue) = setup().await;
-    let proxy = TcpProxy::start("127.0.0.1:5672").await;
-    let url = format!("amqp://guest:guest@{}/%2f", proxy.addr);
+    let proxy = TcpProxy::amqp().await;
+    let url = support::ServiceUrl::amqp().through(proxy.addr).to_string();
     let relay = Relay::new(&url, db.pool.clone())
         .unwrap()
         .poll_interval(Duration::from_millis(300));

@@ -8,7 +8,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use idempo::amqp::Consumer;
-use support::{Db, amqp_url, database_url, example_binary, unique};
+use support::{Db, ServiceUrl, amqp_url, database_url, example_binary, unique};
 
 /// Passwords that must never appear in any output.
 const SECRETS: [&str; 5] = ["se/cret", "S3cretPW", "QpW9x", "Pw2nd", "R3disPW"];
@@ -220,11 +220,8 @@ fn queue_names_over_the_amqp_limit_are_refused_up_front() {
         vec!["status", "--queue", huge.as_str()],
         vec!["dlq", "list", huge.as_str()],
     ] {
-        let mut full = vec![
-            "--database-url",
-            "postgres://postgres@127.0.0.1:5432/postgres",
-        ];
-        let amqp = amqp_url();
+        let (database, amqp) = (database_url(), amqp_url());
+        let mut full = vec!["--database-url", database.as_str()];
         full.extend(["--amqp-url", amqp.as_str()]);
         full.extend(args.iter().copied());
         let out = idempo(&full);
@@ -405,7 +402,10 @@ impl BrokerUser {
     }
 
     fn url(&self) -> String {
-        format!("amqp://{}:pw@127.0.0.1:5672/{}", self.user, self.vhost)
+        ServiceUrl::amqp()
+            .with_user(&self.user, Some("pw"))
+            .with_path(&self.vhost)
+            .into()
     }
 }
 
@@ -440,16 +440,16 @@ async fn broker_configuration_errors_end_the_start_with_the_cause_in_either_mode
     let queue = unique("refused");
     let cases = [
         (
-            "amqp://guest:wrongpw@127.0.0.1:5672/%2f".to_owned(),
+            ServiceUrl::amqp().with_password("wrongpw").into(),
             "ACCESS_REFUSED",
         ),
         // Words that a text match once took for TLS failures, or did not.
         (
-            "amqp://guest:guest@127.0.0.1:5672/alerts".to_owned(),
+            ServiceUrl::amqp().with_path("alerts").into(),
             "vhost alerts not found",
         ),
         (
-            "amqp://guest:guest@127.0.0.1:5672/billing".to_owned(),
+            ServiceUrl::amqp().with_path("billing").into(),
             "vhost billing not found",
         ),
         (no_access.url(), "refused for user"),
@@ -594,7 +594,10 @@ fn the_payments_example_exits_on_a_wrong_password_with_the_cause_in_one_line() {
         &example_binary("payments"),
         &[
             ("DATABASE_URL", &database_url()),
-            ("AMQP_URL", "amqp://guest:Pw2nd@127.0.0.1:5672/%2f"),
+            (
+                "AMQP_URL",
+                ServiceUrl::amqp().with_password("Pw2nd").as_str(),
+            ),
             ("PAYMENTS_QUEUE", &unique("wrong_password")),
         ],
         &[],
@@ -765,20 +768,21 @@ async fn payments_and_idempo_take_the_amqp_ca_and_client_certificate_from_the_en
 async fn a_refused_copy_does_not_end_the_session() {
     support::init_tracing();
     let db = Db::new().await;
-    // May only read: guest declares the queues (declaring needs write on the
-    // default exchange too).
+    // May only read: AMQP_URL's user (guest) declares the queues (declaring
+    // needs write on the default exchange too).
     let user = BrokerUser::new(Some(["", "", ".*"]));
+    let guest = ServiceUrl::amqp().with_path(&user.vhost);
     ctl(&[
         "set_permissions",
         "-p",
         &user.vhost,
-        "guest",
+        &guest.user(),
         ".*",
         ".*",
         ".*",
     ]);
     let queue = unique("no_write");
-    let guest = format!("amqp://guest:guest@127.0.0.1:5672/{}", user.vhost);
+    let guest = guest.to_string();
     let connection = lapin::Connection::connect(&guest, lapin::ConnectionProperties::default())
         .await
         .expect("guest connects to the test vhost");

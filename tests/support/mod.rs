@@ -12,6 +12,9 @@ pub mod cluster;
 pub mod consumer;
 pub mod example;
 pub mod pika;
+pub mod service_url;
+
+pub use service_url::ServiceUrl;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -769,9 +772,9 @@ impl Drop for KillOnDrop<'_> {
     }
 }
 
-/// A TCP proxy in front of PostgreSQL that a test can cut (all connections
-/// dropped, new ones refused) and restore: a database outage that only this
-/// test sees.
+/// A TCP proxy in front of a service that a test can cut (all connections
+/// dropped, new ones refused) and restore: an outage of PostgreSQL or
+/// RabbitMQ that only this test sees.
 pub struct TcpProxy {
     pub addr: std::net::SocketAddr,
     up: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -779,6 +782,17 @@ pub struct TcpProxy {
 }
 
 impl TcpProxy {
+    /// A proxy in front of the PostgreSQL of `DATABASE_URL`.
+    pub async fn postgres() -> TcpProxy {
+        TcpProxy::start(&ServiceUrl::database().addr()).await
+    }
+
+    /// A proxy in front of the (first) RabbitMQ node of `AMQP_URL`.
+    pub async fn amqp() -> TcpProxy {
+        TcpProxy::start(&ServiceUrl::amqp().addr()).await
+    }
+
+    /// A proxy in front of `target` (`host:port`).
     pub async fn start(target: &str) -> TcpProxy {
         use std::sync::atomic::AtomicBool;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -904,8 +918,16 @@ impl IsolatedDb {
             }
         }
         let name = unique("iso");
+        // The role logs in as DATABASE_URL's user does: with its password,
+        // if it has one (a server that asks for passwords lets it in too).
+        let base_url = ServiceUrl::database();
+        let password = base_url.password();
+        let login = match &password {
+            Some(p) => format!("LOGIN PASSWORD '{}'", p.replace('\'', "''")),
+            None => "LOGIN".to_owned(),
+        };
         for sql in [
-            format!("CREATE ROLE {name} LOGIN"),
+            format!("CREATE ROLE {name} {login}"),
             format!("CREATE DATABASE {name} OWNER {name}"),
         ] {
             sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -913,10 +935,11 @@ impl IsolatedDb {
                 .await
                 .expect("create the isolated database");
         }
-        let options = PgConnectOptions::from_str(&base)
-            .unwrap()
-            .username(&name)
-            .database(&name);
+        let url = base_url
+            .with_user(&name, password.as_deref())
+            .with_path(&name)
+            .to_string();
+        let options = PgConnectOptions::from_str(&url).unwrap();
         let pool = PgPoolOptions::new()
             .max_connections(POOL_SIZE)
             .acquire_timeout(Duration::from_secs(2))
@@ -927,7 +950,6 @@ impl IsolatedDb {
         payments::create_tables(&pool)
             .await
             .expect("payments tables");
-        let url = format!("postgres://{name}@127.0.0.1:5432/{name}");
         IsolatedDb {
             db: Db {
                 pool,
