@@ -20,19 +20,20 @@ pub(crate) async fn list(ctx: &Ctx, filter: &Filter, group: bool) -> anyhow::Res
         if ctx.json {
             groups.iter().for_each(output::json);
         } else {
-            println!(
-                "COUNT  REASON                     FINGERPRINT       LAST SEEN                 SAMPLE ERROR"
+            let mut table = output::table(
+                &["COUNT", "REASON", "FINGERPRINT", "LAST SEEN", "SAMPLE ERROR"],
+                &[0],
             );
             for g in &groups {
-                println!(
-                    "{:>5}  {:<26} {:<17} {:<25} {}",
-                    g.count,
-                    g.reason,
-                    g.fingerprint,
-                    g.last_seen,
-                    one_line(&g.sample_error, 80)
-                );
+                table.add_row(vec![
+                    g.count.to_string(),
+                    g.reason.clone(),
+                    g.fingerprint.clone(),
+                    g.last_seen.to_string(),
+                    one_line(&g.sample_error, 80),
+                ]);
             }
+            output::print_table(table);
         }
         return Ok(0);
     }
@@ -40,21 +41,30 @@ pub(crate) async fn list(ctx: &Ctx, filter: &Filter, group: bool) -> anyhow::Res
     if ctx.json {
         letters.iter().for_each(output::json);
     } else {
-        println!(
-            "ROW      MESSAGE ID                REASON                     ATTEMPTS  LAST FAILED               FINGERPRINT       ERROR"
+        let mut table = output::table(
+            &[
+                "ROW",
+                "MESSAGE ID",
+                "REASON",
+                "ATTEMPTS",
+                "LAST FAILED",
+                "FINGERPRINT",
+                "ERROR",
+            ],
+            &[3],
         );
         for l in &letters {
-            println!(
-                "{:<8} {:<25} {:<26} {:>8}  {:<25} {:<17} {}",
-                l.id,
+            table.add_row(vec![
+                l.id.to_string(),
                 one_line(l.message_id.as_deref().unwrap_or("-"), 25),
-                l.reason,
-                l.attempts,
-                l.last_failed_at,
-                l.fingerprint,
-                one_line(&l.error, 60)
-            );
+                l.reason.clone(),
+                l.attempts.to_string(),
+                l.last_failed_at.to_string(),
+                l.fingerprint.clone(),
+                one_line(&l.error, 60),
+            ]);
         }
+        output::print_table(table);
         if letters.is_empty() {
             println!("no dead letters");
         }
@@ -270,12 +280,17 @@ pub(crate) async fn discard(ctx: &Ctx, filter: &Filter) -> anyhow::Result<u8> {
 }
 
 pub(crate) async fn import(ctx: &Ctx, queue: &str) -> anyhow::Result<u8> {
+    let spinner = output::spinner(ctx.json);
     let summary = idempo::ops::dlq::import(&ctx.services, queue, |n| {
-        if !ctx.json && n.is_multiple_of(100) {
+        if !spinner.is_hidden() {
+            spinner.set_message(format!("{n} imported"));
+        } else if !ctx.json && n.is_multiple_of(100) {
             eprintln!("{n} imported");
         }
     })
-    .await?;
+    .await;
+    spinner.finish_and_clear();
+    let summary = summary?;
     if ctx.json {
         output::json(&summary);
     } else {
