@@ -425,3 +425,25 @@ async fn purge_older_than_deletes_only_dead_letters_that_failed_before_it() {
     ids.sort_unstable();
     assert_eq!(ids, ["foreign-1", "recent-1"]);
 }
+
+/// A mistyped command is answered with the one meant, and nothing the
+/// command prints to a pipe carries a terminal escape code.
+#[test]
+fn a_typo_is_answered_with_the_command_meant_and_no_colour_reaches_a_pipe() {
+    let binary = env!("CARGO_BIN_EXE_idempo");
+    let typo = Command::new(binary).arg("stauts").output().unwrap();
+    let err = String::from_utf8_lossy(&typo.stderr);
+    assert_eq!(typo.status.code(), Some(2), "{err}");
+    assert!(err.contains("'status'"), "a suggestion: {err}");
+    let help = Command::new(binary).arg("--help").output().unwrap();
+    assert!(help.status.success());
+    for (what, out) in [
+        ("the typo's stdout", &typo.stdout),
+        ("the typo's stderr", &typo.stderr),
+        ("--help", &help.stdout),
+        ("--help's stderr", &help.stderr),
+    ] {
+        let text = String::from_utf8_lossy(out);
+        assert!(!text.contains("\x1b["), "{what} has an escape code: {text:?}");
+    }
+}

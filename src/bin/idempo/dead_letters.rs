@@ -192,7 +192,7 @@ pub(crate) async fn replay(
         force,
         throttle,
         batch_size: if throttle.is_some() { 1 } else { 100 },
-        ..ReplayOptions::by(operator())
+        ..ReplayOptions::by(operator(ctx))
     };
     let counted = store::replay(
         pool,
@@ -270,7 +270,7 @@ pub(crate) async fn purge(ctx: &Ctx, filter: &Filter, yes: bool) -> anyhow::Resu
 
 pub(crate) async fn discard(ctx: &Ctx, filter: &Filter) -> anyhow::Result<u8> {
     let pool = ctx.services.database().await?;
-    let discarded = store::discard(pool, filter, &operator()).await?;
+    let discarded = store::discard(pool, filter, &operator(ctx)).await?;
     if ctx.json {
         output::json(&json!({"discarded": discarded}));
     } else {
@@ -308,8 +308,8 @@ pub(crate) fn work_queue(queue: &str) -> &str {
 }
 
 /// Who runs the command, as recorded on replayed and discarded letters.
-fn operator() -> String {
-    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+fn operator(ctx: &Ctx) -> String {
+    let user = &ctx.operator;
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
         .unwrap_or_default();
