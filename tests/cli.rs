@@ -74,6 +74,23 @@ async fn unreachable_services_and_unknown_queues_are_named() {
     let out = run(&db, &["dlq", "list", &missing]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
+
+    // PostgreSQL's own words, without sqlx's "at line N" (a line of
+    // PostgreSQL's source, not the operator's).
+    let args = [
+        "dlq",
+        "list",
+        &missing,
+        "--store",
+        "table",
+        "--body-path",
+        "$$",
+    ];
+    let out = run(&db, &args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("idempo: "), "{err}");
+    assert!(!err.contains(" at line "), "{err}");
 }
 
 #[tokio::test]
@@ -444,6 +461,9 @@ fn a_typo_is_answered_with_the_command_meant_and_no_colour_reaches_a_pipe() {
         ("--help's stderr", &help.stderr),
     ] {
         let text = String::from_utf8_lossy(out);
-        assert!(!text.contains("\x1b["), "{what} has an escape code: {text:?}");
+        assert!(
+            !text.contains("\x1b["),
+            "{what} has an escape code: {text:?}"
+        );
     }
 }

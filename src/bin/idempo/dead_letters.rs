@@ -21,7 +21,13 @@ pub(crate) async fn list(ctx: &Ctx, filter: &Filter, group: bool) -> anyhow::Res
             groups.iter().for_each(output::json);
         } else {
             let mut table = output::table(
-                &["COUNT", "REASON", "FINGERPRINT", "LAST SEEN", "SAMPLE ERROR"],
+                &[
+                    "COUNT",
+                    "REASON",
+                    "FINGERPRINT",
+                    "LAST SEEN",
+                    "SAMPLE ERROR",
+                ],
                 &[0],
             );
             for g in &groups {

@@ -13,6 +13,7 @@
 mod dashboard;
 mod dead_letters;
 mod dlq;
+mod errors;
 mod maintenance;
 mod outbox;
 mod output;
@@ -147,12 +148,12 @@ fn main() -> ExitCode {
     let ctx = Ctx {
         json: cli.json,
         operator: cli.operator,
-        services: Services::new(cli.amqp_url, cli.database_url)
+        services: Services::new(cli.amqp_url, cli.database_url.clone())
             .connection_name("idempo-cli")
             .broker_tls_files(tls),
     };
     let outcome = runtime.block_on(async {
-        match cli.command {
+        let outcome = match cli.command {
             Command::Migrate(args) => maintenance::migrate(&ctx, args).await,
             Command::Status(args) => status::exec(&ctx, args).await,
             Command::Dashboard(args) => dashboard::exec(&ctx, args).await,
@@ -161,12 +162,16 @@ fn main() -> ExitCode {
             Command::Reap(args) => maintenance::reap(&ctx, args).await,
             Command::Cleanup(args) => maintenance::cleanup(&ctx, args).await,
             Command::Partitions { command } => partitions::exec(&ctx, command).await,
+        };
+        match outcome {
+            Err(e) => Err(errors::with_cause(e, &cli.database_url).await),
+            done => done,
         }
     });
     match outcome {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("idempo: {}", output::error_line(&e));
+            eprintln!("idempo: {}", errors::error_line(&e));
             ExitCode::FAILURE
         }
     }

@@ -3,10 +3,10 @@
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 
+use comfy_table::{CellAlignment, Table, presets};
 use idempo::ops::dlq::{DeadLetterDetail, Listing, Refusal, ReplaySummary};
 use idempo::ops::maintenance::{Migration, MigrationStatus};
 use idempo::ops::{Status, short_duration};
-use comfy_table::{CellAlignment, Table, presets};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -392,25 +392,8 @@ pub(crate) fn spinner(as_json: bool) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let style = ProgressStyle::with_template("{spinner} {msg}").expect("the template parses");
-    let spinner = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()).with_style(style);
+    let spinner =
+        ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()).with_style(style);
     spinner.enable_steady_tick(std::time::Duration::from_millis(120));
     spinner
-}
-
-/// An error and its causes on one line, each cause once: a library error
-/// often shows its cause in its own message too (`database error: X`, then
-/// `X` as its source), which `{:#}` would print twice.
-pub(crate) fn error_line(error: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in error.chain() {
-        let text = cause.to_string();
-        if line.contains(&text) {
-            continue;
-        }
-        if !line.is_empty() {
-            line.push_str(": ");
-        }
-        line.push_str(&text);
-    }
-    line
 }
