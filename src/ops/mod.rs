@@ -3,7 +3,8 @@
 //! for any front end (the command, a web dashboard, a test).
 //!
 //! - [`status()`]: claims per consumer, queue depths, the outbox, HTTP keys
-//!   and window entries, with the [`Warning`]s an operator must act on;
+//!   and window entries, with the [`Warning`]s an operator must act on and
+//!   the [`Condition`] of each queue, consumer process and the outbox;
 //! - [`dlq`]: browse dead letters, [replay](dlq::replay) them to their work
 //!   queue (confirmed before the DLQ copy is acked), [purge](dlq::purge) them;
 //! - [`maintenance`]: the migrations' state, and the retention and expiry
@@ -33,6 +34,7 @@
 //! # Ok(()) }
 //! ```
 
+mod condition;
 pub mod dlq;
 mod error;
 pub mod maintenance;
@@ -55,6 +57,7 @@ use tokio::sync::OnceCell;
 use crate::amqp::{Broker, BrokerTlsFiles};
 use crate::redact_url as redacted;
 
+pub use condition::{Condition, OUTBOX_PENDING_LIMIT};
 pub use error::{OpsError, Result};
 pub use status::{
     ConsumerStatus, DelayQueueStatus, QueueStatus, Status, StatusOptions, Warning, status,
