@@ -124,6 +124,8 @@ struct Ctx {
     services: Services,
     /// `--operator`: who runs the command.
     operator: String,
+    /// `--database-url`: where a probe asks why PostgreSQL does not answer.
+    database_url: String,
 }
 
 fn main() -> ExitCode {
@@ -148,7 +150,8 @@ fn main() -> ExitCode {
     let ctx = Ctx {
         json: cli.json,
         operator: cli.operator,
-        services: Services::new(cli.amqp_url, cli.database_url.clone())
+        database_url: cli.database_url.clone(),
+        services: Services::new(cli.amqp_url, cli.database_url)
             .connection_name("idempo-cli")
             .broker_tls_files(tls),
     };
@@ -164,7 +167,7 @@ fn main() -> ExitCode {
             Command::Partitions { command } => partitions::exec(&ctx, command).await,
         };
         match outcome {
-            Err(e) => Err(errors::with_cause(e, &cli.database_url).await),
+            Err(e) => Err(errors::with_cause(e, &ctx.database_url).await),
             done => done,
         }
     });

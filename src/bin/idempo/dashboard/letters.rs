@@ -28,7 +28,7 @@ pub(crate) async fn dead_letters(State(app): Shared, Query(q): Query<QueueQuery>
         queue: q.queue.clone().filter(|q| !q.is_empty()),
         ..Filter::default()
     };
-    let pool = app.services.database().await?;
+    let pool = app.database().await?;
     let groups = store::groups(pool, &filter).await?;
     let mut body = pages::groups(filter.queue.as_deref(), &groups);
     // Not kept in the table: the queue's RabbitMQ DLQ, shown read-only
@@ -52,7 +52,7 @@ pub(crate) async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Pa
             "queue and fingerprint are required\n",
         ));
     };
-    let pool = app.services.database().await?;
+    let pool = app.database().await?;
     let filter = Filter {
         fingerprint: Some(fingerprint.clone()),
         limit: Some(PAGE),
@@ -78,7 +78,7 @@ pub(crate) async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Pa
 }
 
 pub(crate) async fn letter(State(app): Shared, Path(id): Path<i64>) -> Page {
-    let pool = app.services.database().await?;
+    let pool = app.database().await?;
     let detail = store::show(pool, id).await?.ok_or(Failure::Refused(
         StatusCode::NOT_FOUND,
         "no such dead letter\n",
@@ -219,7 +219,7 @@ pub(crate) async fn purge(
 /// confirmation, then (confirmed) done, logged with the operator's address.
 async fn act(app: &App, from: SocketAddr, form: &ActionForm, act: Act) -> Page {
     let filter = admit(app, form)?;
-    let pool = app.services.database().await?;
+    let pool = app.database().await?;
     if form.confirm.as_deref() != Some("1") {
         let count = store::count(pool, &filter).await?;
         return Ok(confirmation(app, form, act, count));

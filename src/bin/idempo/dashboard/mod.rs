@@ -25,6 +25,7 @@ use axum::routing::{get, post};
 use clap::Args;
 use idempo::ops::Services;
 use idempo::ops::management::Management;
+use sqlx::PgPool;
 
 use crate::Ctx;
 use auth::Auth;
@@ -63,6 +64,8 @@ pub(crate) struct DashboardArgs {
 
 struct App {
     services: Services,
+    /// Where a probe asks why PostgreSQL does not answer.
+    database_url: String,
     auth: Auth,
     read_only: bool,
     samples: samples::Samples,
@@ -70,6 +73,18 @@ struct App {
 }
 
 impl App {
+    /// The database pool; when PostgreSQL does not answer, why (the pool
+    /// alone would say only that it timed out).
+    async fn database(&self) -> Result<&PgPool, Failure> {
+        match self.services.database().await {
+            Ok(pool) => Ok(pool),
+            Err(e) => {
+                let e = crate::errors::with_cause(e.into(), &self.database_url).await;
+                Err(Failure::Unavailable(crate::errors::error_line(&e)))
+            }
+        }
+    }
+
     /// The checks every action passes first: not read-only, and the CSRF
     /// token of this process.
     fn admit(&self, csrf: Option<&str>) -> Result<(), Failure> {
@@ -108,6 +123,7 @@ pub(crate) async fn exec(ctx: &Ctx, args: DashboardArgs) -> anyhow::Result<u8> {
     let every = args.sample_every.max(std::time::Duration::from_millis(100));
     let app = Arc::new(App {
         services: ctx.services.clone(),
+        database_url: ctx.database_url.clone(),
         auth: Auth::new(args.token),
         read_only: args.read_only,
         samples: samples::Samples::new(management),

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use super::{App, Page, Shared, pages};
 
 pub(crate) async fn outbox(State(app): Shared) -> Page {
-    let pool = app.services.database().await?;
+    let pool = app.database().await?;
     let (status, pending, failed) = tokio::join!(
         idempo::outbox::status(pool),
         idempo::outbox::pending_by_destination(pool, 200),
@@ -47,7 +47,7 @@ pub(crate) async fn discard(
 /// Failed outbox rows (one, or all) put back to pending, or discarded.
 async fn act(app: &App, from: SocketAddr, form: &OutboxForm, discard: bool) -> Page {
     app.admit(form.csrf.as_deref())?;
-    let pool = app.services.database().await?;
+    let pool = app.database().await?;
     let ids = form.id.map(|id| vec![id]);
     if discard && form.confirm.as_deref() != Some("1") {
         // Deleting cannot be undone: say how many first.
