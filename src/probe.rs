@@ -103,6 +103,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_url_that_does_not_parse_is_left_to_the_connection_error() {
-        assert!(why_unreachable("postgres://postgres@127.0.0.1:port/db").await.is_none());
+        assert!(
+            why_unreachable("postgres://postgres@127.0.0.1:port/db")
+                .await
+                .is_none()
+        );
     }
 }
