@@ -44,13 +44,18 @@ pub(crate) fn table(header: &[&str], right: &[usize]) -> Table {
     table
 }
 
-/// Prints `table`, without the spaces that pad its last column.
-pub(crate) fn print_table(mut table: Table) {
+/// Prints `table`.
+pub(crate) fn print_table(table: Table) {
+    println!("{}", render(table));
+}
+
+/// `table` as text, without the spaces that pad its last column.
+fn render(mut table: Table) -> String {
     // No padding on the left: the first column starts the line.
     for column in table.column_iter_mut() {
         column.set_padding((0, 2));
     }
-    println!("{}", table.trim_fmt());
+    table.trim_fmt()
 }
 
 pub(crate) fn status(s: &Status) {
@@ -396,4 +401,25 @@ pub(crate) fn spinner(as_json: bool) -> ProgressBar {
         ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()).with_style(style);
     spinner.enable_steady_tick(std::time::Duration::from_millis(120));
     spinner
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_are_plain_columns_two_spaces_apart() {
+        let mut counts = table(&["QUEUE", "READY", "DELAY QUEUES"], &[1]);
+        counts.add_row(vec!["payments", "3", "payments.retry.10s=1"]);
+        counts.add_row(vec!["a", "12", ""]);
+        assert_eq!(
+            render(counts),
+            "QUEUE     READY  DELAY QUEUES\n\
+             payments      3  payments.retry.10s=1\n\
+             a            12"
+        );
+        let mut fields = table(&[], &[]);
+        fields.add_row(vec!["reason", "rejected"]);
+        assert_eq!(render(fields), "reason  rejected");
+    }
 }
