@@ -110,6 +110,7 @@ mod key;
 mod literal;
 mod message_id;
 mod migrate;
+pub mod probe;
 #[cfg_attr(
     not(any(
         feature = "retry",

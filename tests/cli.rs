@@ -74,6 +74,23 @@ async fn unreachable_services_and_unknown_queues_are_named() {
     let out = run(&db, &["dlq", "list", &missing]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
+
+    // PostgreSQL's own words, without sqlx's "at line N" (a line of
+    // PostgreSQL's source, not the operator's).
+    let args = [
+        "dlq",
+        "list",
+        &missing,
+        "--store",
+        "table",
+        "--body-path",
+        "$$",
+    ];
+    let out = run(&db, &args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("idempo: "), "{err}");
+    assert!(!err.contains(" at line "), "{err}");
 }
 
 #[tokio::test]
@@ -424,4 +441,29 @@ async fn purge_older_than_deletes_only_dead_letters_that_failed_before_it() {
         .collect();
     ids.sort_unstable();
     assert_eq!(ids, ["foreign-1", "recent-1"]);
+}
+
+/// A mistyped command is answered with the one meant, and nothing the
+/// command prints to a pipe carries a terminal escape code.
+#[test]
+fn a_typo_is_answered_with_the_command_meant_and_no_colour_reaches_a_pipe() {
+    let binary = env!("CARGO_BIN_EXE_idempo");
+    let typo = Command::new(binary).arg("stauts").output().unwrap();
+    let err = String::from_utf8_lossy(&typo.stderr);
+    assert_eq!(typo.status.code(), Some(2), "{err}");
+    assert!(err.contains("'status'"), "a suggestion: {err}");
+    let help = Command::new(binary).arg("--help").output().unwrap();
+    assert!(help.status.success());
+    for (what, out) in [
+        ("the typo's stdout", &typo.stdout),
+        ("the typo's stderr", &typo.stderr),
+        ("--help", &help.stdout),
+        ("--help's stderr", &help.stderr),
+    ] {
+        let text = String::from_utf8_lossy(out);
+        assert!(
+            !text.contains("\x1b["),
+            "{what} has an escape code: {text:?}"
+        );
+    }
 }

@@ -186,6 +186,14 @@ fn the_idempo_command_names_each_cause_once() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     let line = err.lines().next().unwrap_or_default();
+    // The cause, where it is and how to start it, not the pool's timeout.
+    assert!(
+        line.contains("cannot reach PostgreSQL at 127.0.0.1:1")
+            && line.contains("refused")
+            && line.contains("docker compose up -d"),
+        "{line}"
+    );
+    assert!(!err.contains("pool timed out"), "{err}");
     let causes: Vec<&str> = line.split(": ").collect();
     for (i, cause) in causes.iter().enumerate() {
         assert!(

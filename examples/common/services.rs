@@ -1,22 +1,14 @@
 //! What a newcomer is told when a service the example needs is not there:
 //! which service, at which address, and how to start it.
 
-use std::str::FromStr;
-use std::time::Duration;
-
 use anyhow::Context;
-use sqlx::ConnectOptions;
 use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 
-/// How to start each service: the repository's compose file, or Debian's commands.
+/// How to start each service: the repository's compose file, or Debian's
+/// commands (PostgreSQL's is said by [`idempo::probe::why_unreachable`]).
 pub fn how_to_start(service: &str) -> &'static str {
     match service {
-        "PostgreSQL" => {
-            "start it with `docker compose up -d` (the repository's docker-compose.yml), or on \
-             Debian `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`; \
-             or point DATABASE_URL at yours"
-        }
         "RabbitMQ" => {
             "start it with `docker compose up -d` (the repository's docker-compose.yml), or on \
              Debian `rabbitmq-server -detached`; or point AMQP_URL at yours"
@@ -30,35 +22,26 @@ pub fn how_to_start(service: &str) -> &'static str {
 
 /// Connects a pool to PostgreSQL at `url`. sqlx's pool retries a refused
 /// connection until its acquire timeout and then says only "pool timed
-/// out": one direct attempt finds the reason, said with the address (never
-/// the password) and how to start the server.
+/// out": [`idempo::probe::why_unreachable`] finds the reason, said with the
+/// address (never the password) and how to start the server.
 pub async fn connect_postgres(options: PgPoolOptions, url: &str) -> anyhow::Result<PgPool> {
     let error = match options.connect(url).await {
         Ok(pool) => return Ok(pool),
         Err(error) => error,
     };
-    let context = || {
+    if let sqlx::Error::PoolTimedOut = error
+        && let Some(why) = idempo::probe::why_unreachable(url).await
+    {
+        anyhow::bail!(why);
+    }
+    // It answers now (it was starting, or the pool was too small), or the
+    // error says why itself.
+    Err(error).with_context(|| {
         format!(
             "cannot connect to PostgreSQL at {}",
             idempo::redact_url(url)
         )
-    };
-    let direct = match (&error, PgConnectOptions::from_str(url)) {
-        (sqlx::Error::PoolTimedOut, Ok(direct)) => direct,
-        _ => return Err(error).with_context(context),
-    };
-    let why = match tokio::time::timeout(Duration::from_secs(3), direct.connect()).await {
-        Ok(Err(e)) => e.to_string(),
-        Err(_) => "no answer within 3 s".to_owned(),
-        // It answers now: it was starting, or the pool was too small.
-        Ok(Ok(_)) => return Err(error).with_context(context),
-    };
-    anyhow::bail!(
-        "cannot reach PostgreSQL at {}:{} ({why}): {}",
-        direct.get_host(),
-        direct.get_port(),
-        how_to_start("PostgreSQL")
-    )
+    })
 }
 
 /// Once the consumer's first attempt to reach RabbitMQ fails (before it

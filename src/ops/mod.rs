@@ -3,7 +3,8 @@
 //! for any front end (the command, a web dashboard, a test).
 //!
 //! - [`status()`]: claims per consumer, queue depths, the outbox, HTTP keys
-//!   and window entries, with the [`Warning`]s an operator must act on;
+//!   and window entries, with the [`Warning`]s an operator must act on and
+//!   the [`Condition`] of each queue, consumer process and the outbox;
 //! - [`dlq`]: browse dead letters, [replay](dlq::replay) them to their work
 //!   queue (confirmed before the DLQ copy is acked), [purge](dlq::purge) them;
 //! - [`maintenance`]: the migrations' state, and the retention and expiry
@@ -33,6 +34,7 @@
 //! # Ok(()) }
 //! ```
 
+mod condition;
 pub mod dlq;
 mod error;
 pub mod maintenance;
@@ -55,6 +57,7 @@ use tokio::sync::OnceCell;
 use crate::amqp::{Broker, BrokerTlsFiles};
 use crate::redact_url as redacted;
 
+pub use condition::{Condition, OUTBOX_PENDING_LIMIT};
 pub use error::{OpsError, Result};
 pub use status::{
     ConsumerStatus, DelayQueueStatus, QueueStatus, Status, StatusOptions, Warning, status,
@@ -246,6 +249,13 @@ fn not_found(error: &lapin::Error) -> bool {
         }
         _ => false,
     }
+}
+
+/// Who acts, as recorded on the dead letters an operator replays or
+/// discards: `<tool>:<user>@<this host>` (for example
+/// `idempo-cli:alice@ops-1`).
+pub fn operator(tool: &str, user: &str) -> String {
+    format!("{tool}:{user}@{}", crate::host::name())
 }
 
 /// PostgreSQL's `undefined_table` (42P01): a table of a feature whose

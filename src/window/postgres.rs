@@ -5,9 +5,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use sqlx::{ConnectOptions, Connection, PgPool, Row};
+use sqlx::{PgPool, Row};
 
 use super::store::{Insertion, Reservation, WindowStore, bounded, check_key, check_value};
+use crate::probe::{self, Probe};
 use crate::{Error, Result};
 
 /// How long one store call may take, by default.
@@ -114,8 +115,9 @@ impl PostgresWindow {
         }
     }
 
-    /// One direct connection attempt with the pool's options: its error is
-    /// the reason the pool could not answer.
+    /// One direct connection attempt with the pool's options
+    /// ([`probe`](crate::probe)): its error is the reason the pool could
+    /// not answer.
     async fn why_unanswered(&self) -> Error {
         let timed_out = Error::StoreTimeout(self.timeout);
         if self.probing.swap(true, Ordering::AcqRel) {
@@ -123,21 +125,20 @@ impl PostgresWindow {
         }
         let options = self.pool.connect_options();
         let (host, port) = (options.get_host().to_owned(), options.get_port());
-        let probe = tokio::time::timeout(PROBE_TIMEOUT.min(self.timeout), options.connect()).await;
+        let probe = probe::probe(&options, PROBE_TIMEOUT.min(self.timeout)).await;
         self.probing.store(false, Ordering::Release);
         match probe {
-            Ok(Err(e)) => {
+            Probe::Failed(e) => {
                 tracing::warn!(%host, port, error = %e, "the dedup window's database cannot be reached");
                 Error::Database(e)
             }
-            Ok(Ok(connection)) => {
-                let _ = tokio::time::timeout(PROBE_TIMEOUT, connection.close()).await;
+            Probe::Answers => {
                 tracing::warn!(%host, port, timeout = ?self.timeout,
                     "the dedup window's database accepts connections but the call did not finish in time \
                      (pool exhausted, or a statement waiting on a lock)");
                 timed_out
             }
-            Err(_) => {
+            Probe::Silent => {
                 tracing::warn!(%host, port, timeout = ?self.timeout,
                     "the dedup window's database does not answer a connection attempt");
                 timed_out

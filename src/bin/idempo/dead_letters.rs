@@ -20,19 +20,26 @@ pub(crate) async fn list(ctx: &Ctx, filter: &Filter, group: bool) -> anyhow::Res
         if ctx.json {
             groups.iter().for_each(output::json);
         } else {
-            println!(
-                "COUNT  REASON                     FINGERPRINT       LAST SEEN                 SAMPLE ERROR"
+            let mut table = output::table(
+                &[
+                    "COUNT",
+                    "REASON",
+                    "FINGERPRINT",
+                    "LAST SEEN",
+                    "SAMPLE ERROR",
+                ],
+                &[0],
             );
             for g in &groups {
-                println!(
-                    "{:>5}  {:<26} {:<17} {:<25} {}",
-                    g.count,
-                    g.reason,
-                    g.fingerprint,
-                    g.last_seen,
-                    one_line(&g.sample_error, 80)
-                );
+                table.add_row(vec![
+                    g.count.to_string(),
+                    g.reason.clone(),
+                    g.fingerprint.clone(),
+                    g.last_seen.to_string(),
+                    one_line(&g.sample_error, 80),
+                ]);
             }
+            output::print_table(table);
         }
         return Ok(0);
     }
@@ -40,21 +47,30 @@ pub(crate) async fn list(ctx: &Ctx, filter: &Filter, group: bool) -> anyhow::Res
     if ctx.json {
         letters.iter().for_each(output::json);
     } else {
-        println!(
-            "ROW      MESSAGE ID                REASON                     ATTEMPTS  LAST FAILED               FINGERPRINT       ERROR"
+        let mut table = output::table(
+            &[
+                "ROW",
+                "MESSAGE ID",
+                "REASON",
+                "ATTEMPTS",
+                "LAST FAILED",
+                "FINGERPRINT",
+                "ERROR",
+            ],
+            &[3],
         );
         for l in &letters {
-            println!(
-                "{:<8} {:<25} {:<26} {:>8}  {:<25} {:<17} {}",
-                l.id,
+            table.add_row(vec![
+                l.id.to_string(),
                 one_line(l.message_id.as_deref().unwrap_or("-"), 25),
-                l.reason,
-                l.attempts,
-                l.last_failed_at,
-                l.fingerprint,
-                one_line(&l.error, 60)
-            );
+                l.reason.clone(),
+                l.attempts.to_string(),
+                l.last_failed_at.to_string(),
+                l.fingerprint.clone(),
+                one_line(&l.error, 60),
+            ]);
         }
+        output::print_table(table);
         if letters.is_empty() {
             println!("no dead letters");
         }
@@ -77,7 +93,7 @@ pub(crate) async fn show(
                 message_ids: vec![message_id.to_owned()],
                 any_state: true,
                 limit: Some(1_000),
-                ..Filter::queue(work_queue(queue))
+                ..Filter::queue(idempo::amqp::work_queue(queue))
             };
             // The latest letter of that id (a replayed one may have failed again).
             match store::list(pool, &filter).await?.last() {
@@ -182,7 +198,7 @@ pub(crate) async fn replay(
         force,
         throttle,
         batch_size: if throttle.is_some() { 1 } else { 100 },
-        ..ReplayOptions::by(operator())
+        ..ReplayOptions::by(operator(ctx))
     };
     let counted = store::replay(
         pool,
@@ -260,7 +276,7 @@ pub(crate) async fn purge(ctx: &Ctx, filter: &Filter, yes: bool) -> anyhow::Resu
 
 pub(crate) async fn discard(ctx: &Ctx, filter: &Filter) -> anyhow::Result<u8> {
     let pool = ctx.services.database().await?;
-    let discarded = store::discard(pool, filter, &operator()).await?;
+    let discarded = store::discard(pool, filter, &operator(ctx)).await?;
     if ctx.json {
         output::json(&json!({"discarded": discarded}));
     } else {
@@ -270,12 +286,17 @@ pub(crate) async fn discard(ctx: &Ctx, filter: &Filter) -> anyhow::Result<u8> {
 }
 
 pub(crate) async fn import(ctx: &Ctx, queue: &str) -> anyhow::Result<u8> {
+    let spinner = output::spinner(ctx.json);
     let summary = idempo::ops::dlq::import(&ctx.services, queue, |n| {
-        if !ctx.json && n.is_multiple_of(100) {
+        if !spinner.is_hidden() {
+            spinner.set_message(format!("{n} imported"));
+        } else if !ctx.json && n.is_multiple_of(100) {
             eprintln!("{n} imported");
         }
     })
-    .await?;
+    .await;
+    spinner.finish_and_clear();
+    let summary = summary?;
     if ctx.json {
         output::json(&summary);
     } else {
@@ -287,18 +308,9 @@ pub(crate) async fn import(ctx: &Ctx, queue: &str) -> anyhow::Result<u8> {
     Ok(0)
 }
 
-/// The work queue of `queue` (which may name its `.dlq`).
-pub(crate) fn work_queue(queue: &str) -> &str {
-    queue.strip_suffix(".dlq").unwrap_or(queue)
-}
-
 /// Who runs the command, as recorded on replayed and discarded letters.
-fn operator() -> String {
-    let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_default();
-    format!("idempo-cli:{user}@{host}")
+fn operator(ctx: &Ctx) -> String {
+    idempo::ops::operator("idempo-cli", &ctx.operator)
 }
 
 /// `text` on one line, at most `max` characters.

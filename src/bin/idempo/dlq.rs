@@ -214,7 +214,7 @@ impl Select {
             Some(other) => bail!("--state {other:?}: say live, replayed, discarded or all"),
         };
         Ok(Filter {
-            queue: Some(dead_letters::work_queue(queue).to_owned()),
+            queue: Some(idempo::amqp::work_queue(queue).to_owned()),
             consumer: self.consumer.clone(),
             reason: self.reason.clone(),
             fingerprint: self.fingerprint.clone(),

@@ -4,7 +4,8 @@
 //! retention and expiry deletes, run once. Every command reads `AMQP_URL`,
 //! `DATABASE_URL` and, for `amqps://`, `AMQP_CA_FILE`,
 //! `AMQP_CLIENT_CERT_FILE` and `AMQP_CLIENT_KEY_FILE` (as the payments
-//! example does; the flags win over the environment) and takes `--json`.
+//! example does) and takes `--json`. Every variable is read by clap, as the
+//! `env` of its flag: the flag wins, and `--help` names the variable.
 //!
 //! A thin client of [`idempo::ops`]: each command file declares its
 //! arguments and calls one library function; `output.rs` prints.
@@ -12,16 +13,19 @@
 mod dashboard;
 mod dead_letters;
 mod dlq;
+mod errors;
 mod maintenance;
 mod outbox;
 mod output;
 mod partitions;
 mod status;
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
+use clap::builder::{OsStringValueParser, TypedValueParser};
 use clap::{Parser, Subcommand};
-use idempo::amqp::BrokerTlsFiles;
+use idempo::amqp::{AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE, BrokerTlsFiles};
 use idempo::ops::Services;
 
 /// Exit code of a command that worked but found something an operator must act on.
@@ -55,17 +59,26 @@ struct Cli {
         hide_env_values = true
     )]
     database_url: String,
-    /// CA certificates (PEM) to trust for amqps:// instead of the system's
-    /// [env: AMQP_CA_FILE].
-    #[arg(long, global = true, value_name = "FILE")]
-    amqp_ca_file: Option<std::path::PathBuf>,
-    /// Client certificate (PEM) for amqps:// [env: AMQP_CLIENT_CERT_FILE].
-    #[arg(long, global = true, value_name = "FILE")]
-    amqp_client_cert_file: Option<std::path::PathBuf>,
-    /// The client certificate's private key (PEM, unencrypted)
-    /// [env: AMQP_CLIENT_KEY_FILE].
-    #[arg(long, global = true, value_name = "FILE")]
-    amqp_client_key_file: Option<std::path::PathBuf>,
+    /// CA certificates (PEM) to trust for amqps:// instead of the system's.
+    #[arg(long, global = true, value_name = "FILE", env = AMQP_CA_FILE, value_parser = file())]
+    amqp_ca_file: Option<PathBuf>,
+    /// Client certificate (PEM) for amqps://.
+    #[arg(long, global = true, value_name = "FILE", env = AMQP_CLIENT_CERT_FILE, value_parser = file())]
+    amqp_client_cert_file: Option<PathBuf>,
+    /// The client certificate's private key (PEM, unencrypted).
+    #[arg(long, global = true, value_name = "FILE", env = AMQP_CLIENT_KEY_FILE, value_parser = file())]
+    amqp_client_key_file: Option<PathBuf>,
+    /// Who runs the command: recorded, with this host's name, on the dead
+    /// letters it replays or discards.
+    #[arg(
+        long,
+        global = true,
+        value_name = "NAME",
+        env = "USER",
+        default_value = "unknown",
+        hide_env_values = true
+    )]
+    operator: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -99,10 +112,20 @@ enum Command {
     },
 }
 
+/// A file flag's parser: any path, also an empty one (which names no file,
+/// so that an empty variable counts as unset, as it does for the consumers).
+fn file() -> impl TypedValueParser<Value = PathBuf> {
+    OsStringValueParser::new().map(PathBuf::from)
+}
+
 /// What every command gets: the services and the output mode.
 struct Ctx {
     json: bool,
     services: Services,
+    /// `--operator`: who runs the command.
+    operator: String,
+    /// `--database-url`: where a probe asks why PostgreSQL does not answer.
+    database_url: String,
 }
 
 fn main() -> ExitCode {
@@ -118,20 +141,22 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // The environment is read by the library (as the payments example reads
-    // it); a flag replaces its variable.
-    let mut tls = BrokerTlsFiles::from_env();
-    tls.ca_file = cli.amqp_ca_file.or(tls.ca_file);
-    tls.client_cert_file = cli.amqp_client_cert_file.or(tls.client_cert_file);
-    tls.client_key_file = cli.amqp_client_key_file.or(tls.client_key_file);
+    // An empty variable names no file, as `BrokerTlsFiles::from_env` reads it.
+    let named = |file: Option<PathBuf>| file.filter(|f| !f.as_os_str().is_empty());
+    let mut tls = BrokerTlsFiles::new();
+    tls.ca_file = named(cli.amqp_ca_file);
+    tls.client_cert_file = named(cli.amqp_client_cert_file);
+    tls.client_key_file = named(cli.amqp_client_key_file);
     let ctx = Ctx {
         json: cli.json,
+        operator: cli.operator,
+        database_url: cli.database_url.clone(),
         services: Services::new(cli.amqp_url, cli.database_url)
             .connection_name("idempo-cli")
             .broker_tls_files(tls),
     };
     let outcome = runtime.block_on(async {
-        match cli.command {
+        let outcome = match cli.command {
             Command::Migrate(args) => maintenance::migrate(&ctx, args).await,
             Command::Status(args) => status::exec(&ctx, args).await,
             Command::Dashboard(args) => dashboard::exec(&ctx, args).await,
@@ -140,12 +165,16 @@ fn main() -> ExitCode {
             Command::Reap(args) => maintenance::reap(&ctx, args).await,
             Command::Cleanup(args) => maintenance::cleanup(&ctx, args).await,
             Command::Partitions { command } => partitions::exec(&ctx, command).await,
+        };
+        match outcome {
+            Err(e) => Err(errors::with_cause(e, &ctx.database_url).await),
+            done => done,
         }
     });
     match outcome {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("idempo: {}", output::error_line(&e));
+            eprintln!("idempo: {}", errors::error_line(&e));
             ExitCode::FAILURE
         }
     }

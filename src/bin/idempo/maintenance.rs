@@ -74,21 +74,21 @@ pub(crate) async fn reap(ctx: &Ctx, args: ReapArgs) -> anyhow::Result<u8> {
 }
 
 pub(crate) async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> anyhow::Result<u8> {
+    let spinner = output::spinner(ctx.json);
     let cleaned = maintenance::cleanup(
         &ctx.services,
         usize::try_from(args.batch).unwrap_or(usize::MAX),
-        |progress| {
-            if ctx.json {
-                return;
+        |progress| match progress {
+            Progress::Batch { name, deleted } => {
+                spinner.set_message(format!("{name}: {deleted} expired deleted"));
             }
-            match progress {
-                Progress::Batch { name, deleted } => eprint!("\r{name}: {deleted} expired deleted"),
-                Progress::Done(_) => eprintln!(),
-                _ => {}
-            }
+            Progress::Done(_) => spinner.set_message(String::new()),
+            _ => {}
         },
     )
-    .await?;
+    .await;
+    spinner.finish_and_clear();
+    let cleaned = cleaned?;
     for d in &cleaned {
         if ctx.json {
             output::json(&json!({"table": d.name, "deleted": d.deleted}));

@@ -70,8 +70,9 @@ pub(crate) async fn exec(ctx: &Ctx, command: OutboxCommand) -> anyhow::Result<u8
             } else if failed.is_empty() {
                 println!("no failed outbox messages");
             } else {
-                println!(
-                    "ROW      MESSAGE ID                            DESTINATION                   ATTEMPTS  LAST ERROR"
+                let mut table = output::table(
+                    &["ROW", "MESSAGE ID", "DESTINATION", "ATTEMPTS", "LAST ERROR"],
+                    &[3],
                 );
                 for f in &failed {
                     let destination = if f.exchange.is_empty() {
@@ -79,15 +80,15 @@ pub(crate) async fn exec(ctx: &Ctx, command: OutboxCommand) -> anyhow::Result<u8
                     } else {
                         format!("{} / {}", f.exchange, f.routing_key)
                     };
-                    println!(
-                        "{:<8} {:<37} {:<29} {:>8}  {}",
-                        f.id,
-                        f.message_id,
+                    table.add_row(vec![
+                        f.id.to_string(),
+                        f.message_id.to_string(),
                         destination,
-                        f.attempts,
-                        f.last_error.as_deref().unwrap_or("-")
-                    );
+                        f.attempts.to_string(),
+                        f.last_error.clone().unwrap_or_else(|| "-".into()),
+                    ]);
                 }
+                output::print_table(table);
             }
         }
         OutboxCommand::Retry(selected) => {

@@ -1,11 +1,13 @@
-//! Everything the commands print: JSON lines, tables, the replay progress.
+//! Everything the commands print: JSON lines, tables, progress.
 
 use std::collections::BTreeMap;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 
+use comfy_table::{CellAlignment, Table, presets};
 use idempo::ops::dlq::{DeadLetterDetail, Listing, Refusal, ReplaySummary};
 use idempo::ops::maintenance::{Migration, MigrationStatus};
 use idempo::ops::{Status, short_duration};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -24,36 +26,74 @@ fn or_dash(value: Option<impl ToString>) -> String {
     value.map_or_else(|| "-".into(), |v| v.to_string())
 }
 
+/// A table as the commands print it: plain ASCII without borders, columns
+/// apart by two spaces, one row a line, so that `awk` and `cut` can split it.
+/// `right` names the columns aligned right (the counts); no header when
+/// `header` is empty.
+pub(crate) fn table(header: &[&str], right: &[usize]) -> Table {
+    let mut table = Table::new();
+    table.load_style(presets::NOTHING);
+    if !header.is_empty() {
+        table.set_header(header.to_vec());
+    }
+    for &i in right {
+        if let Some(column) = table.column_mut(i) {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    table
+}
+
+/// Prints `table`.
+pub(crate) fn print_table(table: Table) {
+    println!("{}", render(table));
+}
+
+/// `table` as text, without the spaces that pad its last column.
+fn render(mut table: Table) -> String {
+    // No padding on the left: the first column starts the line.
+    for column in table.column_iter_mut() {
+        column.set_padding((0, 2));
+    }
+    table.trim_fmt()
+}
+
 pub(crate) fn status(s: &Status) {
-    println!("CONSUMER                         CLAIMS   OLDEST   NEWEST   HORIZON");
+    let mut consumers = table(
+        &["CONSUMER", "CLAIMS", "OLDEST", "NEWEST", "HORIZON"],
+        &[1, 2, 3, 4],
+    );
     for c in &s.consumers {
-        println!(
-            "{:<32} {:>6} {:>8} {:>8} {:>9}",
-            c.consumer,
-            c.claims,
+        consumers.add_row(vec![
+            c.consumer.clone(),
+            c.claims.to_string(),
             or_dash(c.oldest_age.map(short_duration)),
             or_dash(c.newest_age.map(short_duration)),
-            short_duration(c.redelivery_horizon)
-        );
+            short_duration(c.redelivery_horizon),
+        ]);
     }
+    print_table(consumers);
     if !s.queues.is_empty() {
         println!();
-        println!("QUEUE                            READY  CONSUMERS   DLQ  DELAY QUEUES");
+        let mut queues = table(
+            &["QUEUE", "READY", "CONSUMERS", "DLQ", "DELAY QUEUES"],
+            &[1, 2, 3],
+        );
         for q in &s.queues {
             let delays: Vec<String> = q
                 .delay_queues
                 .iter()
                 .map(|d| format!("{}={}", d.queue, d.ready))
                 .collect();
-            println!(
-                "{:<32} {:>5} {:>10} {:>5}  {}",
-                q.queue,
+            queues.add_row(vec![
+                q.queue.clone(),
                 or_dash(q.ready),
                 or_dash(q.consumers),
                 or_dash(q.dlq_ready),
-                delays.join(" ")
-            );
+                delays.join(" "),
+            ]);
         }
+        print_table(queues);
         println!(
             "(unacked counts need the management API: ready counts come from passive declares)"
         );
@@ -81,31 +121,57 @@ pub(crate) fn status(s: &Status) {
     }
     if let Some(letters) = s.dead_letters.as_ref().filter(|l| !l.is_empty()) {
         println!();
-        println!(
-            "DEAD LETTERS (table)  CONSUMER                 QUEUE                    COUNT  FINGERPRINT       REASON"
+        // The first column is the section's title, its cells empty.
+        let mut table = table(
+            &[
+                "DEAD LETTERS (table)",
+                "CONSUMER",
+                "QUEUE",
+                "COUNT",
+                "FINGERPRINT",
+                "REASON",
+            ],
+            &[3],
         );
         for l in letters {
-            println!(
-                "                      {:<24} {:<24} {:>5}  {:<17} {}",
-                l.consumer, l.queue, l.count, l.fingerprint, l.reason
-            );
+            table.add_row(vec![
+                String::new(),
+                l.consumer.clone(),
+                l.queue.clone(),
+                l.count.to_string(),
+                l.fingerprint.clone(),
+                l.reason.clone(),
+            ]);
         }
+        print_table(table);
     }
     if let Some(instances) = s.instances.as_ref().filter(|i| !i.is_empty()) {
         println!();
-        println!(
-            "PROCESSES (heartbeats)  CONSUMER                 HOST:PID                 STATE         RELAY      LAST BEAT"
+        let mut table = table(
+            &[
+                "PROCESSES (heartbeats)",
+                "CONSUMER",
+                "HOST:PID",
+                "STATE",
+                "RELAY",
+                "LAST BEAT",
+            ],
+            &[],
         );
         for i in instances {
-            println!(
-                "                        {:<24} {:<24} {:<13} {:<10} {} ago",
-                i.consumer,
+            table.add_row(vec![
+                String::new(),
+                i.consumer.clone(),
                 format!("{}:{}", i.host, i.pid),
-                i.state,
-                i.relay.as_deref().unwrap_or("-"),
-                short_duration(std::time::Duration::from_secs_f64(i.seen_secs_ago))
-            );
+                i.state.clone(),
+                i.relay.clone().unwrap_or_else(|| "-".into()),
+                format!(
+                    "{} ago",
+                    short_duration(std::time::Duration::from_secs_f64(i.seen_secs_ago))
+                ),
+            ]);
         }
+        print_table(table);
     }
     for warning in &s.warnings {
         println!("WARNING: {warning}");
@@ -117,9 +183,17 @@ pub(crate) fn dead_letters(as_json: bool, listing: &Listing) {
         listing.dead_letters.iter().for_each(json);
         return;
     }
-    println!(
-        "{:<24} {:<28} {:>4}  {:<24} {:<24} {:>6}  ERROR",
-        "MESSAGE ID", "REASON", "ATT", "FIRST FAILURE", "LAST FAILURE", "SIZE"
+    let mut table = table(
+        &[
+            "MESSAGE ID",
+            "REASON",
+            "ATT",
+            "FIRST FAILURE",
+            "LAST FAILURE",
+            "SIZE",
+            "ERROR",
+        ],
+        &[2, 5],
     );
     for d in &listing.dead_letters {
         let text = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
@@ -127,16 +201,17 @@ pub(crate) fn dead_letters(as_json: bool, listing: &Listing) {
         if error.chars().count() > 60 {
             error = error.chars().take(57).collect::<String>() + "...";
         }
-        println!(
-            "{:<24} {:<28} {:>4}  {:<24} {:<24} {:>6}  {error}",
+        table.add_row(vec![
             text(&d.message_id),
-            d.reason,
+            d.reason.clone(),
             or_dash(d.attempts),
             text(&d.first_failure),
             text(&d.last_failure),
-            d.size,
-        );
+            d.size.to_string(),
+            error,
+        ]);
     }
+    print_table(table);
     println!(
         "{} shown of {} in {}",
         listing.dead_letters.len(),
@@ -169,12 +244,15 @@ pub(crate) fn dead_letter(
         json(&out);
         return Ok(());
     }
+    // Name and value: a table without a header.
+    let mut fields = table(&[], &[]);
     for (name, value) in summary.as_object().into_iter().flatten() {
-        println!(
-            "{name:<16} {}",
-            value.as_str().map_or(value.to_string(), str::to_owned)
-        );
+        fields.add_row(vec![
+            name.clone(),
+            value.as_str().map_or(value.to_string(), str::to_owned),
+        ]);
     }
+    print_table(fields);
     println!("headers:");
     for (name, value) in &dead.headers {
         println!("  {name}: {value}");
@@ -258,68 +336,90 @@ pub(crate) fn migrated(as_json: bool, applied: &[Migration]) {
     }
 }
 
-/// A progress line on a terminal (redrawn), plain counts every 100 otherwise.
+/// Whether progress is drawn: not with `--json`, and only on a terminal.
+fn draws(as_json: bool) -> bool {
+    !as_json && std::io::stderr().is_terminal()
+}
+
+/// A replay's progress: a bar on a terminal, plain counts every 100
+/// messages otherwise (a log keeps them), nothing with `--json`.
 pub(crate) struct Progress {
-    bar: bool,
+    bar: Option<ProgressBar>,
     quiet: bool,
-    total: u32,
 }
 
 impl Progress {
     pub(crate) fn new(as_json: bool, total: u32) -> Progress {
+        let bar = draws(as_json).then(|| {
+            let style = ProgressStyle::with_template("[{bar:30}] {pos}/{len} {msg}")
+                .expect("the template parses")
+                .progress_chars("#> ");
+            ProgressBar::with_draw_target(Some(u64::from(total)), ProgressDrawTarget::stderr())
+                .with_style(style)
+        });
         Progress {
-            bar: !as_json && std::io::stderr().is_terminal(),
+            bar,
             quiet: as_json,
-            total,
         }
     }
 
-    /// Whether it redraws a bar (then per-message lines are left out).
+    /// Whether it draws a bar (then per-message lines are left out).
     pub(crate) fn is_bar(&self) -> bool {
-        self.bar
+        self.bar.is_some()
     }
 
     pub(crate) fn tick(&mut self, done: u64, skipped: u64) {
-        if self.quiet {
-            return;
-        }
         let n = done + skipped;
-        if self.bar {
-            let total = u64::from(self.total.max(1));
-            let width = 30;
-            let filled = (n.min(total) * width / total) as usize;
-            eprint!(
-                "\r[{}{}] {n}/{total} replayed {done} skipped {skipped}",
-                "#".repeat(filled),
-                " ".repeat(width as usize - filled)
-            );
-            let _ = std::io::stderr().flush();
-        } else if n.is_multiple_of(100) {
-            eprintln!("{n} done: replayed {done}, skipped {skipped}");
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(n);
+                bar.set_message(format!("replayed {done} skipped {skipped}"));
+            }
+            None if !self.quiet && n.is_multiple_of(100) => {
+                eprintln!("{n} done: replayed {done}, skipped {skipped}");
+            }
+            None => {}
         }
     }
 
+    /// Leaves the bar's last state on the screen.
     pub(crate) fn done(&self) {
-        if self.bar {
-            eprintln!();
+        if let Some(bar) = &self.bar {
+            bar.finish();
         }
     }
 }
 
-/// An error and its causes on one line, each cause once: a library error
-/// often shows its cause in its own message too (`database error: X`, then
-/// `X` as its source), which `{:#}` would print twice.
-pub(crate) fn error_line(error: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in error.chain() {
-        let text = cause.to_string();
-        if line.contains(&text) {
-            continue;
-        }
-        if !line.is_empty() {
-            line.push_str(": ");
-        }
-        line.push_str(&text);
+/// A count redrawn on a terminal (a spinner and a message), hidden when
+/// stderr is not one or with `--json`.
+pub(crate) fn spinner(as_json: bool) -> ProgressBar {
+    if !draws(as_json) {
+        return ProgressBar::hidden();
     }
-    line
+    let style = ProgressStyle::with_template("{spinner} {msg}").expect("the template parses");
+    let spinner =
+        ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()).with_style(style);
+    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+    spinner
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_are_plain_columns_two_spaces_apart() {
+        let mut counts = table(&["QUEUE", "READY", "DELAY QUEUES"], &[1]);
+        counts.add_row(vec!["payments", "3", "payments.retry.10s=1"]);
+        counts.add_row(vec!["a", "12", ""]);
+        assert_eq!(
+            render(counts),
+            "QUEUE     READY  DELAY QUEUES\n\
+             payments      3  payments.retry.10s=1\n\
+             a            12"
+        );
+        let mut fields = table(&[], &[]);
+        fields.add_row(vec!["reason", "rejected"]);
+        assert_eq!(render(fields), "reason  rejected");
+    }
 }

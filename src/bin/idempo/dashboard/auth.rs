@@ -1,12 +1,21 @@
 //! Who may use the dashboard: the `--token` (a bearer header, or the session
-//! cookie its login page sets), and the CSRF token every action carries.
+//! cookie its sign-in page sets), and the CSRF token every action carries.
 //! Compared in constant time.
 
-use axum::http::HeaderMap;
-use axum::http::header::{AUTHORIZATION, COOKIE};
+use axum::Form;
+use axum::extract::{Request, State};
+use axum::http::header::{ACCEPT, AUTHORIZATION, WWW_AUTHENTICATE};
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum_extra::extract::CookieJar;
+use axum_extra::extract::cookie::{Cookie, SameSite};
 use hmac::{Hmac, Mac};
+use serde::Deserialize;
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
+
+use super::{Shared, pages};
 
 /// The session cookie's name.
 pub(crate) const SESSION_COOKIE: &str = "idempo_session";
@@ -74,22 +83,79 @@ impl Auth {
         if bearer.is_some_and(|given| self.is_token(given.trim())) {
             return true;
         }
-        let session = self.session();
-        headers
-            .get_all(COOKIE)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(';'))
-            .filter_map(|pair| pair.trim().split_once('='))
-            .any(|(name, value)| {
-                name == SESSION_COOKIE && bool::from(session.as_bytes().ct_eq(value.as_bytes()))
+        CookieJar::from_headers(headers)
+            .get(SESSION_COOKIE)
+            .is_some_and(|cookie| {
+                bool::from(self.session().as_bytes().ct_eq(cookie.value().as_bytes()))
             })
     }
+
+    /// The session cookie: sent back only over HTTP (no script reads it),
+    /// and only by this site's own pages.
+    fn session_cookie(&self) -> Cookie<'static> {
+        Cookie::build((SESSION_COOKIE, self.session()))
+            .http_only(true)
+            .same_site(SameSite::Strict)
+            .path("/")
+            .build()
+    }
+}
+
+/// Every page but the sign-in and the assets: the token, or the cookie.
+pub(crate) async fn signed_in(State(app): Shared, request: Request, next: Next) -> Response {
+    if app.auth.allows(request.headers()) {
+        return next.run(request).await;
+    }
+    let wants_html = request
+        .headers()
+        .get(ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/html"));
+    if wants_html && request.method() == Method::GET {
+        // A browser: the sign-in page (still a 401, for scripts that look).
+        return (
+            StatusCode::UNAUTHORIZED,
+            Html(pages::layout("Sign in", &pages::login(false), false)),
+        )
+            .into_response();
+    }
+    (
+        StatusCode::UNAUTHORIZED,
+        [(WWW_AUTHENTICATE, "Bearer")],
+        "a token is required\n",
+    )
+        .into_response()
+}
+
+pub(crate) async fn login_page() -> Html<String> {
+    Html(pages::layout("Sign in", &pages::login(false), false))
+}
+
+#[derive(Deserialize)]
+pub(crate) struct LoginForm {
+    token: String,
+}
+
+/// The token, given once: the session cookie, and the overview.
+pub(crate) async fn login(
+    State(app): Shared,
+    jar: CookieJar,
+    Form(form): Form<LoginForm>,
+) -> Response {
+    if !app.auth.is_token(&form.token) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Html(pages::layout("Sign in", &pages::login(true), false)),
+        )
+            .into_response();
+    }
+    (jar.add(app.auth.session_cookie()), Redirect::to("/")).into_response()
 }
 
 #[cfg(test)]
 mod tests {
     use axum::http::HeaderValue;
+    use axum::http::header::COOKIE;
 
     use super::*;
 
@@ -111,5 +177,21 @@ mod tests {
         assert!(auth.allows(&cookie));
         assert!(auth.is_csrf(&auth.csrf()));
         assert!(!auth.is_csrf("x"));
+        let mut forged = HeaderMap::new();
+        forged.insert(COOKIE, HeaderValue::from_static("idempo_session=00"));
+        assert!(!auth.allows(&forged));
+    }
+
+    #[test]
+    fn the_session_cookie_is_http_only_and_same_site() {
+        let auth = Auth::new(Some("s3cret".into()));
+        let set = auth.session_cookie().to_string();
+        assert!(
+            set.starts_with(&format!("{SESSION_COOKIE}={}", auth.session())),
+            "{set}"
+        );
+        for attribute in ["HttpOnly", "SameSite=Strict", "Path=/"] {
+            assert!(set.contains(attribute), "{set}");
+        }
     }
 }

@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use html_escape::{encode_double_quoted_attribute as attr, encode_text as text};
 use idempo::dead_letters::{Group, Letter, LetterDetail};
-use idempo::ops::short_duration;
+use idempo::ops::{Condition, OUTBOX_PENDING_LIMIT, short_duration};
 
 use super::samples::Latest;
 use idempo::outbox::{FailedMessage, OutboxStatus, PendingGroup};
@@ -35,9 +35,13 @@ pub(crate) fn layout(title: &str, body: &str, refresh: bool) -> String {
     )
 }
 
-/// The health colour of a count: what the rule beside it says.
-fn health(bad: bool) -> &'static str {
-    if bad { "red" } else { "green" }
+/// The colour of what [`idempo::ops`] decided: the rule beside it says why.
+fn colour(condition: Condition) -> &'static str {
+    match condition {
+        Condition::Attention => "red",
+        Condition::Stopped => "muted",
+        _ => "green",
+    }
 }
 
 /// A rate as the overview shows it.
@@ -88,12 +92,11 @@ pub(crate) fn overview(
             .map(|d| format!("{}={}", d.queue, d.ready))
             .collect();
         let r = point.rates;
-        let bad = point.dead > 0.0 || (q.ready.unwrap_or(0) > 0 && alive == 0);
         let _ = write!(
             out,
             "<tr class={}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{alive} of {}</td>\
              <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            health(bad),
+            colour(status.queue_condition(q)),
             text(&q.queue),
             q.ready.map_or("-".into(), |r| r.to_string()),
             point.unacked.map_or("-".into(), |u| format!("{u:.0}")),
@@ -153,11 +156,7 @@ pub(crate) fn overview(
              <th>up</th><th>last heartbeat</th><th>deliveries</th><th>processed</th><th>duplicates</th></tr>",
         );
         for i in instances {
-            let class = if !i.is_alive() {
-                "muted"
-            } else {
-                health(i.state != "consuming" || i.relay.as_deref() == Some("blocked"))
-            };
+            let class = colour(Condition::of_instance(i));
             let _ = write!(
                 out,
                 "<tr class={class}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
@@ -186,7 +185,8 @@ pub(crate) fn overview(
         for l in letters {
             let _ = write!(
                 out,
-                "<tr class=red><td>{}</td><td>{}</td><td>{}</td><td><a href=\"/dead-letters/group?queue={}&amp;fingerprint={}\">{}</a></td></tr>",
+                "<tr class={}><td>{}</td><td>{}</td><td>{}</td><td><a href=\"/dead-letters/group?queue={}&amp;fingerprint={}\">{}</a></td></tr>",
+                colour(Condition::of_dead_letters(l)),
                 text(&l.queue),
                 l.count,
                 text(&l.reason),
@@ -198,7 +198,6 @@ pub(crate) fn overview(
         out.push_str("</table></section>");
     }
     if let Some(o) = &status.outbox {
-        let oldest = o.oldest_pending_age.map(|d| d.as_secs()).unwrap_or(0);
         let relays: Vec<String> = instances
             .iter()
             .filter(|i| i.is_alive())
@@ -206,9 +205,10 @@ pub(crate) fn overview(
             .collect();
         let _ = write!(
             out,
-            "<section><h2>Outbox</h2><p class=rule>red: a failed message, or the oldest pending one older than 60 s</p>\
+            "<section><h2>Outbox</h2><p class=rule>red: a failed message, or the oldest pending one older than {}</p>\
              <p class={}>{} pending, {} failed, oldest pending {}</p><p>relays: {}</p></section>",
-            health(o.failed > 0 || oldest > 60),
+            short_duration(OUTBOX_PENDING_LIMIT),
+            colour(Condition::of_outbox(o)),
             o.pending,
             o.failed,
             o.oldest_pending_age.map_or("-".into(), short_duration),
@@ -395,11 +395,11 @@ pub(crate) fn outbox(
     failed: &[FailedMessage],
     csrf: Option<&str>,
 ) -> String {
-    let oldest = status.oldest_pending_age.map(|d| d.as_secs()).unwrap_or(0);
     let mut out = format!(
-        "<h1>Outbox</h1><p class=rule>red: a failed message, or the oldest pending one older than 60 s</p>\
+        "<h1>Outbox</h1><p class=rule>red: a failed message, or the oldest pending one older than {}</p>\
          <p class={}>{} pending, {} failed, oldest pending {}</p>",
-        health(status.failed > 0 || oldest > 60),
+        short_duration(OUTBOX_PENDING_LIMIT),
+        colour(Condition::of_outbox(status)),
         status.pending,
         status.failed,
         status.oldest_pending_age.map_or("-".into(), short_duration)
