@@ -9,7 +9,8 @@ const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// `Idempotent-Replayed: true` marks a response that was replayed from the
 /// store rather than produced by the handler.
-pub(crate) const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub(crate) const IDEMPOTENT_REPLAYED: HeaderName =
+    HeaderName::from_static(crate::headers::IDEMPOTENT_REPLAYED);
 
 // The syntax is shared with the retry client, which checks what it sends.
 use crate::key::KeyError;

@@ -102,7 +102,8 @@ const RESET_ON_REPLAY: [&str; 5] = [
 /// ```
 /// use idempo::amqp::lapin::BasicProperties;
 /// use idempo::amqp::lapin::types::{AMQPValue, FieldTable};
-/// use idempo::amqp::{DeadLetter, REASON_HEADER, QUEUE_HEADER};
+/// use idempo::amqp::DeadLetter;
+/// use idempo::headers::{QUEUE_HEADER, REASON_HEADER};
 ///
 /// let mut headers = FieldTable::default();
 /// headers.insert(REASON_HEADER.into(), AMQPValue::LongString("permanent handler error".into()));
