@@ -16,6 +16,7 @@
 //! Saga ids and step names are checked up front so that this key is a valid
 //! `Idempotency-Key` ([`NameError`]).
 
+mod error;
 mod json;
 mod name;
 mod runner;
@@ -23,4 +24,5 @@ mod step;
 
 pub use name::NameError;
 pub use runner::{Saga, SagaOutcome, StepContext};
-pub use step::{StepError, compensate, execute, idempotency_key};
+pub use error::StepError;
+pub use step::{compensate, execute, idempotency_key};

@@ -77,6 +77,7 @@
 mod delivered;
 mod fault;
 mod harness;
+mod schema;
 mod transport;
 
 pub use delivered::Delivered;
