@@ -146,8 +146,8 @@ impl Amqp {
         let builder = consumer_for(&db, &queue)
             .retry(RedeliveryPolicy::delayed([DELAY]).max_attempts(3))
             .connection_name(name.clone())
-            .message_groups()
-            .handler(kit_handler(attempts.clone()));
+            .handler(kit_handler(attempts.clone()))
+            .message_groups();
         let consumer = Some(Running::start(builder));
         Amqp {
             db,
@@ -168,14 +168,12 @@ impl Amqp {
                 idempo::amqp::lapin::BasicProperties::default()
                     .with_message_id(id.as_str().into())
                     .with_delivery_mode(2)
-                    .with_headers(
-                        [(
+                    .with_headers(idempo::amqp::lapin::types::FieldTable::from(
+                        std::collections::BTreeMap::from([(
                             idempo::headers::GROUP_ID_HEADER.into(),
                             idempo::amqp::lapin::types::AMQPValue::LongString("kit".into()),
-                        )]
-                        .into_iter()
-                        .collect(),
-                    ),
+                        )]),
+                    )),
                 &body,
             )
             .await;
@@ -364,7 +362,12 @@ impl Transport for Testing {
 async fn settles_after_commit<T: Transport>(t: &mut T) {
     let message = payment("settle-1", "alice", Fail::Never);
     let ended = t.deliver(std::slice::from_ref(&message)).await;
-    assert_eq!(ended, [Ended::Applied], "{}: settles_after_commit", t.name());
+    assert_eq!(
+        ended,
+        [Ended::Applied],
+        "{}: settles_after_commit",
+        t.name()
+    );
     assert_eq!(t.applied("settle-1").await, 1, "{}", t.name());
 }
 
@@ -373,7 +376,12 @@ async fn settles_after_commit<T: Transport>(t: &mut T) {
 async fn a_lost_ack_redelivers_a_duplicate<T: Transport>(t: &mut T) {
     let message = payment("lost-ack-1", "bob", Fail::Never);
     let ended = t.deliver_again(&message).await;
-    assert_eq!(ended, Ended::Duplicate, "{}: a_lost_ack_redelivers_a_duplicate", t.name());
+    assert_eq!(
+        ended,
+        Ended::Duplicate,
+        "{}: a_lost_ack_redelivers_a_duplicate",
+        t.name()
+    );
     assert_eq!(t.applied("lost-ack-1").await, 1, "{}", t.name());
 }
 
@@ -382,7 +390,12 @@ async fn a_lost_ack_redelivers_a_duplicate<T: Transport>(t: &mut T) {
 async fn the_delay_is_honoured<T: Transport>(t: &mut T) {
     let message = payment("delay-1", "carol", Fail::Once);
     let ended = t.deliver(std::slice::from_ref(&message)).await;
-    assert_eq!(ended, [Ended::Applied], "{}: the_delay_is_honoured", t.name());
+    assert_eq!(
+        ended,
+        [Ended::Applied],
+        "{}: the_delay_is_honoured",
+        t.name()
+    );
     assert_eq!(t.applied("delay-1").await, 1, "{}", t.name());
     let attempts = t.attempts();
     let seen = attempts.lock().unwrap()["delay-1"].clone();
@@ -402,7 +415,9 @@ async fn a_dead_letter_carries_its_reason<T: Transport>(t: &mut T) {
     assert_eq!(
         ended,
         [Ended::DeadLettered {
-            reason: idempo::amqp::DeadLetterReason::PermanentError.as_str().into()
+            reason: idempo::amqp::DeadLetterReason::PermanentError
+                .as_str()
+                .into()
         }],
         "{}: a_dead_letter_carries_its_reason",
         t.name()
@@ -432,13 +447,15 @@ async fn a_group_keeps_its_order<T: Transport>(t: &mut T) {
         .map(|i| payment(&format!("order-{i:02}"), "frank", Fail::Never))
         .collect();
     let ended = t.deliver(&messages).await;
-    assert!(ended.iter().all(|e| *e == Ended::Applied), "{}: {ended:?}", t.name());
+    assert!(
+        ended.iter().all(|e| *e == Ended::Applied),
+        "{}: {ended:?}",
+        t.name()
+    );
     let attempts = t.attempts();
     let seen = attempts.lock().unwrap();
-    let mut order: Vec<(&Instant, &String)> = messages
-        .iter()
-        .map(|(id, _)| (&seen[id][0], id))
-        .collect();
+    let mut order: Vec<(&Instant, &String)> =
+        messages.iter().map(|(id, _)| (&seen[id][0], id)).collect();
     order.sort();
     let ids: Vec<&String> = order.into_iter().map(|(_, id)| id).collect();
     let published: Vec<&String> = messages.iter().map(|(id, _)| id).collect();
@@ -461,9 +478,11 @@ async fn the_amqp_adapter_conforms() {
     conformance(&mut amqp).await;
     let consumer = amqp.consumer.take().unwrap();
     consumer.stop().await.expect("a graceful stop");
-    eventually("nothing left in the queue", support::consumer::WAIT, || async {
-        amqp.broker.ready(&amqp.queue).await == 0
-    })
+    eventually(
+        "nothing left in the queue",
+        support::consumer::WAIT,
+        || async { amqp.broker.ready(&amqp.queue).await == 0 },
+    )
     .await;
 }
 

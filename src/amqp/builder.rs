@@ -537,7 +537,6 @@ pub(crate) use runnable;
 runnable!(PerMessage);
 runnable!(Batched);
 
-
 /// The builder's checks, without a broker or a database (the pool is lazy).
 mod finish;
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! [`StepError`]: why a step, or a saga run, did not produce a result.
 
-use super::name::NameError;
+use super::name::{NameError, shorten};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -85,7 +85,7 @@ pub enum StepError {
     },
     /// The saga is being compensated: no step runs forward any more.
     /// [`Saga::run`](super::Saga::run) handles this itself (it joins the
-    /// compensation); [`execute`] returns it.
+    /// compensation); [`execute`](super::execute) returns it.
     #[error("saga {saga_id:?} is being compensated: step {step:?} cannot run")]
     SagaCompensating {
         /// The saga.

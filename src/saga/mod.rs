@@ -22,7 +22,7 @@ mod name;
 mod runner;
 mod step;
 
+pub use error::StepError;
 pub use name::NameError;
 pub use runner::{Saga, SagaOutcome, StepContext};
-pub use error::StepError;
 pub use step::{compensate, execute, idempotency_key};

@@ -8,9 +8,9 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
-use super::json::round_trip;
 pub(crate) use super::error::StepError;
-use super::name::{self, shorten};
+use super::json::round_trip;
+use super::name;
 use crate::Tx;
 use crate::backoff::Backoff;
 

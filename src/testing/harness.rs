@@ -10,7 +10,6 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use lapin::BasicProperties;
 use serde::Serialize;
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
 

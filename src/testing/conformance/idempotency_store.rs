@@ -6,10 +6,10 @@ use http::{HeaderName, HeaderValue, StatusCode, header};
 use super::*;
 
 mod lifecycle;
-use lifecycle::*;
 use crate::http::{
     Begin, FencingToken, Fingerprint, IdempotencyStore, Operation, RecordKey, StoredResponse,
 };
+use lifecycle::*;
 
 /// The checks [`idempotency_store`] runs, by name:
 ///

@@ -3,7 +3,9 @@
 
 use super::*;
 
-pub(super) async fn release_frees_the_key<S: IdempotencyStore>(ctx: &Ctx<'_, S>) -> Result<(), Failure> {
+pub(super) async fn release_frees_the_key<S: IdempotencyStore>(
+    ctx: &Ctx<'_, S>,
+) -> Result<(), Failure> {
     let key = ctx.key("release");
     let first = ctx
         .start_long(&key, &fingerprint("a"), "begin on a fresh key")
@@ -36,7 +38,9 @@ pub(super) async fn release_frees_the_key<S: IdempotencyStore>(ctx: &Ctx<'_, S>)
     expect_eq(step, stale, false)
 }
 
-pub(super) async fn a_foreign_token_is_fenced<S: IdempotencyStore>(ctx: &Ctx<'_, S>) -> Result<(), Failure> {
+pub(super) async fn a_foreign_token_is_fenced<S: IdempotencyStore>(
+    ctx: &Ctx<'_, S>,
+) -> Result<(), Failure> {
     let (key, other_key, a) = (ctx.key("fenced"), ctx.key("fenced-other"), fingerprint("a"));
     let token = ctx.start_long(&key, &a, "begin on a fresh key").await?;
     let theirs = ctx
@@ -121,7 +125,9 @@ pub(super) async fn an_expired_lease_is_taken_over<S: IdempotencyStore>(
     .await
 }
 
-pub(super) async fn extend_renews_the_lease<S: IdempotencyStore>(ctx: &Ctx<'_, S>) -> Result<(), Failure> {
+pub(super) async fn extend_renews_the_lease<S: IdempotencyStore>(
+    ctx: &Ctx<'_, S>,
+) -> Result<(), Failure> {
     let (key, a) = (ctx.key("extend"), fingerprint("a"));
     let token = ctx
         .start(&key, &a, SHORT, LONG, "begin with a 200 ms lease")
@@ -225,7 +231,9 @@ pub(super) async fn concurrent_begins_start_once<S: IdempotencyStore>(
     }
 }
 
-pub(super) async fn records_are_kept_apart<S: IdempotencyStore>(ctx: &Ctx<'_, S>) -> Result<(), Failure> {
+pub(super) async fn records_are_kept_apart<S: IdempotencyStore>(
+    ctx: &Ctx<'_, S>,
+) -> Result<(), Failure> {
     let user = ctx.user();
     let joined_a = format!("{user}|POST");
     let keys = [
@@ -257,7 +265,9 @@ pub(super) async fn records_are_kept_apart<S: IdempotencyStore>(ctx: &Ctx<'_, S>
     Ok(())
 }
 
-pub(super) async fn hostile_keys_round_trip<S: IdempotencyStore>(ctx: &Ctx<'_, S>) -> Result<(), Failure> {
+pub(super) async fn hostile_keys_round_trip<S: IdempotencyStore>(
+    ctx: &Ctx<'_, S>,
+) -> Result<(), Failure> {
     let user = ctx.user();
     let long = format!("{}'", "\\".repeat(254));
     let mut keys: Vec<RecordKey> = Vec::new();
