@@ -23,11 +23,6 @@ pub enum Error {
     #[error("migration error: {0}")]
     Migrate(#[from] Box<sqlx::migrate::MigrateError>),
 
-    /// The AMQP connection or channel failed.
-    #[cfg(feature = "amqp")]
-    #[error("amqp error: {0}")]
-    Amqp(#[from] lapin::Error),
-
     /// A Redis command failed (connection lost, timeout, script error).
     #[cfg(feature = "redis")]
     #[error("redis error: {0}")]
@@ -56,10 +51,6 @@ pub enum Error {
     #[error("the store did not answer within {0:?}")]
     StoreTimeout(std::time::Duration),
 
-    /// The broker did not confirm a publish (nacked, unroutable, timed out).
-    #[error("publish not confirmed: {0}")]
-    PublishNotConfirmed(String),
-
     /// A message id is missing, empty or too long.
     #[error(transparent)]
     InvalidMessageId(#[from] crate::message_id::InvalidMessageId),
@@ -73,28 +64,6 @@ pub enum Error {
         message_id: String,
     },
 
-    /// The broker refused to declare a queue because it exists with other
-    /// arguments (another type, other dead-letter settings): a configuration
-    /// error, reported instead of retried.
-    #[error(
-        "the queues of {queue:?} exist with other arguments than this consumer declares \
-         ({broker}); delete them, match the builder to them (queue_type, dead_letter_queue, \
-         retry delays), or manage them yourself with declare(false)"
-    )]
-    TopologyConflict {
-        /// The consumer's work queue.
-        queue: String,
-        /// What the broker said (it names the queue and the argument).
-        broker: String,
-    },
-
-    /// The broker cancelled our consumer (for example: the queue was deleted).
-    #[error("the broker cancelled the consumer of queue {queue:?}")]
-    ConsumerCancelled {
-        /// The queue that was being consumed.
-        queue: String,
-    },
-
     /// A TLS handshake was refused (a wrong CA, a host name the certificate
     /// does not name, a port that does not speak TLS): a configuration error
     /// that no retry can fix, reported at once.
@@ -104,45 +73,6 @@ pub enum Error {
         service: String,
         /// Why, per address.
         reason: String,
-    },
-
-    /// No broker node could be connected to: each node tried, and why it
-    /// failed (refused, no answer within the connection timeout, lost). An
-    /// outage: the consumer, the relay and the publishers retry it.
-    #[cfg(feature = "amqp")]
-    #[error("cannot connect to RabbitMQ: {}", NodeFailure::list(.nodes))]
-    BrokerUnreachable {
-        /// Each node tried, in order.
-        nodes: Vec<NodeFailure>,
-    },
-
-    /// The broker refused this client's configuration at connect time: a
-    /// wrong user name or password (`ACCESS_REFUSED`), a vhost that does not
-    /// exist or that the user may not access (`NOT_ALLOWED`), a port that
-    /// speaks TLS to an `amqp://` URL. No retry can fix it: at start it is
-    /// returned; after a connection once worked, it is retried (and reported
-    /// in `Health`), as an operator may be fixing the broker.
-    #[cfg(feature = "amqp")]
-    #[error("RabbitMQ refused the connection: {}", NodeFailure::list(.nodes))]
-    BrokerRefused {
-        /// Each node tried, in order, and why it failed.
-        nodes: Vec<NodeFailure>,
-    },
-
-    /// The broker refused an operation for lack of a permission
-    /// (`ACCESS_REFUSED`, 403): configure on a queue the consumer declares,
-    /// read on the queue it consumes. Returned at start, like
-    /// [`TopologyConflict`](Error::TopologyConflict).
-    #[cfg(feature = "amqp")]
-    #[error(
-        "RabbitMQ refused to {operation} ({broker}): grant the user the permission \
-         (rabbitmqctl set_permissions), or manage the queues yourself with declare(false)"
-    )]
-    AccessRefused {
-        /// What was refused, e.g. `declare queue "payments"`.
-        operation: String,
-        /// What the broker said.
-        broker: String,
     },
 
     /// A certificate or key file is missing or unusable: the error names the
@@ -186,29 +116,6 @@ pub enum Error {
     /// the transaction was already committed or rolled back.
     #[error("the transaction was already finished: a Tx handle outlived its handler")]
     TransactionFinished,
-}
-
-/// One broker node that could not be used, and why (in
-/// [`Error::BrokerUnreachable`] and [`Error::BrokerRefused`]).
-#[cfg(feature = "amqp")]
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct NodeFailure {
-    /// The node's address, without its password.
-    pub node: String,
-    /// Why it failed.
-    pub reason: String,
-}
-
-#[cfg(feature = "amqp")]
-impl NodeFailure {
-    fn list(nodes: &[NodeFailure]) -> String {
-        nodes
-            .iter()
-            .map(|n| format!("{}: {}", n.node, n.reason))
-            .collect::<Vec<_>>()
-            .join("; ")
-    }
 }
 
 impl From<sqlx::migrate::MigrateError> for Error {

@@ -175,9 +175,6 @@ pub mod testing;
 #[cfg(any(feature = "http", feature = "window"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "window"))))]
 pub use cleanup::StateCount;
-#[cfg(feature = "amqp")]
-#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
-pub use error::NodeFailure;
 pub use error::{Error, Result};
 #[cfg(any(feature = "http", feature = "retry"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "retry"))))]

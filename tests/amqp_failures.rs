@@ -967,7 +967,7 @@ async fn a_queue_declared_with_other_arguments_is_a_configuration_error() {
         .expect("no panic");
     let error = ended.expect_err("a topology conflict");
     assert!(
-        matches!(&error, idempo::Error::TopologyConflict { queue: q, .. } if *q == queue),
+        matches!(idempo::amqp::AmqpError::of(&error), Some(idempo::amqp::AmqpError::TopologyConflict { queue: q, .. }) if *q == queue),
         "{error}"
     );
     assert!(error.to_string().contains("x-queue-type"), "{error}");

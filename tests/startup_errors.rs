@@ -4,6 +4,7 @@
 
 mod support;
 
+use idempo::amqp::AmqpError;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
@@ -478,7 +479,7 @@ async fn broker_configuration_errors_end_the_start_with_the_cause_in_either_mode
                 .await
             };
             assert!(
-                matches!(error, idempo::Error::BrokerRefused { .. }),
+                matches!(AmqpError::of(&error), Some(AmqpError::BrokerRefused { .. })),
                 "{url} (batch: {batch}): {error:?}"
             );
             let line = error.to_string();
@@ -499,8 +500,8 @@ async fn broker_configuration_errors_end_the_start_with_the_cause_in_either_mode
             )
             .await
         };
-        match &error {
-            idempo::Error::AccessRefused { operation, broker } => {
+        match AmqpError::of(&error) {
+            Some(AmqpError::AccessRefused { operation, broker }) => {
                 assert!(operation.contains(&queue), "{error}");
                 assert!(broker.contains("ACCESS_REFUSED"), "{error}");
             }
@@ -580,8 +581,8 @@ async fn a_hung_node_and_a_refused_node_are_both_named_within_one_timeout_each()
         took >= timeout && took < timeout + Duration::from_secs(3),
         "one documented timeout for the hung node: took {took:?}"
     );
-    match &error {
-        idempo::Error::BrokerUnreachable { nodes } => {
+    match AmqpError::of(&error) {
+        Some(AmqpError::BrokerUnreachable { nodes }) => {
             assert_eq!(nodes.len(), 2, "{error}");
             assert!(nodes[0].node.contains(&hung_port.to_string()), "{error}");
             assert!(nodes[0].reason.contains("no answer within 10s"), "{error}");

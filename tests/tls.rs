@@ -316,7 +316,10 @@ async fn amqp_to_the_tls_port_says_to_use_amqps() {
     let refusal =
         run_until_refused(payments_consumer(&db, &unique("tls")).broker(plain_to_tls)).await;
     assert!(
-        matches!(refusal, idempo::Error::BrokerRefused { .. }),
+        matches!(
+            idempo::amqp::AmqpError::of(&refusal),
+            Some(idempo::amqp::AmqpError::BrokerRefused { .. })
+        ),
         "{refusal:?}"
     );
     let text = refusal.to_string();

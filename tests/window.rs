@@ -517,7 +517,7 @@ async fn publisher_test<S: TestStore + 'static>() {
         .publish("", &nowhere, Outgoing::new("x").dedup_id(id.clone()))
         .await;
     assert!(
-        matches!(failed, Err(idempo::Error::PublishNotConfirmed(_))),
+        matches!(&failed, Err(e) if matches!(idempo::amqp::AmqpError::of(e), Some(idempo::amqp::AmqpError::PublishNotConfirmed(_)))),
         "{failed:?}"
     );
     broker.declare(&nowhere).await;

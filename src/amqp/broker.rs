@@ -10,7 +10,7 @@ use lapin::tcp::OwnedTLSConfig;
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
 
-use crate::error::NodeFailure;
+use super::error::{AmqpError, NodeFailure};
 use crate::redact::redact_url;
 use crate::{Error, Result};
 
@@ -328,9 +328,9 @@ impl Broker {
     /// Each names every node tried and why it failed:
     /// [`Error::Tls`] when every node refused the TLS handshake (a wrong CA,
     /// a host name the certificate does not name, a port that does not speak
-    /// TLS); [`Error::BrokerRefused`] when every node refused the connection
+    /// TLS); [`AmqpError::BrokerRefused`] when every node refused the connection
     /// for a configuration reason (credentials, vhost, TLS, an `amqp://` URL
-    /// to a TLS port); [`Error::BrokerUnreachable`] otherwise (refused TCP
+    /// to a TLS port); [`AmqpError::BrokerUnreachable`] otherwise (refused TCP
     /// connections, nodes that did not answer in time, lost connections);
     /// [`Error::Certificate`] when `SSL_CERT_FILE` names an unusable file.
     pub(crate) async fn connect_from(
@@ -400,17 +400,17 @@ impl Broker {
             });
         }
         if every(&[Failure::Tls, Failure::Refused]) {
-            return Err(Error::BrokerRefused { nodes: nodes() });
+            return Err(AmqpError::BrokerRefused { nodes: nodes() }.into());
         }
-        Err(Error::BrokerUnreachable { nodes: nodes() })
+        Err(AmqpError::BrokerUnreachable { nodes: nodes() }.into())
     }
 
     /// Connects to the first node that answers (for publishers and tools).
     ///
     /// # Errors
     /// As for the consumer: [`Error::Tls`] when every node refused the TLS
-    /// handshake, [`Error::BrokerRefused`] when every node refused the
-    /// credentials, the vhost or the scheme, [`Error::BrokerUnreachable`]
+    /// handshake, [`AmqpError::BrokerRefused`] when every node refused the
+    /// credentials, the vhost or the scheme, [`AmqpError::BrokerUnreachable`]
     /// otherwise; each names every node tried and why it failed.
     pub async fn connect(&self, connection_name: &str) -> Result<Connection> {
         self.connect_from(None, connection_name)

@@ -452,7 +452,7 @@ impl<Mode> ConsumerBuilder<Mode> {
     /// exists with other arguments than the runtime declares, for a
     /// deployment in which someone else fixes the topology. By default that
     /// is a configuration error: [`Consumer::run`] returns
-    /// [`Error::TopologyConflict`].
+    /// [`AmqpError::TopologyConflict`](crate::amqp::AmqpError::TopologyConflict).
     pub fn wait_for_topology(mut self, wait: bool) -> Self {
         self.settings.wait_for_topology = wait;
         self

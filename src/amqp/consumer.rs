@@ -170,16 +170,16 @@ impl Consumer {
     /// and, with feature `outbox`, the consumer's outbox relay.
     ///
     /// # Errors
-    /// [`Error::TopologyConflict`] when a queue exists with other arguments
+    /// [`AmqpError::TopologyConflict`](crate::amqp::AmqpError::TopologyConflict) when a queue exists with other arguments
     /// than the runtime declares (unless
     /// [`wait_for_topology`](super::ConsumerBuilder::wait_for_topology)): a
     /// configuration error that no reconnect can fix. [`Error::Tls`] when
     /// PostgreSQL or every broker node refuses the TLS handshake at start
     /// (a wrong CA, a host name the certificate does not name, a port without
-    /// TLS). [`Error::BrokerRefused`] when, before any connection worked,
+    /// TLS). [`AmqpError::BrokerRefused`](crate::amqp::AmqpError::BrokerRefused) when, before any connection worked,
     /// every broker node refuses the credentials (`ACCESS_REFUSED`), the
     /// vhost (`NOT_ALLOWED`) or the scheme (`amqp://` to a TLS port);
-    /// [`Error::AccessRefused`] when, before consuming ever worked, the
+    /// [`AmqpError::AccessRefused`](crate::amqp::AmqpError::AccessRefused) when, before consuming ever worked, the
     /// broker refuses to declare a queue (configure permission) or to
     /// consume from it (read permission); [`Error::Certificate`] when
     /// `SSL_CERT_FILE` is unusable. After a good start, the same refusals

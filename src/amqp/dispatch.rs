@@ -15,7 +15,6 @@ use tokio::sync::{Semaphore, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::Error;
 use crate::amqp::delivery::Pipeline;
 use crate::amqp::mode::Dispatch;
 use crate::runtime::headers::string_header;
@@ -87,7 +86,7 @@ impl Feed<'_> {
             }
             Some(Err(e)) => lost(format!("consuming failed: {e}")),
             None if self.channel.status().connected() && self.connection.status().connected() => {
-                let error = Error::ConsumerCancelled {
+                let error = crate::amqp::AmqpError::ConsumerCancelled {
                     queue: self.queue.to_owned(),
                 };
                 lost(format!("{error} (was the queue deleted?)"))

@@ -52,6 +52,7 @@ pub(crate) mod config;
 mod consumer;
 pub(crate) mod delivery;
 mod dispatch;
+mod error;
 pub(crate) mod fit;
 pub mod mode;
 pub(crate) mod outbox;
@@ -85,6 +86,7 @@ pub use broker::{
 };
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
+pub use error::{AmqpError, NodeFailure};
 pub use publish::PublishError;
 pub use topology::{QueueType, dead_letter_queue, work_queue};
 

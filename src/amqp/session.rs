@@ -11,6 +11,7 @@ use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
+use crate::amqp::AmqpError;
 use crate::amqp::acks::AckTracker;
 use crate::amqp::config::Config;
 use crate::amqp::delivery::Pipeline;
@@ -142,13 +143,20 @@ impl Runtime {
                 self.consume(&connection, channel, deliveries, pipeline)
                     .await
             }
-            Ok(Err(e @ Error::TopologyConflict { .. })) if !self.config.wait_for_topology => {
+            Ok(Err(e))
+                if is(&e, |a| matches!(a, AmqpError::TopologyConflict { .. }))
+                    && !self.config.wait_for_topology =>
+            {
                 Session::Fatal(e)
             }
             // A permission missing at start is a configuration error; once
             // consuming worked, an operator is changing permissions: retried.
-            Ok(Err(e @ Error::AccessRefused { .. })) if !self.consumed => Session::Fatal(e),
-            Ok(Err(e @ Error::AccessRefused { .. })) => {
+            Ok(Err(e))
+                if is(&e, |a| matches!(a, AmqpError::AccessRefused { .. })) && !self.consumed =>
+            {
+                Session::Fatal(e)
+            }
+            Ok(Err(e)) if is(&e, |a| matches!(a, AmqpError::AccessRefused { .. })) => {
                 self.stats.incr(Counter::BrokerRefusals);
                 lost(format!("cannot set up the subscription: {e}"))
             }
@@ -401,13 +409,14 @@ impl Sessions for Runtime {
 /// arguments (PRECONDITION_FAILED, 406), or for lack of the configure
 /// permission (ACCESS_REFUSED, 403), is a configuration error.
 fn topology_error(queue: &str, error: Error) -> Error {
-    match &error {
-        Error::Amqp(e) => match e.kind() {
+    match AmqpError::of(&error) {
+        Some(AmqpError::Client(e)) => match e.kind() {
             lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 406 => {
-                Error::TopologyConflict {
+                AmqpError::TopologyConflict {
                     queue: queue.to_owned(),
                     broker: amqp.get_message().to_string(),
                 }
+                .into()
             }
             _ => access_refused(format!("declare queue {queue:?}"), error),
         },
@@ -418,24 +427,30 @@ fn topology_error(queue: &str, error: Error) -> Error {
 /// `operation`'s error as [`Error::AccessRefused`] when the broker refused
 /// it for lack of a permission (ACCESS_REFUSED, 403).
 fn access_refused(operation: String, error: Error) -> Error {
-    match &error {
-        Error::Amqp(e) => match e.kind() {
-            lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 403 => Error::AccessRefused {
-                operation,
-                broker: amqp.get_message().to_string(),
-            },
+    match AmqpError::of(&error) {
+        Some(AmqpError::Client(e)) => match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 403 => {
+                AmqpError::AccessRefused {
+                    operation,
+                    broker: amqp.get_message().to_string(),
+                }
+                .into()
+            }
             _ => error,
         },
         _ => error,
     }
 }
 
+/// Whether `error` is an AMQP error that `what` accepts.
+fn is(error: &Error, what: impl Fn(&AmqpError) -> bool) -> bool {
+    AmqpError::of(error).is_some_and(what)
+}
+
 /// Whether connecting failed because the broker refused this client's
 /// configuration on every node (TLS, credentials, vhost, an unusable
 /// certificate file), as opposed to an outage.
 fn refusal(error: &Error) -> bool {
-    matches!(
-        error,
-        Error::Tls { .. } | Error::BrokerRefused { .. } | Error::Certificate(_)
-    )
+    matches!(error, Error::Tls { .. } | Error::Certificate(_))
+        || is(error, |a| matches!(a, AmqpError::BrokerRefused { .. }))
 }

@@ -157,8 +157,8 @@ impl Services {
     /// # Errors
     /// [`OpsError::InvalidBrokerUrl`]; [`OpsError::Idempo`] with an error
     /// that names each node and why it failed
-    /// ([`BrokerUnreachable`](crate::Error::BrokerUnreachable),
-    /// [`BrokerRefused`](crate::Error::BrokerRefused),
+    /// ([`BrokerUnreachable`](crate::amqp::AmqpError::BrokerUnreachable),
+    /// [`BrokerRefused`](crate::amqp::AmqpError::BrokerRefused),
     /// [`Tls`](crate::Error::Tls)) or the certificate file that is unusable
     /// ([`Certificate`](crate::Error::Certificate));
     /// [`OpsError::BrokerUnreachable`] otherwise.
@@ -173,16 +173,26 @@ impl Services {
         broker
             .connect(&self.connection_name)
             .await
-            .map_err(|source| match source {
+            .map_err(|source| {
                 // These name every node already.
-                crate::Error::BrokerUnreachable { .. }
-                | crate::Error::BrokerRefused { .. }
-                | crate::Error::Tls { .. }
-                | crate::Error::Certificate(_) => OpsError::Idempo(source),
-                source => OpsError::BrokerUnreachable {
-                    urls: self.amqp_urls(),
+                let named = matches!(
                     source,
-                },
+                    crate::Error::Tls { .. } | crate::Error::Certificate(_)
+                ) || matches!(
+                    crate::amqp::AmqpError::of(&source),
+                    Some(
+                        crate::amqp::AmqpError::BrokerUnreachable { .. }
+                            | crate::amqp::AmqpError::BrokerRefused { .. }
+                    )
+                );
+                if named {
+                    OpsError::Idempo(source)
+                } else {
+                    OpsError::BrokerUnreachable {
+                        urls: self.amqp_urls(),
+                        source,
+                    }
+                }
             })
     }
 

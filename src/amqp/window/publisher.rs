@@ -1,6 +1,5 @@
 //! [`DedupPublisher`]: publish once per dedup id within the window.
 
-use crate::headers::{DEDUP_ID_HEADER, GROUP_ID_HEADER};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,9 +9,10 @@ use lapin::{BasicProperties, Connection};
 use tokio::sync::Mutex;
 use tokio::time::{Instant, timeout, timeout_at};
 
-use crate::amqp::Broker;
 use crate::amqp::publish::{ConfirmChannel, PublishError};
 use crate::amqp::reconnect::Reconnect;
+use crate::amqp::{AmqpError, Broker};
+use crate::headers::{DEDUP_ID_HEADER, GROUP_ID_HEADER};
 use crate::window::{DedupId, DedupWindow, MAX_WINDOW, Reservation, Scope, WindowStore};
 use crate::{Error, Result};
 
@@ -135,7 +135,7 @@ pub struct Published {
 /// reconnected through the [`Broker`] (trying its nodes in turn), by the next
 /// publish; while the broker cannot be reached, attempts are spaced by a
 /// jittered backoff (0.1 s doubling up to 5 s) and the publishes in between
-/// fail at once with [`Error::PublishNotConfirmed`], reserving nothing.
+/// fail at once with [`AmqpError::PublishNotConfirmed`], reserving nothing.
 pub struct DedupPublisher<S> {
     link: Link,
     window: DedupWindow<S>,
@@ -215,7 +215,7 @@ impl<S: WindowStore> DedupPublisherBuilder<S> {
     /// # Errors
     /// [`Error::Config`] when the lease does not outlast the confirm timeout;
     /// the broker's error when it cannot be reached
-    /// ([`Error::BrokerUnreachable`], [`Error::BrokerRefused`], [`Error::Tls`]).
+    /// ([`AmqpError::BrokerUnreachable`], [`AmqpError::BrokerRefused`], [`Error::Tls`]).
     pub async fn build(self) -> Result<DedupPublisher<S>> {
         if self.lease <= self.confirm_timeout {
             return Err(Error::Config(format!(
@@ -279,15 +279,15 @@ impl<S: WindowStore> DedupPublisher<S> {
     ///
     /// # Errors
     /// Where the id is **released** (publishing again is safe):
-    /// [`Error::PublishNotConfirmed`] when the broker nacked the message or
+    /// [`AmqpError::PublishNotConfirmed`] when the broker nacked the message or
     /// returned it as unroutable, or it was never sent (no channel to the
-    /// broker, see [Reconnects](Self#reconnects)); [`Error::Amqp`] when the
+    /// broker, see [Reconnects](Self#reconnects)); [`AmqpError::Client`] when the
     /// broker refused it with a channel error (`NOT_FOUND`: no such exchange;
     /// `ACCESS_REFUSED`); the broker's error when reconnecting failed.
     ///
     /// Where the outcome is **unknown** (the id stays reserved for its lease):
-    /// [`Error::PublishNotConfirmed`] when no confirm came within the confirm
-    /// timeout; [`Error::Amqp`] when the connection failed in flight.
+    /// [`AmqpError::PublishNotConfirmed`] when no confirm came within the confirm
+    /// timeout; [`AmqpError::Client`] when the connection failed in flight.
     ///
     /// And the store's error; [`Error::Config`] for a `message_id` with a NUL
     /// byte or a scope no store can hold (see
@@ -333,9 +333,10 @@ impl<S: WindowStore> DedupPublisher<S> {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 Reservation::Pending => {
-                    return Err(Error::PublishNotConfirmed(format!(
+                    return Err(AmqpError::PublishNotConfirmed(format!(
                         "dedup id {id} stayed reserved by another publisher"
-                    )));
+                    ))
+                    .into());
                 }
                 Reservation::Reserved { token } => {
                     let sent = self
@@ -435,10 +436,13 @@ impl<S: WindowStore> DedupPublisher<S> {
                 Ok(Ok(channel)) => channel,
                 Ok(Err(e)) => return Err(Sent::No(e)),
                 Err(_) => {
-                    return Err(Sent::No(Error::PublishNotConfirmed(format!(
-                        "no channel to the broker within {:?}; nothing was sent",
-                        self.confirm_timeout
-                    ))));
+                    return Err(Sent::No(
+                        AmqpError::PublishNotConfirmed(format!(
+                            "no channel to the broker within {:?}; nothing was sent",
+                            self.confirm_timeout
+                        ))
+                        .into(),
+                    ));
                 }
             };
             let published = channel
@@ -462,17 +466,17 @@ impl<S: WindowStore> DedupPublisher<S> {
             };
             let certain = e.certainly_not_sent();
             let error = match e {
-                PublishError::Amqp(e) | PublishError::Closed(e) => Error::Amqp(e),
-                PublishError::Timeout(_) => Error::PublishNotConfirmed(format!(
+                PublishError::Amqp(e) | PublishError::Closed(e) => AmqpError::Client(e),
+                PublishError::Timeout(_) => AmqpError::PublishNotConfirmed(format!(
                     "no confirm within {:?}; the outcome is unknown and the id stays reserved for its lease",
                     self.confirm_timeout
                 )),
-                other => Error::PublishNotConfirmed(other.to_string()),
+                other => AmqpError::PublishNotConfirmed(other.to_string()),
             };
             return Err(if certain {
-                Sent::No(error)
+                Sent::No(error.into())
             } else {
-                Sent::Unknown(error)
+                Sent::Unknown(error.into())
             });
         }
     }
@@ -514,10 +518,11 @@ impl Link {
         if let Some((at, why)) = &state.next_attempt {
             let now = Instant::now();
             if now < *at {
-                return Err(Error::PublishNotConfirmed(format!(
+                return Err(AmqpError::PublishNotConfirmed(format!(
                     "not connected to the broker ({why}); nothing was sent; next attempt in {:?}",
                     *at - now
-                )));
+                ))
+                .into());
             }
         }
         match self.reopen(&mut state).await {
@@ -566,12 +571,13 @@ impl Link {
                 // surest cure on the next attempt.
                 state.connection = None;
                 Err(match failed {
-                    Ok(Err(e)) => Error::Amqp(e),
-                    _ => Error::PublishNotConfirmed(format!(
+                    Ok(Err(e)) => AmqpError::Client(e),
+                    _ => AmqpError::PublishNotConfirmed(format!(
                         "the broker did not open a channel within {:?}",
                         self.confirm_timeout
                     )),
-                })
+                }
+                .into())
             }
         }
     }
