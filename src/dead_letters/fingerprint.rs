@@ -6,7 +6,7 @@ use sha2::{Digest, Sha256};
 /// between letters of one cause masked: quoted values (`'…'`, `"…"`) become
 /// `?`, numbers (and ids made of hex digits and dashes, such as UUIDs)
 /// become `#`.
-pub fn pattern(reason: &str, error: &str) -> String {
+pub(crate) fn pattern(reason: &str, error: &str) -> String {
     let mut out = String::with_capacity(reason.len() + error.len() + 2);
     out.push_str(reason);
     out.push_str(": ");
@@ -52,7 +52,8 @@ fn word_is_id(chars: &[char], i: usize) -> bool {
     word.iter().all(|c| c.is_ascii_hexdigit() || *c == '-') && word.iter().any(char::is_ascii_digit)
 }
 
-/// The fingerprint: 16 hex digits of the SHA-256 of [`pattern`].
+/// The fingerprint: 16 hex digits of the SHA-256 of the cause's pattern
+/// (the reason and the error with ids, numbers and quoted values masked).
 pub fn fingerprint(reason: &str, error: &str) -> String {
     let digest = Sha256::digest(pattern(reason, error).as_bytes());
     hex::encode(&digest[..8])

@@ -43,13 +43,11 @@ mod table;
 
 use std::time::SystemTime;
 
-pub use fingerprint::{fingerprint, pattern};
-pub use table::{
-    LetterState, count, counts, discard, groups, holds, list, purge, reap, replay, show,
-    table_exists,
-};
+pub use fingerprint::fingerprint;
+pub use table::{LetterState, count, discard, groups, list, purge, reap, replay, show};
+pub(crate) use table::{counts, holds, table_exists};
 
-/// Live letters of one consumer, queue and cause ([`counts`]).
+/// Live letters of one consumer, queue and cause (in `ops::Status`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct LetterCount {
     /// The consumer.

@@ -240,7 +240,7 @@ pub(crate) async fn insert(pool: &PgPool, letter: &NewLetter<'_>) -> Result<()> 
 ///
 /// # Errors
 /// [`Error::Database`] when the query fails.
-pub async fn table_exists(pool: &PgPool) -> Result<bool> {
+pub(crate) async fn table_exists(pool: &PgPool) -> Result<bool> {
     Ok(
         sqlx::query_scalar("SELECT to_regclass('dead_letters') IS NOT NULL")
             .fetch_one(pool)
@@ -252,7 +252,7 @@ pub async fn table_exists(pool: &PgPool) -> Result<bool> {
 ///
 /// # Errors
 /// [`Error::Database`] when the query fails.
-pub async fn holds(pool: &PgPool, queue: &str) -> Result<bool> {
+pub(crate) async fn holds(pool: &PgPool, queue: &str) -> Result<bool> {
     Ok(
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM dead_letters WHERE queue = $1)")
             .bind(queue)
@@ -265,7 +265,7 @@ pub async fn holds(pool: &PgPool, queue: &str) -> Result<bool> {
 ///
 /// # Errors
 /// [`Error::Database`] when the query fails (the table missing too).
-pub async fn counts(pool: &PgPool) -> Result<Vec<LetterCount>> {
+pub(crate) async fn counts(pool: &PgPool) -> Result<Vec<LetterCount>> {
     let rows: Vec<(String, String, String, String, i64)> = sqlx::query_as(
         "SELECT consumer, queue, fingerprint, min(reason), count(*) FROM dead_letters \
          WHERE state = 'live' GROUP BY consumer, queue, fingerprint \

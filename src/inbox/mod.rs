@@ -78,7 +78,8 @@ mod retention;
 pub(crate) use claim::commit_with;
 #[cfg(feature = "amqp")]
 pub(crate) use claim::{Isolation, reads_committed_by_default};
-pub use reports::{ConsumerClaims, claims_inserted, claims_per_consumer, consumers};
+pub(crate) use reports::consumers;
+pub use reports::{ConsumerClaims, claims_inserted, claims_per_consumer};
 
 /// What a claim found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
