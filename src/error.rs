@@ -23,33 +23,9 @@ pub enum Error {
     #[error("migration error: {0}")]
     Migrate(#[from] Box<sqlx::migrate::MigrateError>),
 
-    /// A Redis command failed (connection lost, timeout, script error).
-    #[cfg(feature = "redis")]
-    #[error("redis error: {0}")]
-    Redis(#[from] redis::RedisError),
-
     /// A record read back from a store is not in the format idempo writes.
     #[error("corrupt record in the store: {0}")]
     CorruptRecord(String),
-
-    /// A bounded in-memory store is full of live entries: refusing is safer
-    /// than forgetting one (its duplicate would pass).
-    #[error("the dedup window is full ({capacity} live ids)")]
-    WindowFull {
-        /// The store's capacity.
-        capacity: usize,
-    },
-
-    /// A bounded in-memory idempotency store is full of live records.
-    #[error("the idempotency store is full ({capacity} live records)")]
-    StoreFull {
-        /// The store's capacity.
-        capacity: usize,
-    },
-
-    /// A store call took longer than allowed.
-    #[error("the store did not answer within {0:?}")]
-    StoreTimeout(std::time::Duration),
 
     /// A message id is missing, empty or too long.
     #[error(transparent)]

@@ -125,6 +125,8 @@ mod redact;
 #[cfg(feature = "redis")]
 mod redis_connection;
 mod sqlstate;
+#[cfg(any(feature = "http", feature = "window", feature = "redis"))]
+mod store_error;
 mod tx;
 #[cfg(feature = "amqp")]
 mod wait;
@@ -180,6 +182,9 @@ pub use error::{Error, Result};
 #[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "retry"))))]
 pub use key::KeyError;
 pub use random::RandomnessUnavailable;
+#[cfg(any(feature = "http", feature = "window", feature = "redis"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "window"))))]
+pub use store_error::StoreError;
 
 // The guide (src/_guide/): what the README leaves out, one topic per page,
 // every code block a doctest. Compiled with every feature its examples use

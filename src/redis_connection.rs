@@ -111,7 +111,7 @@ async fn connect_error(url: &str, client: &redis::Client, error: redis::RedisErr
         }
     }
     let _ = (url, client);
-    Error::Redis(error)
+    crate::StoreError::Redis(error).into()
 }
 
 /// Whether `host:port` answers a plain `PING` in RESP (`+PONG`, or an error

@@ -464,7 +464,7 @@ impl IdempotencyStore for Broken {
 
     async fn delete_expired(&self, limit: usize) -> idempo::Result<u64> {
         if self.fails_cleanup {
-            return Err(idempo::Error::StoreTimeout(Duration::from_secs(5)));
+            return Err(idempo::StoreError::Timeout(Duration::from_secs(5)).into());
         }
         self.inner.delete_expired(limit).await
     }
@@ -553,8 +553,9 @@ async fn a_store_error_is_reported_with_the_check_and_step() {
     assert_eq!(e.check, "delete_expired_keeps_live_records", "{e}");
     assert!(e.also_failed.is_empty(), "{e}");
     assert!(
-        matches!(&e.failure, Failure::Store { step, source: idempo::Error::StoreTimeout(_) }
-            if step == "delete_expired"),
+        matches!(&e.failure, Failure::Store { step, source }
+            if step == "delete_expired"
+                && matches!(idempo::StoreError::of(source), Some(idempo::StoreError::Timeout(_)))),
         "{e}"
     );
 }

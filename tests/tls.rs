@@ -289,7 +289,11 @@ async fn rediss_misconfigurations_fail_fast() {
         );
         eprintln!("{what}: {error}");
         assert!(
-            matches!(error, idempo::Error::Tls { .. } | idempo::Error::Redis(_)),
+            matches!(error, idempo::Error::Tls { .. })
+                || matches!(
+                    idempo::StoreError::of(&error),
+                    Some(idempo::StoreError::Redis(_))
+                ),
             "{what}: {error:?}"
         );
         if what == "a wrong CA" {

@@ -379,7 +379,7 @@ async fn a_blackholed_postgres_window_times_out_instead_of_hanging() {
         .insert(&Scope::queue("q"), &DedupId::new("1").unwrap())
         .await;
     assert!(
-        matches!(result, Err(idempo::Error::StoreTimeout(t)) if t == Duration::from_millis(500)),
+        matches!(&result, Err(e) if matches!(idempo::StoreError::of(e), Some(idempo::StoreError::Timeout(t)) if *t == Duration::from_millis(500))),
         "{result:?}"
     );
     assert!(
@@ -435,7 +435,7 @@ async fn a_full_memory_window_refuses_rather_than_forgets() {
     assert!(window.insert(&scope, &id(2)).await.unwrap());
     let full = window.insert(&scope, &id(3)).await;
     assert!(
-        matches!(full, Err(idempo::Error::WindowFull { capacity: 2 })),
+        matches!(&full, Err(e) if matches!(idempo::StoreError::of(e), Some(idempo::StoreError::WindowFull { capacity: 2 }))),
         "{full:?}"
     );
     assert!(

@@ -24,7 +24,7 @@ use crate::Result;
 ///
 /// Bounded: at most 100,000 records (or
 /// [`with_capacity`](Self::with_capacity)). When it is full of live records,
-/// a new key is refused with [`Error::StoreFull`](crate::Error::StoreFull)
+/// a new key is refused with [`StoreError::IdempotencyStoreFull`](crate::StoreError::IdempotencyStoreFull)
 /// (the layer answers 503 with `Retry-After`) rather than evicting one: an
 /// evicted record's retry would run again. Expired records make room first.
 #[derive(Debug, Clone)]
@@ -129,9 +129,10 @@ impl IdempotencyStore for MemoryStore {
         if records.len() >= self.capacity && !records.contains_key(operation.key.digest()) {
             records.retain(|_, record| record.expires_at > now);
             if records.len() >= self.capacity {
-                return Err(crate::Error::StoreFull {
+                return Err(crate::StoreError::IdempotencyStoreFull {
                     capacity: self.capacity,
-                });
+                }
+                .into());
             }
         }
         let token = self.token();

@@ -108,7 +108,7 @@ impl RedisStore {
     /// quickly (503) instead of hanging them.
     ///
     /// # Errors
-    /// [`Error::Redis`] when the URL is invalid or Redis cannot be reached.
+    /// [`StoreError::Redis`](crate::StoreError::Redis) when the URL is invalid or Redis cannot be reached.
     pub async fn connect(url: &str) -> Result<Self> {
         Ok(Self::new(
             crate::redis_connection::connect(url, None).await?,
@@ -123,7 +123,7 @@ impl RedisStore {
     /// # Errors
     /// [`Error::Tls`](crate::Error::Tls) when the handshake is refused (a wrong
     /// CA, a host name the certificate does not name, a port without TLS);
-    /// [`Error::Redis`](crate::Error::Redis) when Redis cannot be reached.
+    /// [`StoreError::Redis`](crate::StoreError::Redis) when Redis cannot be reached.
     #[cfg(feature = "tls")]
     #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub async fn connect_with_tls(url: &str, tls: crate::RedisTls) -> Result<Self> {

@@ -221,7 +221,7 @@ async fn bounded<T>(
 ) -> crate::Result<T> {
     tokio::time::timeout(timeout, call)
         .await
-        .unwrap_or_else(|_| Err(crate::Error::StoreTimeout(timeout)))
+        .unwrap_or_else(|_| Err(crate::StoreError::Timeout(timeout).into()))
 }
 
 /// How long a client should wait before retrying a key in progress: briefly

@@ -80,8 +80,8 @@ impl<S: WindowStore> DedupWindow<S> {
     ///
     /// # Errors
     /// The store's error ([`Error::Database`](crate::Error::Database),
-    /// `Error::Redis`, [`Error::WindowFull`](crate::Error::WindowFull),
-    /// [`Error::StoreTimeout`](crate::Error::StoreTimeout)), or
+    /// a [`StoreError`](crate::StoreError) (Redis, the window full,
+    /// a timeout), or
     /// [`Error::Config`](crate::Error::Config) for a key no store can hold
     /// (see [`MAX_KEY_LEN`](super::MAX_KEY_LEN)).
     pub async fn insert(&self, scope: &Scope, id: &DedupId) -> Result<bool> {

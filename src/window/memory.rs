@@ -7,12 +7,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::store::{Insertion, Reservation, WindowStore, bounded, check_key, check_value};
-use crate::{Error, Result};
+use crate::Result;
 
 /// Seen ids in a `HashMap`, at most `capacity` of them.
 ///
 /// **Capacity policy**: when full, expired entries are evicted first; if the
-/// map is still full, the insert fails with [`Error::WindowFull`] rather than
+/// map is still full, the insert fails with [`StoreError::WindowFull`](crate::StoreError::WindowFull) rather than
 /// forgetting a live id (which would let its duplicate through). Nothing
 /// survives a restart; nothing is shared between processes.
 #[derive(Debug)]
@@ -85,9 +85,10 @@ impl MemoryWindow {
         if !entries.contains_key(key) && entries.len() >= self.capacity {
             entries.retain(|_, e| e.expires_at > now);
             if entries.len() >= self.capacity {
-                return Err(Error::WindowFull {
+                return Err(crate::StoreError::WindowFull {
                     capacity: self.capacity,
-                });
+                }
+                .into());
             }
         }
         entries.insert(key.to_owned(), entry);

@@ -49,7 +49,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// included. When it runs out (or the pool gives up first, which it reports
 /// only as "pool timed out"), one direct connection attempt of at most 2 s
 /// finds out why: its error is returned ([`Error::Database`], for example
-/// "connection refused" for a wrong port), or [`Error::StoreTimeout`] when
+/// "connection refused" for a wrong port), or [`StoreError::Timeout`](crate::StoreError::Timeout) when
 /// that attempt gets no answer either (a blackholed address) or connects
 /// (the pool is exhausted, or a statement waits on a lock).
 ///
@@ -119,7 +119,7 @@ impl PostgresWindow {
     /// ([`probe`](crate::probe)): its error is the reason the pool could
     /// not answer.
     async fn why_unanswered(&self) -> Error {
-        let timed_out = Error::StoreTimeout(self.timeout);
+        let timed_out: Error = crate::StoreError::Timeout(self.timeout).into();
         if self.probing.swap(true, Ordering::AcqRel) {
             return timed_out;
         }

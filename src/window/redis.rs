@@ -80,7 +80,7 @@ impl RedisWindow {
     /// fails calls quickly instead of hanging them. Keys under `idempo:window:`.
     ///
     /// # Errors
-    /// [`Error::Redis`] when the URL does not parse or Redis cannot be
+    /// [`StoreError::Redis`](crate::StoreError::Redis) when the URL does not parse or Redis cannot be
     /// reached; [`Error::Config`] for a `rediss://` URL without feature `tls`.
     pub async fn connect(url: &str) -> Result<Self> {
         Ok(Self::new(
@@ -96,7 +96,7 @@ impl RedisWindow {
     /// # Errors
     /// [`Error::Tls`](crate::Error::Tls) when the handshake is refused (a wrong
     /// CA, a host name the certificate does not name, a port without TLS);
-    /// [`Error::Redis`](crate::Error::Redis) when Redis cannot be reached.
+    /// [`StoreError::Redis`](crate::StoreError::Redis) when Redis cannot be reached.
     #[cfg(feature = "tls")]
     #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub async fn connect_with_tls(url: &str, tls: crate::RedisTls) -> Result<Self> {
