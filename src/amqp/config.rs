@@ -47,6 +47,20 @@ pub(crate) struct Config {
 }
 
 impl Config {
+    /// The runtime's letter store: the `dead_letters` table when chosen,
+    /// otherwise none (the transport's DLQ).
+    pub(crate) fn letter_store(
+        &self,
+    ) -> Option<std::sync::Arc<dyn crate::runtime::letters::LetterStore>> {
+        #[cfg(feature = "outbox")]
+        if self.dead_letters == crate::dead_letters::DeadLetters::Table {
+            return Some(std::sync::Arc::new(crate::dead_letters::TableStore {
+                pool: self.pool.clone(),
+            }));
+        }
+        None
+    }
+
     /// With the table store, how long its settled dead letters are kept.
     pub(crate) fn dead_letter_retention(&self) -> Option<Duration> {
         #[cfg(feature = "outbox")]

@@ -45,6 +45,7 @@ use std::time::SystemTime;
 
 pub use fingerprint::fingerprint;
 pub use table::{LetterState, count, discard, groups, list, purge, reap, replay, show};
+#[cfg(feature = "ops")]
 pub(crate) use table::{counts, holds, table_exists};
 
 /// Live letters of one consumer, queue and cause (in `ops::Status`).
@@ -61,7 +62,7 @@ pub struct LetterCount {
     /// How many live letters.
     pub count: i64,
 }
-pub(crate) use table::{NewLetter, insert};
+pub(crate) use table::{TableStore, insert};
 
 /// Where a consumer puts its dead letters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

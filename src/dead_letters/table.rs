@@ -9,13 +9,13 @@ use lapin::protocol::basic::{gen_properties, parse_properties};
 use sqlx::{PgPool, Postgres, QueryBuilder, Row};
 
 use super::{
-    Filter, Group, Letter, LetterCount, LetterDetail, ReplayOptions, ReplayReport,
-    fingerprint::fingerprint,
+    Filter, Group, Letter, LetterDetail, ReplayOptions, ReplayReport, fingerprint::fingerprint,
 };
 use crate::amqp::DeadLetter;
 use crate::inbox::{self, Claim};
 use crate::outbox::{self, OutboxMessage};
 use crate::runtime::headers::json_headers;
+use crate::runtime::letters::{LetterStore, NewLetter};
 use crate::{Error, Result};
 
 /// A letter's state.
@@ -155,24 +155,6 @@ fn push_filter(q: &mut QueryBuilder<Postgres>, filter: &Filter) {
     }
 }
 
-/// A dead letter as the runtime writes it.
-pub(crate) struct NewLetter<'a> {
-    pub(crate) consumer: &'a str,
-    pub(crate) queue: &'a str,
-    pub(crate) message_id: &'a str,
-    pub(crate) exchange: &'a str,
-    pub(crate) routing_key: &'a str,
-    /// The dead letter's properties: the original's, with idempo's headers.
-    pub(crate) properties: &'a BasicProperties,
-    pub(crate) body: &'a [u8],
-    pub(crate) reason: &'a str,
-    pub(crate) error: &'a str,
-    pub(crate) attempts: u32,
-    /// RFC 3339.
-    pub(crate) first_failed_at: &'a str,
-    pub(crate) last_failed_at: &'a str,
-}
-
 /// Stores a dead letter, in a transaction of its own. The same message
 /// (consumer, queue, id, body) dead-lettered again while its letter is
 /// live updates that letter (a lost ack brings a dead letter back).
@@ -240,6 +222,7 @@ pub(crate) async fn insert(pool: &PgPool, letter: &NewLetter<'_>) -> Result<()> 
 ///
 /// # Errors
 /// [`Error::Database`] when the query fails.
+#[cfg(feature = "ops")]
 pub(crate) async fn table_exists(pool: &PgPool) -> Result<bool> {
     Ok(
         sqlx::query_scalar("SELECT to_regclass('dead_letters') IS NOT NULL")
@@ -252,6 +235,7 @@ pub(crate) async fn table_exists(pool: &PgPool) -> Result<bool> {
 ///
 /// # Errors
 /// [`Error::Database`] when the query fails.
+#[cfg(feature = "ops")]
 pub(crate) async fn holds(pool: &PgPool, queue: &str) -> Result<bool> {
     Ok(
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM dead_letters WHERE queue = $1)")
@@ -265,7 +249,8 @@ pub(crate) async fn holds(pool: &PgPool, queue: &str) -> Result<bool> {
 ///
 /// # Errors
 /// [`Error::Database`] when the query fails (the table missing too).
-pub(crate) async fn counts(pool: &PgPool) -> Result<Vec<LetterCount>> {
+#[cfg(feature = "ops")]
+pub(crate) async fn counts(pool: &PgPool) -> Result<Vec<super::LetterCount>> {
     let rows: Vec<(String, String, String, String, i64)> = sqlx::query_as(
         "SELECT consumer, queue, fingerprint, min(reason), count(*) FROM dead_letters \
          WHERE state = 'live' GROUP BY consumer, queue, fingerprint \
@@ -276,7 +261,7 @@ pub(crate) async fn counts(pool: &PgPool) -> Result<Vec<LetterCount>> {
     Ok(rows
         .into_iter()
         .map(
-            |(consumer, queue, fingerprint, reason, count)| LetterCount {
+            |(consumer, queue, fingerprint, reason, count)| super::LetterCount {
                 consumer,
                 queue,
                 fingerprint,
@@ -594,5 +579,19 @@ pub async fn reap(
         if deleted < batch as u64 {
             return Ok(total);
         }
+    }
+}
+
+/// The `dead_letters` table as the runtime's letter store.
+pub(crate) struct TableStore {
+    pub(crate) pool: PgPool,
+}
+
+impl LetterStore for TableStore {
+    fn insert<'a>(
+        &'a self,
+        letter: &'a NewLetter<'a>,
+    ) -> futures::future::BoxFuture<'a, Result<()>> {
+        Box::pin(insert(&self.pool, letter))
     }
 }

@@ -78,6 +78,7 @@ mod retention;
 pub(crate) use claim::commit_with;
 #[cfg(feature = "amqp")]
 pub(crate) use claim::{Isolation, reads_committed_by_default};
+#[cfg(feature = "ops")]
 pub(crate) use reports::consumers;
 pub use reports::{ConsumerClaims, claims_inserted, claims_per_consumer};
 

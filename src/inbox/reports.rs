@@ -86,6 +86,7 @@ pub async fn claims_per_consumer(pool: &PgPool, only: &[String]) -> Result<Vec<C
 ///
 /// # Errors
 /// [`Error::Database`] when the query fails.
+#[cfg(feature = "ops")]
 pub(crate) async fn consumers(pool: &PgPool) -> Result<Vec<String>> {
     Ok(
         sqlx::query_scalar("SELECT DISTINCT consumer FROM processed_messages ORDER BY 1")

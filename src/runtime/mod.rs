@@ -20,6 +20,7 @@ pub(crate) mod handler;
 pub(crate) mod headers;
 pub(crate) mod health;
 pub mod heartbeat;
+pub(crate) mod letters;
 pub(crate) mod message;
 pub(crate) mod message_id;
 pub(crate) mod outcome;

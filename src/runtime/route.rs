@@ -12,21 +12,19 @@ use std::time::Duration;
 use lapin::types::AMQPValue;
 
 use crate::amqp::config::Config;
-#[cfg(feature = "outbox")]
 use crate::headers::REASON_HEADER;
-#[cfg(feature = "outbox")]
 use crate::runtime::copy::copy_properties;
 use crate::runtime::dead_letter::DeadLetterReason;
 use crate::runtime::headers::{
     CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
     QUEUE_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
 };
+use crate::runtime::letters::{LetterStore, NewLetter, Stored};
 use crate::runtime::message::Message;
 use crate::runtime::message_id::MessageIdSource;
 use crate::runtime::outcome::{Abandon, Decide, Outcome, invalid_id};
 use crate::runtime::redelivery::{Mode, RedeliveryPolicy, delay_queue};
 use crate::runtime::seal::{Keyring, claimed_id};
-#[cfg(feature = "outbox")]
 use crate::wait::Waited;
 
 /// Error texts in headers are cut to this: a frame carries the headers whole.
@@ -68,23 +66,9 @@ pub(crate) struct Router {
     pub(crate) keys: Arc<Keyring>,
     pub(crate) decide: Arc<dyn Decide>,
     pub(crate) redelivery: RedeliveryPolicy,
-    /// Where dead letters go, and the pool of the table store.
-    #[cfg(feature = "outbox")]
-    pub(crate) dead_letters: crate::dead_letters::DeadLetters,
-    #[cfg(feature = "outbox")]
-    pub(crate) pool: sqlx::PgPool,
-}
-
-/// What became of a dead letter sent to the table store.
-#[cfg(feature = "outbox")]
-pub(crate) enum Stored {
-    /// Committed: ack.
-    Yes,
-    /// Shutdown, or the channel closed, while PostgreSQL could not take it:
-    /// leave the delivery unacked.
-    Abandoned,
-    /// Refused for a reason of its own: send it to the queue instead.
-    Refused(crate::Error),
+    /// The runtime's own dead-letter store, when letters go there instead of
+    /// the transport's.
+    pub(crate) letters: Option<Arc<dyn LetterStore>>,
 }
 
 impl Router {
@@ -97,31 +81,15 @@ impl Router {
             keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
             decide,
             redelivery: config.redelivery.clone(),
-            #[cfg(feature = "outbox")]
-            dead_letters: config.dead_letters,
-            #[cfg(feature = "outbox")]
-            pool: config.pool.clone(),
+            letters: config.letter_store(),
         }
     }
 
-    /// Whether dead letters go to the table store.
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
-    pub(crate) fn dead_letters_to_table(&self) -> bool {
-        #[cfg(feature = "outbox")]
-        {
-            self.dead_letters == crate::dead_letters::DeadLetters::Table
-        }
-        #[cfg(not(feature = "outbox"))]
-        {
-            false
-        }
-    }
-
-    /// Inserts the dead letter of `message` in the table store, waiting
+    /// Inserts the dead letter of `message` in the letter store, waiting
     /// (with backoff) while PostgreSQL cannot take it, until `abandon`.
-    #[cfg(feature = "outbox")]
     pub(crate) async fn store_dead_letter(
         &self,
+        store: &dyn LetterStore,
         message: &Message,
         reason: DeadLetterReason,
         error: &str,
@@ -132,7 +100,7 @@ impl Router {
         headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
         let properties = copy_properties(message, headers);
         let routing_key = original_routing_key(message);
-        let letter = crate::dead_letters::NewLetter {
+        let letter = NewLetter {
             consumer: &self.consumer,
             queue: &self.queue,
             message_id: message.id(),
@@ -150,7 +118,7 @@ impl Router {
             "cannot store the dead letter",
             (Duration::from_millis(100), Duration::from_secs(10)),
             abandon.wait(),
-            || crate::dead_letters::insert(&self.pool, &letter),
+            || store.insert(&letter),
             crate::Error::is_unavailable,
         )
         .await;

@@ -19,10 +19,9 @@ use std::time::Duration;
 use super::dead_letter::DeadLetterReason;
 use super::headers::{Failures, REASON_HEADER};
 use super::health::Health;
+use super::letters::Stored;
 use super::message::Message;
 use super::outcome::{Abandon, Settled};
-#[cfg(feature = "outbox")]
-use super::route::Stored;
 use super::route::{Route, Router};
 use super::stats::{Counter, Stats};
 use super::transport::{Finished, Later, Letter, Refused, Transport};
@@ -193,16 +192,15 @@ impl Settle<'_> {
             error,
             headers,
         };
-        #[cfg(feature = "outbox")]
-        if self.router.dead_letters_to_table() {
+        if let Some(store) = &self.router.letters {
             match self
                 .router
-                .store_dead_letter(message, reason, error, &failures, abandon)
+                .store_dead_letter(&**store, message, reason, error, &failures, abandon)
                 .await
             {
                 Stored::Yes => {
                     self.stats.incr(Counter::DeadLettered);
-                    tracing::warn!(%reason, %error, "dead-lettered to the table");
+                    tracing::warn!(%reason, %error, "dead-lettered to the letter store");
                     transport.letter_stored(message, receipt, letter).await;
                     return Settled::DeadLettered;
                 }
@@ -216,8 +214,6 @@ impl Settle<'_> {
                 }
             }
         }
-        #[cfg(not(feature = "outbox"))]
-        let _ = abandon;
         match transport.dead_letter(message, receipt, letter).await {
             Ok(trimmed) => {
                 self.stats.incr(Counter::DeadLettered);

@@ -27,6 +27,9 @@ pub(crate) enum Refused {
 }
 
 /// A delivery to be delivered again after `delay`.
+// Each transport reads what its broker needs (AMQP the queue and headers,
+// the testing recorder everything).
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 #[derive(Debug)]
 pub(crate) struct Later<'a> {
     /// Where the copy waits (AMQP: the delay queue).
@@ -40,6 +43,7 @@ pub(crate) struct Later<'a> {
 }
 
 /// A delivery put aside for good, into the transport's own store.
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 #[derive(Debug)]
 pub(crate) struct Letter<'a> {
     pub(crate) reason: DeadLetterReason,
@@ -49,6 +53,7 @@ pub(crate) struct Letter<'a> {
 }
 
 /// How one delivery of a unit ended, handed to [`Transport::finish`].
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 #[derive(Debug)]
 pub(crate) enum Finished<R> {
     /// To acknowledge: processed, or a duplicate.

@@ -2,11 +2,12 @@
 
 use super::{Opened, without_broker_headers};
 use crate::amqp::DeadLetter;
-use crate::dead_letters::{self, NewLetter};
+use crate::dead_letters;
 use crate::headers::{
     CONSUMER_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER, QUEUE_HEADER, ROUTING_KEY_HEADER,
 };
 use crate::ops::{OpsError, Result, Services};
+use crate::runtime::letters::NewLetter;
 
 /// What [`import`] moved.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

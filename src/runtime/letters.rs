@@ -1,0 +1,47 @@
+//! The runtime's own store of dead letters, beside the transport's: what a
+//! letter is, and the small trait a store implements (the `dead_letters`
+//! table is one, feature `outbox`). The runtime routes to it without knowing
+//! which store it is.
+
+use futures::future::BoxFuture;
+use lapin::BasicProperties;
+
+use crate::Result;
+
+/// A dead letter as the runtime writes it.
+// Read by the stores (the table store is feature `outbox`).
+#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+pub(crate) struct NewLetter<'a> {
+    pub(crate) consumer: &'a str,
+    pub(crate) queue: &'a str,
+    pub(crate) message_id: &'a str,
+    pub(crate) exchange: &'a str,
+    pub(crate) routing_key: &'a str,
+    /// The dead letter's properties: the original's, with idempo's headers.
+    pub(crate) properties: &'a BasicProperties,
+    pub(crate) body: &'a [u8],
+    pub(crate) reason: &'a str,
+    pub(crate) error: &'a str,
+    pub(crate) attempts: u32,
+    /// RFC 3339.
+    pub(crate) first_failed_at: &'a str,
+    pub(crate) last_failed_at: &'a str,
+}
+
+/// Where the runtime keeps dead letters instead of the transport's store.
+pub(crate) trait LetterStore: Send + Sync {
+    /// Stores `letter`, durably, or fails: [`Error::is_unavailable`]
+    /// (crate::Error::is_unavailable) errors are waited out by the caller.
+    fn insert<'a>(&'a self, letter: &'a NewLetter<'a>) -> BoxFuture<'a, Result<()>>;
+}
+
+/// What became of a dead letter sent to the letter store.
+pub(crate) enum Stored {
+    /// Committed: the delivery is done.
+    Yes,
+    /// Shutdown, or the delivery's channel closed, while the store could not
+    /// take it: leave the delivery unsettled.
+    Abandoned,
+    /// Refused for a reason of its own: the transport's store takes it.
+    Refused(crate::Error),
+}
