@@ -963,7 +963,7 @@ async fn payments_consumer(bench: &Bench, variant: &str) -> anyhow::Result<Figur
         let mut builder = Consumer::builder(bench.amqp_url.clone(), bench.pool.clone())
             .queue(input.clone())
             .queue_type(bench.queue_type)
-            .retry(RedeliveryPolicy::default())
+            .redelivery(RedeliveryPolicy::default())
             .prefetch(if batch.is_some() { 1500 } else { 100 })
             .concurrency(16)
             .relay(!diag("no-relay"));

@@ -174,7 +174,7 @@ async fn main() -> anyhow::Result<()> {
             .queue_type(QueueType::Quorum)
             .prefetch(if batch.is_some() { 1_000 } else { 32 })
             .concurrency(16)
-            .retry(RedeliveryPolicy::requeue(Duration::from_millis(100)))
+            .redelivery(RedeliveryPolicy::requeue(Duration::from_millis(100)))
             .retention(retention)
             .retention_interval(Duration::from_secs(5));
         if partitioned_mode {

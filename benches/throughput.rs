@@ -468,7 +468,7 @@ async fn run_idempo(
         let builder = Consumer::builder(bench.amqp_url.clone(), bench.pool.clone())
             .queue(bench.queue.clone())
             .queue_type(bench.queue_type)
-            .retry(RedeliveryPolicy::default())
+            .redelivery(RedeliveryPolicy::default())
             .prefetch(
                 (concurrency as u16 * 2)
                     .max(100)

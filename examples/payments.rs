@@ -176,7 +176,7 @@ async fn main() -> anyhow::Result<()> {
         .prefetch(prefetch.max(concurrency))
         .concurrency(usize::from(concurrency))
         .schema(schema)
-        .retry(retry)
+        .redelivery(retry)
         .dead_letters(dead_letters);
     if let Some(to) = &forward_to {
         tracing::info!(queue = %to, "forwarding applied payments through the outbox");

@@ -356,7 +356,7 @@ async fn hostile_message_ids_are_processed_once_and_stored_as_they_came() {
         let pool = support::pool_with_settings(&db, 4, settings).await;
         let consumer = Consumer::builder(support::amqp_url(), pool)
             .queue(&queue)
-            .retry(idempo::amqp::RedeliveryPolicy::delayed([
+            .redelivery(idempo::amqp::RedeliveryPolicy::delayed([
                 support::RETRY_DELAY,
             ]));
         let ids = support::hostile_ids();

@@ -62,7 +62,7 @@ async fn shutdown_during_a_memory_alarm_ends_within_the_shutdown_timeout() {
     let shutdown_timeout = Duration::from_secs(3);
     let consumer = Running::start(
         consumer_for(&db, &queue)
-            .retry(RedeliveryPolicy::delayed([Duration::from_secs(60)]))
+            .redelivery(RedeliveryPolicy::delayed([Duration::from_secs(60)]))
             .shutdown_timeout(shutdown_timeout)
             .handler(handler),
     );

@@ -58,7 +58,7 @@ async fn after_max_attempts_the_delivery_is_dead_lettered_with_its_history() {
     let consumer = Running::start(
         consumer_for(&db, &queue)
             .message_id(idempo::amqp::MessageIdSource::custom(id_of))
-            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
+            .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
             .handler(handler),
     );
     let stats = consumer.finish(1).await;
@@ -100,7 +100,7 @@ async fn a_handler_can_ask_for_a_longer_delay() {
     let (seen, handler) = counting_payments(1, Some(Duration::from_millis(800)));
     let consumer = Running::start(
         consumer_for(&db, &queue)
-            .retry(RedeliveryPolicy::delayed([
+            .redelivery(RedeliveryPolicy::delayed([
                 support::RETRY_DELAY,
                 Duration::from_secs(1),
             ]))
@@ -126,7 +126,7 @@ async fn the_requeue_policy_retries_without_delay_queues() {
     let (seen, handler) = counting_payments(1, None);
     let consumer = Running::start(
         consumer_for(&db, &queue)
-            .retry(RedeliveryPolicy::requeue(support::RETRY_DELAY))
+            .redelivery(RedeliveryPolicy::requeue(support::RETRY_DELAY))
             .handler(handler),
     );
     let stats = consumer.finish(1).await;
@@ -333,7 +333,7 @@ async fn a_database_outage_holds_deliveries_until_it_returns() {
     let consumer = Running::start(
         Consumer::builder(support::amqp_url(), pool)
             .queue(&queue)
-            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
+            .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
             .handler(|tx, message| payments::handle(tx, message, 0.0)),
     );
     consumer.health.wait_for(|h| h.is_consuming()).await;
@@ -379,7 +379,7 @@ async fn poison_is_dead_lettered_even_while_the_database_is_unreachable() {
     let consumer = Running::start(
         Consumer::builder(support::amqp_url(), dead_pool)
             .queue(&queue)
-            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
+            .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
             .handler(|tx, message| payments::handle(tx, message, 0.0)),
     );
     consumer.settled(1).await;
@@ -552,7 +552,7 @@ async fn a_commit_whose_answer_is_lost_is_claimed_again_as_a_duplicate() {
         broker.publish_many(&queue, &messages).await;
         let base = Consumer::builder(support::amqp_url(), pool)
             .queue(&queue)
-            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]));
+            .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]));
         let consumer = match batch {
             None => Running::start(base.handler(|tx, m| payments::handle(tx, m, 0.0))),
             Some(size) => Running::start(
@@ -624,7 +624,7 @@ fn payments_on_isolated(
 ) -> Running {
     let base = Consumer::builder(support::amqp_url(), iso.db.pool.clone())
         .queue(queue)
-        .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(max_attempts));
+        .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(max_attempts));
     match batch {
         None => Running::start(base.handler(|tx, m| payments::handle(tx, m, 0.0))),
         Some(size) => Running::start(
@@ -776,7 +776,7 @@ async fn every_state_of_a_database_that_cannot_write_now_waits_at_the_gate() {
             }
         };
         let base = consumer_for(&db, &queue)
-            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1));
+            .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1));
         let consumer = match batch {
             None => Running::start(base.handler(handler)),
             Some(size) => Running::start(base.handler(handler).prefetch(20).batch(size)),
@@ -834,7 +834,7 @@ async fn deterministic_database_errors_are_dead_lettered_at_once_and_timeouts_re
     };
     let consumer = Running::start(
         consumer_for(&db, &queue)
-            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
+            .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
             .handler(handler),
     );
     let stats = consumer.finish(3).await;
@@ -928,7 +928,7 @@ async fn without_declaring_a_missing_delay_queue_still_runs_out_of_attempts() {
     let consumer = Running::start(
         consumer_for(&db, &queue)
             .declare(false)
-            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
+            .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
             .handler(handler),
     );
     broker

@@ -26,7 +26,7 @@ async fn harness(queue: &str, batch: bool) -> Harness {
             })
             .configure(|c| {
                 c.dead_letters(DeadLetters::Table)
-                    .retry(RedeliveryPolicy::delayed([Duration::from_secs(1)]).max_attempts(2))
+                    .redelivery(RedeliveryPolicy::delayed([Duration::from_secs(1)]).max_attempts(2))
             })
             .await
             .unwrap()
@@ -35,7 +35,7 @@ async fn harness(queue: &str, batch: bool) -> Harness {
             .handler(|tx: Tx, m: (JsonBody<Payment>, Message)| payments::handle(tx, m, 0.0))
             .configure(|c| {
                 c.dead_letters(DeadLetters::Table)
-                    .retry(RedeliveryPolicy::delayed([Duration::from_secs(1)]).max_attempts(2))
+                    .redelivery(RedeliveryPolicy::delayed([Duration::from_secs(1)]).max_attempts(2))
             })
             .await
             .unwrap()
@@ -446,7 +446,7 @@ async fn a_dead_letter_waits_for_the_database_and_is_stored_once() {
     let consumer = support::consumer::Running::start(
         idempo::amqp::Consumer::builder(support::amqp_url(), pool)
             .queue(queue.as_str())
-            .retry(RedeliveryPolicy::delayed([Duration::from_millis(200)]))
+            .redelivery(RedeliveryPolicy::delayed([Duration::from_millis(200)]))
             .dead_letters(DeadLetters::Table)
             .handler(|tx: Tx, m: (JsonBody<Payment>, Message)| payments::handle(tx, m, 0.0)),
     );

@@ -55,7 +55,7 @@ async fn a_dead_letter_the_runtime_wrote_reads_back_and_replays_once() {
     broker.publish_payment(&queue, "pay-1", "ann", 5).await;
     let (_, failing) = counting_payments(usize::MAX, None);
     let retry = RedeliveryPolicy::delayed([RETRY_DELAY]).max_attempts(2);
-    Running::start(consumer_for(&db, &queue).retry(retry).handler(failing))
+    Running::start(consumer_for(&db, &queue).redelivery(retry).handler(failing))
         .finish(1)
         .await;
     let services = Services::with_pool(support::amqp_url(), db.pool.clone());

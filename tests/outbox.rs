@@ -135,7 +135,7 @@ async fn a_handler_that_fails_emits_nothing_and_one_that_commits_emits_once_with
     let target = receipts.clone();
     let consumer = Consumer::builder(amqp_url(), db.pool.clone())
         .queue(&queue)
-        .retry(idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1))
+        .redelivery(idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1))
         .handler(
             move |tx: Tx, (JsonBody(p), m): (JsonBody<Payment>, Message)| {
                 let target = target.clone();
@@ -202,7 +202,7 @@ async fn staging_through_the_handlers_guard_is_written_by_the_commits_claim_chec
     let seen = counted.clone();
     let consumer = Consumer::builder(amqp_url(), db.pool.clone())
         .queue(&queue)
-        .retry(idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1))
+        .redelivery(idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1))
         .handler(
             move |tx: Tx, (JsonBody(p), m): (JsonBody<Payment>, Message)| {
                 let (target, seen) = (target.clone(), seen.clone());
@@ -1267,7 +1267,9 @@ async fn hostile_fields_of_forwarded_messages_are_published_exactly_as_staged() 
         }
         let base = Consumer::builder(amqp_url(), pool.clone())
             .queue(&queue)
-            .retry(idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1));
+            .redelivery(
+                idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1),
+            );
         let consumer = match batch {
             None => base.handler(handler).build(),
             Some(size) => base.prefetch(30).handler(handler).batch(size).build(),

@@ -226,7 +226,7 @@ async fn transient_failures_run_out_into_the_dead_letters() {
     let h = Harness::new(support::small_pool().await, "payments")
         .setup(payments::TABLES)
         .configure(|c| {
-            c.retry(
+            c.redelivery(
                 RedeliveryPolicy::delayed([Duration::from_secs(1), Duration::from_secs(5)])
                     .max_attempts(3),
             )

@@ -41,7 +41,7 @@ fn with_query(url: &str, query: &str) -> String {
 fn payments_on(pool: sqlx::PgPool, queue: &str) -> ConsumerBuilder<PerMessage> {
     Consumer::builder(support::amqp_url(), pool)
         .queue(queue)
-        .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
+        .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
         .handler(|tx, message| support::payments::handle(tx, message, 0.0))
 }
 

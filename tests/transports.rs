@@ -144,7 +144,7 @@ impl Amqp {
         let attempts = Attempts::default();
         let name = support::unique("kit");
         let builder = consumer_for(&db, &queue)
-            .retry(RedeliveryPolicy::delayed([DELAY]).max_attempts(3))
+            .redelivery(RedeliveryPolicy::delayed([DELAY]).max_attempts(3))
             .connection_name(name.clone())
             .handler(kit_handler(attempts.clone()))
             .message_groups();
@@ -275,7 +275,7 @@ impl Testing {
         let harness = Harness::new(db.pool.clone(), "kit")
             .setup(payments::TABLES)
             .handler(kit_handler(attempts.clone()))
-            .configure(|c| c.retry(RedeliveryPolicy::delayed([DELAY]).max_attempts(3)))
+            .configure(|c| c.redelivery(RedeliveryPolicy::delayed([DELAY]).max_attempts(3)))
             .await
             .expect("the harness starts");
         Testing {

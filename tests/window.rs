@@ -577,7 +577,7 @@ async fn processing_order(groups: bool) -> (Vec<(String, i64)>, usize) {
         .message_id(idempo::amqp::MessageIdSource::ContentHash)
         .concurrency(16)
         .prefetch(100)
-        .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
+        .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
         .handler(move |tx: Tx, message: Message| {
             let (now, peak) = (now.clone(), peak.clone());
             async move {
@@ -656,7 +656,7 @@ async fn a_consumer_with_a_window_runs_each_id_once_within_the_window() {
     let builder = Consumer::builder(amqp_url(), db.pool.clone())
         .queue(&queue)
         .concurrency(8)
-        .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
+        .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
         .dedup_window(window)
         .window_handler(move |message: Message| {
             let seen = seen.clone();
@@ -974,7 +974,7 @@ async fn a_window_handler_can_be_a_type_of_its_own_or_an_async_fn() {
     let running = Running::start(
         Consumer::builder(amqp_url(), db.pool.clone())
             .queue(&queue)
-            .retry(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
+            .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
             .dedup_window(DedupWindow::new(MemoryWindow::new(100)))
             .window_handler(flaky),
     );

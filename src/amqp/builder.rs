@@ -378,8 +378,10 @@ impl<Mode> ConsumerBuilder<Mode> {
         self
     }
 
-    /// How transient failures are retried (default: [`RedeliveryPolicy::default`]).
-    pub fn retry(mut self, policy: RedeliveryPolicy) -> Self {
+    /// How a delivery that failed transiently is delivered again (default:
+    /// [`RedeliveryPolicy::default`]). *Redelivery* is the consumer's word
+    /// for it; *retry* is the outgoing side's (`idempo::retry`).
+    pub fn redelivery(mut self, policy: RedeliveryPolicy) -> Self {
         self.settings.redelivery = policy;
         self
     }

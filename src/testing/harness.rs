@@ -133,7 +133,7 @@ impl<Mode> HarnessBuilder<Mode> {
     }
 
     /// Configures the consumer as in production: `.configure(|c|
-    /// c.retry(policy).handler_timeout(d).message_id(source))`. Its broker
+    /// c.redelivery(policy).handler_timeout(d).message_id(source))`. Its broker
     /// options have no effect here.
     pub fn configure(self, f: impl FnOnce(ConsumerBuilder<Mode>) -> ConsumerBuilder<Mode>) -> Self {
         self.into_mode(f)

@@ -100,7 +100,7 @@ impl Running {
 pub fn consumer_for(db: &Db, queue: &str) -> ConsumerBuilder<NoHandler> {
     Consumer::builder(super::amqp_url(), db.pool.clone())
         .queue(queue)
-        .retry(RedeliveryPolicy::delayed([super::RETRY_DELAY]))
+        .redelivery(RedeliveryPolicy::delayed([super::RETRY_DELAY]))
 }
 
 /// The payments consumer of `queue`, retrying quickly.

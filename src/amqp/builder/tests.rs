@@ -54,7 +54,9 @@ async fn impossible_settings_are_refused_with_the_reason() {
     assert!(refused(builder().consumer_name("").handler(noop).build()).contains("empty"));
     let zero = builder().retention(Duration::ZERO).handler(noop);
     assert!(refused(zero.build()).contains("retention"));
-    let no_delays = builder().retry(RedeliveryPolicy::delayed([])).handler(noop);
+    let no_delays = builder()
+        .redelivery(RedeliveryPolicy::delayed([]))
+        .handler(noop);
     assert!(refused(no_delays.build()).contains("at least one delay"));
 }
 
