@@ -44,6 +44,15 @@
 //! previous one commits.
 //!
 //! See <https://www.rabbitmq.com/docs/confirms> for RabbitMQ's acknowledgement semantics.
+//!
+//! ## Words
+//!
+//! A *dead letter* is a delivery put aside for good; it goes to the **DLQ**
+//! (`<queue>.dlq`, the RabbitMQ queue that holds a consumer's dead letters)
+//! or to the `dead_letters` table (`idempo::dead_letters`, feature `outbox`).
+//! A *redelivery* is a consumer's second try of a delivery that failed
+//! transiently ([`RedeliveryPolicy`]); *retry* is the outgoing side's word
+//! (`idempo::retry` for HTTP calls).
 
 mod acks;
 pub(crate) mod broker;
