@@ -221,6 +221,7 @@ pub(crate) fn read_key_file(path: impl AsRef<Path>) -> Result<Vec<u8>, Certifica
 ///
 /// # Errors
 /// As [`read_ca_file`].
+#[cfg(feature = "amqp")]
 pub(crate) fn check_ssl_cert_file() -> Result<(), CertificateError> {
     match std::env::var_os("SSL_CERT_FILE") {
         Some(path) if !path.is_empty() => read_ca_file(PathBuf::from(path)).map(drop),

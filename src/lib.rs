@@ -101,6 +101,8 @@ mod backoff;
 pub mod certificate;
 #[cfg(any(feature = "http", feature = "window"))]
 mod cleanup;
+#[cfg(feature = "amqp")]
+mod duration;
 mod error;
 pub mod headers;
 mod host;

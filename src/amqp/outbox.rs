@@ -156,7 +156,7 @@ mod imp {
             consumer: &str,
             message_id: &str,
         ) -> crate::Result<()> {
-            crate::inbox::commit_with(tx, consumer, message_id, "").await
+            crate::inbox::claim::commit_with(tx, consumer, message_id, "").await
         }
 
         pub(crate) fn start_relay(

@@ -126,19 +126,21 @@ pub(crate) async fn claim_batch(
 
 /// How [`begin_claims`] gets its transaction to READ COMMITTED.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-// Only the consumer runtime knows its sessions' default.
 pub(crate) enum Isolation {
-    /// `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` first, whatever the
-    /// session's default.
+    /// `BEGIN ISOLATION LEVEL READ COMMITTED`, whatever the session's
+    /// default.
     Set,
     /// The caller checked that the pool's sessions default to READ
     /// COMMITTED ([`reads_committed_by_default`]): one statement less, which
     /// PostgreSQL's end of transaction does not have to undo.
+    // Only the consumer runtime knows its sessions' default.
+    #[cfg(feature = "amqp")]
     Default,
 }
 
 /// Whether sessions of `pool` default to READ COMMITTED (PostgreSQL's own
 /// default), asked once on one of its connections.
+#[cfg(feature = "amqp")]
 pub(crate) async fn reads_committed_by_default(pool: &PgPool) -> Result<bool> {
     let level: String =
         sqlx::query_scalar("SELECT current_setting('default_transaction_isolation')")
@@ -255,6 +257,7 @@ async fn begin_claims_by(
 fn begin(isolation: Isolation) -> &'static str {
     match isolation {
         Isolation::Set => "BEGIN ISOLATION LEVEL READ COMMITTED; ",
+        #[cfg(feature = "amqp")]
         Isolation::Default => "BEGIN; ",
     }
 }

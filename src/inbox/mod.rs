@@ -70,12 +70,11 @@ use crate::error::Error;
 use crate::error::Result;
 pub use crate::message_id::InvalidMessageId;
 
-mod claim;
+pub(crate) mod claim;
 pub mod partitioned;
 mod reports;
 mod retention;
 
-pub(crate) use claim::commit_with;
 #[cfg(feature = "amqp")]
 pub(crate) use claim::{Isolation, reads_committed_by_default};
 #[cfg(feature = "ops")]

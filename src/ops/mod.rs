@@ -279,26 +279,7 @@ fn missing_table(error: &crate::Error) -> bool {
     matches!(error, crate::Error::Database(e) if undefined_table(e))
 }
 
-/// A duration as the operations print it: one unit, rounded down (`250ms`,
-/// `90s`, `45m`, `36h`, `7d`).
-///
-/// ```
-/// use std::time::Duration;
-/// use idempo::ops::short_duration;
-///
-/// assert_eq!(short_duration(Duration::from_millis(250)), "250ms");
-/// assert_eq!(short_duration(Duration::from_secs(90)), "90s");
-/// assert_eq!(short_duration(Duration::from_secs(7 * 86_400)), "7d");
-/// ```
-pub fn short_duration(d: Duration) -> String {
-    match d.as_secs() {
-        0 => format!("{}ms", d.as_millis()),
-        s if s < 120 => format!("{s}s"),
-        s if s < 7_200 => format!("{}m", s / 60),
-        s if s < 172_800 => format!("{}h", s / 3600),
-        s => format!("{}d", s / 86_400),
-    }
-}
+pub use crate::duration::short_duration;
 
 /// Closes a broker connection, ignoring errors (it is being let go).
 async fn close(connection: &Connection) {
@@ -308,17 +289,6 @@ async fn close(connection: &Connection) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations_print_in_one_unit() {
-        let s = Duration::from_secs;
-        assert_eq!(short_duration(Duration::ZERO), "0ms");
-        assert_eq!(short_duration(s(119)), "119s");
-        assert_eq!(short_duration(s(120)), "2m");
-        assert_eq!(short_duration(s(7_199)), "119m");
-        assert_eq!(short_duration(s(7_200)), "2h");
-        assert_eq!(short_duration(s(172_800)), "2d");
-    }
 
     #[test]
     fn errors_stay_small() {

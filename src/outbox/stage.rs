@@ -157,7 +157,7 @@ pub async fn stage_all(
 /// Commits a consumer unit's transaction with
 /// [`Inbox::commit`](crate::inbox::Inbox::commit), the messages its handler
 /// deferred written between the claim check and `COMMIT`, in the same round
-/// trip (see [`inbox::commit_with`](crate::inbox::commit_with)).
+/// trip (see [`inbox::claim::commit_with`](crate::inbox::claim::commit_with)).
 ///
 /// # Errors
 /// As [`Inbox::commit`](crate::inbox::Inbox::commit).
@@ -170,7 +170,7 @@ pub(crate) async fn commit_unit(
 ) -> crate::Result<()> {
     let (deferred, quiet) = unit.take_deferred();
     let statements = deferred_rows(&deferred, quiet)?;
-    crate::inbox::commit_with(tx, consumer, message_id, &statements).await
+    crate::inbox::claim::commit_with(tx, consumer, message_id, &statements).await
 }
 
 /// The statements that write a unit's deferred messages, as SQL text with

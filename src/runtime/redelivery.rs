@@ -145,18 +145,7 @@ impl RedeliveryPolicy {
 /// `250ms`, `1h`). For tools that inspect the topology (the `idempo` command's
 /// `status`).
 pub(crate) fn delay_queue(queue: &str, delay: Duration) -> String {
-    format!("{queue}.retry.{}", label(delay))
-}
-
-/// `1s`, `2m`, `250ms`, `1h`: exact, short, and stable across restarts.
-fn label(delay: Duration) -> String {
-    let ms = delay.as_millis();
-    match ms {
-        ms if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
-        ms if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
-        ms if ms % 1_000 == 0 => format!("{}s", ms / 1_000),
-        ms => format!("{ms}ms"),
-    }
+    format!("{queue}.retry.{}", crate::duration::exact_label(delay))
 }
 
 #[cfg(test)]
