@@ -262,27 +262,21 @@ impl Transport for Amqp {
 
 /// `idempo::testing`: the runtime settles through the harness's recorder.
 struct Testing {
-    /// Keeps the schema the harness was made from.
-    _db: Db,
     harness: Harness,
     attempts: Attempts,
 }
 
 impl Testing {
     async fn new() -> Testing {
-        let db = Db::new().await;
         let attempts = Attempts::default();
-        let harness = Harness::new(db.pool.clone(), "kit")
+        // The harness works in a schema of its own.
+        let harness = Harness::new(support::small_pool().await, "kit")
             .setup(payments::TABLES)
             .handler(kit_handler(attempts.clone()))
             .configure(|c| c.redelivery(RedeliveryPolicy::delayed([DELAY]).max_attempts(3)))
             .await
             .expect("the harness starts");
-        Testing {
-            _db: db,
-            harness,
-            attempts,
-        }
+        Testing { harness, attempts }
     }
 
     /// Delivers `message` and its retries, each after the delay the runtime

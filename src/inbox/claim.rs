@@ -10,7 +10,7 @@ use sqlx::{AssertSqlSafe, PgExecutor, PgPool, Postgres, Transaction};
 use sqlx_core::transaction::TransactionManager;
 
 use super::partitioned::PartitionError;
-use super::{Begun, Claim, ClaimedBatch, payload_sha256};
+use super::{Claim, ClaimedBatch, payload_sha256};
 use crate::error::{Error, Result};
 use crate::literal;
 use crate::message_id::validate_message_id;
@@ -414,15 +414,6 @@ async fn stored_hash<'e>(
     .bind(message_id)
     .fetch_optional(executor)
     .await?)
-}
-
-/// One message through [`begin_claims`]-like `begin` of a batch.
-pub(crate) fn single(mut claimed: ClaimedBatch) -> Begun {
-    match (claimed.claims[0], claimed.tx.take()) {
-        (Claim::Fresh, Some(tx)) => Begun::Fresh(tx),
-        (Claim::Mismatch, _) => Begun::Mismatch,
-        _ => Begun::Duplicate,
-    }
 }
 
 // ------------------------------------------------------------- partitioned

@@ -254,8 +254,12 @@ impl Inbox {
     /// # Errors
     /// As [`claim`](Inbox::claim).
     pub async fn begin(&self, pool: &PgPool, message_id: &str, body: &[u8]) -> Result<Begun> {
-        let claimed = self.begin_batch(pool, &[(message_id, body)]).await?;
-        Ok(claim::single(claimed))
+        let mut claimed = self.begin_batch(pool, &[(message_id, body)]).await?;
+        Ok(match (claimed.claims[0], claimed.tx.take()) {
+            (Claim::Fresh, Some(tx)) => Begun::Fresh(tx),
+            (Claim::Mismatch, _) => Begun::Mismatch,
+            _ => Begun::Duplicate,
+        })
     }
 
     /// [`begin`](Inbox::begin) for many messages (`(message id, body)` pairs): one round

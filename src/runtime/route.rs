@@ -12,7 +12,6 @@ use std::time::Duration;
 use lapin::types::AMQPValue;
 
 use crate::amqp::config::Config;
-use crate::headers::REASON_HEADER;
 use crate::runtime::copy::copy_properties;
 use crate::runtime::dead_letter::DeadLetterReason;
 use crate::runtime::headers::{
@@ -25,6 +24,7 @@ use crate::runtime::message_id::MessageIdSource;
 use crate::runtime::outcome::{Abandon, Decide, Outcome, invalid_id};
 use crate::runtime::redelivery::{Mode, RedeliveryPolicy, delay_queue};
 use crate::runtime::seal::{Keyring, claimed_id};
+use crate::runtime::transport::Letter;
 use crate::wait::Waited;
 
 /// Error texts in headers are cut to this: a frame carries the headers whole.
@@ -87,18 +87,17 @@ impl Router {
 
     /// Inserts the dead letter of `message` in the letter store, waiting
     /// (with backoff) while PostgreSQL cannot take it, until `abandon`.
+    /// `None` when letters go to the transport's store instead.
     pub(crate) async fn store_dead_letter(
         &self,
-        store: &dyn LetterStore,
         message: &Message,
-        reason: DeadLetterReason,
-        error: &str,
+        letter: &Letter<'_>,
         failures: &Failures,
         abandon: &Abandon,
-    ) -> Stored {
-        let mut headers = self.failure_headers(message, error, failures).await;
-        headers.push((REASON_HEADER, AMQPValue::LongString(reason.as_str().into())));
-        let properties = copy_properties(message, headers);
+    ) -> Option<Stored> {
+        let store = self.letters.as_deref()?;
+        let (reason, error) = (letter.reason, letter.error);
+        let properties = copy_properties(message, letter.headers.iter().cloned());
         let routing_key = original_routing_key(message);
         let letter = NewLetter {
             consumer: &self.consumer,
@@ -122,11 +121,11 @@ impl Router {
             crate::Error::is_unavailable,
         )
         .await;
-        match waited {
+        Some(match waited {
             Waited::Done(()) => Stored::Yes,
             Waited::Failed(e) => Stored::Refused(e),
             Waited::Stopped => Stored::Abandoned,
-        }
+        })
     }
 
     /// Gives each message its id and decides the unit: one outcome per

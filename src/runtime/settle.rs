@@ -192,12 +192,12 @@ impl Settle<'_> {
             error,
             headers,
         };
-        if let Some(store) = &self.router.letters {
-            match self
-                .router
-                .store_dead_letter(&**store, message, reason, error, &failures, abandon)
-                .await
-            {
+        if let Some(stored) = self
+            .router
+            .store_dead_letter(message, &letter, &failures, abandon)
+            .await
+        {
+            match stored {
                 Stored::Yes => {
                     self.stats.incr(Counter::DeadLettered);
                     tracing::warn!(%reason, %error, "dead-lettered to the letter store");

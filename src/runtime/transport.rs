@@ -42,8 +42,8 @@ pub(crate) struct Later<'a> {
     pub(crate) headers: Vec<(&'static str, lapin::types::AMQPValue)>,
 }
 
-/// A delivery put aside for good, into the transport's own store.
-#[cfg_attr(not(feature = "testing"), allow(dead_code))]
+/// A delivery put aside for good, into the transport's own store (or the
+/// runtime's letter store).
 #[derive(Debug)]
 pub(crate) struct Letter<'a> {
     pub(crate) reason: DeadLetterReason,
