@@ -55,8 +55,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use idempo::Schema;
+use idempo::amqp::DeadLetters;
 use idempo::amqp::{Broker, BrokerTlsFiles, Consumer, RedeliveryPolicy};
-use idempo::dead_letters::DeadLetters;
 use sqlx::postgres::PgPoolOptions;
 
 fn env_or(name: &str, default: &str) -> String {

@@ -145,8 +145,7 @@ pub mod amqp;
 pub mod relay;
 
 #[cfg(all(feature = "amqp", feature = "outbox"))]
-#[cfg_attr(docsrs, doc(cfg(all(feature = "amqp", feature = "outbox"))))]
-pub mod dead_letters;
+pub(crate) mod dead_letters;
 
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]

@@ -10,7 +10,9 @@ use std::time::{Duration, SystemTime};
 use idempo::amqp::lapin::options::{BasicGetOptions, BasicNackOptions};
 use idempo::amqp::lapin::types::AMQPValue;
 use idempo::amqp::{DeadLetter, DeadLetterReason, RedeliveryPolicy, dead_letter_queue};
-use idempo::ops::dlq::{self, ReplayEvent, ReplayOptions, Selection};
+use idempo::ops::dead_letters::{
+    DeadLetterStore, Filter, LetterRef, ReplayEvent, ReplayOptions, Store,
+};
 use idempo::ops::{self, Services, StatusOptions, Warning, maintenance};
 use support::consumer::{Running, consumer_for, counting_payments, payments_consumer};
 use support::{Db, RETRY_DELAY, eventually, eventually_ready};
@@ -61,19 +63,17 @@ async fn a_dead_letter_the_runtime_wrote_reads_back_and_replays_once() {
     let services = Services::with_pool(support::amqp_url(), db.pool.clone());
 
     // The summary: every header the runtime wrote.
-    let listing = dlq::list(&services, &queue, &Selection::default(), 10)
+    let store = DeadLetterStore::open(&services, &queue, Store::Auto)
         .await
         .unwrap();
-    assert_eq!(
-        (listing.dlq.as_str(), listing.ready),
-        (dlq_name.as_str(), 1)
-    );
-    let dead = &listing.dead_letters[0];
+    let listing = store.list(&Filter::default()).await.unwrap();
+    assert_eq!((store.location(), listing.len()), (dlq_name.clone(), 1));
+    let dead = &listing[0];
     assert_eq!(dead.message_id.as_deref(), Some("pay-1"));
     assert_eq!(dead.reason, DeadLetterReason::AttemptsExhausted.as_str());
     assert_eq!(dead.attempts, Some(2));
     assert_eq!(dead.consumer.as_deref(), Some(queue.as_str()));
-    assert_eq!(dead.original_queue.as_deref(), Some(queue.as_str()));
+    assert_eq!(dead.queue.as_deref(), Some(queue.as_str()));
     assert_eq!(dead.routing_key, queue);
     assert!(!dead.foreign && dead.error.is_some());
 
@@ -118,16 +118,12 @@ async fn a_dead_letter_the_runtime_wrote_reads_back_and_replays_once() {
     // Replay to a working consumer: one event per step, one payment.
     let _working = Running::start(payments_consumer(&db, &queue));
     let mut events = Vec::new();
-    let selection = Selection {
-        ids: vec!["pay-1".into()],
-        ..Selection::default()
+    let selection = Filter {
+        message_ids: vec!["pay-1".into()],
+        ..Filter::default()
     };
-    let summary = dlq::replay(
-        &services,
-        &queue,
-        &selection,
-        &ReplayOptions::default(),
-        |event| {
+    let summary = store
+        .replay(&selection, &ReplayOptions::by("test"), |event| {
             events.push(match event {
                 ReplayEvent::Started { total, .. } => format!("started {total}"),
                 ReplayEvent::Replayed { message_id, queue } => {
@@ -135,10 +131,9 @@ async fn a_dead_letter_the_runtime_wrote_reads_back_and_replays_once() {
                 }
                 other => format!("{other:?}"),
             })
-        },
-    )
-    .await
-    .unwrap();
+        })
+        .await
+        .unwrap();
     assert_eq!(
         events,
         ["started 1".into(), format!("replayed pay-1 to {queue}")]
@@ -149,13 +144,7 @@ async fn a_dead_letter_the_runtime_wrote_reads_back_and_replays_once() {
     })
     .await;
     eventually_ready(&broker, &dlq_name, 0).await;
-    assert!(
-        dlq::list(&services, &queue, &Selection::default(), 10)
-            .await
-            .unwrap()
-            .dead_letters
-            .is_empty()
-    );
+    assert!(store.list(&Filter::default()).await.unwrap().is_empty());
 }
 
 /// Publishes a dead letter into `queue`'s DLQ as the runtime writes one.
@@ -223,18 +212,18 @@ async fn browsing_a_dlq_under_a_delivery_limit_loses_nothing() {
         .await;
     }
     let services = Services::with_pool(support::amqp_url(), db.pool.clone());
-    let ids = |listing: &dlq::Listing| -> Vec<String> {
+    let store = DeadLetterStore::open(&services, &queue, Store::Queue)
+        .await
+        .unwrap();
+    let ids = |listing: &[idempo::ops::dead_letters::Letter]| -> Vec<String> {
         listing
-            .dead_letters
             .iter()
             .map(|d| d.message_id.clone().unwrap())
             .collect()
     };
     let expected: Vec<String> = (0..11).map(|i| format!("pay-{i}")).collect();
     for pass in 0..25 {
-        let listing = dlq::list(&services, &queue, &Selection::default(), 100)
-            .await
-            .unwrap();
+        let listing = store.list(&Filter::default()).await.unwrap();
         let mut got = ids(&listing);
         if pass <= 10 {
             assert_eq!(got, expected, "pass {pass}: all there, in order");
@@ -243,16 +232,13 @@ async fn browsing_a_dlq_under_a_delivery_limit_loses_nothing() {
         got.sort_by_key(|id| id[4..].parse::<u32>().unwrap());
         assert_eq!(got, expected, "pass {pass}: all there");
         if pass == 10 {
-            let shown = dlq::show(&services, &queue, "pay-3").await.unwrap();
-            assert_eq!(shown.summary.message_id.as_deref(), Some("pay-3"));
-            let plan = dlq::purge(
-                &services,
-                &queue,
-                &Selection::default(),
-                &Default::default(),
-            )
-            .await
-            .unwrap();
+            let shown = store
+                .show(&LetterRef::MessageId("pay-3".into()))
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(shown.letter.message_id.as_deref(), Some("pay-3"));
+            let plan = store.purge(&Filter::default()).await.unwrap();
             assert_eq!(plan.len(), 11);
             plan.keep().await;
         }
@@ -310,12 +296,15 @@ async fn a_replay_sends_each_dead_letter_once_and_its_history_stays_bounded() {
     let options = ReplayOptions {
         all: true,
         throttle: Some(Duration::from_millis(20)),
-        ..ReplayOptions::default()
+        ..ReplayOptions::by("test")
     };
-    let all = Selection::default();
+    let all = Filter::default();
+    let store = DeadLetterStore::open(&services, &queue, Store::Queue)
+        .await
+        .unwrap();
     let (a, b) = tokio::join!(
-        dlq::replay(&services, &queue, &all, &options, |_| {}),
-        dlq::replay(&services, &queue, &all, &options, |_| {}),
+        store.replay(&all, &options, |_| {}),
+        store.replay(&all, &options, |_| {}),
     );
     let (a, b) = (a.unwrap(), b.unwrap());
     assert_eq!(a.replayed + b.replayed, 25, "{a:?} {b:?}");
@@ -329,9 +318,7 @@ async fn a_replay_sends_each_dead_letter_once_and_its_history_stays_bounded() {
 
     // Replayed again and again: the poison comes back each time.
     for pass in 2..=8u64 {
-        let summary = dlq::replay(&services, &queue, &all, &options, |_| {})
-            .await
-            .unwrap();
+        let summary = store.replay(&all, &options, |_| {}).await.unwrap();
         assert_eq!(summary.replayed, 5, "pass {pass}");
         eventually("the poison back", Duration::from_secs(30), || async {
             working.stats().dead_lettered >= 5 * pass

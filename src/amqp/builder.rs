@@ -276,11 +276,11 @@ impl ConsumerBuilder<Batched> {
 
 impl<Mode> ConsumerBuilder<Mode> {
     /// Where dead letters go (feature `outbox`): the RabbitMQ queue
-    /// `<queue>.dlq` ([`DeadLetters::Queue`](crate::dead_letters::DeadLetters::Queue), the
+    /// `<queue>.dlq` ([`DeadLetters::Queue`](crate::amqp::DeadLetters::Queue), the
     /// default), or the `dead_letters` table
-    /// ([`DeadLetters::Table`](crate::dead_letters::DeadLetters::Table)): queryable,
+    /// ([`DeadLetters::Table`](crate::amqp::DeadLetters::Table)): queryable,
     /// grouped by cause, replayed exactly once through the outbox (see
-    /// [`dead_letters`](crate::dead_letters)). With the table, each dead
+    /// `idempo::ops::dead_letters`). With the table, each dead
     /// letter is inserted in a transaction of its own and acked only after
     /// that commit; while PostgreSQL cannot take it, the delivery waits
     /// (unacked). A letter the table refuses for another reason goes to the

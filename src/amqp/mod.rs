@@ -49,7 +49,7 @@
 //!
 //! A *dead letter* is a delivery put aside for good; it goes to the **DLQ**
 //! (`<queue>.dlq`, the RabbitMQ queue that holds a consumer's dead letters)
-//! or to the `dead_letters` table (`idempo::dead_letters`, feature `outbox`).
+//! or to the `dead_letters` table (`idempo::ops::dead_letters` reads it, feature `ops`).
 //! A *redelivery* is a consumer's second try of a delivery that failed
 //! transiently ([`RedeliveryPolicy`]); *retry* is the outgoing side's word
 //! (`idempo::retry` for HTTP calls).
@@ -76,6 +76,9 @@ pub(crate) mod urls;
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
 pub mod window;
 
+#[cfg(feature = "outbox")]
+#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
+pub use crate::dead_letters::DeadLetters;
 pub use crate::runtime::dead_letter::{
     DeadLetter, DeadLetterReason, MAX_REPLAY_HISTORY, ReplayRecord,
 };

@@ -54,7 +54,7 @@ fn word_is_id(chars: &[char], i: usize) -> bool {
 
 /// The fingerprint: 16 hex digits of the SHA-256 of the cause's pattern
 /// (the reason and the error with ids, numbers and quoted values masked).
-pub fn fingerprint(reason: &str, error: &str) -> String {
+pub(crate) fn fingerprint(reason: &str, error: &str) -> String {
     let digest = Sha256::digest(pattern(reason, error).as_bytes());
     hex::encode(&digest[..8])
 }

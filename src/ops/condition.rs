@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::{QueueStatus, Status};
 use crate::amqp::heartbeat::Instance;
-use crate::dead_letters::LetterCount;
+use crate::dead_letters::model::LetterCount;
 use crate::outbox::OutboxStatus;
 
 /// How old the oldest pending outbox message may get before the outbox

@@ -84,6 +84,17 @@ pub enum OpsError {
         /// The dead-letter queue searched.
         dlq: String,
     },
+    /// An operation asked a RabbitMQ DLQ for what only the table store
+    /// answers (a filter it cannot apply, grouping, discarding, a row).
+    #[error(
+        "{what} needs the table store: the dead letters are in the RabbitMQ queue {dlq:?} (keep them in PostgreSQL with DeadLetters::Table, or move them there with `idempo dlq import`)"
+    )]
+    NeedsTable {
+        /// What was asked.
+        what: &'static str,
+        /// The DLQ.
+        dlq: String,
+    },
     /// A replay must select its dead letters: by id, by reason, or all of them.
     #[error("say which dead letters to replay: by id, by reason, or all")]
     NothingSelected,

@@ -5,8 +5,8 @@
 //! - [`status()`]: claims per consumer, queue depths, the outbox, HTTP keys
 //!   and window entries, with the [`Warning`]s an operator must act on and
 //!   the [`Condition`] of each queue, consumer process and the outbox;
-//! - [`dlq`]: browse dead letters, [replay](dlq::replay) them to their work
-//!   queue (confirmed before the DLQ copy is acked), [purge](dlq::purge) them;
+//! - [`dead_letters`]: list, group, show, replay, discard and purge dead
+//!   letters, in the `dead_letters` table or a RabbitMQ DLQ, one API;
 //! - [`maintenance`]: the migrations' state, and the retention and expiry
 //!   deletes run once.
 //!
@@ -35,7 +35,7 @@
 //! ```
 
 mod condition;
-pub mod dlq;
+pub mod dead_letters;
 mod error;
 pub mod maintenance;
 pub mod management;

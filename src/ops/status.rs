@@ -75,7 +75,7 @@ pub struct Status {
     pub window: Option<Vec<StateCount>>,
     /// Live dead letters in the table store per consumer, queue and cause
     /// (`None`: the table does not exist).
-    pub dead_letters: Option<Vec<crate::dead_letters::LetterCount>>,
+    pub dead_letters: Option<Vec<crate::dead_letters::model::LetterCount>>,
     /// The consumer processes whose heartbeat was written in the last 15
     /// minutes, running or stopped (`None`: the table does not exist).
     pub instances: Option<Vec<crate::runtime::heartbeat::Instance>>,
@@ -273,7 +273,7 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
     // then the broker's beside the rest.
     let (claims, dead_letters, sealed, instances) = tokio::join!(
         crate::inbox::claims_per_consumer(pool, &options.consumers),
-        crate::dead_letters::counts(pool),
+        crate::dead_letters::queries::counts(pool),
         crate::amqp::consumers_with_keys(pool),
         crate::runtime::heartbeat::instances(pool, INSTANCES_WITHIN),
     );

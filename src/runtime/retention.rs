@@ -30,7 +30,7 @@ pub(crate) async fn reap_periodically(
     loop {
         #[cfg(feature = "outbox")]
         if let Some(keep) = dead_letters {
-            match crate::dead_letters::reap(&pool, Some(&consumer), keep, BATCH).await {
+            match crate::dead_letters::table::reap(&pool, Some(&consumer), keep, BATCH).await {
                 Ok(0) => {}
                 Ok(deleted) => {
                     tracing::info!(%consumer, deleted, "retention: deleted settled dead letters")

@@ -1,316 +1,187 @@
-//! `idempo dlq …` on the table store: [`idempo::dead_letters`] and
-//! [`idempo::ops::dlq::import`], printed.
+//! How `idempo dlq` prints dead letters, whichever store keeps them.
 
-use std::io::Write;
+use std::collections::BTreeMap;
 
-use anyhow::bail;
-use idempo::dead_letters::{self as store, Filter, ReplayOptions};
-use serde_json::json;
+use idempo::ops::dead_letters::{Group, Letter, LetterDetail, Refusal, ReplayReport};
+use serde_json::{Value, json};
 
-use crate::output::{self, Progress};
-use crate::{ATTENTION, Ctx};
+use crate::output::{json, print_table, table};
 
 /// How much of a body `dlq show` prints without `--full`.
 const SHOWN: usize = 4096;
 
-pub(crate) async fn list(ctx: &Ctx, filter: &Filter, group: bool) -> anyhow::Result<u8> {
-    let pool = ctx.services.database().await?;
-    if group {
-        let groups = store::groups(pool, filter).await?;
-        if ctx.json {
-            groups.iter().for_each(output::json);
-        } else {
-            let mut table = output::table(
-                &[
-                    "COUNT",
-                    "REASON",
-                    "FINGERPRINT",
-                    "LAST SEEN",
-                    "SAMPLE ERROR",
-                ],
-                &[0],
-            );
-            for g in &groups {
-                table.add_row(vec![
-                    g.count.to_string(),
-                    g.reason.clone(),
-                    g.fingerprint.clone(),
-                    g.last_seen.to_string(),
-                    one_line(&g.sample_error, 80),
-                ]);
-            }
-            output::print_table(table);
-        }
-        return Ok(0);
-    }
-    let letters = store::list(pool, filter).await?;
-    if ctx.json {
-        letters.iter().for_each(output::json);
-    } else {
-        let mut table = output::table(
-            &[
-                "ROW",
-                "MESSAGE ID",
-                "REASON",
-                "ATTEMPTS",
-                "LAST FAILED",
-                "FINGERPRINT",
-                "ERROR",
-            ],
-            &[3],
-        );
-        for l in &letters {
-            table.add_row(vec![
-                l.id.to_string(),
-                one_line(l.message_id.as_deref().unwrap_or("-"), 25),
-                l.reason.clone(),
-                l.attempts.to_string(),
-                l.last_failed_at.to_string(),
-                l.fingerprint.clone(),
-                one_line(&l.error, 60),
-            ]);
-        }
-        output::print_table(table);
-        if letters.is_empty() {
-            println!("no dead letters");
-        }
-    }
-    Ok(0)
-}
-
-pub(crate) async fn show(
-    ctx: &Ctx,
-    queue: &str,
-    message_id: Option<&str>,
-    row: Option<i64>,
-    full: bool,
-) -> anyhow::Result<u8> {
-    let pool = ctx.services.database().await?;
-    let id = match (row, message_id) {
-        (Some(row), _) => row,
-        (None, Some(message_id)) => {
-            let filter = Filter {
-                message_ids: vec![message_id.to_owned()],
-                any_state: true,
-                limit: Some(1_000),
-                ..Filter::queue(idempo::amqp::work_queue(queue))
-            };
-            // The latest letter of that id (a replayed one may have failed again).
-            match store::list(pool, &filter).await?.last() {
-                Some(letter) => letter.id,
-                None => bail!("no dead letter of {queue:?} has message id {message_id:?}"),
-            }
-        }
-        (None, None) => bail!("say which letter: MESSAGE_ID or --letter ROW_ID"),
-    };
-    let Some(detail) = store::show(pool, id).await? else {
-        bail!("no dead letter has row id {id}");
-    };
-    let shown = if full {
-        &detail.body[..]
-    } else {
-        &detail.body[..detail.body.len().min(SHOWN)]
-    };
-    let body = String::from_utf8_lossy(shown);
-    if ctx.json {
-        let mut value = serde_json::to_value(&detail.letter)?;
-        value["exchange"] = json!(detail.exchange);
-        value["routing_key"] = json!(detail.routing_key);
-        value["headers"] = detail.headers.clone();
-        value["body"] = json!(body);
-        value["body_truncated"] = json!(shown.len() < detail.body.len());
-        output::json(&value);
-        return Ok(0);
-    }
-    let l = &detail.letter;
-    println!("row:           {}", l.id);
-    println!("message id:    {}", l.message_id.as_deref().unwrap_or("-"));
-    println!("consumer:      {}", l.consumer);
-    println!("queue:         {}", l.queue);
-    println!(
-        "state:         {} (replayed {} time(s))",
-        l.state, l.replay_count
-    );
-    println!("reason:        {}", l.reason);
-    println!("error:         {}", l.error);
-    println!("fingerprint:   {}", l.fingerprint);
-    println!(
-        "attempts:      {} (arrived {} time(s))",
-        l.attempts, l.deliveries
-    );
-    println!("first failed:  {}", l.first_failed_at);
-    println!("last failed:   {}", l.last_failed_at);
-    println!(
-        "routing:       exchange {:?}, routing key {:?}",
-        detail.exchange, detail.routing_key
-    );
-    println!("headers:");
-    if let Some(headers) = detail.headers.as_object() {
-        for (name, value) in headers {
-            let text = value
-                .as_str()
-                .map_or_else(|| value.to_string(), str::to_owned);
-            println!("  {name}: {text}");
-        }
-    }
-    println!(
-        "body ({} bytes{}):",
-        l.body_bytes,
-        if shown.len() < detail.body.len() {
-            ", first 4 KiB; --full for all"
-        } else {
-            ""
-        }
-    );
-    println!("{}", body.escape_debug());
-    Ok(0)
-}
-
-pub(crate) async fn replay(
-    ctx: &Ctx,
-    filter: &Filter,
-    to: Option<String>,
-    force: bool,
-    dry_run: bool,
-    throttle: Option<std::time::Duration>,
-) -> anyhow::Result<u8> {
-    let pool = ctx.services.database().await?;
-    if !filter.message_ids.is_empty() {
-        let found = store::list(
-            pool,
-            &Filter {
-                limit: Some(i64::MAX),
-                ..filter.clone()
-            },
-        )
-        .await?;
-        let missing: Vec<&String> = filter
-            .message_ids
-            .iter()
-            .filter(|id| !found.iter().any(|l| l.message_id.as_ref() == Some(*id)))
-            .collect();
-        if !missing.is_empty() {
-            bail!("no live dead letter has the message id(s) {missing:?}");
-        }
-    }
-    let options = ReplayOptions {
-        to,
-        force,
-        throttle,
-        batch_size: if throttle.is_some() { 1 } else { 100 },
-        ..ReplayOptions::by(operator(ctx))
-    };
-    let counted = store::replay(
-        pool,
-        filter,
-        &ReplayOptions {
-            dry_run: true,
-            ..options.clone()
-        },
-        |_| {},
+/// A time as the tables print it.
+fn time(t: Option<std::time::SystemTime>) -> String {
+    t.map_or_else(
+        || "-".into(),
+        |t| humantime::format_rfc3339_millis(t).to_string(),
     )
-    .await?;
-    if dry_run {
-        if ctx.json {
-            output::json(&json!({"would_replay": counted.replayed}));
-        } else {
-            println!("would replay {} dead letter(s)", counted.replayed);
-        }
-        return Ok(0);
+}
+
+pub(crate) fn letters(as_json: bool, location: &str, letters: &[Letter]) {
+    if as_json {
+        letters.iter().for_each(json);
+        return;
     }
-    let mut progress = Progress::new(
-        ctx.json,
-        u32::try_from(counted.replayed).unwrap_or(u32::MAX),
+    let mut rows = table(
+        &[
+            "ROW",
+            "MESSAGE ID",
+            "REASON",
+            "ATT",
+            "LAST FAILED",
+            "SIZE",
+            "FINGERPRINT",
+            "ERROR",
+        ],
+        &[3, 5],
     );
-    let report = store::replay(pool, filter, &options, |report| {
-        progress.tick(report.replayed, report.skipped.len() as u64);
-    })
-    .await?;
-    progress.done();
-    if ctx.json {
-        for (row, why) in &report.skipped {
-            output::json(&json!({"row": row, "skipped": why}));
-        }
-        output::json(&json!({"replayed": report.replayed, "skipped": report.skipped.len()}));
-    } else {
-        for (row, why) in &report.skipped {
-            println!("skipped row {row}: {why}");
-        }
-        println!(
-            "replayed {} dead letter(s) through the outbox (the consumers' relay publishes them), skipped {}",
-            report.replayed,
-            report.skipped.len()
-        );
+    for l in letters {
+        rows.add_row(vec![
+            l.id.map_or_else(|| "-".into(), |id| id.to_string()),
+            one_line(l.message_id.as_deref().unwrap_or("-"), 25),
+            l.reason.clone(),
+            l.attempts.map_or_else(|| "-".into(), |n| n.to_string()),
+            time(l.last_failed_at),
+            l.body_bytes.to_string(),
+            l.fingerprint.clone(),
+            one_line(l.error.as_deref().unwrap_or("-"), 60),
+        ]);
     }
-    Ok(if report.skipped.is_empty() {
-        0
-    } else {
-        ATTENTION
-    })
+    print_table(rows);
+    println!("{} shown from {location}", letters.len());
 }
 
-pub(crate) async fn purge(ctx: &Ctx, filter: &Filter, yes: bool) -> anyhow::Result<u8> {
-    let pool = ctx.services.database().await?;
-    let count = store::count(pool, filter).await?;
-    if count == 0 {
-        println!("nothing to delete");
-        return Ok(0);
+pub(crate) fn groups(as_json: bool, groups: &[Group]) {
+    if as_json {
+        groups.iter().for_each(json);
+        return;
     }
-    if !yes {
-        eprint!("delete {count} dead letter(s) from the table? [y/N] ");
-        let _ = std::io::stderr().flush();
-        let mut answer = String::new();
-        let _ = std::io::stdin().read_line(&mut answer);
-        if !matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes") {
-            bail!("not confirmed: nothing deleted (--yes to skip the question)");
+    let mut rows = table(
+        &[
+            "COUNT",
+            "REASON",
+            "FINGERPRINT",
+            "LAST SEEN",
+            "SAMPLE ERROR",
+        ],
+        &[0],
+    );
+    for g in groups {
+        rows.add_row(vec![
+            g.count.to_string(),
+            g.reason.clone(),
+            g.fingerprint.clone(),
+            time(g.last_seen),
+            one_line(&g.sample_error, 80),
+        ]);
+    }
+    print_table(rows);
+}
+
+pub(crate) fn letter(as_json: bool, detail: &LetterDetail, full: bool) -> anyhow::Result<()> {
+    let truncated = !full && detail.body.len() > SHOWN;
+    let body = if truncated {
+        &detail.body[..SHOWN]
+    } else {
+        &detail.body[..]
+    };
+    let parsed: Option<Value> = serde_json::from_slice(&detail.body).ok();
+    let mut fields = serde_json::to_value(&detail.letter)?;
+    fields["exchange"] = json!(detail.exchange);
+    if as_json {
+        let mut out = fields;
+        out["headers"] = detail.headers.clone();
+        out["body"] = match (&parsed, truncated) {
+            (Some(v), false) => v.clone(),
+            _ => Value::String(String::from_utf8_lossy(body).into_owned()),
+        };
+        out["truncated"] = Value::Bool(truncated);
+        json(&out);
+        return Ok(());
+    }
+    // Name and value: a table without a header.
+    let mut rows = table(&[], &[]);
+    for (name, value) in fields.as_object().into_iter().flatten() {
+        if !value.is_null() {
+            rows.add_row(vec![name.clone(), text(value)]);
         }
     }
-    let deleted = store::purge(pool, filter).await?;
-    if ctx.json {
-        output::json(&json!({"deleted": deleted}));
-    } else {
-        println!("deleted {deleted} dead letter(s)");
+    print_table(rows);
+    println!("headers:");
+    for (name, value) in detail.headers.as_object().into_iter().flatten() {
+        println!("  {name}: {}", text(value));
     }
-    Ok(0)
+    println!("body ({} bytes):", detail.body.len());
+    match (&parsed, truncated) {
+        (Some(v), false) => println!("{}", serde_json::to_string_pretty(v)?),
+        _ => println!("{}", String::from_utf8_lossy(body).escape_debug()),
+    }
+    if truncated {
+        println!("... truncated at {SHOWN} bytes: --full for the whole body");
+    }
+    Ok(())
 }
 
-pub(crate) async fn discard(ctx: &Ctx, filter: &Filter) -> anyhow::Result<u8> {
-    let pool = ctx.services.database().await?;
-    let discarded = store::discard(pool, filter, &operator(ctx)).await?;
-    if ctx.json {
-        output::json(&json!({"discarded": discarded}));
-    } else {
-        println!("discarded {discarded} dead letter(s) (kept until reaped)");
-    }
-    Ok(0)
+/// A JSON value as one line of text: a string as it is.
+fn text(value: &Value) -> String {
+    value
+        .as_str()
+        .map_or_else(|| value.to_string(), |s| one_line(s, usize::MAX))
 }
 
-pub(crate) async fn import(ctx: &Ctx, queue: &str) -> anyhow::Result<u8> {
-    let spinner = output::spinner(ctx.json);
-    let summary = idempo::ops::dlq::import(&ctx.services, queue, |n| {
-        if !spinner.is_hidden() {
-            spinner.set_message(format!("{n} imported"));
-        } else if !ctx.json && n.is_multiple_of(100) {
-            eprintln!("{n} imported");
+/// Why a dead letter was not replayed, with the flag that changes it.
+pub(crate) fn refusal(refusal: Refusal) -> String {
+    match refusal {
+        Refusal::Foreign => {
+            "foreign (no x-idempo-original-queue): name the work queue with --to".into()
         }
-    })
-    .await;
-    spinner.finish_and_clear();
-    let summary = summary?;
-    if ctx.json {
-        output::json(&summary);
-    } else {
-        println!(
-            "imported {} dead letter(s) from {} into the table",
-            summary.imported, summary.dlq
-        );
+        Refusal::PayloadMismatch | Refusal::AlreadyProcessed => {
+            format!("{refusal} (--force to replay anyway)")
+        }
+        other => other.to_string(),
     }
-    Ok(0)
 }
 
-/// Who runs the command, as recorded on replayed and discarded letters.
-fn operator(ctx: &Ctx) -> String {
-    idempo::ops::operator("idempo-cli", &ctx.operator)
+/// The last line of `dlq replay`. With `--json`, `summary` keeps the shape
+/// earlier versions printed for a RabbitMQ DLQ.
+pub(crate) fn replay_report(as_json: bool, table: bool, report: &ReplayReport) {
+    let skipped: BTreeMap<String, u64> = report
+        .skipped
+        .iter()
+        .map(|(r, n)| (refusal(*r), *n))
+        .collect();
+    if as_json {
+        json(&json!({
+            "replayed": report.replayed,
+            "dry_run": report.dry_run,
+            "skipped": report.skipped_total(),
+            "summary": {
+                "replayed": report.replayed,
+                "dry_run": report.dry_run,
+                "skipped": skipped,
+            },
+        }));
+        return;
+    }
+    let verb = if report.dry_run {
+        "would replay"
+    } else {
+        "replayed"
+    };
+    let through = if table && !report.dry_run {
+        " through the outbox (the consumers' relay publishes them)"
+    } else {
+        ""
+    };
+    println!(
+        "{verb} {}{through}, skipped {}",
+        report.replayed,
+        report.skipped_total()
+    );
+    for (why, n) in &skipped {
+        println!("  {n} skipped: {why}");
+    }
 }
 
 /// `text` on one line, at most `max` characters.

@@ -1,18 +1,19 @@
-//! `idempo dlq list|show|replay|purge|discard|import`: [`idempo::ops::dlq`]
-//! on a RabbitMQ DLQ, [`idempo::dead_letters`] (in `dead_letters.rs`)
-//! on the table store.
+//! `idempo dlq list|show|replay|purge|discard|import`: thin commands over
+//! [`idempo::ops::dead_letters`], whichever store keeps the letters
+//! (printed by `dead_letters.rs`).
 
 use std::io::Write;
 use std::time::Duration;
 
 use anyhow::bail;
 use clap::{Args, Subcommand};
-use idempo::dead_letters::{Filter, LetterState};
 use idempo::ops::OpsError;
-use idempo::ops::dlq::{self, PurgeOptions, ReplayEvent, ReplayOptions, Selection};
+use idempo::ops::dead_letters::{
+    DeadLetterStore, Filter, LetterRef, LetterState, ReplayEvent, ReplayOptions, Store,
+};
 use serde_json::json;
 
-use crate::dead_letters;
+use crate::dead_letters as print;
 use crate::output::{self, Progress};
 use crate::{ATTENTION, Ctx};
 
@@ -46,8 +47,8 @@ pub(crate) enum DlqCommand {
         #[arg(long, value_name = "ROW_ID")]
         letter: Option<i64>,
         /// Where the dead letters are.
-        #[arg(long, value_enum, default_value_t = Store::Auto)]
-        store: Store,
+        #[arg(long, value_enum, default_value_t = StoreArg::Auto)]
+        store: StoreArg,
         /// The whole body, not its first 4 KiB.
         #[arg(long)]
         full: bool,
@@ -117,13 +118,23 @@ pub(crate) enum DlqCommand {
 
 /// Where a command finds its dead letters.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum Store {
+pub(crate) enum StoreArg {
     /// The table when it holds letters of the queue, else the RabbitMQ DLQ.
     Auto,
     /// The `dead_letters` table.
     Table,
     /// The RabbitMQ queue `<queue>.dlq`.
     Queue,
+}
+
+impl From<StoreArg> for Store {
+    fn from(store: StoreArg) -> Store {
+        match store {
+            StoreArg::Auto => Store::Auto,
+            StoreArg::Table => Store::Table,
+            StoreArg::Queue => Store::Queue,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -135,8 +146,8 @@ pub(crate) struct Target {
     #[arg(long = "queue", value_name = "QUEUE", conflicts_with = "queue")]
     queue_flag: Option<String>,
     /// Where the dead letters are.
-    #[arg(long, value_enum, default_value_t = Store::Auto)]
-    store: Store,
+    #[arg(long, value_enum, default_value_t = StoreArg::Auto)]
+    store: StoreArg,
 }
 
 impl Target {
@@ -146,9 +157,15 @@ impl Target {
             (None, None) => bail!("say which queue: QUEUE or --queue QUEUE"),
         }
     }
+
+    async fn open(&self, ctx: &Ctx) -> anyhow::Result<(&str, DeadLetterStore)> {
+        let queue = self.queue()?;
+        let store = DeadLetterStore::open(&ctx.services, queue, self.store.into()).await?;
+        Ok((queue, store))
+    }
 }
 
-#[derive(Args)]
+#[derive(Args, Default)]
 pub(crate) struct Select {
     /// Only these message ids (repeatable).
     #[arg(long = "id", value_name = "MESSAGE_ID")]
@@ -175,43 +192,14 @@ pub(crate) struct Select {
 }
 
 impl Select {
-    fn selection(&self) -> Selection {
-        Selection {
-            ids: self.ids.clone(),
-            reason: self.reason.clone(),
-        }
-    }
-
-    /// Whether a filter besides the queue selects.
-    fn selects(&self) -> bool {
-        !self.ids.is_empty()
-            || self.reason.is_some()
-            || self.fingerprint.is_some()
-            || self.consumer.is_some()
-            || self.since.is_some()
-            || self.body_path.is_some()
-    }
-
-    /// The table-only filters, refused on a RabbitMQ DLQ.
-    fn table_only(&self) -> Option<&'static str> {
-        [
-            (self.fingerprint.is_some(), "--fingerprint"),
-            (self.consumer.is_some(), "--consumer"),
-            (self.since.is_some(), "--since"),
-            (self.body_path.is_some(), "--body-path"),
-            (self.state.is_some(), "--state"),
-        ]
-        .into_iter()
-        .find_map(|(set, flag)| set.then_some(flag))
-    }
-
     fn filter(&self, queue: &str) -> anyhow::Result<Filter> {
         let (state, any_state) = match self.state.as_deref() {
-            None | Some("live") => (Some(LetterState::Live), false),
-            Some("replayed") => (Some(LetterState::Replayed), false),
-            Some("discarded") => (Some(LetterState::Discarded), false),
+            None => (None, false),
             Some("all") => (None, true),
-            Some(other) => bail!("--state {other:?}: say live, replayed, discarded or all"),
+            Some(name) => match LetterState::parse(name) {
+                Some(state) => (Some(state), false),
+                None => bail!("--state {name:?}: say live, replayed, discarded or all"),
+            },
         };
         Ok(Filter {
             queue: Some(idempo::amqp::work_queue(queue).to_owned()),
@@ -228,27 +216,29 @@ impl Select {
     }
 }
 
+/// A count as the library's limit.
+fn limit(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 pub(crate) async fn exec(ctx: &Ctx, command: DlqCommand) -> anyhow::Result<u8> {
     match command {
         DlqCommand::List {
             target,
             select,
             group,
-            limit,
+            limit: most,
         } => {
-            let queue = target.queue()?;
-            if uses_table(ctx, target.store, queue, &select).await? {
-                let filter = Filter {
-                    limit: Some(i64::try_from(limit).unwrap_or(i64::MAX)),
-                    ..select.filter(queue)?
-                };
-                return dead_letters::list(ctx, &filter, group).await;
-            }
+            let (queue, store) = target.open(ctx).await?;
+            let filter = Filter {
+                limit: Some(limit(most)),
+                ..select.filter(queue)?
+            };
             if group {
-                bail!("--group needs the table store (dead letters kept in PostgreSQL)");
+                print::groups(ctx.json, &store.groups(&filter).await?);
+            } else {
+                print::letters(ctx.json, &store.location(), &store.list(&filter).await?);
             }
-            let listing = dlq::list(&ctx.services, queue, &select.selection(), limit).await?;
-            output::dead_letters(ctx.json, &listing);
         }
         DlqCommand::Show {
             args,
@@ -266,15 +256,22 @@ pub(crate) async fn exec(ctx: &Ctx, command: DlqCommand) -> anyhow::Result<u8> {
                     "say which letter: QUEUE MESSAGE_ID, --queue QUEUE MESSAGE_ID or --letter ROW_ID"
                 ),
             };
-            let select = Select::default_for(message_id.clone());
-            if letter.is_some() || uses_table(ctx, store, &queue, &select).await? {
-                return dead_letters::show(ctx, &queue, message_id.as_deref(), letter, full).await;
-            }
-            let Some(message_id) = message_id else {
-                bail!("--letter needs the table store");
+            let (which, store) = match (letter, message_id) {
+                (Some(row), _) => (LetterRef::Row(row), Store::Table),
+                (None, Some(id)) => (LetterRef::MessageId(id), store.into()),
+                (None, None) => bail!("say which letter: MESSAGE_ID or --letter ROW_ID"),
             };
-            let dead = dlq::show(&ctx.services, &queue, &message_id).await?;
-            output::dead_letter(ctx.json, &dead, full)?;
+            let store = DeadLetterStore::open(&ctx.services, &queue, store).await?;
+            let Some(detail) = store.show(&which).await? else {
+                match which {
+                    LetterRef::Row(row) => bail!("no dead letter has row id {row}"),
+                    LetterRef::MessageId(id) => bail!(
+                        "no dead letter of {queue:?} has message id {id:?} (in {})",
+                        store.location()
+                    ),
+                }
+            };
+            print::letter(ctx.json, &detail, full)?;
         }
         DlqCommand::Replay {
             target,
@@ -284,192 +281,151 @@ pub(crate) async fn exec(ctx: &Ctx, command: DlqCommand) -> anyhow::Result<u8> {
             to,
             force,
             throttle,
-            limit,
+            limit: most,
         } => {
-            let queue = target.queue()?;
-            if uses_table(ctx, target.store, queue, &select).await? {
-                if !all && !select.selects() {
-                    bail!(
-                        "say which dead letters to replay: --id, --reason, --fingerprint, another filter, or --all"
-                    );
-                }
-                let filter = Filter {
-                    limit: limit.map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
-                    ..select.filter(queue)?
-                };
-                return dead_letters::replay(ctx, &filter, to, force, dry_run, throttle).await;
-            }
+            let (queue, store) = target.open(ctx).await?;
+            let filter = Filter {
+                limit: most.map(limit),
+                ..select.filter(queue)?
+            };
             let options = ReplayOptions {
                 all,
                 dry_run,
                 to,
                 force,
                 throttle,
-                limit,
+                ..ReplayOptions::by(operator(ctx))
             };
-            return replay(ctx, queue, &select.selection(), &options).await;
+            return replay(ctx, queue, &store, &filter, &options).await;
         }
         DlqCommand::Purge {
             target,
             select,
             older_than,
             yes,
-            limit,
+            limit: most,
         } => {
-            let queue = target.queue()?;
-            if uses_table(ctx, target.store, queue, &select).await? {
-                let mut filter = select.filter(queue)?;
-                if limit.is_some() {
-                    bail!(
-                        "--limit is for a RabbitMQ DLQ: select the letters to purge with filters"
-                    );
-                }
-                if let Some(age) = older_than {
-                    filter.until = Some(std::time::SystemTime::now() - age);
-                }
-                return dead_letters::purge(ctx, &filter, yes).await;
-            }
-            let options = PurgeOptions { older_than, limit };
-            return purge(ctx, queue, &select.selection(), &options, yes).await;
+            let (queue, store) = target.open(ctx).await?;
+            let filter = Filter {
+                until: older_than.map(|age| std::time::SystemTime::now() - age),
+                limit: most.map(limit),
+                ..select.filter(queue)?
+            };
+            return purge(ctx, &store, &filter, yes).await;
         }
         DlqCommand::Discard {
             target,
             select,
             all,
         } => {
-            let queue = target.queue()?;
-            if target.store == Store::Queue {
-                bail!("discard needs the table store: a RabbitMQ DLQ can only be purged");
+            let (queue, store) = target.open(ctx).await?;
+            let filter = select.filter(queue)?;
+            let discarded = store
+                .discard(&filter, &operator(ctx), all)
+                .await
+                .map_err(|e| match e {
+                    OpsError::NothingSelected => anyhow::anyhow!(
+                        "say which dead letters to discard: --id, --reason, --fingerprint, another filter, or --all"
+                    ),
+                    e => e.into(),
+                })?;
+            if ctx.json {
+                output::json(&json!({"discarded": discarded}));
+            } else {
+                println!("discarded {discarded} dead letter(s) (kept until reaped)");
             }
-            if !all && !select.selects() {
-                bail!(
-                    "say which dead letters to discard: --id, --reason, --fingerprint, another filter, or --all"
-                );
-            }
-            return dead_letters::discard(ctx, &select.filter(queue)?).await;
         }
-        DlqCommand::Import { queue } => return dead_letters::import(ctx, &queue).await,
+        DlqCommand::Import { queue } => return import(ctx, &queue).await,
     }
     Ok(0)
-}
-
-impl Select {
-    /// A selection of one message id, for `show`.
-    fn default_for(message_id: Option<String>) -> Select {
-        Select {
-            ids: message_id.into_iter().collect(),
-            reason: None,
-            fingerprint: None,
-            consumer: None,
-            since: None,
-            body_path: None,
-            state: None,
-        }
-    }
-}
-
-/// Whether the command works on the table store: asked for, or (auto) the
-/// table holds letters of `queue`. Table-only filters on a RabbitMQ DLQ are
-/// refused.
-async fn uses_table(ctx: &Ctx, store: Store, queue: &str, select: &Select) -> anyhow::Result<bool> {
-    let table = match store {
-        Store::Table => true,
-        Store::Queue => false,
-        Store::Auto => match idempo::ops::dlq::table_holds(&ctx.services, queue).await {
-            Ok(holds) => holds,
-            // The queue's DLQ can still be read while PostgreSQL is away.
-            Err(e) => {
-                eprintln!(
-                    "warning: cannot look for dead letters in PostgreSQL ({e}); reading the RabbitMQ DLQ"
-                );
-                false
-            }
-        },
-    };
-    if !table && let Some(flag) = select.table_only() {
-        bail!(
-            "{flag} needs the table store: no dead letters of {queue:?} are kept in PostgreSQL \
-             (a consumer with dead_letters(DeadLetters::Table), or `idempo dlq import`)"
-        );
-    }
-    Ok(table)
 }
 
 async fn replay(
     ctx: &Ctx,
     queue: &str,
-    selection: &Selection,
+    store: &DeadLetterStore,
+    filter: &Filter,
     options: &ReplayOptions,
 ) -> anyhow::Result<u8> {
     let mut progress: Option<Progress> = None;
     let (mut replayed, mut skipped) = (0, 0);
     let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
-    let summary = dlq::replay(&ctx.services, queue, selection, options, |event| match event {
-        ReplayEvent::Started { total, .. } => progress = Some(Progress::new(ctx.json, total)),
-        ReplayEvent::Skipped {
-            message_id,
-            refusal,
-        } => {
-            seen.extend(message_id.map(str::to_owned));
-            let why = output::refusal(refusal);
-            if ctx.json {
-                output::json(&json!({"message_id": message_id, "skipped": why}));
-            } else if !progress.as_ref().is_some_and(Progress::is_bar) {
-                println!("skipped {}: {why}", message_id.unwrap_or_default());
+    let report = store
+        .replay(filter, options, |event| match event {
+            ReplayEvent::Started { total } => {
+                progress = Some(Progress::new(ctx.json, u32::try_from(total).unwrap_or(u32::MAX)));
             }
-            skipped += 1;
-            if let Some(p) = &mut progress {
-                p.tick(replayed, skipped);
+            ReplayEvent::Skipped {
+                message_id,
+                row,
+                refusal,
+            } => {
+                seen.extend(message_id.map(str::to_owned));
+                let why = print::refusal(refusal);
+                let what = message_id.map_or_else(|| format!("row {}", row.unwrap_or_default()), str::to_owned);
+                if ctx.json {
+                    output::json(&json!({"message_id": message_id, "row": row, "skipped": why}));
+                } else if !progress.as_ref().is_some_and(Progress::is_bar) {
+                    println!("skipped {what}: {why}");
+                }
+                skipped += 1;
+                if let Some(p) = &mut progress {
+                    p.tick(replayed, skipped);
+                }
             }
-        }
-        ReplayEvent::WouldReplay { message_id, queue } => {
-            seen.extend(message_id.map(str::to_owned));
-            if ctx.json {
-                output::json(&json!({"message_id": message_id, "would_replay_to": queue}));
-            } else {
-                println!("would replay {} to {queue}", message_id.unwrap_or_default());
+            ReplayEvent::WouldReplay { message_id, queue } => {
+                seen.extend(message_id.map(str::to_owned));
+                if ctx.json {
+                    output::json(&json!({"message_id": message_id, "would_replay_to": queue}));
+                } else {
+                    println!("would replay {} to {queue}", message_id.unwrap_or_default());
+                }
+                replayed += 1;
             }
-            replayed += 1;
-        }
-        ReplayEvent::Replayed { message_id, queue } => {
-            seen.extend(message_id.map(str::to_owned));
-            replayed += 1;
-            if ctx.json {
-                output::json(&json!({"message_id": message_id, "replayed_to": queue}));
+            ReplayEvent::Replayed { message_id, queue } => {
+                seen.extend(message_id.map(str::to_owned));
+                replayed += 1;
+                if ctx.json {
+                    output::json(&json!({"message_id": message_id, "replayed_to": queue}));
+                }
+                if let Some(p) = &mut progress {
+                    p.tick(replayed, skipped);
+                }
             }
-            if let Some(p) = &mut progress {
-                p.tick(replayed, skipped);
-            }
-        }
-        _ => {}
-    })
-    .await
-    .map_err(|e| match e {
-        // The library's words, with this command's flags.
-        OpsError::NothingSelected => {
-            anyhow::anyhow!("say which dead letters to replay: --id, --reason or --all")
-        }
-        OpsError::TargetQueueNotFound { queue } => anyhow::anyhow!(
-            "the work queue {queue:?} does not exist: start its consumer (which declares it) or pass --to"
-        ),
-        e => e.into(),
-    })?;
+            _ => {}
+        })
+        .await
+        .map_err(|e| match e {
+            // The library's words, with this command's flags.
+            OpsError::NothingSelected => anyhow::anyhow!(
+                "say which dead letters to replay: --id, --reason, --fingerprint, another filter, or --all"
+            ),
+            OpsError::TargetQueueNotFound { queue } => anyhow::anyhow!(
+                "the work queue {queue:?} does not exist: start its consumer (which declares it) or pass --to"
+            ),
+            e => e.into(),
+        })?;
     if let Some(p) = &progress {
         p.done();
     }
-    output::replay_summary(ctx.json, &summary);
-    let missing: Vec<&String> = selection
-        .ids
-        .iter()
-        .filter(|id| !seen.contains(*id))
-        .collect();
-    if !missing.is_empty() && missing.len() == selection.ids.len() {
-        bail!("no dead letter of {queue:?} has the message id(s) {missing:?}");
+    print::replay_report(ctx.json, store.is_table(), &report);
+    // A dry run of the table counts without naming letters.
+    let missing: Vec<&String> = if options.dry_run && store.is_table() {
+        Vec::new()
+    } else {
+        filter
+            .message_ids
+            .iter()
+            .filter(|id| !seen.contains(*id))
+            .collect()
+    };
+    if !missing.is_empty() && missing.len() == filter.message_ids.len() {
+        bail!("no live dead letter of {queue:?} has the message id(s) {missing:?}");
     }
     if !missing.is_empty() {
-        eprintln!("not found in the DLQ of {queue:?}: {missing:?}");
+        eprintln!("not found in {}: {missing:?}", store.location());
     }
-    Ok(if summary.skipped.is_empty() && missing.is_empty() {
+    Ok(if report.skipped.is_empty() && missing.is_empty() {
         0
     } else {
         ATTENTION
@@ -478,45 +434,68 @@ async fn replay(
 
 async fn purge(
     ctx: &Ctx,
-    queue: &str,
-    selection: &Selection,
-    options: &PurgeOptions,
+    store: &DeadLetterStore,
+    filter: &Filter,
     yes: bool,
 ) -> anyhow::Result<u8> {
-    if yes {
-        // No question: delete while walking, one letter held at a time.
-        let (dlq, deleted) = dlq::purge_now(&ctx.services, queue, selection, options).await?;
-        if ctx.json {
-            output::json(&json!({"deleted": deleted, "queue": dlq}));
-        } else if deleted == 0 {
-            println!("nothing to delete in {dlq}");
-        } else {
-            println!("deleted {deleted} dead letter(s) from {dlq}");
-        }
-        return Ok(0);
-    }
-    let plan = dlq::purge(&ctx.services, queue, selection, options).await?;
-    let dlq = plan.dlq().to_owned();
-    if plan.is_empty() {
-        println!("nothing to delete in {dlq}");
-        plan.keep().await;
-        return Ok(0);
-    }
-    if !yes {
-        eprint!("delete {} dead letter(s) from {dlq}? [y/N] ", plan.len());
-        let _ = std::io::stderr().flush();
-        let mut answer = String::new();
-        let _ = std::io::stdin().read_line(&mut answer);
-        if !matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes") {
-            plan.keep().await;
-            bail!("not confirmed: nothing deleted (--yes to skip the question)");
-        }
-    }
-    let deleted = plan.delete().await?;
-    if ctx.json {
-        output::json(&json!({"deleted": deleted, "queue": dlq}));
+    let location = store.location();
+    let deleted = if yes {
+        // No question: a DLQ is walked holding one letter at a time.
+        store.purge_now(filter).await?
     } else {
-        println!("deleted {deleted} dead letter(s) from {dlq}");
+        let plan = store.purge(filter).await?;
+        if plan.is_empty() {
+            plan.keep().await;
+            0
+        } else {
+            eprint!(
+                "delete {} dead letter(s) from {location}? [y/N] ",
+                plan.len()
+            );
+            let _ = std::io::stderr().flush();
+            let mut answer = String::new();
+            let _ = std::io::stdin().read_line(&mut answer);
+            if !matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes") {
+                plan.keep().await;
+                bail!("not confirmed: nothing deleted (--yes to skip the question)");
+            }
+            plan.delete().await?
+        }
+    };
+    if ctx.json {
+        output::json(&json!({"deleted": deleted, "queue": location}));
+    } else if deleted == 0 {
+        println!("nothing to delete in {location}");
+    } else {
+        println!("deleted {deleted} dead letter(s) from {location}");
     }
     Ok(0)
+}
+
+async fn import(ctx: &Ctx, queue: &str) -> anyhow::Result<u8> {
+    let spinner = output::spinner(ctx.json);
+    let report = idempo::ops::dead_letters::import(&ctx.services, queue, |n| {
+        if !spinner.is_hidden() {
+            spinner.set_message(format!("{n} imported"));
+        } else if !ctx.json && n.is_multiple_of(100) {
+            eprintln!("{n} imported");
+        }
+    })
+    .await;
+    spinner.finish_and_clear();
+    let report = report?;
+    if ctx.json {
+        output::json(&report);
+    } else {
+        println!(
+            "imported {} dead letter(s) from {} into the table",
+            report.imported, report.dlq
+        );
+    }
+    Ok(0)
+}
+
+/// Who runs the command, as recorded on replayed and discarded letters.
+fn operator(ctx: &Ctx) -> String {
+    idempo::ops::operator("idempo-cli", &ctx.operator)
 }

@@ -1,18 +1,13 @@
 //! Everything the commands print: JSON lines, tables, progress.
 
-use std::collections::BTreeMap;
 use std::io::IsTerminal;
 
 use comfy_table::{CellAlignment, Table, presets};
-use idempo::ops::dlq::{DeadLetterDetail, Listing, Refusal, ReplaySummary};
 use idempo::ops::maintenance::{Migration, MigrationStatus};
 use idempo::ops::{Status, short_duration};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
-use serde_json::{Value, json};
-
-/// How much of a body `dlq show` prints without `--full`.
-const SHOWN: usize = 4096;
+use serde_json::json;
 
 /// One JSON object on a line (keys in alphabetical order).
 pub(crate) fn json(value: &impl Serialize) {
@@ -175,139 +170,6 @@ pub(crate) fn status(s: &Status) {
     }
     for warning in &s.warnings {
         println!("WARNING: {warning}");
-    }
-}
-
-pub(crate) fn dead_letters(as_json: bool, listing: &Listing) {
-    if as_json {
-        listing.dead_letters.iter().for_each(json);
-        return;
-    }
-    let mut table = table(
-        &[
-            "MESSAGE ID",
-            "REASON",
-            "ATT",
-            "FIRST FAILURE",
-            "LAST FAILURE",
-            "SIZE",
-            "ERROR",
-        ],
-        &[2, 5],
-    );
-    for d in &listing.dead_letters {
-        let text = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
-        let mut error = text(&d.error).replace('\n', " ");
-        if error.chars().count() > 60 {
-            error = error.chars().take(57).collect::<String>() + "...";
-        }
-        table.add_row(vec![
-            text(&d.message_id),
-            d.reason.clone(),
-            or_dash(d.attempts),
-            text(&d.first_failure),
-            text(&d.last_failure),
-            d.size.to_string(),
-            error,
-        ]);
-    }
-    print_table(table);
-    println!(
-        "{} shown of {} in {}",
-        listing.dead_letters.len(),
-        listing.ready,
-        listing.dlq
-    );
-}
-
-pub(crate) fn dead_letter(
-    as_json: bool,
-    dead: &DeadLetterDetail,
-    full: bool,
-) -> anyhow::Result<()> {
-    let truncated = !full && dead.body.len() > SHOWN;
-    let body = if truncated {
-        &dead.body[..SHOWN]
-    } else {
-        &dead.body[..]
-    };
-    let parsed: Option<Value> = serde_json::from_slice(&dead.body).ok();
-    let summary = serde_json::to_value(&dead.summary)?;
-    if as_json {
-        let mut out = summary;
-        out["headers"] = json!(dead.headers);
-        out["body"] = match (&parsed, truncated) {
-            (Some(v), false) => v.clone(),
-            _ => Value::String(String::from_utf8_lossy(body).into_owned()),
-        };
-        out["truncated"] = Value::Bool(truncated);
-        json(&out);
-        return Ok(());
-    }
-    // Name and value: a table without a header.
-    let mut fields = table(&[], &[]);
-    for (name, value) in summary.as_object().into_iter().flatten() {
-        fields.add_row(vec![
-            name.clone(),
-            value.as_str().map_or(value.to_string(), str::to_owned),
-        ]);
-    }
-    print_table(fields);
-    println!("headers:");
-    for (name, value) in &dead.headers {
-        println!("  {name}: {value}");
-    }
-    println!("body ({} bytes):", dead.body.len());
-    match (&parsed, truncated) {
-        (Some(v), false) => println!("{}", serde_json::to_string_pretty(v)?),
-        _ => println!("{}", String::from_utf8_lossy(body)),
-    }
-    if truncated {
-        println!("... truncated at {SHOWN} bytes: --full for the whole body");
-    }
-    Ok(())
-}
-
-/// Why a dead letter was not replayed, with the flag that changes it.
-pub(crate) fn refusal(refusal: Refusal) -> String {
-    match refusal {
-        Refusal::Foreign => {
-            "foreign (no x-idempo-original-queue): name the work queue with --to".into()
-        }
-        Refusal::PayloadMismatch => {
-            "its id was already processed with a different payload (--force to replay anyway)"
-                .into()
-        }
-        other => other.to_string(),
-    }
-}
-
-pub(crate) fn replay_summary(as_json: bool, summary: &ReplaySummary) {
-    let skipped: BTreeMap<String, u64> = summary
-        .skipped
-        .iter()
-        .map(|(r, n)| (refusal(*r), *n))
-        .collect();
-    if as_json {
-        json(&json!({"summary": {
-            "replayed": summary.replayed,
-            "dry_run": summary.dry_run,
-            "skipped": skipped,
-        }}));
-        return;
-    }
-    let verb = if summary.dry_run {
-        "would replay"
-    } else {
-        "replayed"
-    };
-    println!(
-        "{verb} {}, skipped {}",
-        summary.replayed,
-        summary.skipped_total()
-    );
-    for (why, n) in &skipped {
-        println!("  {n} skipped: {why}");
     }
 }
 

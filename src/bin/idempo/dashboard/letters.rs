@@ -1,12 +1,14 @@
 //! The dead-letter pages (groups by cause, one group, one letter) and their
-//! actions (replay, discard, delete), over [`idempo::dead_letters`].
+//! actions (replay, discard, delete), over [`idempo::ops::dead_letters`].
 
 use std::net::SocketAddr;
 
 use axum::extract::{ConnectInfo, Form, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::Html;
-use idempo::dead_letters::{self as store, Filter, ReplayOptions};
+use idempo::ops::dead_letters::{
+    DeadLetterStore, Filter, LetterRef, ReplayEvent, ReplayOptions, Store,
+};
 use serde::Deserialize;
 
 use super::failure::Failure;
@@ -28,14 +30,20 @@ pub(crate) async fn dead_letters(State(app): Shared, Query(q): Query<QueueQuery>
         queue: q.queue.clone().filter(|q| !q.is_empty()),
         ..Filter::default()
     };
-    let pool = app.database().await?;
-    let groups = store::groups(pool, &filter).await?;
+    let groups = table(&app).await?.groups(&filter).await?;
     let mut body = pages::groups(filter.queue.as_deref(), &groups);
     // Not kept in the table: the queue's RabbitMQ DLQ, shown read-only
     // (browsed without spending a delivery attempt).
     if let (true, Some(queue)) = (groups.is_empty(), &filter.queue) {
-        match idempo::ops::dlq::list(&app.services, queue, &Default::default(), 100).await {
-            Ok(listing) => body.push_str(&pages::queue_dlq(&listing)),
+        let listed = match DeadLetterStore::open(&app.services, queue, Store::Queue).await {
+            Ok(dlq) => dlq
+                .list(&Filter::default())
+                .await
+                .map(|l| (dlq.location(), l)),
+            Err(e) => Err(e),
+        };
+        match listed {
+            Ok((dlq, letters)) => body.push_str(&pages::queue_dlq(&dlq, &letters)),
             Err(e) => body.push_str(&format!(
                 "<p class=rule>{}</p>",
                 html_escape::encode_text(&crate::errors::cause_line(&e))
@@ -52,14 +60,13 @@ pub(crate) async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Pa
             "queue and fingerprint are required\n",
         ));
     };
-    let pool = app.database().await?;
     let filter = Filter {
         fingerprint: Some(fingerprint.clone()),
         limit: Some(PAGE),
         after_id: q.after,
         ..Filter::queue(queue.as_str())
     };
-    let letters = store::list(pool, &filter).await?;
+    let letters = table(&app).await?.list(&filter).await?;
     let csrf = (!app.read_only).then(|| app.auth.csrf());
     let mut body = pages::group(&queue, &fingerprint, &letters, csrf.as_deref());
     if let (true, Some(last)) = (letters.len() as i64 == PAGE, letters.last()) {
@@ -67,7 +74,7 @@ pub(crate) async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Pa
             "<p><a href=\"/dead-letters/group?queue={}&amp;fingerprint={}&amp;after={}\">next page</a></p>",
             html_escape::encode_double_quoted_attribute(&pages::urlencode(&queue)),
             html_escape::encode_double_quoted_attribute(&pages::urlencode(&fingerprint)),
-            last.id
+            last.id.unwrap_or_default()
         ));
     }
     Ok(Html(pages::layout(
@@ -78,11 +85,14 @@ pub(crate) async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Pa
 }
 
 pub(crate) async fn letter(State(app): Shared, Path(id): Path<i64>) -> Page {
-    let pool = app.database().await?;
-    let detail = store::show(pool, id).await?.ok_or(Failure::Refused(
-        StatusCode::NOT_FOUND,
-        "no such dead letter\n",
-    ))?;
+    let detail = table(&app)
+        .await?
+        .show(&LetterRef::Row(id))
+        .await?
+        .ok_or(Failure::Refused(
+            StatusCode::NOT_FOUND,
+            "no such dead letter\n",
+        ))?;
     let csrf = (!app.read_only).then(|| app.auth.csrf());
     Ok(Html(pages::layout(
         "Dead letter",
@@ -219,32 +229,43 @@ pub(crate) async fn purge(
 /// confirmation, then (confirmed) done, logged with the operator's address.
 async fn act(app: &App, from: SocketAddr, form: &ActionForm, act: Act) -> Page {
     let filter = admit(app, form)?;
-    let pool = app.database().await?;
+    let store = table(app).await?;
     if form.confirm.as_deref() != Some("1") {
-        let count = store::count(pool, &filter).await?;
+        let count = store.count(&filter).await?;
         return Ok(confirmation(app, form, act, count));
     }
     let message = match act {
         Act::Replay => {
-            let report =
-                store::replay(pool, &filter, &ReplayOptions::by(operator(from)), |_| {}).await?;
+            let mut skipped = Vec::new();
+            let report = store
+                .replay(&filter, &ReplayOptions::by(operator(from)), |event| {
+                    if let ReplayEvent::Skipped { row, refusal, .. } = event {
+                        skipped.push(format!("row {}: {refusal}", row.unwrap_or_default()));
+                    }
+                })
+                .await?;
             let mut message = format!(
                 "{} replayed through the outbox (the consumers' relay publishes them), {} skipped",
                 report.replayed,
-                report.skipped.len()
+                report.skipped_total()
             );
-            for (row, why) in &report.skipped {
-                message.push_str(&format!("; row {row}: {why}"));
+            for why in &skipped {
+                message.push_str(&format!("; {why}"));
             }
             message
         }
         Act::Discard => {
-            let n = store::discard(pool, &filter, &operator(from)).await?;
+            let n = store.discard(&filter, &operator(from), false).await?;
             format!("{n} discarded (kept for audit until reaped)")
         }
-        Act::Delete => format!("{} deleted", store::purge(pool, &filter).await?),
+        Act::Delete => format!("{} deleted", store.purge_now(&filter).await?),
     };
     tracing::warn!(operator = %from, "dashboard: {message}");
     eprintln!("dashboard: {}: {message}", from.ip());
     Ok(Html(pages::layout("Done", &pages::done(&message), false)))
+}
+
+/// The table store (the dashboard acts only on letters kept in PostgreSQL).
+async fn table(app: &App) -> Result<DeadLetterStore, Failure> {
+    Ok(DeadLetterStore::table(app.database().await?.clone()))
 }

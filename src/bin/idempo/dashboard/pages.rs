@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use html_escape::{encode_double_quoted_attribute as attr, encode_text as text};
-use idempo::dead_letters::{Group, Letter, LetterDetail};
+use idempo::ops::dead_letters::{Group, Letter, LetterDetail};
 use idempo::ops::{Condition, OUTBOX_PENDING_LIMIT, short_duration};
 
 use super::samples::Latest;
@@ -262,6 +262,19 @@ fn sparkline(values: &[f64]) -> String {
     )
 }
 
+/// A time as the pages show it, `-` when unknown.
+fn time(t: Option<std::time::SystemTime>) -> String {
+    t.map_or_else(
+        || "-".into(),
+        |t| humantime::format_rfc3339_millis(t).to_string(),
+    )
+}
+
+/// A value, or `-` when there is none.
+fn or_dash(value: Option<impl ToString>) -> String {
+    value.map_or_else(|| "-".into(), |v| v.to_string())
+}
+
 pub(crate) fn groups(queue: Option<&str>, groups: &[Group]) -> String {
     let mut out = String::from("<h1>Dead letters</h1>");
     if let Some(q) = queue {
@@ -280,8 +293,8 @@ pub(crate) fn groups(queue: Option<&str>, groups: &[Group]) -> String {
             text(&g.queue),
             g.count,
             text(&g.reason),
-            text(&g.first_seen),
-            text(&g.last_seen),
+            text(&time(g.first_seen)),
+            text(&time(g.last_seen)),
             text(&g.sample_error),
             attr(&urlencode(&g.queue)),
             attr(&urlencode(&g.fingerprint)),
@@ -293,24 +306,24 @@ pub(crate) fn groups(queue: Option<&str>, groups: &[Group]) -> String {
 }
 
 /// A RabbitMQ DLQ's letters, read-only (the table store is not in use).
-pub(crate) fn queue_dlq(listing: &idempo::ops::dlq::Listing) -> String {
+pub(crate) fn queue_dlq(dlq: &str, letters: &[Letter]) -> String {
     let mut out = format!(
-        "<h2>RabbitMQ dead-letter queue {} ({} messages, read-only here)</h2>\
+        "<h2>RabbitMQ dead-letter queue {} ({} shown, read-only here)</h2>\
          <p class=rule>replay or delete them with <code>idempo dlq</code>, or keep dead letters in \
          PostgreSQL (<code>DeadLetters::Table</code>, <code>idempo dlq import</code>) to act on them here</p>\
          <table><tr><th>message id</th><th>reason</th><th>attempts</th><th>last failure</th><th>size</th><th>error</th></tr>",
-        text(&listing.dlq),
-        listing.ready
+        text(dlq),
+        letters.len()
     );
-    for d in &listing.dead_letters {
+    for d in letters {
         let _ = write!(
             out,
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=error>{}</td></tr>",
             text(d.message_id.as_deref().unwrap_or("-")),
             text(&d.reason),
             d.attempts.map_or("-".into(), |a| a.to_string()),
-            text(d.last_failure.as_deref().unwrap_or("-")),
-            d.size,
+            text(&time(d.last_failed_at)),
+            d.body_bytes,
             text(d.error.as_deref().unwrap_or("-"))
         );
     }
@@ -379,10 +392,10 @@ pub(crate) fn group(
             out,
             "<tr><td><a href=\"/dead-letters/{id}\">{id}</a></td><td>{}</td><td>{}</td><td>{}</td><td class=error>{}</td></tr>",
             text(l.message_id.as_deref().unwrap_or("-")),
-            l.attempts,
-            text(&l.last_failed_at),
-            text(&l.error),
-            id = l.id,
+            or_dash(l.attempts),
+            text(&time(l.last_failed_at)),
+            text(l.error.as_deref().unwrap_or("-")),
+            id = or_dash(l.id),
         );
     }
     out.push_str("</table>");
@@ -491,23 +504,23 @@ pub(crate) fn letter(detail: &LetterDetail, csrf: Option<&str>) -> String {
          <dt>error</dt><dd class=error>{}</dd><dt>attempts</dt><dd>{} (arrived {} time(s))</dd>\
          <dt>first failed</dt><dd>{}</dd><dt>last failed</dt><dd>{}</dd>\
          <dt>routing</dt><dd>exchange {} · routing key {}</dd></dl>",
-        l.id,
+        or_dash(l.id),
         text(l.message_id.as_deref().unwrap_or("-")),
-        text(&l.queue),
-        text(&l.consumer),
-        text(&l.state),
+        text(l.queue.as_deref().unwrap_or("-")),
+        text(l.consumer.as_deref().unwrap_or("-")),
+        text(l.state.as_str()),
         l.replay_count,
         text(&l.reason),
-        text(&l.error),
-        l.attempts,
+        text(l.error.as_deref().unwrap_or("-")),
+        or_dash(l.attempts),
         l.deliveries,
-        text(&l.first_failed_at),
-        text(&l.last_failed_at),
+        text(&time(l.first_failed_at)),
+        text(&time(l.last_failed_at)),
         text(&format!("{:?}", detail.exchange)),
-        text(&format!("{:?}", detail.routing_key)),
+        text(&format!("{:?}", l.routing_key)),
     );
     if let (Some(csrf), "live") = (csrf, l.state.as_str()) {
-        let id = l.id.to_string();
+        let id = or_dash(l.id);
         out.push_str("<div class=actions>");
         out.push_str(&action(
             "/dead-letters/replay",

@@ -1,6 +1,7 @@
 //! [`import`]: a RabbitMQ dead-letter queue moved into the table store.
 
-use super::{Opened, without_broker_headers};
+use super::Filter;
+use super::queue::{QueueSource, without_broker_headers};
 use crate::amqp::DeadLetter;
 use crate::dead_letters;
 use crate::headers::{
@@ -12,7 +13,7 @@ use crate::runtime::letters::NewLetter;
 /// What [`import`] moved.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
-pub struct ImportSummary {
+pub struct ImportReport {
     /// The dead-letter queue read.
     pub dlq: String,
     /// Dead letters now in the table (and gone from the queue).
@@ -35,14 +36,16 @@ pub async fn import(
     services: &Services,
     queue: &str,
     mut progress: impl FnMut(u64),
-) -> Result<ImportSummary> {
+) -> Result<ImportReport> {
     let pool = services.database().await?.clone();
-    if !dead_letters::table_exists(&pool).await? {
+    if !dead_letters::queries::table_exists(&pool).await? {
         return Err(OpsError::Idempo(crate::Error::Config(
             "the dead_letters table does not exist: run `idempo migrate` first".into(),
         )));
     }
-    let opened = Opened::new(services, queue).await?;
+    let opened = QueueSource::new(services.clone(), queue)
+        .open(&Filter::default())
+        .await?;
     let work = crate::amqp::work_queue(&opened.dlq).to_owned();
     let mut imported = 0;
     let moved: Result<()> = async {
@@ -84,17 +87,5 @@ pub async fn import(
     .await;
     let dlq = opened.dlq.clone();
     opened.close("imported").await;
-    moved.map(|()| ImportSummary { dlq, imported })
-}
-
-/// Whether the `dead_letters` table holds letters of `queue` (its work
-/// queue, or its `.dlq`): the CLI then works on the table. `false` when the
-/// table does not exist.
-///
-/// # Errors
-/// [`OpsError::DatabaseUnreachable`] and query errors.
-pub async fn table_holds(services: &Services, queue: &str) -> Result<bool> {
-    let pool = services.database().await?;
-    let work = crate::amqp::work_queue(queue);
-    Ok(dead_letters::table_exists(pool).await? && dead_letters::holds(pool, work).await?)
+    moved.map(|()| ImportReport { dlq, imported })
 }
