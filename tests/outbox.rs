@@ -447,7 +447,7 @@ async fn headers_over_an_amqp_frame_are_refused_at_staging_with_a_typed_error() 
     assert!(
         matches!(
             e,
-            OutboxError::HeadersTooLarge { size, limit: outbox::MAX_HEADER_FRAME } if size > 160_000
+            OutboxError::HeadersTooLarge { size, limit: 131_072 } if size > 160_000
         ),
         "{e}"
     );

@@ -1,7 +1,7 @@
-//! The migrations' state ([`migrate_status`], [`migrate`]), the retention
-//! and expiry deletes, run once ([`reap`], [`cleanup`]), and the
-//! partitioned inbox's switch and maintenance ([`partitions_switch`],
-//! [`partitions_maintain`]).
+//! The migrations' state ([`migrate_status`], [`migrate`]) and the
+//! retention and expiry deletes, run once ([`reap`], [`cleanup`]). The
+//! partitioned inbox's switch and maintenance are
+//! [`inbox::partitioned`](crate::inbox::partitioned)'s.
 
 use std::time::Duration;
 
@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use super::{OpsError, Result, Services, missing_table};
 use crate::http::IdempotencyStore;
-use crate::inbox::partitioned::{self, Maintained, Partitioning, Switched};
+use crate::inbox::partitioned;
 use crate::window::WindowStore;
 
 /// One of idempo's migrations.
@@ -155,38 +155,6 @@ pub async fn reap(
         reaped.push(done);
     }
     Ok(reaped)
-}
-
-/// Turns the plain `processed_messages` into the partitioned one, keeping
-/// every claim ([`partitioned::switch_to_partitioned`], whose docs give the
-/// procedure); nothing to do when it is partitioned already.
-///
-/// # Errors
-/// Connection and query errors.
-pub async fn partitions_switch(
-    services: &Services,
-    partitioning: &Partitioning,
-    retention: Option<Duration>,
-) -> Result<Switched> {
-    let pool = services.database().await?;
-    Ok(partitioned::switch_to_partitioned(pool, partitioning, retention).await?)
-}
-
-/// One pass of the partitions' maintenance for `consumer` kept `retention`
-/// ([`partitioned::maintain`]): partitions created ahead, those beyond the
-/// longest registered retention retired; skipped while another instance
-/// maintains.
-///
-/// # Errors
-/// Connection and query errors; a plain `processed_messages`.
-pub async fn partitions_maintain(
-    services: &Services,
-    consumer: &str,
-    retention: Option<Duration>,
-    partitioning: &Partitioning,
-) -> Result<Maintained> {
-    let pool = services.database().await?;
-    Ok(partitioned::maintain(pool, consumer, retention, partitioning).await?)
 }
 
 /// Deletes the expired HTTP idempotency keys (`idempotency_keys`) and

@@ -206,7 +206,7 @@ impl Services {
 /// (Unacknowledged messages are not counted: that needs the management API.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
-pub struct QueueDepth {
+pub(crate) struct QueueDepth {
     /// Messages ready for delivery.
     pub ready: u32,
     /// Consumers attached.

@@ -18,7 +18,7 @@ pub const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
 /// headers travel in one frame no larger than the connection's, and a
 /// broker that receives a larger one closes the whole connection
 /// (`FRAME_ERROR`). Staging refuses what would not fit in the default.
-pub const MAX_HEADER_FRAME: usize = 131_072;
+pub(crate) const MAX_HEADER_FRAME: usize = 131_072;
 
 /// The content header frame's bytes besides the properties (type, channel,
 /// size, class, weight, body size, end marker) and the property flags.

@@ -61,7 +61,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
-pub use message::{DEFAULT_MAX_BODY_SIZE, MAX_HEADER_FRAME, OutboxMessage};
+pub use message::{DEFAULT_MAX_BODY_SIZE, OutboxMessage};
 // The consumer's commit of a unit's staging: used by the AMQP runtime only.
 #[cfg(feature = "amqp")]
 pub(crate) use stage::commit_unit;
@@ -85,7 +85,7 @@ pub enum OutboxError {
         limit: usize,
     },
     /// The message's properties and headers are larger than one AMQP frame
-    /// of RabbitMQ's default size ([`MAX_HEADER_FRAME`]): the broker would
+    /// of RabbitMQ's default size (`message::MAX_HEADER_FRAME`, 128 KiB): the broker would
     /// close the relay's connection over it.
     #[error(
         "the message's properties and headers take {size} bytes, above the {limit} bytes of an AMQP frame"
@@ -305,7 +305,7 @@ pub async fn discard_failed(pool: &PgPool, ids: Option<&[i64]>) -> Result<u64, s
 ///
 /// # Errors
 /// The delete failed.
-pub async fn delete_published_before(
+pub(crate) async fn delete_published_before(
     pool: &PgPool,
     keep: Duration,
     batch: i64,

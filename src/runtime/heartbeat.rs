@@ -171,7 +171,7 @@ async fn forget_stale(pool: &PgPool) -> Result<u64> {
 /// # Errors
 /// [`Error::Database`](crate::Error::Database) when the query fails (also
 /// when the table does not exist: run [`migrate`](crate::migrate)).
-pub async fn instances(pool: &PgPool, within: Duration) -> Result<Vec<Instance>> {
+pub(crate) async fn instances(pool: &PgPool, within: Duration) -> Result<Vec<Instance>> {
     let rows: Vec<Row> = sqlx::query_as(
         "SELECT instance, consumer, queue, host, pid, \
                 extract(epoch FROM now() - started_at)::float8 AS up_secs, \

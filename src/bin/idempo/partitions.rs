@@ -1,11 +1,9 @@
-//! `idempo partitions switch|maintain|list`: [`idempo::inbox::partitioned`]
-//! through [`idempo::ops::maintenance`].
+//! `idempo partitions switch|maintain|list`: [`idempo::inbox::partitioned`].
 
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
 use idempo::inbox::partitioned::{self, Partitioning};
-use idempo::ops::maintenance;
 use serde_json::json;
 
 use crate::{Ctx, output};
@@ -54,9 +52,9 @@ impl Cut {
 pub(crate) async fn exec(ctx: &Ctx, command: PartitionsCommand) -> anyhow::Result<u8> {
     match command {
         PartitionsCommand::Switch(cut) => {
-            let s =
-                maintenance::partitions_switch(&ctx.services, &cut.partitioning(), cut.retention)
-                    .await?;
+            let pool = ctx.services.database().await?;
+            let s = partitioned::switch_to_partitioned(pool, &cut.partitioning(), cut.retention)
+                .await?;
             if ctx.json {
                 output::json(
                     &json!({"already": s.already, "before": s.before, "created": s.created}),
@@ -72,13 +70,9 @@ pub(crate) async fn exec(ctx: &Ctx, command: PartitionsCommand) -> anyhow::Resul
             }
         }
         PartitionsCommand::Maintain { consumer, cut } => {
-            let m = maintenance::partitions_maintain(
-                &ctx.services,
-                &consumer,
-                cut.retention,
-                &cut.partitioning(),
-            )
-            .await?;
+            let pool = ctx.services.database().await?;
+            let m =
+                partitioned::maintain(pool, &consumer, cut.retention, &cut.partitioning()).await?;
             if ctx.json {
                 output::json(
                     &json!({"skipped": m.skipped, "created": m.created, "dropped": m.dropped}),
