@@ -130,7 +130,7 @@ impl OutboxMessage {
     /// An AMQP header: a string, an integer, a float, a bool, or JSON arrays
     /// and objects of those (sent as AMQP arrays and tables).
     /// The properties and headers together must fit in one AMQP frame
-    /// ([`MAX_HEADER_FRAME`]): staging refuses more with
+    /// (128 KiB): staging refuses more with
     /// [`OutboxError::HeadersTooLarge`].
     pub fn header(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
         self.headers.insert(name.into(), value.into());
