@@ -1,7 +1,7 @@
 //! [`import`]: a RabbitMQ dead-letter queue moved into the table store.
 
-use super::Filter;
-use super::queue::{QueueSource, without_broker_headers};
+use super::dlq::{Opened, without_broker_headers};
+use super::queue::QueueSource;
 use crate::amqp::DeadLetter;
 use crate::dead_letters;
 use crate::headers::{
@@ -43,9 +43,8 @@ pub async fn import(
             "the dead_letters table does not exist: run `idempo migrate` first".into(),
         )));
     }
-    let opened = QueueSource::new(services.clone(), queue)
-        .open(&Filter::default())
-        .await?;
+    let dlq = QueueSource::new(services.clone(), queue).dlq().to_owned();
+    let opened = Opened::new(services, &dlq).await?;
     let work = crate::amqp::work_queue(&opened.dlq).to_owned();
     let mut imported = 0;
     let moved: Result<()> = async {

@@ -41,10 +41,13 @@
 //! # Ok(()) }
 //! ```
 
+mod dlq;
 mod import;
+mod plan;
 mod queue;
 mod queue_purge;
 mod queue_replay;
+mod source;
 mod table;
 
 use std::fmt;
@@ -54,9 +57,11 @@ pub use crate::dead_letters::model::{
     ReplayOptions, ReplayReport,
 };
 pub use import::{ImportReport, import};
+pub use plan::PurgePlan;
 
 use super::{OpsError, Result, Services};
 use queue::QueueSource;
+use source::Source;
 use table::TableSource;
 
 /// Where [`DeadLetterStore::open`] finds the dead letters of a queue.
@@ -70,32 +75,6 @@ pub enum Store {
     Table,
     /// The RabbitMQ queue `<queue>.dlq`.
     Queue,
-}
-
-/// What a store of dead letters does: the table and a RabbitMQ DLQ each
-/// implement it (a transport without a DLQ keeps its letters in the table).
-pub(crate) trait Source {
-    /// The letters `filter` selects, oldest first.
-    async fn list(&self, filter: &Filter) -> Result<Vec<Letter>>;
-    /// The letters `filter` selects, by cause.
-    async fn groups(&self, filter: &Filter) -> Result<Vec<Group>>;
-    /// One letter whole.
-    async fn show(&self, which: &LetterRef) -> Result<Option<LetterDetail>>;
-    /// How many letters `filter` selects.
-    async fn count(&self, filter: &Filter) -> Result<u64>;
-    /// Replays the letters `filter` selects.
-    async fn replay(
-        &self,
-        filter: &Filter,
-        options: &ReplayOptions,
-        on_event: impl FnMut(ReplayEvent<'_>) + Send,
-    ) -> Result<ReplayReport>;
-    /// Picks the letters `filter` selects for deletion.
-    async fn purge(&self, filter: &Filter) -> Result<PurgePlan>;
-    /// Deletes the letters `filter` selects now.
-    async fn purge_now(&self, filter: &Filter) -> Result<u64>;
-    /// Marks the letters `filter` selects discarded by `who`.
-    async fn discard(&self, filter: &Filter, who: &str) -> Result<u64>;
 }
 
 /// The dead letters of one work queue, in the table or its RabbitMQ DLQ.
@@ -246,7 +225,7 @@ impl DeadLetterStore {
     /// # Errors
     /// As [`list`](Self::list).
     pub async fn purge(&self, filter: &Filter) -> Result<PurgePlan> {
-        on_source!(self, s => s.purge(filter).await)
+        on_source!(self, s => s.purge(filter).await.map(PurgePlan::from))
     }
 
     /// Deletes the letters `filter` selects now, without a plan (a DLQ is
@@ -288,70 +267,6 @@ impl DeadLetterStore {
         match &self.source {
             Sources::Table(t) => t.reap(consumer, older_than, batch).await,
             Sources::Queue(q) => Err(q.needs_table("reaping")),
-        }
-    }
-}
-
-/// Letters picked for deletion: nothing is deleted until
-/// [`delete`](Self::delete); [`keep`](Self::keep) lets them be (a DLQ's
-/// are put back without spending a delivery attempt).
-pub struct PurgePlan {
-    plan: Plans,
-}
-
-enum Plans {
-    // Boxed: a filter and an opened DLQ (connection, channels) are large.
-    Table(Box<table::Picked>),
-    Queue(Box<queue_purge::Held>),
-}
-
-impl fmt::Debug for PurgePlan {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // No bodies in logs.
-        f.debug_struct("PurgePlan")
-            .field("letters", &self.len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl PurgePlan {
-    /// How many letters were picked.
-    pub fn len(&self) -> usize {
-        match &self.plan {
-            Plans::Table(p) => p.len(),
-            Plans::Queue(p) => p.len(),
-        }
-    }
-
-    /// Whether none was picked.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The letters picked.
-    pub fn letters(&self) -> &[Letter] {
-        match &self.plan {
-            Plans::Table(p) => p.letters(),
-            Plans::Queue(p) => p.letters(),
-        }
-    }
-
-    /// Deletes the letters picked (those a table replay took meanwhile
-    /// excepted); returns how many.
-    ///
-    /// # Errors
-    /// A query or an ack failed: those not deleted stay.
-    pub async fn delete(self) -> Result<u64> {
-        match self.plan {
-            Plans::Table(p) => (*p).delete().await,
-            Plans::Queue(p) => (*p).delete().await,
-        }
-    }
-
-    /// Deletes nothing.
-    pub async fn keep(self) {
-        if let Plans::Queue(p) = self.plan {
-            (*p).keep().await;
         }
     }
 }

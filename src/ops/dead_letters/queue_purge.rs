@@ -1,8 +1,8 @@
 //! A purge of a RabbitMQ DLQ: letters picked and held, deleted (acked) once
 //! the caller confirms, or walked and deleted at once.
 
-use super::queue::{Opened, QueueSource, Visit, letter_of};
-use super::{Filter, Letter, Plans, PurgePlan};
+use super::dlq::{Opened, Visit, letter_of};
+use crate::dead_letters::model::{Filter, Letter};
 use crate::ops::Result;
 
 /// Letters of a DLQ picked for deletion, held unacked (their bodies by the
@@ -44,8 +44,7 @@ impl Held {
 }
 
 /// Picks the letters `filter` selects and holds them.
-pub(super) async fn purge(source: &QueueSource, filter: &Filter) -> Result<PurgePlan> {
-    let opened = source.open(filter).await?;
+pub(super) async fn purge(opened: Opened, filter: &Filter) -> Result<Held> {
     let (mut tags, mut letters) = (Vec::new(), Vec::new());
     let walked = opened
         .walk(
@@ -60,12 +59,10 @@ pub(super) async fn purge(source: &QueueSource, filter: &Filter) -> Result<Purge
         )
         .await;
     match walked {
-        Ok(()) => Ok(PurgePlan {
-            plan: Plans::Queue(Box::new(Held {
-                opened,
-                tags,
-                letters,
-            })),
+        Ok(()) => Ok(Held {
+            opened,
+            tags,
+            letters,
         }),
         Err(e) => {
             opened.close("not purged").await;
@@ -76,8 +73,7 @@ pub(super) async fn purge(source: &QueueSource, filter: &Filter) -> Result<Purge
 
 /// Deletes the letters `filter` selects as it walks the DLQ, holding one
 /// at a time.
-pub(super) async fn purge_now(source: &QueueSource, filter: &Filter) -> Result<u64> {
-    let opened = source.open(filter).await?;
+pub(super) async fn purge_now(opened: Opened, filter: &Filter) -> Result<u64> {
     let mut deleted = 0;
     let walked = opened
         .walk(

@@ -1,14 +1,15 @@
 //! A replay from a RabbitMQ DLQ: each copy published with confirms before
 //! its letter is acked.
 
+use std::future::Future;
 use std::time::{Duration, SystemTime};
 
 use lapin::message::Delivery;
 use sqlx::PgPool;
 
-use super::queue::{Opened, QueueSource, letter_of};
-use super::{Filter, Refusal, ReplayEvent, ReplayOptions, ReplayReport};
+use super::dlq::{Opened, letter_of};
 use crate::amqp::{DeadLetter, PublishError};
+use crate::dead_letters::model::{Filter, Refusal, ReplayEvent, ReplayOptions, ReplayReport};
 use crate::inbox::{self, Claim};
 use crate::ops::{OpsError, Result, queue_depth};
 
@@ -24,17 +25,17 @@ use crate::ops::{OpsError, Result, queue_depth};
 /// before the other finished carries a replay record dated after the other's
 /// start and is skipped ([`Refusal::ReplayedDuringRun`]), provided the
 /// clocks of the hosts running them agree.
-pub(super) async fn replay(
-    source: &QueueSource,
+pub(super) async fn replay<F: Future<Output = Result<Opened>>>(
+    pool: &PgPool,
+    open: impl FnOnce() -> F,
     filter: &Filter,
     options: &ReplayOptions,
     mut on_event: impl FnMut(ReplayEvent<'_>),
 ) -> Result<ReplayReport> {
-    let pool = source.services().database().await?;
     // Before the DLQ's count is taken: a replay record dated later is one
     // made during this run (records are written to the millisecond).
     let started = SystemTime::now() - Duration::from_millis(1);
-    let opened = source.open(filter).await?;
+    let opened = open().await?;
     let mut run = Run {
         pool,
         opened: &opened,

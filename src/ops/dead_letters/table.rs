@@ -2,8 +2,9 @@
 
 use sqlx::PgPool;
 
-use super::{Filter, Group, Letter, LetterDetail, LetterRef, Plans, PurgePlan, Source};
-use super::{ReplayEvent, ReplayOptions, ReplayReport};
+use super::source::Source;
+use crate::dead_letters::model::{Filter, Group, Letter, LetterDetail, LetterRef};
+use crate::dead_letters::model::{ReplayEvent, ReplayOptions, ReplayReport};
 use crate::dead_letters::{queries as sql, replay};
 use crate::ops::{Result, Services};
 
@@ -48,6 +49,8 @@ impl TableSource {
 }
 
 impl Source for TableSource {
+    type Plan = Picked;
+
     async fn list(&self, filter: &Filter) -> Result<Vec<Letter>> {
         Ok(sql::list(&self.pool, &self.scoped(filter)).await?)
     }
@@ -89,18 +92,16 @@ impl Source for TableSource {
         Ok(replay::replay(&self.pool, &self.scoped(filter), options, on_event).await?)
     }
 
-    async fn purge(&self, filter: &Filter) -> Result<PurgePlan> {
+    async fn purge(&self, filter: &Filter) -> Result<Picked> {
         let filter = Filter {
             limit: filter.limit.or(Some(i64::MAX)),
             ..self.scoped(filter)
         };
         let letters = sql::list(&self.pool, &filter).await?;
-        Ok(PurgePlan {
-            plan: Plans::Table(Box::new(Picked {
-                pool: self.pool.clone(),
-                filter,
-                letters,
-            })),
+        Ok(Picked {
+            pool: self.pool.clone(),
+            filter,
+            letters,
         })
     }
 
