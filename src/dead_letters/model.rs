@@ -304,6 +304,9 @@ pub enum Refusal {
     TooLarge,
     /// Its stored properties cannot be decoded.
     Undecodable,
+    /// The outbox refuses its copy (a routing key, id or property AMQP
+    /// cannot carry).
+    Unstageable,
 }
 
 impl fmt::Display for Refusal {
@@ -317,6 +320,7 @@ impl fmt::Display for Refusal {
             }
             Refusal::TooLarge => "its replay copy would not fit the connection's frame size",
             Refusal::Undecodable => "its stored properties cannot be decoded",
+            Refusal::Unstageable => "the outbox refuses its copy (a name or id AMQP cannot carry)",
         })
     }
 }

@@ -7,9 +7,8 @@ use super::model::{Filter, LetterState, Refusal, ReplayEvent, ReplayOptions, Rep
 use super::queries::{count, decode_properties, push_filter};
 use super::table::text;
 use crate::inbox::{self, Claim};
-use crate::outbox::{self, OutboxMessage};
+use crate::outbox::{self, OutboxError, OutboxMessage};
 use crate::runtime::dead_letter::DeadLetter;
-use crate::runtime::headers::json_headers;
 use crate::{Error, Result};
 
 /// Letters per transaction (one with a throttle).
@@ -102,8 +101,17 @@ pub(crate) async fn replay(
             }
             let to = options.to.clone().unwrap_or(queue);
             let properties = properties.unwrap_or_default();
-            messages.push(replay_message(&properties, message_id.clone(), &to, body));
-            replayed.push((id, message_id, to));
+            match replay_message(&properties, message_id.clone(), &to, body) {
+                Ok(message) => {
+                    messages.push(message);
+                    replayed.push((id, message_id, to));
+                }
+                // This letter stays; the others go on.
+                Err(refusal) => {
+                    skipped_ids.push(id);
+                    skipped.push((id, message_id, refusal));
+                }
+            }
         }
         if !messages.is_empty() {
             outbox::stage_all(&mut *tx, messages)
@@ -150,32 +158,27 @@ pub(crate) async fn replay(
 }
 
 /// The outbox message that replays a letter: through the default exchange
-/// to `to`, with the letter's id, body and properties, its failure history
-/// in the replay headers (as [`DeadLetter::replay_properties`] writes them).
+/// to `to`, with the letter's body and its exact properties (every basic
+/// property, every header with its AMQP type), its failure history moved
+/// into the replay headers (as [`DeadLetter::replay_properties`] writes
+/// them). The outbox row carries the letter's id (also when the consumer
+/// read it from a header, not the `message_id` property).
 fn replay_message(
     properties: &BasicProperties,
     message_id: Option<String>,
     to: &str,
     body: Vec<u8>,
-) -> OutboxMessage {
+) -> std::result::Result<OutboxMessage, Refusal> {
     let replayed = DeadLetter::new(properties).replay_properties();
-    let mut message = OutboxMessage::new("", to, body);
-    if let Some(id) = message_id {
-        message = message.message_id(id);
+    let mut message = OutboxMessage::new("", to, body)
+        .amqp_properties(&replayed)
+        .map_err(|_| Refusal::Undecodable)?;
+    if let (None, Some(id)) = (message.id(), message_id) {
+        message = message.row_id(id);
     }
-    if let Some(content_type) = replayed.content_type() {
-        message = message.content_type(content_type.as_str());
-    }
-    if let Some(correlation_id) = replayed.correlation_id() {
-        message = message.correlation_id(correlation_id.as_str());
-    }
-    if replayed.delivery_mode() == &Some(1) {
-        message = message.transient();
-    }
-    if let Some(headers) = replayed.headers() {
-        for (name, value) in json_headers(headers) {
-            message = message.header(name, value);
-        }
-    }
-    message
+    message.validate().map_err(|e| match e {
+        OutboxError::TooLarge { .. } | OutboxError::HeadersTooLarge { .. } => Refusal::TooLarge,
+        _ => Refusal::Unstageable,
+    })?;
+    Ok(message)
 }

@@ -59,7 +59,8 @@ impl Batch {
     ) -> Result<Vec<Row>, sqlx::Error> {
         sqlx::query_as(
             "SELECT id, exchange, routing_key, message_id, body, content_type, correlation_id, \
-                    persistent, headers::text AS headers, ordering_key, attempts, packed, messages \
+                    persistent, headers::text AS headers, ordering_key, attempts, packed, messages, \
+                    properties \
              FROM outbox \
              WHERE state = 'pending' AND next_attempt_at <= now() \
                AND (ordering_key IS NULL OR NOT (ordering_key = ANY($2::text[]))) \
@@ -225,6 +226,7 @@ pub(crate) struct Row {
     pub(crate) attempts: i32,
     pub(crate) packed: Option<Vec<u8>>,
     pub(crate) messages: i32,
+    pub(crate) properties: Option<Vec<u8>>,
 }
 
 impl Row {
@@ -241,6 +243,7 @@ impl Row {
                 persistent: self.persistent,
                 headers: self.headers,
                 body: self.body,
+                properties: self.properties,
             }]),
         }
     }
@@ -322,14 +325,15 @@ impl Failures {
         sqlx::query(
             "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
                                  correlation_id, persistent, headers, attempts, last_error, \
-                                 state, next_attempt_at, created_at) \
+                                 state, next_attempt_at, created_at, properties) \
              SELECT e, r, i, b, c, k, p, h::jsonb, o.attempts + 1, err, \
                     CASE WHEN g THEN 'failed' ELSE 'pending' END, \
-                    now() + make_interval(secs => d), o.created_at \
+                    now() + make_interval(secs => d), o.created_at, pr \
              FROM outbox AS o, \
                   unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
                          $7::text[], $8::bool[], $9::text[], $10::text[], $11::bool[], \
-                         $12::float8[]) WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, err, g, d, n) \
+                         $12::float8[], $13::bytea[]) \
+                  WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, err, g, d, pr, n) \
              WHERE o.id = $1 ORDER BY n",
         )
         .bind(row)
@@ -344,6 +348,12 @@ impl Failures {
         .bind(&self.errors)
         .bind(&self.give_up)
         .bind(&self.delays)
+        .bind(
+            messages
+                .iter()
+                .map(|m| m.properties.as_deref())
+                .collect::<Vec<_>>(),
+        )
         .execute(tx)
         .await?;
         Ok(())

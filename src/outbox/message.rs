@@ -61,6 +61,8 @@ pub struct OutboxMessage {
     pub(crate) headers: Map<String, Value>,
     pub(crate) ordering_key: Option<String>,
     pub(crate) max_body_size: usize,
+    /// The exact AMQP properties, encoded (see `amqp_properties`).
+    pub(crate) properties: Option<Vec<u8>>,
 }
 
 impl OutboxMessage {
@@ -82,6 +84,7 @@ impl OutboxMessage {
             headers: Map::new(),
             ordering_key: None,
             max_body_size: DEFAULT_MAX_BODY_SIZE,
+            properties: None,
         }
     }
 
@@ -135,6 +138,68 @@ impl OutboxMessage {
     pub fn header(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
         self.headers.insert(name.into(), value.into());
         self
+    }
+
+    /// The id the outbox keeps for the row when exact properties publish
+    /// none (a dead letter whose consumer read its id from a header).
+    #[cfg(feature = "amqp")]
+    pub(crate) fn row_id(mut self, id: String) -> Self {
+        self.message_id = Some(id);
+        self
+    }
+
+    /// Exact AMQP properties (feature `amqp`): the relay publishes these as
+    /// they are, every basic property (`priority`, `reply_to`, `timestamp`,
+    /// `type`, `app_id`, `content_encoding`, …) and every header with its
+    /// AMQP field type (decimals, timestamps, byte arrays with NUL, nested
+    /// tables, integers of each width), which [`header`](Self::header)'s
+    /// JSON cannot express. They replace what [`message_id`](Self::message_id),
+    /// [`content_type`](Self::content_type), [`correlation_id`](Self::correlation_id),
+    /// [`transient`](Self::transient) and [`header`](Self::header) set (call
+    /// it last): the message's id is their `message_id`; without one, the
+    /// outbox keeps a generated id for its row and publishes none.
+    ///
+    /// ```
+    /// use idempo::amqp::lapin::BasicProperties;
+    /// use idempo::amqp::lapin::types::{AMQPValue, DecimalValue, FieldTable};
+    /// use idempo::outbox::OutboxMessage;
+    ///
+    /// let mut headers = FieldTable::default();
+    /// headers.insert("amount".into(), AMQPValue::DecimalValue(DecimalValue { scale: 2, value: 1234 }));
+    /// let properties = BasicProperties::default()
+    ///     .with_message_id("payment-42".into())
+    ///     .with_priority(5)
+    ///     .with_headers(headers);
+    /// let message = OutboxMessage::new("", "payments", b"{}".to_vec()).amqp_properties(&properties)?;
+    /// assert_eq!(message.id(), Some("payment-42"));
+    /// # Ok::<(), idempo::outbox::OutboxError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidField`] when they cannot be encoded.
+    #[cfg(feature = "amqp")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+    pub fn amqp_properties(
+        mut self,
+        properties: &lapin::BasicProperties,
+    ) -> Result<Self, OutboxError> {
+        let encoded = lapin::protocol::basic::gen_properties(properties)(Vec::new().into())
+            .map_err(|e| OutboxError::InvalidField {
+                field: "properties",
+                reason: format!("cannot be encoded: {e}"),
+            })?
+            .write;
+        self.message_id = properties.message_id().as_ref().map(|s| s.to_string());
+        self.content_type = properties.content_type().as_ref().map(|s| s.to_string());
+        self.correlation_id = properties.correlation_id().as_ref().map(|s| s.to_string());
+        self.persistent = properties.delivery_mode() != &Some(1);
+        self.headers = properties
+            .headers()
+            .as_ref()
+            .map(crate::runtime::headers::json_headers)
+            .unwrap_or_default();
+        self.properties = Some(encoded);
+        Ok(self)
     }
 
     /// Messages with the same ordering key are published in the order their
@@ -241,6 +306,7 @@ impl OutboxMessage {
             headers,
             ordering_key,
             max_body_size: DEFAULT_MAX_BODY_SIZE,
+            properties: staged.properties,
         }
     }
 
@@ -256,12 +322,20 @@ impl OutboxMessage {
             persistent: self.persistent,
             headers: self.headers_text(),
             body: self.body.clone(),
+            properties: self.properties.clone(),
         }
     }
 
-    /// The headers as JSON text (an object), as the outbox stores them.
+    /// The headers as JSON text (an object), as the outbox stores them
+    /// (`jsonb` refuses `\u0000`: a NUL in the readable copy of exact
+    /// properties becomes U+FFFD there; the properties keep it).
     pub(crate) fn headers_text(&self) -> String {
-        serde_json::to_string(&self.headers).expect("a JSON map serialises")
+        let text = serde_json::to_string(&self.headers).expect("a JSON map serialises");
+        if self.properties.is_some() {
+            text.replace("\\u0000", "\\ufffd")
+        } else {
+            text
+        }
     }
 
     /// The bytes of the AMQP content header frame the relay sends for this
@@ -269,6 +343,10 @@ impl OutboxMessage {
     /// maps JSON as `amqp::relay`'s `frame` does; a test there checks that
     /// both agree).
     pub(crate) fn header_frame_size(&self) -> usize {
+        if let Some(encoded) = &self.properties {
+            // The property flags are in the encoding already.
+            return HEADER_FRAME_FIXED - 2 + encoded.len();
+        }
         let short = |s: Option<&str>| s.map_or(0, |s| 1 + s.len());
         let headers = if self.headers.is_empty() {
             0
@@ -305,7 +383,8 @@ impl OutboxMessage {
         short_string("routing key", &self.routing_key)?;
         for (name, value) in &self.headers {
             short_string("header name", name)?;
-            if holds_nul(value) {
+            // Exact properties carry a NUL; only their readable copy loses it.
+            if self.properties.is_none() && holds_nul(value) {
                 // The outbox stores headers as jsonb, which refuses \u0000.
                 return Err(OutboxError::InvalidField {
                     field: "header value",

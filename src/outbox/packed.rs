@@ -4,8 +4,10 @@
 
 use super::OutboxMessage;
 
-/// The format's first byte, so that a later layout can tell itself apart.
-const VERSION: u8 = 1;
+/// The format's first byte, so that a later layout can tell itself apart:
+/// 2 adds each message's exact AMQP properties; 1 (rows staged before)
+/// is still read.
+const VERSION: u8 = 2;
 
 /// A message as the relay publishes it: from a row of its own or from a
 /// packed row.
@@ -20,6 +22,8 @@ pub(crate) struct Staged {
     /// The headers as JSON text (an object).
     pub(crate) headers: String,
     pub(crate) body: Vec<u8>,
+    /// The exact AMQP properties, encoded, when staged with them.
+    pub(crate) properties: Option<Vec<u8>>,
 }
 
 /// Encodes validated messages (ids assigned): per message, length-prefixed
@@ -39,6 +43,7 @@ pub(crate) fn encode(messages: &[OutboxMessage]) -> Vec<u8> {
             m.correlation_id.as_deref().map(str::as_bytes),
             Some(headers.as_bytes()),
             Some(m.body.as_slice()),
+            m.properties.as_deref(),
         ] {
             match field {
                 Some(bytes) => {
@@ -56,7 +61,8 @@ pub(crate) fn encode(messages: &[OutboxMessage]) -> Vec<u8> {
 /// Decodes what [`encode`] wrote.
 pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<Staged>, String> {
     let mut input = Reader { bytes, at: 0 };
-    if input.take(1)? != [VERSION] {
+    let version = input.take(1)?[0];
+    if !(1..=VERSION).contains(&version) {
         return Err("unknown packed-row format".into());
     }
     let count = input.u32()? as usize;
@@ -70,6 +76,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<Staged>, String> {
         let correlation_id = input.field()?.map(text).transpose()?;
         let headers = text(input.field()?.ok_or("missing headers")?)?;
         let body = input.field()?.ok_or("missing body")?;
+        let properties = if version >= 2 { input.field()? } else { None };
         let persistent = input.take(1)?[0] != 0;
         messages.push(Staged {
             exchange,
@@ -80,6 +87,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<Staged>, String> {
             persistent,
             headers,
             body,
+            properties,
         });
     }
     Ok(messages)

@@ -189,7 +189,7 @@ fn deferred_rows(deferred: &[OutboxMessage], quiet: bool) -> crate::Result<Strin
         [m] => {
             sql.push_str(
                 "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                                     correlation_id, persistent, headers) VALUES (",
+                                     correlation_id, persistent, headers, properties) VALUES (",
             );
             let values = [
                 text("exchange", &m.exchange)?,
@@ -200,6 +200,9 @@ fn deferred_rows(deferred: &[OutboxMessage], quiet: bool) -> crate::Result<Strin
                 optional_text("correlation id", m.correlation_id.as_deref())?,
                 m.persistent.to_string(),
                 format!("{}::jsonb", text("headers", &m.headers_text())?),
+                m.properties
+                    .as_deref()
+                    .map_or_else(|| "NULL".to_owned(), bytes),
             ];
             sql.push_str(&values.join(", "));
         }
@@ -238,8 +241,8 @@ async fn insert_one(
 ) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(
         "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                             correlation_id, persistent, headers, ordering_key) \
-         SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9 \
+                             correlation_id, persistent, headers, ordering_key, properties) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9, $11 \
          FROM (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify",
     )
     .bind(&m.exchange)
@@ -252,6 +255,7 @@ async fn insert_one(
     .bind(m.headers_text())
     .bind(&m.ordering_key)
     .bind(notify_setting(quiet))
+    .bind(&m.properties)
     .execute(conn)
     .await?;
     Ok(done.rows_affected())
@@ -292,11 +296,11 @@ async fn insert_rows(
     let headers: Vec<String> = messages.iter().map(OutboxMessage::headers_text).collect();
     let done = sqlx::query(
         "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                             correlation_id, persistent, headers, ordering_key) \
-         SELECT e, r, i, b, c, k, p, h::jsonb, o \
+                             correlation_id, persistent, headers, ordering_key, properties) \
+         SELECT e, r, i, b, c, k, p, h::jsonb, o, pr \
          FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], \
-                     $6::text[], $7::bool[], $8::text[], $9::text[]) \
-              WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, o, n), \
+                     $6::text[], $7::bool[], $8::text[], $9::text[], $11::bytea[]) \
+              WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, o, pr, n), \
               (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify \
          ORDER BY n",
     )
@@ -310,6 +314,12 @@ async fn insert_rows(
     .bind(&headers)
     .bind(column(|m| m.ordering_key.as_deref()))
     .bind(notify_setting(quiet))
+    .bind(
+        messages
+            .iter()
+            .map(|m| m.properties.as_deref())
+            .collect::<Vec<_>>(),
+    )
     .execute(conn)
     .await?;
     Ok(done.rows_affected())

@@ -3,6 +3,7 @@
 //! refusal.
 
 use lapin::BasicProperties;
+use lapin::protocol::basic::parse_properties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable};
 
 use crate::amqp::publish::OutgoingFrame;
@@ -17,8 +18,27 @@ pub(super) fn broker_size_limit(reason: &str) -> Option<usize> {
     digits.parse().ok()
 }
 
-/// A message as a publish.
+/// A message as a publish: its exact properties when it was staged with
+/// them, else built from its columns.
 pub(crate) fn frame(row: &Staged) -> OutgoingFrame<'_> {
+    if let Some(encoded) = &row.properties {
+        match parse_properties(encoded.as_slice()) {
+            Ok((_, properties)) => {
+                return OutgoingFrame {
+                    exchange: &row.exchange,
+                    routing_key: &row.routing_key,
+                    body: &row.body,
+                    properties,
+                };
+            }
+            // Written by `gen_properties` at staging: only a damaged row.
+            Err(e) => tracing::warn!(
+                message_id = %row.message_id,
+                error = %e,
+                "outbox relay: the exact properties cannot be decoded; publishing from the columns"
+            ),
+        }
+    }
     let mut properties = BasicProperties::default()
         .with_message_id(row.message_id.as_str().into())
         .with_delivery_mode(if row.persistent { 2 } else { 1 });
@@ -94,6 +114,7 @@ mod tests {
             persistent: m.persistent,
             headers: m.headers_text(),
             body: m.body.clone(),
+            properties: m.properties.clone(),
         };
         let bare = OutboxMessage::new("", "q", b"x".to_vec())
             .message_id("id-1")
@@ -109,10 +130,92 @@ mod tests {
             .header("n", serde_json::Value::Null)
             .header("a", serde_json::json!([1, "two", [3.5, null]]))
             .header("o", serde_json::json!({"k": {"v": "w"}, "e": {}}));
-        for m in [bare, full] {
+        let exact = OutboxMessage::new("", "q", b"x".to_vec())
+            .amqp_properties(&every_property())
+            .unwrap();
+        for m in [bare, full, exact] {
             let sent = header_frame_size(&frame(&staged(&m)).properties);
             assert_eq!(m.header_frame_size(), sent, "{m:?}");
         }
+    }
+
+    /// Every basic property, and a header of every AMQP field type.
+    fn every_property() -> BasicProperties {
+        use lapin::types::{ByteArray, DecimalValue, LongString};
+        let mut nested = FieldTable::default();
+        nested.insert("deep".into(), AMQPValue::ShortShortInt(-1));
+        let mut headers = FieldTable::default();
+        for (name, value) in [
+            ("bool", AMQPValue::Boolean(true)),
+            ("i8", AMQPValue::ShortShortInt(-8)),
+            ("u8", AMQPValue::ShortShortUInt(8)),
+            ("i16", AMQPValue::ShortInt(-16)),
+            ("u16", AMQPValue::ShortUInt(16)),
+            ("i32", AMQPValue::LongInt(-32)),
+            ("u32", AMQPValue::LongUInt(32)),
+            ("i64", AMQPValue::LongLongInt(-64)),
+            ("f32", AMQPValue::Float(1.5)),
+            ("f64", AMQPValue::Double(2.25)),
+            (
+                "decimal",
+                AMQPValue::DecimalValue(DecimalValue {
+                    scale: 2,
+                    value: 1234,
+                }),
+            ),
+            ("text", AMQPValue::LongString(LongString::from("text"))),
+            (
+                "bytes",
+                AMQPValue::ByteArray(ByteArray::from(vec![0u8, 159, 146, 150])),
+            ),
+            ("time", AMQPValue::Timestamp(1_700_000_000)),
+            ("void", AMQPValue::Void),
+            ("table", AMQPValue::FieldTable(nested)),
+            (
+                "array",
+                AMQPValue::FieldArray(FieldArray::from(vec![
+                    AMQPValue::DecimalValue(DecimalValue {
+                        scale: 1,
+                        value: 25,
+                    }),
+                    AMQPValue::LongString(LongString::from("two")),
+                ])),
+            ),
+        ] {
+            headers.insert(name.into(), value);
+        }
+        BasicProperties::default()
+            .with_content_type("application/octet-stream".into())
+            .with_content_encoding("gzip".into())
+            .with_headers(headers)
+            .with_delivery_mode(2)
+            .with_priority(7)
+            .with_correlation_id("corr".into())
+            .with_reply_to("replies".into())
+            .with_expiration("60000".into())
+            .with_message_id("id-3".into())
+            .with_timestamp(1_700_000_001)
+            .with_type("payment".into())
+            .with_user_id("guest".into())
+            .with_app_id("shop".into())
+            .with_cluster_id("c1".into())
+    }
+
+    /// Staged with exact properties, a message is published with exactly
+    /// those, whatever JSON cannot say.
+    #[test]
+    fn exact_properties_are_published_as_staged() {
+        use crate::outbox::OutboxMessage;
+        let properties = every_property();
+        let m = OutboxMessage::new("", "q", b"x".to_vec())
+            .amqp_properties(&properties)
+            .unwrap();
+        assert_eq!(m.id(), Some("id-3"));
+        let staged = m.to_staged();
+        assert_eq!(frame(&staged).properties, properties);
+        // Through a packed row too.
+        let packed = crate::outbox::packed::decode(&crate::outbox::packed::encode(&[m])).unwrap();
+        assert_eq!(frame(&packed[0]).properties, properties);
     }
 
     #[test]

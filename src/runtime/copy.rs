@@ -64,5 +64,8 @@ pub(crate) fn copy_properties(
     if let Some(v) = original.app_id() {
         properties = properties.with_app_id(v.clone());
     }
+    if let Some(v) = original.cluster_id() {
+        properties = properties.with_cluster_id(v.clone());
+    }
     properties
 }

@@ -56,6 +56,7 @@ impl Instance {
 }
 
 /// A row of `idempo_heartbeats` as [`instances`] reads it.
+#[cfg(feature = "ops")]
 #[derive(sqlx::FromRow)]
 struct Row {
     instance: String,
@@ -171,6 +172,7 @@ async fn forget_stale(pool: &PgPool) -> Result<u64> {
 /// # Errors
 /// [`Error::Database`](crate::Error::Database) when the query fails (also
 /// when the table does not exist: run [`migrate`](crate::migrate)).
+#[cfg(feature = "ops")]
 pub(crate) async fn instances(pool: &PgPool, within: Duration) -> Result<Vec<Instance>> {
     let rows: Vec<Row> = sqlx::query_as(
         "SELECT instance, consumer, queue, host, pid, \
