@@ -11,7 +11,9 @@ use std::time::Duration;
 use idempo::Tx;
 use idempo::amqp::DeadLetters;
 use idempo::amqp::{HandlerError, JsonBody, Message, RedeliveryPolicy};
-use idempo::ops::dead_letters::{DeadLetterStore, Filter, LetterRef, LetterState, ReplayOptions};
+use idempo::ops::dead_letters::{
+    DeadLetterStore, Filter, LetterRef, LetterState, ReplayOptions, Store,
+};
 use idempo::testing::{Fault, Harness};
 use support::payments::{self, Payment};
 
@@ -695,8 +697,19 @@ async fn a_table_replay_gives_back_every_property_and_header_type() {
         .await
         .unwrap()
         .expect("the replay is in the capture queue");
-    let (sent, back) = (every_property("exact-1"), &got.delivery.properties);
-    assert_eq!(got.delivery.data, body);
+    assert_gives_back(&every_property("exact-1"), &body, &got.delivery);
+    consumer.stop().await.unwrap();
+}
+
+/// `delivery` is the message published with `sent` and `body`, replayed:
+/// every property and header as sent, the failure headers in its history.
+fn assert_gives_back(
+    sent: &lapin::BasicProperties,
+    body: &[u8],
+    delivery: &lapin::message::Delivery,
+) {
+    let back = &delivery.properties;
+    assert_eq!(delivery.data, body);
     assert_eq!(back.content_type(), sent.content_type());
     assert_eq!(back.content_encoding(), sent.content_encoding());
     assert_eq!(back.delivery_mode(), sent.delivery_mode());
@@ -712,8 +725,99 @@ async fn a_table_replay_gives_back_every_property_and_header_type() {
     for (name, value) in sent.headers().as_ref().unwrap().inner() {
         assert_eq!(back_headers.get(name), Some(value), "header {name}");
     }
-    // The failure headers moved into the replay's history.
     assert!(back_headers.contains_key("x-idempo-replay-history"));
     assert!(!back_headers.contains_key("x-idempo-reason"));
-    consumer.stop().await.unwrap();
+}
+
+/// The same from a RabbitMQ DLQ, replayed from it, and imported into the
+/// table and replayed from there.
+#[tokio::test]
+async fn a_queue_replay_and_an_imported_letter_give_back_every_byte() {
+    let (db, broker, queue) = support::setup().await;
+    let capture = support::unique("capture");
+    broker.declare(&capture).await;
+    let body = b"not a payment \x00\xff".to_vec();
+    broker
+        .publish_props(&queue, every_property("dlq-1"), &body)
+        .await;
+    let consumer =
+        support::consumer::Running::start(support::consumer::payments_consumer(&db, &queue));
+    consumer.finish(1).await;
+    let dlq = format!("{queue}.dlq");
+    support::eventually_ready(&broker, &dlq, 1).await;
+    let services = idempo::ops::Services::with_pool(support::amqp_url(), db.pool.clone());
+
+    // Replayed from the DLQ to its work queue (nobody consumes it now).
+    let from_queue = DeadLetterStore::open(&services, &queue, Store::Queue)
+        .await
+        .unwrap();
+    let report = from_queue
+        .replay(
+            &Filter::default(),
+            &ReplayOptions {
+                all: true,
+                ..ReplayOptions::by("test")
+            },
+            |_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 1, "{report:?}");
+    let got = broker
+        .channel
+        .basic_get(
+            queue.as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+        .expect("the replay is in the work queue");
+    assert_gives_back(&every_property("dlq-1"), &body, &got.delivery);
+
+    // Dead-lettered again, imported into the table, replayed from there.
+    broker
+        .publish_props(&queue, every_property("dlq-2"), &body)
+        .await;
+    let consumer =
+        support::consumer::Running::start(support::consumer::payments_consumer(&db, &queue));
+    consumer.finish(1).await;
+    support::eventually_ready(&broker, &dlq, 1).await;
+    let imported = idempo::ops::dead_letters::import(&services, &queue, |_| {})
+        .await
+        .unwrap();
+    assert_eq!(imported.imported, 1);
+    let report = store(&db.pool)
+        .replay(
+            &Filter {
+                message_ids: vec!["dlq-2".into()],
+                ..Filter::queue(queue.as_str())
+            },
+            &ReplayOptions {
+                to: Some(capture.clone()),
+                ..ReplayOptions::by("test")
+            },
+            |_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 1, "{report:?}");
+    // A relay publishes what the replay staged.
+    let relay = idempo::relay::Relay::new(&support::amqp_url(), db.pool.clone())
+        .unwrap()
+        .poll_interval(Duration::from_millis(300));
+    let stop = relay.shutdown_handle();
+    let running = tokio::spawn(relay.run());
+    support::eventually_ready(&broker, &capture, 1).await;
+    stop.shutdown();
+    running.await.unwrap().unwrap();
+    let got = broker
+        .channel
+        .basic_get(
+            capture.as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+        .expect("the replay is in the capture queue");
+    assert_gives_back(&every_property("dlq-2"), &body, &got.delivery);
 }
