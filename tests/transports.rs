@@ -285,7 +285,7 @@ impl Testing {
         let mut message = message;
         loop {
             match self.harness.deliver(message).await.expect("delivered") {
-                Delivered::Acked => return Ended::Applied,
+                Delivered::Acked { .. } => return Ended::Applied,
                 Delivered::Duplicate => return Ended::Duplicate,
                 Delivered::Retried { delay, copy, .. } => {
                     tokio::time::sleep(delay).await;
@@ -331,7 +331,7 @@ impl Transport for Testing {
         let message = self.harness.json(id, kit);
         match self.harness.deliver_after_lost_ack(message).await.unwrap() {
             Delivered::Duplicate => Ended::Duplicate,
-            Delivered::Acked => Ended::Applied,
+            Delivered::Acked { .. } => Ended::Applied,
             other => panic!("unexpected settlement: {other}"),
         }
     }

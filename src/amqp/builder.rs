@@ -67,7 +67,7 @@ pub(crate) struct Settings {
     concurrency: usize,
     message_id: MessageIdSource,
     redelivery: RedeliveryPolicy,
-    handler_timeout: Duration,
+    pub(crate) handler_timeout: Duration,
     shutdown_timeout: Duration,
     retention: Option<Duration>,
     retention_interval: Duration,

@@ -29,13 +29,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Live counters of one consumer. Cheap to clone; all clones see the same
-/// numbers. Read them with [`Stats::snapshot`].
-#[derive(Debug, Clone)]
+/// numbers. Read them with [`Stats::snapshot`] (`Debug` prints one).
+#[derive(Clone)]
 pub struct Stats {
     inner: Arc<Counters>,
 }
 
-#[derive(Debug)]
+impl std::fmt::Debug for Stats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stats")
+            .field("consumer", &self.inner.consumer)
+            .field("now", &self.snapshot())
+            .finish()
+    }
+}
+
 struct Counters {
     consumer: String,
     cells: [AtomicU64; Counter::ALL.len()],

@@ -4,6 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::amqp::{DeadLetterReason, Message};
+use crate::outbox::OutboxMessage;
 
 /// How one delivery ended, as the runtime would have settled it: readable in
 /// an assertion (`assert!(d.is_acked(), "{d}")`) and printed whole on failure.
@@ -11,7 +12,11 @@ use crate::amqp::{DeadLetterReason, Message};
 #[non_exhaustive]
 pub enum Delivered {
     /// The handler ran and its transaction committed: acked.
-    Acked,
+    Acked {
+        /// What this delivery's transaction staged in the outbox (in batch
+        /// mode: its batch's), not yet published.
+        staged: Vec<OutboxMessage>,
+    },
     /// Already processed with the same body: acked without running the handler.
     Duplicate,
     /// The id was processed before with *another* body: the handler did not
@@ -20,6 +25,8 @@ pub enum Delivered {
     Mismatch {
         /// The error text of the dead letter.
         error: String,
+        /// The dead letter, with idempo's headers.
+        copy: Message,
     },
     /// A transient failure: the runtime republishes `copy` to a delay queue
     /// (or hands the delivery back, with a requeue policy) and acks.
@@ -56,7 +63,16 @@ pub enum Delivered {
 impl Delivered {
     /// Acked after the handler's transaction committed.
     pub fn is_acked(&self) -> bool {
-        matches!(self, Delivered::Acked)
+        matches!(self, Delivered::Acked { .. })
+    }
+
+    /// What this delivery's transaction staged in the outbox (empty unless
+    /// [`Acked`](Delivered::Acked)).
+    pub fn staged(&self) -> &[OutboxMessage] {
+        match self {
+            Delivered::Acked { staged } => staged,
+            _ => &[],
+        }
     }
 
     /// Acked as a duplicate, the handler not run.
@@ -74,10 +90,20 @@ impl Delivered {
         matches!(self, Delivered::Retried { .. })
     }
 
-    /// Dead-lettered (a [`Mismatch`](Delivered::Mismatch) is reported as
-    /// such, not here).
+    /// Dead-lettered, a [`Mismatch`](Delivered::Mismatch) included.
     pub fn is_dead_lettered(&self) -> bool {
-        matches!(self, Delivered::DeadLettered { .. })
+        matches!(
+            self,
+            Delivered::DeadLettered { .. } | Delivered::Mismatch { .. }
+        )
+    }
+
+    /// The dead letter, if dead-lettered (a mismatch's too).
+    pub fn dead_letter(&self) -> Option<&Message> {
+        match self {
+            Delivered::DeadLettered { copy, .. } | Delivered::Mismatch { copy, .. } => Some(copy),
+            _ => None,
+        }
     }
 
     /// Waiting at the database gate.
@@ -122,7 +148,7 @@ impl Delivered {
     /// The error text, for the failures.
     pub fn error(&self) -> Option<&str> {
         match self {
-            Delivered::Mismatch { error }
+            Delivered::Mismatch { error, .. }
             | Delivered::Retried { error, .. }
             | Delivered::DeadLettered { error, .. } => Some(error),
             _ => None,
@@ -133,9 +159,14 @@ impl Delivered {
 impl fmt::Display for Delivered {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Delivered::Acked => write!(f, "acked (processed)"),
+            Delivered::Acked { staged } if staged.is_empty() => write!(f, "acked (processed)"),
+            Delivered::Acked { staged } => {
+                write!(f, "acked (processed), {} message(s) staged", staged.len())
+            }
             Delivered::Duplicate => write!(f, "acked as a duplicate (handler not run)"),
-            Delivered::Mismatch { error } => write!(f, "dead-lettered as a mismatch: {error}"),
+            Delivered::Mismatch { error, .. } => {
+                write!(f, "dead-lettered as a mismatch: {error}")
+            }
             Delivered::Retried {
                 delay,
                 attempt,

@@ -1,13 +1,17 @@
 //! Faults the harness injects on demand: around the user's handler (each
-//! class of handler failure), and at the commit (a connection that dies in
-//! `COMMIT`, through a deferred trigger in the harness's own schema).
+//! class of handler failure), and the database's (a connection that dies in
+//! `COMMIT`, a database that cannot take work), through triggers in the
+//! harness's own schema.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::Tx;
+use sqlx::{AssertSqlSafe, PgPool};
+
 use crate::amqp::{DecodeError, HandlerError, Message};
 use crate::runtime::handler::{Call, Prepare};
+use crate::{Result, Tx};
 
 /// A fault for [`Harness::deliver_with`](super::Harness::deliver_with).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,25 +35,33 @@ pub enum Fault {
     /// gate, claims the id again and runs the handler again. Its writes
     /// happen once.
     CommitConnectionLost,
+    /// The database cannot take writes (read-only, as a standby after a
+    /// failover): the consumer waits at the database gate, and after the
+    /// harness's [`hold_timeout`](super::HarnessBuilder::hold_timeout) the
+    /// delivery is [`Held`](super::Delivered::Held), unacked, nothing
+    /// written. An outage is the database's: every delivery of this harness
+    /// meets it while this delivery lasts.
+    DatabaseUnavailable,
 }
 
-/// The handler faults planned per message id, applied to every handler run
-/// that includes one of those ids while the delivery lasts.
+/// The handler faults planned per delivery (its delivery tag: a copy of
+/// the same id delivered at the same time is another delivery), applied to
+/// every handler run that includes one of them while the delivery lasts.
 #[derive(Default)]
 pub(crate) struct Plan {
-    faults: Mutex<HashMap<String, Fault>>,
+    faults: Mutex<HashMap<u64, Fault>>,
 }
 
 impl Plan {
-    pub(crate) fn set(&self, id: &str, fault: Fault) {
-        self.lock().insert(id.to_owned(), fault);
+    pub(crate) fn set(&self, delivery_tag: u64, fault: Fault) {
+        self.lock().insert(delivery_tag, fault);
     }
 
-    pub(crate) fn clear(&self, id: &str) {
-        self.lock().remove(id);
+    pub(crate) fn clear(&self, delivery_tag: u64) {
+        self.lock().remove(&delivery_tag);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Fault>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Fault>> {
         self.faults.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -57,8 +69,19 @@ impl Plan {
         let faults = self.lock();
         messages
             .iter()
-            .filter_map(|m| faults.get(m.id()).copied())
-            .find(|f| *f != Fault::CommitConnectionLost)
+            .filter_map(|m| faults.get(&m.delivery_tag()).copied())
+            .find(|f| f.in_handler())
+    }
+}
+
+impl Fault {
+    /// Whether the handler's wrapper injects it (the others are the
+    /// database's, set up in the harness's schema).
+    fn in_handler(self) -> bool {
+        !matches!(
+            self,
+            Fault::CommitConnectionLost | Fault::DatabaseUnavailable
+        )
     }
 }
 
@@ -88,7 +111,8 @@ impl Prepare for Faulty {
     }
 }
 
-/// The harness schema's objects for [`Fault::CommitConnectionLost`]: a cut
+/// The harness schema's objects for the database's faults. For
+/// [`Fault::CommitConnectionLost`]: a cut
 /// is a row naming the id and a sequence of its own, and a deferred trigger
 /// on the claims terminates its own backend at `COMMIT` the first time
 /// (`nextval` is not rolled back, so the second run commits).
@@ -106,3 +130,66 @@ BEGIN
 END $$;
 CREATE CONSTRAINT TRIGGER idempo_harness_cut AFTER INSERT ON processed_messages
   DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION idempo_harness_cut();";
+
+/// Plans a cut of the connection in the `COMMIT` of the claim of `id`
+/// (sequence number `n` of this harness).
+pub(crate) async fn plan_cut(pool: &PgPool, id: &str, n: u64) -> Result<()> {
+    let counter = format!("idempo_harness_cut_{n}");
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE SEQUENCE {counter}")))
+        .execute(pool)
+        .await?;
+    sqlx::query(
+        "INSERT INTO idempo_harness_cuts (message_id, counter) VALUES ($1, $2) \
+         ON CONFLICT (message_id) DO UPDATE SET counter = excluded.counter",
+    )
+    .bind(id)
+    .bind(&counter)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Ends the cut planned for `id`.
+pub(crate) async fn end_cut(pool: &PgPool, id: &str) -> Result<()> {
+    sqlx::query("DELETE FROM idempo_harness_cuts WHERE message_id = $1")
+        .bind(id)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// [`Fault::DatabaseUnavailable`]: while on, every connection of the
+/// harness's pool is read-only (`default_transaction_read_only`, set as it
+/// is opened or handed out), so the claim and the database gate's write
+/// probe are refused as by a server that cannot take writes.
+#[derive(Default)]
+pub(crate) struct Outage {
+    on: AtomicBool,
+    /// Whether an outage ever began: until then no connection needs the
+    /// setting (no round trip).
+    ever: AtomicBool,
+}
+
+impl Outage {
+    pub(crate) fn set(&self, on: bool) {
+        self.ever.fetch_or(on, Ordering::Relaxed);
+        self.on.store(on, Ordering::Relaxed);
+    }
+
+    /// Gives `conn` the setting the outage asks for now.
+    pub(crate) async fn apply(&self, conn: &mut sqlx::PgConnection) -> sqlx::Result<()> {
+        if !self.ever.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let on = if self.on.load(Ordering::Relaxed) {
+            "on"
+        } else {
+            "off"
+        };
+        sqlx::query("SELECT set_config('default_transaction_read_only', $1, false)")
+            .bind(on)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+}

@@ -10,18 +10,17 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use lapin::BasicProperties;
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::delivered::Delivered;
-use super::fault::{Fault, Faulty, Plan};
+use super::fault::{Fault, Faulty, Outage, Plan};
 use super::schema::{drop_schema, isolate};
 use super::transport::Recorder;
 use crate::amqp::builder::finish;
 use crate::amqp::mode::{Batched, NoHandler, PerMessage};
 use crate::amqp::{Consumer, ConsumerBuilder, FromMessage, Handler, Message};
 use crate::outbox::OutboxMessage;
-use crate::outbox::batch::{Batch, Failures};
 use crate::runtime::outcome::Abandon;
 use crate::runtime::route::Router;
 use crate::runtime::settle::{LogLimit, Settle};
@@ -47,9 +46,12 @@ pub struct Harness {
     schema: String,
     dead_letter_queue: String,
     plan: Arc<Plan>,
+    outage: Arc<Outage>,
     tags: AtomicU64,
     cuts: AtomicU64,
     hold_timeout: Duration,
+    /// The consumer's handler timeout ([`Fault::Timeout`] waits for it).
+    handler_timeout: Duration,
 }
 
 impl std::fmt::Debug for Harness {
@@ -179,13 +181,15 @@ macro_rules! awaitable {
                         inner,
                         plan: plan.clone(),
                     });
+                    let handler_timeout = this.consumer.settings.handler_timeout;
                     let HarnessBuilder {
                         consumer,
                         admin,
                         setup,
                         hold_timeout,
                     } = this;
-                    let (pool, schema) = isolate(&admin, &setup).await?;
+                    let outage = Arc::new(Outage::default());
+                    let (pool, schema) = isolate(&admin, &setup, &outage).await?;
                     let consumer = match finish(consumer.with_pool(pool.clone())) {
                         Ok(consumer) => consumer,
                         Err(e) => {
@@ -198,8 +202,8 @@ macro_rules! awaitable {
                         pool,
                         admin,
                         schema,
-                        plan,
-                        hold_timeout,
+                        (plan, outage),
+                        (hold_timeout, handler_timeout),
                     ))
                 })
             }
@@ -216,8 +220,8 @@ impl Harness {
         pool: PgPool,
         admin: PgPool,
         schema: String,
-        plan: Arc<Plan>,
-        hold_timeout: Duration,
+        (plan, outage): (Arc<Plan>, Arc<Outage>),
+        (hold_timeout, handler_timeout): (Duration, Duration),
     ) -> Self {
         let router = Arc::new(Router::new(
             &consumer.config,
@@ -231,9 +235,11 @@ impl Harness {
             admin,
             schema,
             plan,
+            outage,
             tags: AtomicU64::new(1),
             cuts: AtomicU64::new(0),
             hold_timeout,
+            handler_timeout,
         }
     }
 
@@ -267,14 +273,24 @@ impl Harness {
         let properties = BasicProperties::default()
             .with_message_id(id.into())
             .with_delivery_mode(2);
-        Message::incoming(body.into(), properties, "", &self.router.queue, false, 0)
+        self.incoming(body.into(), properties)
+    }
+
+    /// A message as the broker hands it over, its [`id`](Message::id) the
+    /// one the consumer's id source reads (when it reads one).
+    fn incoming(&self, body: Vec<u8>, properties: BasicProperties) -> Message {
+        let mut message = Message::incoming(body, properties, "", &self.router.queue, false, 0);
+        if let Ok(id) = self.router.message_id.extract(&message) {
+            message.set_id(id);
+        }
+        message
     }
 
     /// A message without a `message_id` property, as a foreign producer
     /// may send one.
     pub fn message_without_id(&self, body: impl Into<Vec<u8>>) -> Message {
         let properties = BasicProperties::default().with_delivery_mode(2);
-        Message::incoming(body.into(), properties, "", &self.router.queue, false, 0)
+        self.incoming(body.into(), properties)
     }
 
     /// A message with this id whose body is `value` as JSON.
@@ -287,7 +303,7 @@ impl Harness {
             .with_message_id(id.into())
             .with_content_type("application/json".into())
             .with_delivery_mode(2);
-        Message::incoming(body, properties, "", &self.router.queue, false, 0)
+        self.incoming(body, properties)
     }
 
     /// A message the harness's consumer would receive once `message`,
@@ -297,14 +313,18 @@ impl Harness {
     pub fn forwarded(&self, message: &OutboxMessage) -> Message {
         let staged = message.to_staged();
         let frame = crate::relay::frame::frame(&staged);
-        Message::incoming(
+        let mut forwarded = Message::incoming(
             staged.body.clone(),
             frame.properties,
             frame.exchange,
             frame.routing_key,
             false,
             0,
-        )
+        );
+        if let Ok(id) = self.router.message_id.extract(&forwarded) {
+            forwarded.set_id(id);
+        }
+        forwarded
     }
 
     /// Delivers `message` once and says how the runtime would settle it.
@@ -312,7 +332,7 @@ impl Harness {
     /// # Errors
     /// None today; reserved for the harness's own database work.
     pub async fn deliver(&self, message: Message) -> Result<Delivered> {
-        Ok(self.unit(vec![message]).await.remove(0))
+        Ok(self.unit(vec![(message, None)]).await?.remove(0))
     }
 
     /// Delivers every message: in batch mode as one batch (one transaction,
@@ -325,16 +345,30 @@ impl Harness {
         &self,
         messages: impl IntoIterator<Item = Message>,
     ) -> Result<Vec<Delivered>> {
-        let messages: Vec<Message> = messages.into_iter().collect();
+        self.deliver_all_with(messages.into_iter().map(|m| (m, None)))
+            .await
+    }
+
+    /// As [`deliver_all`](Harness::deliver_all), each message with its own
+    /// [`Fault`] or none: in batch mode, one faulty message in a batch (the
+    /// runtime splits the batch to find it, as in production).
+    ///
+    /// # Errors
+    /// As [`deliver_with`](Harness::deliver_with).
+    pub async fn deliver_all_with(
+        &self,
+        messages: impl IntoIterator<Item = (Message, Option<Fault>)>,
+    ) -> Result<Vec<Delivered>> {
+        let messages: Vec<(Message, Option<Fault>)> = messages.into_iter().collect();
         if self.consumer.dispatch.batch.is_some() {
-            return Ok(self.unit(messages).await);
+            return self.unit(messages).await;
         }
         let each = messages.into_iter().map(|m| self.unit(vec![m]));
-        Ok(futures::future::join_all(each)
-            .await
-            .into_iter()
-            .flatten()
-            .collect())
+        let mut all = Vec::new();
+        for delivered in futures::future::join_all(each).await {
+            all.extend(delivered?);
+        }
+        Ok(all)
     }
 
     /// Delivers `n` copies of `message` at once, each on its own (as
@@ -344,12 +378,8 @@ impl Harness {
     /// # Errors
     /// As [`deliver`](Harness::deliver).
     pub async fn deliver_concurrently(&self, message: Message, n: usize) -> Result<Vec<Delivered>> {
-        let each = (0..n).map(|_| self.unit(vec![message.clone()]));
-        Ok(futures::future::join_all(each)
+        self.deliver_all_with((0..n).map(|_| (message.clone(), None)))
             .await
-            .into_iter()
-            .flatten()
-            .collect())
     }
 
     /// Delivers `message`, loses the ack after its commit, and delivers the
@@ -369,98 +399,43 @@ impl Harness {
     }
 
     /// Delivers `message` with a [`Fault`] injected; the fault concerns this
-    /// delivery only (every handler run of it, in a batch too).
+    /// delivery only (every handler run of it, in a batch too), not a copy
+    /// of the same id delivered beside it. The database's faults
+    /// ([`CommitConnectionLost`](Fault::CommitConnectionLost),
+    /// [`DatabaseUnavailable`](Fault::DatabaseUnavailable)) concern its id.
     ///
     /// # Errors
-    /// [`Error::Database`] when the fault cannot be set up in the harness's
-    /// schema. A message without a usable id is delivered as it is (and
-    /// dead-lettered).
+    /// [`Error::Config`] for [`Fault::Timeout`] with a handler timeout over
+    /// 30 s (the delivery would wait for it: set a short one with
+    /// `.configure(|c| c.handler_timeout(..))`); [`Error::Database`] when
+    /// a database fault cannot be set up in the harness's schema. A message
+    /// without a usable id is delivered as it is (and dead-lettered).
     pub async fn deliver_with(&self, message: Message, fault: Fault) -> Result<Delivered> {
+        if fault == Fault::Timeout && self.handler_timeout > Duration::from_secs(30) {
+            return Err(Error::Config(format!(
+                "Fault::Timeout waits for the handler timeout, {:?} here: set a short one \
+                 with .configure(|c| c.handler_timeout(Duration::from_millis(200)))",
+                self.handler_timeout
+            )));
+        }
         let Ok(id) = self.router.message_id.extract(&message) else {
             return self.deliver(message).await;
         };
-        if fault == Fault::CommitConnectionLost {
-            let counter = format!(
-                "idempo_harness_cut_{}",
-                self.cuts.fetch_add(1, Ordering::Relaxed)
-            );
-            sqlx::raw_sql(AssertSqlSafe(format!("CREATE SEQUENCE {counter}")))
-                .execute(&self.pool)
-                .await?;
-            sqlx::query(
-                "INSERT INTO idempo_harness_cuts (message_id, counter) VALUES ($1, $2) \
-                 ON CONFLICT (message_id) DO UPDATE SET counter = excluded.counter",
-            )
-            .bind(&id)
-            .bind(&counter)
-            .execute(&self.pool)
-            .await?;
-            let delivered = self.deliver(message).await;
-            sqlx::query("DELETE FROM idempo_harness_cuts WHERE message_id = $1")
-                .bind(&id)
-                .execute(&self.pool)
-                .await?;
-            return delivered;
-        }
-        self.plan.set(&id, fault);
-        let delivered = self.deliver(message).await;
-        self.plan.clear(&id);
-        delivered
-    }
-
-    /// The messages waiting in the outbox (staged by committed handlers,
-    /// not yet published), in the order the relay takes them.
-    ///
-    /// # Errors
-    /// [`Error::Database`] when the outbox cannot be read.
-    pub async fn outbox(&self) -> Result<Vec<OutboxMessage>> {
-        let mut batch = Batch::begin(&self.pool, Duration::from_secs(60)).await?;
-        let rows = batch.lock_due(i32::MAX as usize, &[]).await?;
-        let mut messages = Vec::new();
-        for row in rows {
-            let key = row.ordering_key.clone();
-            let staged = row.unpack().map_err(Error::Config)?;
-            messages.extend(
-                staged
-                    .into_iter()
-                    .map(|s| OutboxMessage::from_staged(s, key.clone())),
-            );
-        }
-        batch.rollback().await?;
-        Ok(messages)
-    }
-
-    /// Runs the relay's batches (lock due rows, first of each ordering key,
-    /// delete what was published) against an in-memory sink that confirms
-    /// everything, until the outbox is empty; returns the messages in
-    /// publish order.
-    ///
-    /// # Errors
-    /// [`Error::Database`] when a batch fails.
-    pub async fn drain(&self) -> Result<Vec<OutboxMessage>> {
-        let mut published = Vec::new();
-        loop {
-            let mut batch = Batch::begin(&self.pool, Duration::from_secs(60)).await?;
-            let rows = batch.lock_due(100, &[]).await?;
-            if rows.is_empty() {
-                batch.rollback().await?;
-                return Ok(published);
+        match fault {
+            Fault::CommitConnectionLost => {
+                let n = self.cuts.fetch_add(1, Ordering::Relaxed);
+                super::fault::plan_cut(&self.pool, &id, n).await?;
+                let delivered = self.deliver(message).await;
+                super::fault::end_cut(&self.pool, &id).await?;
+                delivered
             }
-            let (rows, _held_back) = batch.first_of_each_key(rows).await?;
-            let mut confirmed = Vec::with_capacity(rows.len());
-            for row in rows {
-                let (id, key) = (row.id, row.ordering_key.clone());
-                let staged = row.unpack().map_err(Error::Config)?;
-                published.extend(
-                    staged
-                        .into_iter()
-                        .map(|s| OutboxMessage::from_staged(s, key.clone())),
-                );
-                confirmed.push(id);
+            Fault::DatabaseUnavailable => {
+                self.outage.set(true);
+                let delivered = self.deliver(message).await;
+                self.outage.set(false);
+                delivered
             }
-            batch
-                .settle(&confirmed, false, Vec::new(), &mut Failures::default())
-                .await?;
+            fault => Ok(self.unit(vec![(message, Some(fault))]).await?.remove(0)),
         }
     }
 
@@ -474,16 +449,21 @@ impl Harness {
     }
 
     /// One unit through the router and the runtime's settling, the
-    /// transport recording each settlement as a value.
-    async fn unit(&self, messages: Vec<Message>) -> Vec<Delivered> {
+    /// transport recording each settlement as a value; the handler faults
+    /// planned for its deliveries while it lasts.
+    async fn unit(&self, messages: Vec<(Message, Option<Fault>)>) -> Result<Vec<Delivered>> {
         let stats = &self.consumer.stats;
-        let mut unit: Vec<Message> = messages
-            .iter()
-            .map(|m| {
-                stats.incr(Counter::Deliveries);
-                m.delivered_again(m.redelivered(), self.next_tag())
-            })
-            .collect();
+        let mut unit: Vec<Message> = Vec::with_capacity(messages.len());
+        let mut faulted = Vec::new();
+        for (m, fault) in messages {
+            stats.incr(Counter::Deliveries);
+            let delivery = m.delivered_again(m.redelivered(), self.next_tag());
+            if let Some(fault) = fault {
+                self.plan.set(delivery.delivery_tag(), fault);
+                faulted.push(delivery.delivery_tag());
+            }
+            unit.push(delivery);
+        }
         // Only a wait at the gate, for the key or for the dead-letter table
         // gives up, after the hold timeout.
         let give_up = CancellationToken::new();
@@ -500,6 +480,7 @@ impl Harness {
             gone: None,
         };
         let outcomes = self.router.outcomes(&mut unit, &abandon).await;
+        let ids: Vec<String> = unit.iter().map(|m| m.id().to_owned()).collect();
         let routes = unit
             .iter()
             .zip(outcomes)
@@ -516,6 +497,15 @@ impl Harness {
         };
         settle.unit(&recorder, items, routes, &abandon).await;
         timer.abort();
-        recorder.into_delivered()
+        for tag in faulted {
+            self.plan.clear(tag);
+        }
+        let mut delivered = recorder.into_delivered();
+        for (d, id) in delivered.iter_mut().zip(&ids) {
+            if let Delivered::Acked { staged } = d {
+                *staged = self.staged_by(id).await?;
+            }
+        }
+        Ok(delivered)
     }
 }

@@ -52,14 +52,18 @@
 //!   delay the [`RedeliveryPolicy`](crate::amqp::RedeliveryPolicy) chose, the
 //!   attempt, and the copy to deliver next), dead-lettered (the reason and
 //!   the dead letter), held at the database gate.
-//! - **Faults** ([`Fault`], [`Harness::deliver_with`]): a transient or
-//!   permanent error, a panic or a timeout after the handler ran (its writes
-//!   must roll back), a connection that dies in `COMMIT`; and
+//! - **Faults** ([`Fault`], [`Harness::deliver_with`], one message of a
+//!   batch with [`deliver_all_with`](Harness::deliver_all_with)): a
+//!   transient or permanent error, a panic or a timeout after the handler
+//!   ran (its writes must roll back), a connection that dies in `COMMIT`, a
+//!   database that cannot take work (the delivery is held); each belongs to
+//!   its delivery, not to a copy of the same id beside it; and
 //!   [`deliver_after_lost_ack`](Harness::deliver_after_lost_ack),
 //!   [`deliver_concurrently`](Harness::deliver_concurrently) (N copies of one
 //!   id at once: one effect). A poison body is just a message:
 //!   `h.message("id", "not json")`.
-//! - **The outbox**: [`outbox`](Harness::outbox) lists what committed
+//! - **The outbox**: [`Delivered::staged`] is what one delivery's
+//!   transaction staged; [`outbox`](Harness::outbox) lists what committed
 //!   handlers staged; [`drain`](Harness::drain) runs the relay's batches
 //!   against an in-memory sink and returns the messages in publish order;
 //!   [`forwarded`](Harness::forwarded) turns one into the delivery another
@@ -67,7 +71,11 @@
 //! - **Isolation**: a schema per harness (created, migrated with idempo's
 //!   tables, your [`setup`](HarnessBuilder::setup) SQL; dropped by
 //!   [`close`](Harness::close)), 4 connections. An unreachable PostgreSQL is
-//!   an [`Error::Config`](crate::Error::Config) that names its URL.
+//!   an [`Error::Database`](crate::Error::Database) that names its URL
+//!   ([`is_unavailable`](crate::Error::is_unavailable) says so).
+//! - **Store contract kits** (`testing::conformance`) come with the stores'
+//!   feature as well: `features = ["testing", "http"]` for an
+//!   `IdempotencyStore`, `["testing", "window"]` for a `WindowStore`.
 //!
 //! Batch handlers: build with [`batch_handler`](HarnessBuilder::batch_handler);
 //! [`deliver_all`](Harness::deliver_all) delivers a batch as one unit.
@@ -77,6 +85,7 @@
 mod delivered;
 mod fault;
 mod harness;
+mod outbox;
 mod schema;
 mod transport;
 

@@ -7,7 +7,9 @@ use std::time::Duration;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 
-use super::fault::CUT_SETUP;
+use std::sync::Arc;
+
+use super::fault::{CUT_SETUP, Outage};
 use crate::{Error, Result};
 
 /// Connections of a harness's own pool: enough for a few deliveries at once
@@ -23,7 +25,11 @@ const SCHEMA_PREFIX: &str = "idempo_harness_";
 
 /// A new schema on `admin`'s server with idempo's tables, the harness's
 /// fault objects and the user's setup, and a pool that works in it.
-pub(super) async fn isolate(admin: &PgPool, setup: &[String]) -> Result<(PgPool, String)> {
+pub(super) async fn isolate(
+    admin: &PgPool,
+    setup: &[String],
+    outage: &Arc<Outage>,
+) -> Result<(PgPool, String)> {
     let options = admin.connect_options();
     let url = format!(
         "postgres://{}@{}:{}/{}",
@@ -33,10 +39,17 @@ pub(super) async fn isolate(admin: &PgPool, setup: &[String]) -> Result<(PgPool,
         options.get_database().unwrap_or_default()
     );
     reap_leftovers(admin).await.map_err(|e| {
-        Error::Config(format!(
-            "the test harness cannot use PostgreSQL at {url}: {e} (is it running? e.g. \
-             `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`)"
-        ))
+        // An outage, not a mistake: a database error, naming the URL.
+        if !crate::sqlstate::is_unavailable(&e) {
+            return Error::Database(e);
+        }
+        Error::Database(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            format!(
+                "the test harness cannot use PostgreSQL at {url}: {e} (is it running? e.g. \
+                 `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`)"
+            ),
+        )))
     })?;
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -49,9 +62,18 @@ pub(super) async fn isolate(admin: &PgPool, setup: &[String]) -> Result<(PgPool,
     let options = (*options)
         .clone()
         .options([("search_path", schema.as_str())]);
+    let (on_connect, on_acquire) = (outage.clone(), outage.clone());
     let pool = PgPoolOptions::new()
         .max_connections(POOL_SIZE)
         .acquire_timeout(Duration::from_secs(10))
+        .after_connect(move |conn, _| {
+            let outage = on_connect.clone();
+            Box::pin(async move { outage.apply(conn).await })
+        })
+        .before_acquire(move |conn, _| {
+            let outage = on_acquire.clone();
+            Box::pin(async move { outage.apply(conn).await.map(|()| true) })
+        })
         .connect_with(options)
         .await?;
     let prepared = async {

@@ -41,15 +41,15 @@ impl<'a> Recorder<'a> {
     }
 
     fn letter(&self, message: &Message, letter: Letter<'_>) -> Delivered {
+        let error = letter.error.to_owned();
+        let copy = copy(message, letter.headers, self.dead_letter_queue);
         if letter.reason == DeadLetterReason::PayloadMismatch {
-            return Delivered::Mismatch {
-                error: letter.error.to_owned(),
-            };
+            return Delivered::Mismatch { error, copy };
         }
         Delivered::DeadLettered {
             reason: letter.reason,
-            error: letter.error.to_owned(),
-            copy: copy(message, letter.headers, self.dead_letter_queue),
+            error,
+            copy,
         }
     }
 }
@@ -121,7 +121,7 @@ impl Transport for Recorder<'_> {
                 Finished::Ack {
                     receipt,
                     duplicate: false,
-                } => self.record(receipt, Delivered::Acked),
+                } => self.record(receipt, Delivered::Acked { staged: Vec::new() }),
                 Finished::Ack {
                     receipt,
                     duplicate: true,
