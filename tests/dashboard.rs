@@ -21,8 +21,23 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 
 /// The value of the first `name="csrf"` input of a page.
 fn csrf(page: &str) -> String {
-    let at = page.find("name=csrf value=\"").expect("a CSRF field") + "name=csrf value=\"".len();
+    let field = "name=\"csrf\" value=\"";
+    let at = page.find(field).expect("a CSRF field") + field.len();
     page[at..].split('"').next().unwrap().to_owned()
+}
+
+/// What a confirmation page sends back when confirmed: `confirm` and the
+/// hidden fields that bind it to what it counted (none from `""`).
+fn confirmed(page: &str) -> Vec<(&'static str, String)> {
+    let mut fields = vec![("confirm", "1".to_owned())];
+    for name in ["count", "upto"] {
+        let key = format!("name=\"{name}\" value=\"");
+        if let Some(at) = page.find(&key) {
+            let value = page[at + key.len()..].split('"').next().unwrap();
+            fields.push((name, value.to_owned()));
+        }
+    }
+    fields
 }
 
 #[tokio::test]
@@ -62,7 +77,7 @@ async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() 
             .text()
             .await
             .unwrap();
-        page.contains("<svg class=chart")
+        page.contains("<svg class=\"chart\"")
             && page.contains("claims/s")
             && page.contains(&format!("{queue}: dead letters"))
     })
@@ -92,7 +107,7 @@ async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() 
     .await
     .unwrap();
     let token = csrf(&page);
-    let form = |csrf: Option<&str>, confirm: bool| {
+    let form = |csrf: Option<&str>, confirmation: Option<&str>| {
         let mut fields = vec![
             ("queue", queue.clone()),
             ("fingerprint", fingerprint.clone()),
@@ -100,8 +115,8 @@ async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() 
         if let Some(csrf) = csrf {
             fields.push(("csrf", csrf.to_owned()));
         }
-        if confirm {
-            fields.push(("confirm", "1".into()));
+        if let Some(page) = confirmation {
+            fields.extend(confirmed(page));
         }
         http.post(format!("{}/dead-letters/replay", board.url))
             .bearer_auth("s3cret-token")
@@ -109,8 +124,8 @@ async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() 
             .send()
     };
     // Without the CSRF token, or with a wrong one: refused, nothing replayed.
-    assert_eq!(form(None, true).await.unwrap().status(), 403);
-    assert_eq!(form(Some("forged"), true).await.unwrap().status(), 403);
+    assert_eq!(form(None, Some("")).await.unwrap().status(), 403);
+    assert_eq!(form(Some("forged"), Some("")).await.unwrap().status(), 403);
     // Without the token: refused.
     let no_token = http
         .post(format!("{}/dead-letters/replay", board.url))
@@ -127,7 +142,7 @@ async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() 
     assert_eq!(live_letters(&db).await, 20);
 
     // The dry run first, then the confirmed replay.
-    let confirm = form(Some(&token), false)
+    let confirm = form(Some(&token), None)
         .await
         .unwrap()
         .text()
@@ -136,7 +151,7 @@ async fn a_group_is_shown_and_replayed_once_with_the_token_and_the_csrf_token() 
     assert!(confirm.contains("Replay 20"), "{confirm}");
     assert_eq!(live_letters(&db).await, 20, "the dry run replays nothing");
     let _working = spawn_example(&db.url, &queue, &[("PAYMENTS_DEAD_LETTERS", "table")]);
-    let done = form(Some(&token), true)
+    let done = form(Some(&token), Some(&confirm))
         .await
         .unwrap()
         .text()
@@ -264,23 +279,23 @@ async fn failed_outbox_messages_are_retried_and_a_group_deleted_after_confirmati
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    let discard = |confirm: bool| {
+    let discard = |confirmation: Option<&str>| {
         let mut fields = vec![("csrf", token.clone()), ("id", doomed.to_string())];
-        if confirm {
-            fields.push(("confirm", "1".into()));
+        if let Some(page) = confirmation {
+            fields.extend(confirmed(page));
         }
         http.post(format!("{}/outbox/discard", board.url))
             .form(&fields)
             .send()
     };
-    let asked = discard(false).await.unwrap().text().await.unwrap();
+    let asked = discard(None).await.unwrap().text().await.unwrap();
     assert!(asked.contains("Discard 1"), "{asked}");
     assert_eq!(
         db.count("SELECT count(*) FROM outbox").await,
         2,
         "asking deletes nothing"
     );
-    let done = discard(true).await.unwrap().text().await.unwrap();
+    let done = discard(Some(&asked)).await.unwrap().text().await.unwrap();
     assert!(done.contains("1 failed row(s) discarded"), "{done}");
     assert_eq!(
         db.count("SELECT count(*) FROM outbox WHERE message_id = 'm-2'")
@@ -297,23 +312,23 @@ async fn failed_outbox_messages_are_retried_and_a_group_deleted_after_confirmati
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    let delete = |confirm: bool| {
+    let delete = |confirmation: Option<&str>| {
         let mut fields = vec![
             ("csrf", token.clone()),
             ("queue", queue.clone()),
             ("fingerprint", fingerprint.clone()),
         ];
-        if confirm {
-            fields.push(("confirm", "1".into()));
+        if let Some(page) = confirmation {
+            fields.extend(confirmed(page));
         }
         http.post(format!("{}/dead-letters/purge", board.url))
             .form(&fields)
             .send()
     };
-    let asked = delete(false).await.unwrap().text().await.unwrap();
+    let asked = delete(None).await.unwrap().text().await.unwrap();
     assert!(asked.contains("Delete 3"), "{asked}");
     assert_eq!(live_letters(&db).await, 3, "asking deletes nothing");
-    let done = delete(true).await.unwrap().text().await.unwrap();
+    let done = delete(Some(&asked)).await.unwrap().text().await.unwrap();
     assert!(done.contains("3 deleted"), "{done}");
     assert_eq!(db.count("SELECT count(*) FROM dead_letters").await, 0);
 }
@@ -367,8 +382,9 @@ async fn the_overview_shows_each_consumer_process_with_its_counts_and_the_queue_
         Duration::from_secs(30),
         || async {
             let page = page().await;
-            page.contains(&format!("<td>{queue}</td><td>{queue}</td>"))
-                && page.contains("<td>consuming</td>")
+            page.contains(&format!(
+                "<td><bdi>{queue}</bdi></td><td><bdi>{queue}</bdi></td>"
+            )) && page.contains("<td><bdi>consuming</bdi></td>")
                 && page.contains("<td>60</td><td>50</td><td>10</td>")
                 && page.contains("1 of 1")
                 && page.contains(&format!("{queue}: duplicates/s"))
@@ -401,7 +417,7 @@ async fn the_overview_shows_each_consumer_process_with_its_counts_and_the_queue_
         || async {
             page()
                 .await
-                .contains(&format!("<td>{queue}</td><td>0</td><td>5</td>"))
+                .contains(&format!("<td><bdi>{queue}</bdi></td><td>0</td><td>5</td>"))
         },
     )
     .await;

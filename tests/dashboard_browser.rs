@@ -157,7 +157,10 @@ async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_onc
         // The overview with the consumer at work: its process and charts.
         browser.goto(&format!("{board}/")).await?;
         let overview = browser.source().await?;
-        assert!(overview.contains("<td>consuming</td>"), "{overview}");
+        assert!(
+            overview.contains("<td><bdi>consuming</bdi></td>"),
+            "{overview}"
+        );
         std::fs::write(
             screenshots().join("dashboard-overview.png"),
             browser.screenshot().await?,

@@ -82,8 +82,10 @@ pub(crate) async fn replay(
             let encoded: Vec<u8> = row.try_get("properties")?;
             let body: Vec<u8> = row.try_get("body")?;
             let refusal = match (&message_id, options.force) {
+                // In the batch's transaction: a second connection would
+                // deadlock a small pool under concurrent replays.
                 (Some(mid), false) => match inbox::Inbox::new(consumer.as_str())
-                    .lookup(pool, mid, &body)
+                    .lookup(&mut *tx, mid, &body)
                     .await?
                 {
                     Claim::Fresh => None,

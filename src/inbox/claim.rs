@@ -390,13 +390,13 @@ pub(crate) async fn commit_with(
 /// with this body (or by a row without a hash), [`Claim::Mismatch`] when it
 /// was processed with another body. One primary-key lookup; the answer can
 /// change as soon as it is given (a consumer may claim the id meanwhile).
-pub(crate) async fn lookup(
-    pool: &PgPool,
+pub(crate) async fn lookup<'e>(
+    executor: impl PgExecutor<'e>,
     consumer: &str,
     message_id: &str,
     body: &[u8],
 ) -> Result<Claim> {
-    let stored = stored_hash(pool, consumer, message_id).await?;
+    let stored = stored_hash(executor, consumer, message_id).await?;
     Ok(compare(stored.as_ref(), &payload_sha256(body)).unwrap_or(Claim::Fresh))
 }
 

@@ -348,8 +348,13 @@ impl Inbox {
     ///
     /// # Errors
     /// [`Error::Database`] when the query fails.
-    pub async fn lookup(&self, pool: &PgPool, message_id: &str, body: &[u8]) -> Result<Claim> {
-        claim::lookup(pool, &self.consumer, message_id, body).await
+    pub async fn lookup<'e>(
+        &self,
+        executor: impl sqlx::PgExecutor<'e>,
+        message_id: &str,
+        body: &[u8],
+    ) -> Result<Claim> {
+        claim::lookup(executor, &self.consumer, message_id, body).await
     }
 
     /// Deletes `consumer`'s claims older than `age`, `batch` rows per statement,

@@ -76,6 +76,7 @@ pub struct Services {
     pool: Arc<OnceCell<PgPool>>,
     connection_name: String,
     tls_files: BrokerTlsFiles,
+    max_connections: u32,
 }
 
 /// How long connecting to either service may take.
@@ -101,6 +102,7 @@ impl Services {
             pool: Arc::default(),
             connection_name: "idempo-ops".into(),
             tls_files: BrokerTlsFiles::default(),
+            max_connections: 2,
         }
     }
 
@@ -111,6 +113,15 @@ impl Services {
             pool: Arc::new(OnceCell::new_with(Some(pool))),
             ..Services::new(amqp_url, "")
         }
+    }
+
+    /// The most connections the database pool opens (default 2: a command
+    /// does one thing at a time; a dashboard serving concurrent actions
+    /// wants more). No effect once the pool is connected.
+    #[must_use]
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n.max(1);
+        self
     }
 
     /// The name the broker connections carry (shown in RabbitMQ's management UI).
@@ -140,7 +151,7 @@ impl Services {
                 crate::certificate::check_database_url(&self.database_url)
                     .map_err(crate::Error::from)?;
                 PgPoolOptions::new()
-                    .max_connections(2)
+                    .max_connections(self.max_connections)
                     .acquire_timeout(CONNECT_TIMEOUT)
                     .connect(&self.database_url)
                     .await

@@ -12,6 +12,9 @@ pub(crate) enum Failure {
     /// A service (PostgreSQL, RabbitMQ) failed: a 503 page saying why,
     /// without a password or a service's URL.
     Unavailable(String),
+    /// What a confirmation counted changed before it was confirmed: a 409
+    /// page saying what, nothing done.
+    Changed(String),
     /// The dashboard refuses the request: its status and one line.
     Refused(StatusCode, &'static str),
 }
@@ -21,7 +24,7 @@ impl Failure {
     pub(crate) const READ_ONLY: Failure =
         Failure::Refused(StatusCode::FORBIDDEN, "the dashboard is read-only\n");
 
-    /// An action without the CSRF token of this process.
+    /// An action without the caller's CSRF token.
     pub(crate) const CSRF: Failure =
         Failure::Refused(StatusCode::FORBIDDEN, "missing or wrong CSRF token\n");
 }
@@ -41,11 +44,23 @@ impl IntoResponse for Failure {
                 StatusCode::SERVICE_UNAVAILABLE,
                 Html(pages::layout(
                     "Unavailable",
-                    &format!(
-                        "<h1>Unavailable</h1><p class=red>{}</p>",
-                        html_escape::encode_text(&why)
-                    ),
+                    &maud::html! { h1 { "Unavailable" } p.red { (pages::untrusted(&why)) } }
+                        .into_string(),
                     true,
+                )),
+            )
+                .into_response(),
+            Failure::Changed(what) => (
+                StatusCode::CONFLICT,
+                Html(pages::layout(
+                    "Changed",
+                    &maud::html! {
+                        h1 { "Nothing done" }
+                        p.red { (pages::untrusted(&what)) }
+                        p { a href="/dead-letters" { "Look again" } }
+                    }
+                    .into_string(),
+                    false,
                 )),
             )
                 .into_response(),

@@ -1,16 +1,20 @@
-//! The dead-letter pages (groups by cause, one group, one letter) and their
-//! actions (replay, discard, delete), over [`idempo::ops::dead_letters`].
+//! The dead-letter pages: causes (groups), one cause, one letter, over
+//! [`idempo::ops::dead_letters`]; and a queue's RabbitMQ DLQ, browsed
+//! without changing it more than one walk at a time (`actions.rs` has the
+//! actions).
 
-use std::net::SocketAddr;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use axum::extract::{ConnectInfo, Form, Path, Query, State};
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::Html;
-use idempo::ops::dead_letters::{
-    DeadLetterStore, Filter, LetterRef, ReplayEvent, ReplayOptions, Store,
-};
+use idempo::ops::Services;
+use idempo::ops::dead_letters::{DeadLetterStore, Filter, Letter, LetterRef, Store};
 use serde::Deserialize;
 
+use super::auth::Caller;
 use super::failure::Failure;
 use super::{App, Page, Shared, pages};
 
@@ -25,35 +29,64 @@ pub(crate) struct QueueQuery {
 /// Letters per page of a group.
 const PAGE: i64 = 100;
 
-pub(crate) async fn dead_letters(State(app): Shared, Query(q): Query<QueueQuery>) -> Page {
-    let filter = Filter {
-        queue: q.queue.clone().filter(|q| !q.is_empty()),
-        ..Filter::default()
-    };
-    let groups = table(&app).await?.groups(&filter).await?;
-    let mut body = pages::groups(filter.queue.as_deref(), &groups);
-    // Not kept in the table: the queue's RabbitMQ DLQ, shown read-only
-    // (browsed without spending a delivery attempt).
-    if let (true, Some(queue)) = (groups.is_empty(), &filter.queue) {
-        let listed = match DeadLetterStore::open(&app.services, queue, Store::Queue).await {
-            Ok(dlq) => dlq
-                .list(&Filter::default())
-                .await
-                .map(|l| (dlq.location(), l)),
-            Err(e) => Err(e),
-        };
-        match listed {
-            Ok((dlq, letters)) => body.push_str(&pages::queue_dlq(&dlq, &letters)),
-            Err(e) => body.push_str(&format!(
-                "<p class=rule>{}</p>",
-                html_escape::encode_text(&crate::errors::cause_line(&e))
-            )),
-        }
-    }
-    Ok(Html(pages::layout("Dead letters", &body, true)))
+/// Causes shown at most on the dead-letters page (the largest first).
+const GROUPS: i64 = 100;
+
+/// How long a DLQ's listing is shown again instead of walking it again.
+const DLQ_FRESH: Duration = Duration::from_secs(10);
+
+/// The table store (the dashboard acts only on letters kept in PostgreSQL).
+pub(super) async fn table(app: &App) -> Result<DeadLetterStore, Failure> {
+    Ok(DeadLetterStore::table(app.database().await?.clone()))
 }
 
-pub(crate) async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Page {
+pub(crate) async fn dead_letters(State(app): Shared, Query(q): Query<QueueQuery>) -> Page {
+    let queue = q.queue.clone().filter(|q| !q.is_empty());
+    let filter = Filter {
+        queue: queue.clone(),
+        limit: Some(GROUPS + 1),
+        ..Filter::default()
+    };
+    let mut groups = table(&app).await?.groups(&filter).await?;
+    let more = groups.len() as i64 > GROUPS;
+    groups.truncate(GROUPS as usize);
+    let mut body = pages::groups(queue.as_deref(), &groups);
+    if more {
+        body.push_str(
+            &maud::html! {
+                p.rule { "the " (GROUPS) " largest causes are shown: pick a queue to narrow" }
+            }
+            .into_string(),
+        );
+    }
+    let Some(queue) = queue.filter(|_| groups.is_empty()) else {
+        return Ok(Html(pages::layout("Dead letters", &body, true)));
+    };
+    // Not kept in the table: the queue's RabbitMQ DLQ. Reading it takes its
+    // letters and puts them back behind the rest: never in read-only mode,
+    // one walk per queue at a time, finished even if the browser leaves,
+    // and not refreshed by the page.
+    if app.read_only {
+        body.push_str(
+            &maud::html! {
+                p.rule {
+                    "letters of " (queue) " may be in its RabbitMQ dead-letter queue: "
+                    "a read-only dashboard does not browse it (a browse moves its letters); "
+                    code { "idempo dlq list " (queue) }
+                }
+            }
+            .into_string(),
+        );
+        return Ok(Html(pages::layout("Dead letters", &body, true)));
+    }
+    match app.dlq_views.list(&app.services, &queue).await {
+        Ok((dlq, letters)) => body.push_str(&pages::queue_dlq(&dlq, &letters)),
+        Err(why) => body.push_str(&maud::html! { p.rule { (why) } }.into_string()),
+    }
+    Ok(Html(pages::layout("Dead letters", &body, false)))
+}
+
+pub(crate) async fn group(State(app): Shared, caller: Caller, Query(q): Query<QueueQuery>) -> Page {
     let (Some(queue), Some(fingerprint)) = (q.queue, q.fingerprint) else {
         return Err(Failure::Refused(
             StatusCode::BAD_REQUEST,
@@ -67,15 +100,16 @@ pub(crate) async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Pa
         ..Filter::queue(queue.as_str())
     };
     let letters = table(&app).await?.list(&filter).await?;
-    let csrf = (!app.read_only).then(|| app.auth.csrf());
+    let csrf = app.csrf(&caller);
     let mut body = pages::group(&queue, &fingerprint, &letters, csrf.as_deref());
     if let (true, Some(last)) = (letters.len() as i64 == PAGE, letters.last()) {
-        body.push_str(&format!(
-            "<p><a href=\"/dead-letters/group?queue={}&amp;fingerprint={}&amp;after={}\">next page</a></p>",
-            html_escape::encode_double_quoted_attribute(&pages::urlencode(&queue)),
-            html_escape::encode_double_quoted_attribute(&pages::urlencode(&fingerprint)),
+        let next = format!(
+            "/dead-letters/group?queue={}&fingerprint={}&after={}",
+            pages::urlencode(&queue),
+            pages::urlencode(&fingerprint),
             last.id.unwrap_or_default()
-        ));
+        );
+        body.push_str(&maud::html! { p { a href=(next) { "next page" } } }.into_string());
     }
     Ok(Html(pages::layout(
         "Dead letters of one cause",
@@ -84,7 +118,7 @@ pub(crate) async fn group(State(app): Shared, Query(q): Query<QueueQuery>) -> Pa
     )))
 }
 
-pub(crate) async fn letter(State(app): Shared, Path(id): Path<i64>) -> Page {
+pub(crate) async fn letter(State(app): Shared, caller: Caller, Path(id): Path<i64>) -> Page {
     let detail = table(&app)
         .await?
         .show(&LetterRef::Row(id))
@@ -93,7 +127,7 @@ pub(crate) async fn letter(State(app): Shared, Path(id): Path<i64>) -> Page {
             StatusCode::NOT_FOUND,
             "no such dead letter\n",
         ))?;
-    let csrf = (!app.read_only).then(|| app.auth.csrf());
+    let csrf = app.csrf(&caller);
     Ok(Html(pages::layout(
         "Dead letter",
         &pages::letter(&detail, csrf.as_deref()),
@@ -101,171 +135,51 @@ pub(crate) async fn letter(State(app): Shared, Path(id): Path<i64>) -> Page {
     )))
 }
 
-/// An action's form: one letter (`id`) or one cause (`queue` +
-/// `fingerprint`), the CSRF token, and `confirm` once confirmed.
-#[derive(Deserialize)]
-pub(crate) struct ActionForm {
-    csrf: Option<String>,
-    id: Option<i64>,
-    queue: Option<String>,
-    fingerprint: Option<String>,
-    confirm: Option<String>,
+/// One listing of a DLQ.
+type Listing = (String, Vec<Letter>);
+
+/// The last listing of one DLQ and when it was made, behind the lock that
+/// lets one walk at a time.
+type Slot = Arc<tokio::sync::Mutex<Option<(Instant, Listing)>>>;
+
+/// The DLQ listings the dashboard made, one walk per queue at a time.
+#[derive(Default)]
+pub(crate) struct DlqViews {
+    queues: Mutex<HashMap<String, Slot>>,
 }
 
-impl ActionForm {
-    fn filter(&self) -> Option<Filter> {
-        match (self.id, &self.queue, &self.fingerprint) {
-            (Some(id), _, _) => Some(Filter {
-                ids: vec![id],
-                ..Filter::default()
-            }),
-            (None, Some(queue), Some(fingerprint)) => Some(Filter {
-                fingerprint: Some(fingerprint.clone()),
-                ..Filter::queue(queue.as_str())
-            }),
-            _ => None,
-        }
-    }
-
-    fn fields(&self) -> Vec<(&'static str, String)> {
-        let mut fields = Vec::new();
-        if let Some(id) = self.id {
-            fields.push(("id", id.to_string()));
-        }
-        if let Some(queue) = &self.queue {
-            fields.push(("queue", queue.clone()));
-        }
-        if let Some(fingerprint) = &self.fingerprint {
-            fields.push(("fingerprint", fingerprint.clone()));
-        }
-        fields
-    }
-}
-
-/// The checks every action passes first: not read-only, the CSRF token, a
-/// selection.
-fn admit(app: &App, form: &ActionForm) -> Result<Filter, Failure> {
-    app.admit(form.csrf.as_deref())?;
-    form.filter().ok_or(Failure::Refused(
-        StatusCode::BAD_REQUEST,
-        "say which letters: id, or queue and fingerprint\n",
-    ))
-}
-
-/// The confirmation step of an action on `count` letters: the same form
-/// again, with `confirm`.
-fn confirmation(app: &App, form: &ActionForm, act: Act, count: u64) -> Html<String> {
-    let fields = form.fields();
-    let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    Html(pages::layout(
-        "Confirm",
-        &pages::confirm(
-            (act.label(), count, "dead letter(s)"),
-            act.path(),
-            "/dead-letters",
-            &app.auth.csrf(),
-            &fields,
-        ),
-        false,
-    ))
-}
-
-/// Who did an action, as the letters record it.
-fn operator(from: SocketAddr) -> String {
-    format!("idempo-dashboard:{}", from.ip())
-}
-
-/// What an action does to the letters it selects.
-#[derive(Clone, Copy)]
-enum Act {
-    Replay,
-    Discard,
-    Delete,
-}
-
-impl Act {
-    fn label(self) -> &'static str {
-        match self {
-            Act::Replay => "Replay",
-            Act::Discard => "Discard",
-            Act::Delete => "Delete",
-        }
-    }
-
-    fn path(self) -> &'static str {
-        match self {
-            Act::Replay => "/dead-letters/replay",
-            Act::Discard => "/dead-letters/discard",
-            Act::Delete => "/dead-letters/purge",
-        }
-    }
-}
-
-pub(crate) async fn replay(
-    State(app): Shared,
-    ConnectInfo(from): ConnectInfo<SocketAddr>,
-    Form(form): Form<ActionForm>,
-) -> Page {
-    act(&app, from, &form, Act::Replay).await
-}
-
-pub(crate) async fn discard(
-    State(app): Shared,
-    ConnectInfo(from): ConnectInfo<SocketAddr>,
-    Form(form): Form<ActionForm>,
-) -> Page {
-    act(&app, from, &form, Act::Discard).await
-}
-
-pub(crate) async fn purge(
-    State(app): Shared,
-    ConnectInfo(from): ConnectInfo<SocketAddr>,
-    Form(form): Form<ActionForm>,
-) -> Page {
-    act(&app, from, &form, Act::Delete).await
-}
-
-/// An action: admitted, then the count of what it selects and a
-/// confirmation, then (confirmed) done, logged with the operator's address.
-async fn act(app: &App, from: SocketAddr, form: &ActionForm, act: Act) -> Page {
-    let filter = admit(app, form)?;
-    let store = table(app).await?;
-    if form.confirm.as_deref() != Some("1") {
-        let count = store.count(&filter).await?;
-        return Ok(confirmation(app, form, act, count));
-    }
-    let message = match act {
-        Act::Replay => {
-            let mut skipped = Vec::new();
-            let report = store
-                .replay(&filter, &ReplayOptions::by(operator(from)), |event| {
-                    if let ReplayEvent::Skipped { row, refusal, .. } = event {
-                        skipped.push(format!("row {}: {refusal}", row.unwrap_or_default()));
-                    }
-                })
-                .await?;
-            let mut message = format!(
-                "{} replayed through the outbox (the consumers' relay publishes them), {} skipped",
-                report.replayed,
-                report.skipped_total()
-            );
-            for why in &skipped {
-                message.push_str(&format!("; {why}"));
+impl DlqViews {
+    /// The DLQ of `queue` and its first 100 letters: a listing younger than
+    /// [`DLQ_FRESH`], or a new walk run in a task of its own (a browser that
+    /// leaves does not cut it short: a walk cut short could leave letters
+    /// held, then put back twice).
+    async fn list(&self, services: &Services, queue: &str) -> Result<Listing, String> {
+        let slot = self
+            .queues
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(queue.to_owned())
+            .or_default()
+            .clone();
+        let (services, queue) = (services.clone(), queue.to_owned());
+        let walk = tokio::spawn(async move {
+            let mut last = slot.lock_owned().await;
+            if let Some((at, listing)) = &*last
+                && at.elapsed() < DLQ_FRESH
+            {
+                return Ok(listing.clone());
             }
-            message
-        }
-        Act::Discard => {
-            let n = store.discard(&filter, &operator(from), false).await?;
-            format!("{n} discarded (kept for audit until reaped)")
-        }
-        Act::Delete => format!("{} deleted", store.purge_now(&filter).await?),
-    };
-    tracing::warn!(operator = %from, "dashboard: {message}");
-    eprintln!("dashboard: {}: {message}", from.ip());
-    Ok(Html(pages::layout("Done", &pages::done(&message), false)))
-}
-
-/// The table store (the dashboard acts only on letters kept in PostgreSQL).
-async fn table(app: &App) -> Result<DeadLetterStore, Failure> {
-    Ok(DeadLetterStore::table(app.database().await?.clone()))
+            let store = DeadLetterStore::open(&services, &queue, Store::Queue)
+                .await
+                .map_err(|e| crate::errors::cause_line(&e))?;
+            let letters = store
+                .list(&Filter::default())
+                .await
+                .map_err(|e| crate::errors::cause_line(&e))?;
+            let listing = (store.location(), letters);
+            *last = Some((Instant::now(), listing.clone()));
+            Ok(listing)
+        });
+        walk.await.map_err(|e| e.to_string())?
+    }
 }

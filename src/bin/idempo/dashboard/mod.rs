@@ -1,16 +1,22 @@
 //! `idempo dashboard`: the web pages for the people on call, over the same
 //! library functions as the other commands ([`idempo::ops::status`],
-//! [`idempo::dead_letters`]). Server-rendered (`pages.rs`), assets
-//! embedded, token and CSRF checks in `auth.rs`; the pages of the dead
-//! letters in `letters.rs`, of the outbox in `outbox.rs`; a handler's
-//! failure is a [`Failure`](failure::Failure).
+//! [`idempo::ops::dead_letters`]). Server-rendered from auto-escaping
+//! templates (`pages.rs`), assets embedded; sessions, the token and CSRF
+//! checks in `auth.rs`; the checks and headers of every request in
+//! `guard.rs`; a server with bounded connections in `serve.rs`; the pages
+//! of the dead letters in `letters.rs` and their actions in `actions.rs`,
+//! the outbox's in `outbox.rs`; a handler's failure is a
+//! [`Failure`](failure::Failure).
 
+mod actions;
 mod auth;
 mod failure;
+mod guard;
 mod letters;
 mod outbox;
 mod pages;
 mod samples;
+mod serve;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,7 +34,7 @@ use idempo::ops::management::Management;
 use sqlx::PgPool;
 
 use crate::Ctx;
-use auth::Auth;
+use auth::{Auth, Caller};
 use failure::Failure;
 
 /// Where the dashboard listens unless told.
@@ -70,6 +76,7 @@ struct App {
     read_only: bool,
     samples: samples::Samples,
     sample_every: std::time::Duration,
+    dlq_views: letters::DlqViews,
 }
 
 impl App {
@@ -85,16 +92,21 @@ impl App {
         }
     }
 
-    /// The checks every action passes first: not read-only, and the CSRF
-    /// token of this process.
-    fn admit(&self, csrf: Option<&str>) -> Result<(), Failure> {
+    /// The checks every action passes first: not read-only, and the
+    /// caller's CSRF token.
+    fn admit(&self, caller: &Caller, csrf: Option<&str>) -> Result<(), Failure> {
         if self.read_only {
             return Err(Failure::READ_ONLY);
         }
-        if !csrf.is_some_and(|t| self.auth.is_csrf(t)) {
+        if !caller.is_csrf(&self.auth, csrf) {
             return Err(Failure::CSRF);
         }
         Ok(())
+    }
+
+    /// The CSRF token of `caller`'s forms, or none in read-only mode.
+    fn csrf(&self, caller: &Caller) -> Option<String> {
+        (!self.read_only).then(|| caller.csrf(&self.auth))
     }
 }
 
@@ -112,8 +124,15 @@ pub(crate) async fn exec(ctx: &Ctx, args: DashboardArgs) -> anyhow::Result<u8> {
             args.listen
         );
     }
-    if args.token.as_deref().is_some_and(str::is_empty) {
-        bail!("--token must not be empty");
+    if args
+        .token
+        .as_deref()
+        .is_some_and(|t| t.chars().count() < auth::MIN_TOKEN_LEN)
+    {
+        bail!(
+            "--token must be at least {} characters: a short one is guessed (e.g. `openssl rand -hex 16`)",
+            auth::MIN_TOKEN_LEN
+        );
     }
     let management = match &args.management_url {
         // A URL the operator gave must work: say so at start.
@@ -122,12 +141,14 @@ pub(crate) async fn exec(ctx: &Ctx, args: DashboardArgs) -> anyhow::Result<u8> {
     };
     let every = args.sample_every.max(std::time::Duration::from_millis(100));
     let app = Arc::new(App {
-        services: ctx.services.clone(),
+        // Concurrent actions each hold a connection (a replay's batch).
+        services: ctx.services.clone().max_connections(8),
         database_url: ctx.database_url.clone(),
         auth: Auth::new(args.token),
         read_only: args.read_only,
         samples: samples::Samples::new(management),
         sample_every: every,
+        dlq_views: letters::DlqViews::default(),
     });
     let sampler = app.clone();
     tokio::spawn(async move {
@@ -143,14 +164,10 @@ pub(crate) async fn exec(ctx: &Ctx, args: DashboardArgs) -> anyhow::Result<u8> {
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let local = listener.local_addr()?;
     println!("idempo dashboard listening on http://{local}/");
-    axum::serve(
-        listener,
-        router(app).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async {
+    serve::serve(listener, router(app), async {
         let _ = tokio::signal::ctrl_c().await;
     })
-    .await?;
+    .await;
     Ok(0)
 }
 
@@ -160,18 +177,20 @@ fn router(app: Arc<App>) -> Router {
         .route("/dead-letters", get(letters::dead_letters))
         .route("/dead-letters/group", get(letters::group))
         .route("/dead-letters/{id}", get(letters::letter))
-        .route("/dead-letters/replay", post(letters::replay))
-        .route("/dead-letters/discard", post(letters::discard))
-        .route("/dead-letters/purge", post(letters::purge))
+        .route("/dead-letters/replay", post(actions::replay))
+        .route("/dead-letters/discard", post(actions::discard))
+        .route("/dead-letters/purge", post(actions::purge))
         .route("/outbox", get(outbox::outbox))
         .route("/outbox/retry", post(outbox::retry))
         .route("/outbox/discard", post(outbox::discard))
+        .route("/logout", get(auth::logout_page).post(auth::logout))
         .route_layer(middleware::from_fn_with_state(app.clone(), auth::signed_in));
     Router::new()
         .merge(pages)
         .route("/login", get(auth::login_page).post(auth::login))
         .route("/assets/style.css", get(style))
         .route("/assets/refresh.js", get(script))
+        .layer(middleware::from_fn_with_state(app.clone(), guard::guard))
         .with_state(app)
 }
 
@@ -188,14 +207,20 @@ async fn overview(State(app): Shared) -> Page {
 
 async fn style() -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        [
+            (header::CONTENT_TYPE, "text/css; charset=utf-8"),
+            (header::CACHE_CONTROL, "max-age=300"),
+        ],
         pages::STYLE,
     )
 }
 
 async fn script() -> impl IntoResponse {
     (
-        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        [
+            (header::CONTENT_TYPE, "text/javascript; charset=utf-8"),
+            (header::CACHE_CONTROL, "max-age=300"),
+        ],
         pages::SCRIPT,
     )
 }

@@ -1,22 +1,26 @@
 //! The outbox page (pending by destination, failed rows) and its actions:
-//! failed rows put back to pending, or discarded.
+//! failed rows put back to pending, or discarded (confirmed first, and done
+//! only on the rows the confirmation counted).
 
-use std::net::SocketAddr;
-
-use axum::extract::{ConnectInfo, Form, State};
+use axum::extract::{Form, State};
 use axum::response::Html;
 use serde::Deserialize;
 
+use super::auth::Caller;
+use super::failure::Failure;
 use super::{App, Page, Shared, pages};
 
-pub(crate) async fn outbox(State(app): Shared) -> Page {
+/// Failed rows looked at, at most, for a confirmation.
+const FAILED_AT_MOST: i64 = 100_000;
+
+pub(crate) async fn outbox(State(app): Shared, caller: Caller) -> Page {
     let pool = app.database().await?;
     let (status, pending, failed) = tokio::join!(
         idempo::outbox::status(pool),
         idempo::outbox::pending_by_destination(pool, 200),
         idempo::outbox::failed(pool, 200),
     );
-    let csrf = (!app.read_only).then(|| app.auth.csrf());
+    let csrf = app.csrf(&caller);
     let body = pages::outbox(&status?, &pending?, &failed?, csrf.as_deref());
     Ok(Html(pages::layout("Outbox", &body, true)))
 }
@@ -26,63 +30,86 @@ pub(crate) struct OutboxForm {
     csrf: Option<String>,
     id: Option<i64>,
     confirm: Option<String>,
+    count: Option<usize>,
+    upto: Option<i64>,
 }
 
 pub(crate) async fn retry(
     State(app): Shared,
-    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    caller: Caller,
     Form(form): Form<OutboxForm>,
 ) -> Page {
-    act(&app, from, &form, false).await
+    act(&app, &caller, &form, false).await
 }
 
 pub(crate) async fn discard(
     State(app): Shared,
-    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    caller: Caller,
     Form(form): Form<OutboxForm>,
 ) -> Page {
-    act(&app, from, &form, true).await
+    act(&app, &caller, &form, true).await
 }
 
 /// Failed outbox rows (one, or all) put back to pending, or discarded.
-async fn act(app: &App, from: SocketAddr, form: &OutboxForm, discard: bool) -> Page {
-    app.admit(form.csrf.as_deref())?;
+async fn act(app: &App, caller: &Caller, form: &OutboxForm, discard: bool) -> Page {
+    app.admit(caller, form.csrf.as_deref())?;
     let pool = app.database().await?;
-    let ids = form.id.map(|id| vec![id]);
+    let failed: Vec<i64> = idempo::outbox::failed(pool, FAILED_AT_MOST)
+        .await?
+        .iter()
+        .map(|m| m.id)
+        .filter(|id| form.id.is_none_or(|one| one == *id))
+        .collect();
     if discard && form.confirm.as_deref() != Some("1") {
-        // Deleting cannot be undone: say how many first.
-        let count = match &ids {
-            Some(_) => 1,
-            None => idempo::outbox::status(pool).await?.failed.max(0) as u64,
-        };
-        let id = form.id.map(|id| id.to_string());
-        let fields: Vec<(&str, &str)> = id.iter().map(|id| ("id", id.as_str())).collect();
+        // Deleting cannot be undone: say how many first, and bind to them.
+        let mut fields = vec![
+            ("count", failed.len().to_string()),
+            (
+                "upto",
+                failed.iter().copied().max().unwrap_or(0).to_string(),
+            ),
+        ];
+        if let Some(id) = form.id {
+            fields.push(("id", id.to_string()));
+        }
+        let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
         return Ok(Html(pages::layout(
             "Confirm",
             &pages::confirm(
-                ("Discard", count, "failed outbox row(s)"),
+                ("Discard", failed.len() as u64, "failed outbox row(s)"),
                 "/outbox/discard",
                 "/outbox",
-                &app.auth.csrf(),
+                &caller.csrf(&app.auth),
                 &fields,
             ),
             false,
         )));
     }
+    let rows: Vec<i64> = if discard {
+        let (Some(count), Some(upto)) = (form.count, form.upto) else {
+            return Err(Failure::Changed(
+                "a confirmation carries what it counted: ask again".into(),
+            ));
+        };
+        let bound: Vec<i64> = failed.into_iter().filter(|id| *id <= upto).collect();
+        if bound.len() != count {
+            return Err(Failure::Changed(format!(
+                "{} of the failed rows you were shown are still failed, not the {count} you confirmed",
+                bound.len()
+            )));
+        }
+        bound
+    } else {
+        failed
+    };
     let message = if discard {
-        let n = idempo::outbox::discard_failed(pool, ids.as_deref()).await?;
+        let n = idempo::outbox::discard_failed(pool, Some(&rows)).await?;
         format!("{n} failed row(s) discarded")
     } else {
-        let n = idempo::outbox::retry_failed(pool, ids.as_deref()).await?;
+        let n = idempo::outbox::retry_failed(pool, Some(&rows)).await?;
         format!("{n} failed row(s) back to pending")
     };
-    tracing::warn!(operator = %from, "dashboard: outbox: {message}");
-    eprintln!("dashboard: {}: outbox: {message}", from.ip());
-    Ok(Html(pages::layout(
-        "Done",
-        &format!(
-            "<h1>Done</h1><p class=result>{message}</p><p><a href=/outbox>Back to the outbox</a></p>"
-        ),
-        false,
-    )))
+    tracing::warn!(operator = %caller.operator(), "dashboard: outbox: {message}");
+    eprintln!("dashboard: {}: outbox: {message}", caller.operator());
+    Ok(Html(pages::layout("Done", &pages::done(&message), false)))
 }

@@ -1,11 +1,14 @@
-//! The dashboard's HTML, rendered on the server: every value escaped, no
-//! script needed to use a page (the embedded script only refreshes them).
+//! The dashboard's HTML, rendered on the server with maud, which escapes
+//! every value it interpolates; no script needed to use a page (the
+//! embedded script only refreshes them). Text from the queues, the tables
+//! and the services goes through [`untrusted`]: escaped control and bidi
+//! characters, in a `<bdi>` of its own.
 
-use std::fmt::Write;
+use std::borrow::Cow;
 
-use html_escape::{encode_double_quoted_attribute as attr, encode_text as text};
 use idempo::ops::dead_letters::{Group, Letter, LetterDetail};
 use idempo::ops::{Condition, OUTBOX_PENDING_LIMIT, short_duration};
+use maud::{DOCTYPE, Markup, PreEscaped, html};
 
 use super::samples::Latest;
 use idempo::outbox::{FailedMessage, OutboxStatus, PendingGroup};
@@ -16,23 +19,82 @@ pub(crate) const STYLE: &str = include_str!("style.css");
 /// Refreshes `main` every 5 s without a full reload (pages work without it).
 pub(crate) const SCRIPT: &str = include_str!("refresh.js");
 
-/// The page around `body`.
+/// The page around `body` (HTML rendered by this module).
 pub(crate) fn layout(title: &str, body: &str, refresh: bool) -> String {
-    format!(
-        "<!doctype html><html lang=en><head><meta charset=utf-8>\
-         <meta name=viewport content=\"width=device-width, initial-scale=1\">\
-         <title>{title} · idempo</title><link rel=stylesheet href=/assets/style.css>\
-         {script}</head><body><header><a href=/ class=brand>idempo</a>\
-         <nav><a href=/>Overview</a><a href=/dead-letters>Dead letters</a><a href=/outbox>Outbox</a></nav>\
-         </header><main id=main{refresh_attr}>{body}</main></body></html>",
-        title = text(title),
-        script = if refresh {
-            "<script src=/assets/refresh.js defer></script>"
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { (title) " · idempo" }
+                link rel="stylesheet" href="/assets/style.css";
+                @if refresh {
+                    script src="/assets/refresh.js" defer {}
+                }
+            }
+            body {
+                header {
+                    a href="/" class="brand" { "idempo" }
+                    nav {
+                        a href="/" { "Overview" }
+                        a href="/dead-letters" { "Dead letters" }
+                        a href="/outbox" { "Outbox" }
+                    }
+                }
+                main id="main" data-refresh[refresh] { (PreEscaped(body)) }
+            }
+        }
+    }
+    .into_string()
+}
+
+/// Text that came from outside the dashboard (queue names, message ids,
+/// errors, headers, bodies): in a `<bdi>` of its own, so that a
+/// right-to-left override inside cannot reorder the text around it, and
+/// with its control and bidi control characters shown escaped
+/// (`\u{1b}`, `\n`, `\u{202e}`) instead of acting on the page. maud
+/// escapes the rest (`<`, `&`, quotes).
+pub(crate) fn untrusted(text: &str) -> Markup {
+    html! { bdi { (defang(text, false)) } }
+}
+
+/// A body as text: as [`untrusted`], its line breaks and tabs kept (a
+/// pretty-printed JSON body stays readable inside `<pre>`).
+fn untrusted_body(text: &str) -> Markup {
+    html! { bdi { (defang(text, true)) } }
+}
+
+/// The bidi control characters (Unicode's `Bidi_Control`): ALM, LRM, RLM,
+/// the embeddings and overrides U+202A–U+202E, the isolates U+2066–U+2069.
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `text` with its control characters as Rust escapes them (`\n`,
+/// `\u{1b}`) and its bidi control characters as `\u{202e}`; the other
+/// characters as they are.
+fn defang(text: &str, keep_layout: bool) -> Cow<'_, str> {
+    let kept = |c: char| keep_layout && matches!(c, '\n' | '\t');
+    if !text
+        .chars()
+        .any(|c| (c.is_control() && !kept(c)) || is_bidi_control(c))
+    {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if kept(c) {
+            out.push(c);
+        } else if c.is_control() {
+            out.extend(c.escape_debug());
+        } else if is_bidi_control(c) {
+            out.extend(c.escape_unicode());
         } else {
-            ""
-        },
-        refresh_attr = if refresh { " data-refresh" } else { "" },
-    )
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// The colour of what [`idempo::ops`] decided: the rule beside it says why.
@@ -53,6 +115,16 @@ fn rate(r: f64) -> String {
     }
 }
 
+/// The link to the letters of one cause: the query values percent-encoded
+/// (maud escapes the attribute).
+fn group_link(queue: &str, fingerprint: &str) -> String {
+    format!(
+        "/dead-letters/group?queue={}&fingerprint={}",
+        urlencode(queue),
+        urlencode(fingerprint)
+    )
+}
+
 pub(crate) fn overview(
     latest: &Latest,
     charts: &[(String, Vec<f64>)],
@@ -60,195 +132,196 @@ pub(crate) fn overview(
 ) -> String {
     let status = &latest.status;
     let instances = status.instances.as_deref().unwrap_or_default();
-    let mut out = format!(
-        "<h1>Overview</h1><p class=rule>sampled {} ago by this dashboard, every {}; \
-         rates per second from the consumers' heartbeats (written every {})</p>",
-        short_duration(latest.taken.elapsed()),
-        short_duration(every),
-        short_duration(idempo::amqp::heartbeat::HEARTBEAT_EVERY),
-    );
-    out.push_str(
-        "<section><h2>Queues</h2><p class=rule>red: a dead letter (in the queue's DLQ or the table), \
-         or messages ready while no consumer process is alive (no heartbeat for 15 s)</p>",
-    );
-    out.push_str(
-        "<table><tr><th>queue</th><th>ready</th><th>unacked</th><th>consumers attached</th>\
-         <th>processes alive</th><th>deliveries/s</th><th>acks/s</th><th>retries/s</th>\
-         <th>dead letters/s</th><th>claims/s</th><th>duplicates/s</th><th>dead letters</th>\
-         <th>relay</th><th>delay queues</th></tr>",
-    );
-    for q in &status.queues {
-        let point = latest.queues.get(&q.queue).cloned().unwrap_or_default();
-        let mine: Vec<_> = instances.iter().filter(|i| i.queue == q.queue).collect();
-        let alive = mine.iter().filter(|i| i.is_alive()).count();
-        let relays: Vec<&str> = mine
-            .iter()
-            .filter(|i| i.is_alive())
-            .filter_map(|i| i.relay.as_deref())
-            .collect();
-        let delays: Vec<String> = q
-            .delay_queues
-            .iter()
-            .map(|d| format!("{}={}", d.queue, d.ready))
-            .collect();
-        let r = point.rates;
-        let _ = write!(
-            out,
-            "<tr class={}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{alive} of {}</td>\
-             <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            colour(status.queue_condition(q)),
-            text(&q.queue),
-            q.ready.map_or("-".into(), |r| r.to_string()),
-            point.unacked.map_or("-".into(), |u| format!("{u:.0}")),
-            q.consumers.map_or("-".into(), |c| c.to_string()),
-            mine.len(),
-            rate(r.deliveries),
-            rate(r.acks),
-            rate(r.retries),
-            rate(r.dead_letters),
-            rate(r.claims),
-            rate(r.duplicates),
-            point.dead,
-            text(&if relays.is_empty() {
-                "-".into()
-            } else {
-                relays.join(", ")
-            }),
-            text(&delays.join(" "))
-        );
-    }
-    out.push_str("</table>");
-    match &latest.management {
-        Ok((url, _)) => {
-            let _ = write!(
-                out,
-                "<p class=rule>unacked: RabbitMQ's management API at {}</p>",
-                text(url)
-            );
+    html! {
+        h1 { "Overview" }
+        p class="rule" {
+            "sampled " (short_duration(latest.taken.elapsed())) " ago by this dashboard, every "
+            (short_duration(every))
+            "; rates per second from the consumers' heartbeats (written every "
+            (short_duration(idempo::amqp::heartbeat::HEARTBEAT_EVERY)) ")"
         }
-        Err(why) => {
-            let _ = write!(
-                out,
-                "<p class=rule>unacked: not known ({}); <code>--management-url</code> says where the API is</p>",
-                text(why)
-            );
+        section {
+            h2 { "Queues" }
+            p class="rule" {
+                "red: a dead letter (in the queue's DLQ or the table), \
+                 or messages ready while no consumer process is alive (no heartbeat for 15 s)"
+            }
+            table {
+                tr {
+                    th { "queue" } th { "ready" } th { "unacked" } th { "consumers attached" }
+                    th { "processes alive" } th { "deliveries/s" } th { "acks/s" } th { "retries/s" }
+                    th { "dead letters/s" } th { "claims/s" } th { "duplicates/s" } th { "dead letters" }
+                    th { "relay" } th { "delay queues" }
+                }
+                @for q in &status.queues {
+                    @let point = latest.queues.get(&q.queue).cloned().unwrap_or_default();
+                    @let mine: Vec<_> = instances.iter().filter(|i| i.queue == q.queue).collect();
+                    @let alive = mine.iter().filter(|i| i.is_alive()).count();
+                    @let relays: Vec<&str> = mine
+                        .iter()
+                        .filter(|i| i.is_alive())
+                        .filter_map(|i| i.relay.as_deref())
+                        .collect();
+                    @let delays: Vec<String> = q
+                        .delay_queues
+                        .iter()
+                        .map(|d| format!("{}={}", d.queue, d.ready))
+                        .collect();
+                    @let r = point.rates;
+                    tr class=(colour(status.queue_condition(q))) {
+                        td { (untrusted(&q.queue)) }
+                        td { (or_dash(q.ready)) }
+                        td { (point.unacked.map_or("-".into(), |u| format!("{u:.0}"))) }
+                        td { (or_dash(q.consumers)) }
+                        td { (alive) " of " (mine.len()) }
+                        td { (rate(r.deliveries)) }
+                        td { (rate(r.acks)) }
+                        td { (rate(r.retries)) }
+                        td { (rate(r.dead_letters)) }
+                        td { (rate(r.claims)) }
+                        td { (rate(r.duplicates)) }
+                        td { (point.dead) }
+                        td {
+                            @if relays.is_empty() { "-" } @else { (untrusted(&relays.join(", "))) }
+                        }
+                        td { (untrusted(&delays.join(" "))) }
+                    }
+                }
+            }
+            @match &latest.management {
+                Ok((url, _)) => {
+                    p class="rule" { "unacked: RabbitMQ's management API at " (untrusted(url)) }
+                }
+                Err(why) => {
+                    p class="rule" {
+                        "unacked: not known (" (untrusted(why)) "); "
+                        code { "--management-url" } " says where the API is"
+                    }
+                }
+            }
+        }
+        (chart_table(charts))
+        section {
+            h2 { "Consumers" }
+            table {
+                tr { th { "consumer" } th { "claims" } th { "newest claim" } th { "redelivery horizon" } }
+                @for c in &status.consumers {
+                    tr {
+                        td { (untrusted(&c.consumer)) }
+                        td { (c.claims) }
+                        td { (c.newest_age.map_or("-".into(), short_duration)) }
+                        td { (short_duration(c.redelivery_horizon)) }
+                    }
+                }
+            }
+            @if !instances.is_empty() {
+                h3 { "Processes" }
+                p class="rule" {
+                    "red: alive but not consuming, or its relay blocked; \
+                     grey: stopped or silent for 15 s (kept here 15 minutes)"
+                }
+                table {
+                    tr {
+                        th { "consumer" } th { "queue" } th { "host" } th { "pid" } th { "state" }
+                        th { "relay" } th { "up" } th { "last heartbeat" } th { "deliveries" }
+                        th { "processed" } th { "duplicates" }
+                    }
+                    @for i in instances {
+                        tr class=(colour(Condition::of_instance(i))) {
+                            td { (untrusted(&i.consumer)) }
+                            td { (untrusted(&i.queue)) }
+                            td { (untrusted(&i.host)) }
+                            td { (i.pid) }
+                            td { (untrusted(&i.state)) }
+                            td { (untrusted(i.relay.as_deref().unwrap_or("-"))) }
+                            td { (short_duration(std::time::Duration::from_secs_f64(i.up_secs))) }
+                            td {
+                                (short_duration(std::time::Duration::from_secs_f64(i.seen_secs_ago)))
+                                " ago"
+                            }
+                            td { (i.counters.deliveries) }
+                            td { (i.counters.processed) }
+                            td { (i.counters.duplicates) }
+                        }
+                    }
+                }
+            }
+        }
+        @if let Some(letters) = &status.dead_letters {
+            section {
+                h2 { "Dead letters (table)" }
+                p class="rule" { "red: any live dead letter" }
+                table {
+                    tr { th { "queue" } th { "count" } th { "reason" } th { "cause" } }
+                    @for l in letters {
+                        tr class=(colour(Condition::of_dead_letters(l))) {
+                            td { (untrusted(&l.queue)) }
+                            td { (l.count) }
+                            td { (untrusted(&l.reason)) }
+                            td {
+                                a href=(group_link(&l.queue, &l.fingerprint)) {
+                                    (untrusted(&l.fingerprint))
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        @if let Some(o) = &status.outbox {
+            @let relays: Vec<String> = instances
+                .iter()
+                .filter(|i| i.is_alive())
+                .filter_map(|i| i.relay.as_ref().map(|r| format!("{}: {r}", i.consumer)))
+                .collect();
+            section {
+                h2 { "Outbox" }
+                p class="rule" {
+                    "red: a failed message, or the oldest pending one older than "
+                    (short_duration(OUTBOX_PENDING_LIMIT))
+                }
+                p class=(colour(Condition::of_outbox(o))) {
+                    (o.pending) " pending, " (o.failed) " failed, oldest pending "
+                    (o.oldest_pending_age.map_or("-".into(), short_duration))
+                }
+                p {
+                    "relays: "
+                    @if relays.is_empty() { "none running" } @else { (untrusted(&relays.join(", "))) }
+                }
+            }
+        }
+        @for w in &status.warnings {
+            p class="warning red" { (untrusted(&w.to_string())) }
         }
     }
-    out.push_str("</section>");
-    out.push_str(&chart_table(charts));
-    out.push_str("<section><h2>Consumers</h2><table><tr><th>consumer</th><th>claims</th><th>newest claim</th><th>redelivery horizon</th></tr>");
-    for c in &status.consumers {
-        let _ = write!(
-            out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            text(&c.consumer),
-            c.claims,
-            c.newest_age.map_or("-".into(), short_duration),
-            short_duration(c.redelivery_horizon)
-        );
-    }
-    out.push_str("</table>");
-    if !instances.is_empty() {
-        out.push_str(
-            "<h3>Processes</h3><p class=rule>red: alive but not consuming, or its relay blocked; \
-             grey: stopped or silent for 15 s (kept here 15 minutes)</p>\
-             <table><tr><th>consumer</th><th>queue</th><th>host</th><th>pid</th><th>state</th><th>relay</th>\
-             <th>up</th><th>last heartbeat</th><th>deliveries</th><th>processed</th><th>duplicates</th></tr>",
-        );
-        for i in instances {
-            let class = colour(Condition::of_instance(i));
-            let _ = write!(
-                out,
-                "<tr class={class}><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-                 <td>{}</td><td>{} ago</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-                text(&i.consumer),
-                text(&i.queue),
-                text(&i.host),
-                i.pid,
-                text(&i.state),
-                text(i.relay.as_deref().unwrap_or("-")),
-                short_duration(std::time::Duration::from_secs_f64(i.up_secs)),
-                short_duration(std::time::Duration::from_secs_f64(i.seen_secs_ago)),
-                i.counters.deliveries,
-                i.counters.processed,
-                i.counters.duplicates
-            );
-        }
-        out.push_str("</table>");
-    }
-    out.push_str("</section>");
-    if let Some(letters) = &status.dead_letters {
-        out.push_str(
-            "<section><h2>Dead letters (table)</h2><p class=rule>red: any live dead letter</p>",
-        );
-        out.push_str("<table><tr><th>queue</th><th>count</th><th>reason</th><th>cause</th></tr>");
-        for l in letters {
-            let _ = write!(
-                out,
-                "<tr class={}><td>{}</td><td>{}</td><td>{}</td><td><a href=\"/dead-letters/group?queue={}&amp;fingerprint={}\">{}</a></td></tr>",
-                colour(Condition::of_dead_letters(l)),
-                text(&l.queue),
-                l.count,
-                text(&l.reason),
-                attr(&urlencode(&l.queue)),
-                attr(&urlencode(&l.fingerprint)),
-                text(&l.fingerprint)
-            );
-        }
-        out.push_str("</table></section>");
-    }
-    if let Some(o) = &status.outbox {
-        let relays: Vec<String> = instances
-            .iter()
-            .filter(|i| i.is_alive())
-            .filter_map(|i| i.relay.as_ref().map(|r| format!("{}: {r}", i.consumer)))
-            .collect();
-        let _ = write!(
-            out,
-            "<section><h2>Outbox</h2><p class=rule>red: a failed message, or the oldest pending one older than {}</p>\
-             <p class={}>{} pending, {} failed, oldest pending {}</p><p>relays: {}</p></section>",
-            short_duration(OUTBOX_PENDING_LIMIT),
-            colour(Condition::of_outbox(o)),
-            o.pending,
-            o.failed,
-            o.oldest_pending_age.map_or("-".into(), short_duration),
-            text(&if relays.is_empty() {
-                "none running".into()
-            } else {
-                relays.join(", ")
-            })
-        );
-    }
-    for w in &status.warnings {
-        let _ = write!(out, "<p class=\"warning red\">{}</p>", text(&w.to_string()));
-    }
-    out
+    .into_string()
 }
 
 /// The charts of the last 15 minutes, one row per series.
-fn chart_table(charts: &[(String, Vec<f64>)]) -> String {
-    if charts.is_empty() {
-        return "<p class=rule>charts: the last 15 minutes; they appear after the second sample</p>"
-            .into();
+fn chart_table(charts: &[(String, Vec<f64>)]) -> Markup {
+    html! {
+        @if charts.is_empty() {
+            p class="rule" { "charts: the last 15 minutes; they appear after the second sample" }
+        } @else {
+            section {
+                h2 { "Last 15 minutes" }
+                table class="charts" {
+                    tr { th { "series" } th { "chart" } th { "now" } }
+                    @for (name, values) in charts {
+                        tr {
+                            td { (untrusted(name)) }
+                            td { (sparkline(values)) }
+                            td { (rate(values.last().copied().unwrap_or_default())) }
+                        }
+                    }
+                }
+            }
+        }
     }
-    let mut out = String::from(
-        "<section><h2>Last 15 minutes</h2><table class=charts><tr><th>series</th><th>chart</th><th>now</th></tr>",
-    );
-    for (name, values) in charts {
-        let _ = write!(
-            out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
-            text(name),
-            sparkline(values),
-            rate(values.last().copied().unwrap_or_default())
-        );
-    }
-    out.push_str("</table></section>");
-    out
 }
 
 /// A small SVG line of `values`, scaled to its own maximum.
-fn sparkline(values: &[f64]) -> String {
+fn sparkline(values: &[f64]) -> Markup {
     let max = values.iter().copied().fold(0.0f64, f64::max).max(1.0);
     let step = 160.0 / (values.len().max(2) - 1) as f64;
     let points: Vec<String> = values
@@ -256,10 +329,11 @@ fn sparkline(values: &[f64]) -> String {
         .enumerate()
         .map(|(i, v)| format!("{:.1},{:.1}", i as f64 * step, 30.0 - v / max * 28.0))
         .collect();
-    format!(
-        "<svg class=chart viewBox=\"0 0 160 32\" role=img aria-label=\"max {max:.0}\"><polyline points=\"{}\"/></svg>",
-        points.join(" ")
-    )
+    html! {
+        svg class="chart" viewBox="0 0 160 32" role="img" aria-label={ "max " (format!("{max:.0}")) } {
+            polyline points=(points.join(" ")) {}
+        }
+    }
 }
 
 /// A time as the pages show it, `-` when unknown.
@@ -276,79 +350,83 @@ fn or_dash(value: Option<impl ToString>) -> String {
 }
 
 pub(crate) fn groups(queue: Option<&str>, groups: &[Group]) -> String {
-    let mut out = String::from("<h1>Dead letters</h1>");
-    if let Some(q) = queue {
-        let _ = write!(out, "<p>queue {}</p>", text(q));
+    html! {
+        h1 { "Dead letters" }
+        @if let Some(q) = queue {
+            p { "queue " (untrusted(q)) }
+        }
+        @if groups.is_empty() {
+            p { "No live dead letters in the table." }
+        } @else {
+            table {
+                tr {
+                    th { "queue" } th { "count" } th { "reason" } th { "first seen" }
+                    th { "last seen" } th { "sample error" } th { "cause" }
+                }
+                @for g in groups {
+                    tr {
+                        td { (untrusted(&g.queue)) }
+                        td { (g.count) }
+                        td { (untrusted(&g.reason)) }
+                        td { (time(g.first_seen)) }
+                        td { (time(g.last_seen)) }
+                        td class="error" { (untrusted(&g.sample_error)) }
+                        td {
+                            a class="group" href=(group_link(&g.queue, &g.fingerprint)) {
+                                (untrusted(&g.fingerprint))
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
-    if groups.is_empty() {
-        out.push_str("<p>No live dead letters in the table.</p>");
-        return out;
-    }
-    out.push_str("<table><tr><th>queue</th><th>count</th><th>reason</th><th>first seen</th><th>last seen</th><th>sample error</th><th>cause</th></tr>");
-    for g in groups {
-        let _ = write!(
-            out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=error>{}</td>\
-             <td><a class=group href=\"/dead-letters/group?queue={}&amp;fingerprint={}\">{}</a></td></tr>",
-            text(&g.queue),
-            g.count,
-            text(&g.reason),
-            text(&time(g.first_seen)),
-            text(&time(g.last_seen)),
-            text(&g.sample_error),
-            attr(&urlencode(&g.queue)),
-            attr(&urlencode(&g.fingerprint)),
-            text(&g.fingerprint)
-        );
-    }
-    out.push_str("</table>");
-    out
+    .into_string()
 }
 
 /// A RabbitMQ DLQ's letters, read-only (the table store is not in use).
 pub(crate) fn queue_dlq(dlq: &str, letters: &[Letter]) -> String {
-    let mut out = format!(
-        "<h2>RabbitMQ dead-letter queue {} ({} shown, read-only here)</h2>\
-         <p class=rule>replay or delete them with <code>idempo dlq</code>, or keep dead letters in \
-         PostgreSQL (<code>DeadLetters::Table</code>, <code>idempo dlq import</code>) to act on them here</p>\
-         <table><tr><th>message id</th><th>reason</th><th>attempts</th><th>last failure</th><th>size</th><th>error</th></tr>",
-        text(dlq),
-        letters.len()
-    );
-    for d in letters {
-        let _ = write!(
-            out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=error>{}</td></tr>",
-            text(d.message_id.as_deref().unwrap_or("-")),
-            text(&d.reason),
-            d.attempts.map_or("-".into(), |a| a.to_string()),
-            text(&time(d.last_failed_at)),
-            d.body_bytes,
-            text(d.error.as_deref().unwrap_or("-"))
-        );
+    html! {
+        h2 {
+            "RabbitMQ dead-letter queue " (untrusted(dlq)) " (" (letters.len())
+            " shown, read-only here)"
+        }
+        p class="rule" {
+            "replay or delete them with " code { "idempo dlq" }
+            ", or keep dead letters in PostgreSQL (" code { "DeadLetters::Table" } ", "
+            code { "idempo dlq import" } ") to act on them here"
+        }
+        table {
+            tr {
+                th { "message id" } th { "reason" } th { "attempts" } th { "last failure" }
+                th { "size" } th { "error" }
+            }
+            @for d in letters {
+                tr {
+                    td { (untrusted(d.message_id.as_deref().unwrap_or("-"))) }
+                    td { (untrusted(&d.reason)) }
+                    td { (or_dash(d.attempts)) }
+                    td { (time(d.last_failed_at)) }
+                    td { (d.body_bytes) }
+                    td class="error" { (untrusted(d.error.as_deref().unwrap_or("-"))) }
+                }
+            }
+        }
     }
-    out.push_str("</table>");
-    out
+    .into_string()
 }
 
 /// A form that POSTs an action, with the CSRF token.
-fn action(path: &str, csrf: &str, fields: &[(&str, &str)], label: &str) -> String {
-    let mut out = format!("<form method=post action=\"{}\">", attr(path));
-    let _ = write!(
-        out,
-        "<input type=hidden name=csrf value=\"{}\">",
-        attr(csrf)
-    );
-    for (name, value) in fields {
-        let _ = write!(
-            out,
-            "<input type=hidden name=\"{}\" value=\"{}\">",
-            attr(name),
-            attr(value)
-        );
+fn action(path: &str, csrf: &str, fields: &[(&str, &str)], label: &str) -> Markup {
+    html! {
+        form method="post" action=(path) {
+            input type="hidden" name="csrf" value=(csrf);
+            @for (name, value) in fields {
+                input type="hidden" name=(name) value=(value);
+            }
+            button type="submit" { (label) }
+        }
     }
-    let _ = write!(out, "<button type=submit>{}</button></form>", text(label));
-    out
 }
 
 pub(crate) fn group(
@@ -357,49 +435,37 @@ pub(crate) fn group(
     letters: &[Letter],
     csrf: Option<&str>,
 ) -> String {
-    let mut out = format!(
-        "<h1>Dead letters of one cause</h1><p>queue {} · cause {} · {} shown</p>",
-        text(queue),
-        text(fingerprint),
-        letters.len()
-    );
-    if let Some(csrf) = csrf {
-        out.push_str("<div class=actions>");
-        let fields = [("queue", queue), ("fingerprint", fingerprint)];
-        out.push_str(&action(
-            "/dead-letters/replay",
-            csrf,
-            &fields,
-            "Replay this group…",
-        ));
-        out.push_str(&action(
-            "/dead-letters/discard",
-            csrf,
-            &fields,
-            "Discard this group…",
-        ));
-        out.push_str(&action(
-            "/dead-letters/purge",
-            csrf,
-            &fields,
-            "Delete this group…",
-        ));
-        out.push_str("</div>");
+    let fields = [("queue", queue), ("fingerprint", fingerprint)];
+    html! {
+        h1 { "Dead letters of one cause" }
+        p {
+            "queue " (untrusted(queue)) " · cause " (untrusted(fingerprint)) " · "
+            (letters.len()) " shown"
+        }
+        @if let Some(csrf) = csrf {
+            div class="actions" {
+                (action("/dead-letters/replay", csrf, &fields, "Replay this group…"))
+                (action("/dead-letters/discard", csrf, &fields, "Discard this group…"))
+                (action("/dead-letters/purge", csrf, &fields, "Delete this group…"))
+            }
+        }
+        table {
+            tr {
+                th { "row" } th { "message id" } th { "attempts" } th { "last failed" } th { "error" }
+            }
+            @for l in letters {
+                @let id = or_dash(l.id);
+                tr {
+                    td { a href={ "/dead-letters/" (id) } { (id) } }
+                    td { (untrusted(l.message_id.as_deref().unwrap_or("-"))) }
+                    td { (or_dash(l.attempts)) }
+                    td { (time(l.last_failed_at)) }
+                    td class="error" { (untrusted(l.error.as_deref().unwrap_or("-"))) }
+                }
+            }
+        }
     }
-    out.push_str("<table><tr><th>row</th><th>message id</th><th>attempts</th><th>last failed</th><th>error</th></tr>");
-    for l in letters {
-        let _ = write!(
-            out,
-            "<tr><td><a href=\"/dead-letters/{id}\">{id}</a></td><td>{}</td><td>{}</td><td>{}</td><td class=error>{}</td></tr>",
-            text(l.message_id.as_deref().unwrap_or("-")),
-            or_dash(l.attempts),
-            text(&time(l.last_failed_at)),
-            text(l.error.as_deref().unwrap_or("-")),
-            id = or_dash(l.id),
-        );
-    }
-    out.push_str("</table>");
-    out
+    .into_string()
 }
 
 pub(crate) fn outbox(
@@ -408,151 +474,127 @@ pub(crate) fn outbox(
     failed: &[FailedMessage],
     csrf: Option<&str>,
 ) -> String {
-    let mut out = format!(
-        "<h1>Outbox</h1><p class=rule>red: a failed message, or the oldest pending one older than {}</p>\
-         <p class={}>{} pending, {} failed, oldest pending {}</p>",
-        short_duration(OUTBOX_PENDING_LIMIT),
-        colour(Condition::of_outbox(status)),
-        status.pending,
-        status.failed,
-        status.oldest_pending_age.map_or("-".into(), short_duration)
-    );
-    out.push_str("<h2>Pending by destination</h2><table><tr><th>exchange</th><th>routing key</th><th>ordering key</th><th>messages</th><th>oldest</th></tr>");
-    for p in pending {
-        let exchange = if p.exchange.is_empty() && p.routing_key.is_empty() {
-            "(packed rows)"
-        } else {
-            &p.exchange
-        };
-        let _ = write!(
-            out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.0} s</td></tr>",
-            text(exchange),
-            text(&p.routing_key),
-            text(p.ordering_key.as_deref().unwrap_or("-")),
-            p.messages,
-            p.oldest_secs
-        );
-    }
-    out.push_str("</table><h2>Failed</h2>");
-    if let (Some(csrf), false) = (csrf, failed.is_empty()) {
-        out.push_str(&action(
-            "/outbox/retry",
-            csrf,
-            &[],
-            "Retry every failed message",
-        ));
-        out.push_str(&action(
-            "/outbox/discard",
-            csrf,
-            &[],
-            "Discard every failed message",
-        ));
-    }
-    out.push_str("<table><tr><th>row</th><th>message id</th><th>destination</th><th>attempts</th><th>last error</th><th></th></tr>");
-    for f in failed {
-        let retry = match csrf {
-            Some(csrf) => {
-                let row = [("id", f.id.to_string())];
-                let row: Vec<(&str, &str)> = row.iter().map(|(k, v)| (*k, v.as_str())).collect();
-                action("/outbox/retry", csrf, &row, "Retry")
-                    + &action("/outbox/discard", csrf, &row, "Discard")
+    html! {
+        h1 { "Outbox" }
+        p class="rule" {
+            "red: a failed message, or the oldest pending one older than "
+            (short_duration(OUTBOX_PENDING_LIMIT))
+        }
+        p class=(colour(Condition::of_outbox(status))) {
+            (status.pending) " pending, " (status.failed) " failed, oldest pending "
+            (status.oldest_pending_age.map_or("-".into(), short_duration))
+        }
+        h2 { "Pending by destination" }
+        table {
+            tr {
+                th { "exchange" } th { "routing key" } th { "ordering key" } th { "messages" }
+                th { "oldest" }
             }
-            None => String::new(),
-        };
-        let _ = write!(
-            out,
-            "<tr class=red><td>{}</td><td>{}</td><td>{} / {}</td><td>{}</td><td class=error>{}</td><td>{retry}</td></tr>",
-            f.id,
-            text(&f.message_id),
-            text(&f.exchange),
-            text(&f.routing_key),
-            f.attempts,
-            text(f.last_error.as_deref().unwrap_or("-"))
-        );
+            @for p in pending {
+                tr {
+                    td {
+                        @if p.exchange.is_empty() && p.routing_key.is_empty() {
+                            "(packed rows)"
+                        } @else {
+                            (untrusted(&p.exchange))
+                        }
+                    }
+                    td { (untrusted(&p.routing_key)) }
+                    td { (untrusted(p.ordering_key.as_deref().unwrap_or("-"))) }
+                    td { (p.messages) }
+                    td { (format!("{:.0}", p.oldest_secs)) " s" }
+                }
+            }
+        }
+        h2 { "Failed" }
+        @if let (Some(csrf), false) = (csrf, failed.is_empty()) {
+            (action("/outbox/retry", csrf, &[], "Retry every failed message"))
+            (action("/outbox/discard", csrf, &[], "Discard every failed message"))
+        }
+        table {
+            tr {
+                th { "row" } th { "message id" } th { "destination" } th { "attempts" }
+                th { "last error" } th {}
+            }
+            @for f in failed {
+                @let id = f.id.to_string();
+                tr class="red" {
+                    td { (f.id) }
+                    td { (untrusted(&f.message_id)) }
+                    td { (untrusted(&f.exchange)) " / " (untrusted(&f.routing_key)) }
+                    td { (f.attempts) }
+                    td class="error" { (untrusted(f.last_error.as_deref().unwrap_or("-"))) }
+                    td {
+                        @if let Some(csrf) = csrf {
+                            (action("/outbox/retry", csrf, &[("id", &id)], "Retry"))
+                            (action("/outbox/discard", csrf, &[("id", &id)], "Discard"))
+                        }
+                    }
+                }
+            }
+        }
     }
-    out.push_str("</table>");
-    out
+    .into_string()
 }
 
 /// The body shown: text when it is, a hex dump of the first bytes otherwise;
 /// at most 16 KiB either way.
-fn body_preview(body: &[u8]) -> String {
+fn body_preview(body: &[u8]) -> Markup {
     const SHOWN: usize = 16 * 1024;
     let shown = &body[..body.len().min(SHOWN)];
-    let more = if body.len() > SHOWN {
-        format!(" (first {SHOWN} of {} bytes)", body.len())
-    } else {
-        String::new()
-    };
-    match std::str::from_utf8(shown) {
-        Ok(s) => format!("<pre class=body>{}</pre>{}", text(s), text(&more)),
-        Err(_) => format!(
-            "<pre class=body>binary: {}</pre>{}",
-            hex::encode(&shown[..shown.len().min(512)]),
-            text(&more)
-        ),
+    html! {
+        @match std::str::from_utf8(shown) {
+            Ok(s) => { pre class="body" { (untrusted_body(s)) } }
+            Err(_) => {
+                pre class="body" { "binary: " (hex::encode(&shown[..shown.len().min(512)])) }
+            }
+        }
+        @if body.len() > SHOWN {
+            " (first " (SHOWN) " of " (body.len()) " bytes)"
+        }
     }
 }
 
 pub(crate) fn letter(detail: &LetterDetail, csrf: Option<&str>) -> String {
     let l = &detail.letter;
-    let mut out = format!(
-        "<h1>Dead letter {}</h1><dl>\
-         <dt>message id</dt><dd>{}</dd><dt>queue</dt><dd>{}</dd><dt>consumer</dt><dd>{}</dd>\
-         <dt>state</dt><dd>{} (replayed {} time(s))</dd><dt>reason</dt><dd>{}</dd>\
-         <dt>error</dt><dd class=error>{}</dd><dt>attempts</dt><dd>{} (arrived {} time(s))</dd>\
-         <dt>first failed</dt><dd>{}</dd><dt>last failed</dt><dd>{}</dd>\
-         <dt>routing</dt><dd>exchange {} · routing key {}</dd></dl>",
-        or_dash(l.id),
-        text(l.message_id.as_deref().unwrap_or("-")),
-        text(l.queue.as_deref().unwrap_or("-")),
-        text(l.consumer.as_deref().unwrap_or("-")),
-        text(l.state.as_str()),
-        l.replay_count,
-        text(&l.reason),
-        text(l.error.as_deref().unwrap_or("-")),
-        or_dash(l.attempts),
-        l.deliveries,
-        text(&time(l.first_failed_at)),
-        text(&time(l.last_failed_at)),
-        text(&format!("{:?}", detail.exchange)),
-        text(&format!("{:?}", l.routing_key)),
-    );
-    if let (Some(csrf), "live") = (csrf, l.state.as_str()) {
-        let id = or_dash(l.id);
-        out.push_str("<div class=actions>");
-        out.push_str(&action(
-            "/dead-letters/replay",
-            csrf,
-            &[("id", &id)],
-            "Replay…",
-        ));
-        out.push_str(&action(
-            "/dead-letters/discard",
-            csrf,
-            &[("id", &id)],
-            "Discard…",
-        ));
-        out.push_str("</div>");
-    }
-    out.push_str("<h2>Headers</h2><table>");
-    if let Some(headers) = detail.headers.as_object() {
-        for (name, value) in headers {
-            let shown = value
-                .as_str()
-                .map_or_else(|| value.to_string(), str::to_owned);
-            let _ = write!(
-                out,
-                "<tr><td>{}</td><td>{}</td></tr>",
-                text(name),
-                text(&shown)
-            );
+    let id = or_dash(l.id);
+    html! {
+        h1 { "Dead letter " (id) }
+        dl {
+            dt { "message id" } dd { (untrusted(l.message_id.as_deref().unwrap_or("-"))) }
+            dt { "queue" } dd { (untrusted(l.queue.as_deref().unwrap_or("-"))) }
+            dt { "consumer" } dd { (untrusted(l.consumer.as_deref().unwrap_or("-"))) }
+            dt { "state" } dd { (l.state.as_str()) " (replayed " (l.replay_count) " time(s))" }
+            dt { "reason" } dd { (untrusted(&l.reason)) }
+            dt { "error" } dd class="error" { (untrusted(l.error.as_deref().unwrap_or("-"))) }
+            dt { "attempts" } dd { (or_dash(l.attempts)) " (arrived " (l.deliveries) " time(s))" }
+            dt { "first failed" } dd { (time(l.first_failed_at)) }
+            dt { "last failed" } dd { (time(l.last_failed_at)) }
+            dt { "routing" }
+            dd {
+                "exchange " (untrusted(&format!("{:?}", detail.exchange)))
+                " · routing key " (untrusted(&format!("{:?}", l.routing_key)))
+            }
         }
+        @if let (Some(csrf), "live") = (csrf, l.state.as_str()) {
+            div class="actions" {
+                (action("/dead-letters/replay", csrf, &[("id", &id)], "Replay…"))
+                (action("/dead-letters/discard", csrf, &[("id", &id)], "Discard…"))
+            }
+        }
+        h2 { "Headers" }
+        table {
+            @if let Some(headers) = detail.headers.as_object() {
+                @for (name, value) in headers {
+                    @let shown = value.as_str().map_or_else(|| value.to_string(), str::to_owned);
+                    tr { td { (untrusted(name)) } td { (untrusted(&shown)) } }
+                }
+            }
+        }
+        h2 { "Body" }
+        (body_preview(&detail.body))
     }
-    out.push_str("</table><h2>Body</h2>");
-    out.push_str(&body_preview(&detail.body));
-    out
+    .into_string()
 }
 
 /// The confirmation step of an action: what it would do, and the button.
@@ -567,37 +609,151 @@ pub(crate) fn confirm(
 ) -> String {
     let mut fields = fields.to_vec();
     fields.push(("confirm", "1"));
-    format!(
-        "<h1>Confirm</h1><p>{} {count} {}?</p>{}<p><a href=\"{}\">Cancel</a></p>",
-        text(what),
-        text(items),
-        action(path, csrf, &fields, &format!("{what} {count}")),
-        attr(cancel)
-    )
+    html! {
+        h1 { "Confirm" }
+        p { (what) " " (count) " " (items) "?" }
+        (action(path, csrf, &fields, &format!("{what} {count}")))
+        p { a href=(cancel) { "Cancel" } }
+    }
+    .into_string()
 }
 
 /// What an action did.
 pub(crate) fn done(message: &str) -> String {
-    format!(
-        "<h1>Done</h1><p class=result>{}</p><p><a href=/dead-letters>Back to the dead letters</a></p>",
-        text(message)
-    )
+    html! {
+        h1 { "Done" }
+        p class="result" { (untrusted(message)) }
+        p { a href="/dead-letters" { "Back to the dead letters" } }
+    }
+    .into_string()
 }
 
 pub(crate) fn login(failed: bool) -> String {
-    format!(
-        "<h1>Sign in</h1>{}<form method=post action=/login>\
-         <label>Token <input type=password name=token autofocus></label>\
-         <button type=submit>Sign in</button></form>",
-        if failed {
-            "<p class=red>That is not the token.</p>"
-        } else {
-            ""
+    html! {
+        h1 { "Sign in" }
+        @if failed {
+            p class="red" { "That is not the token." }
         }
-    )
+        form method="post" action="/login" {
+            label { "Token " input type="password" name="token" autofocus; }
+            button type="submit" { "Sign in" }
+        }
+    }
+    .into_string()
 }
 
 /// A query-string value, percent-encoded.
 pub(crate) fn urlencode(value: &str) -> String {
     form_urlencoded::byte_serialize(value.as_bytes()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn untrusted_text_is_escaped_isolated_and_its_controls_shown() {
+        let shown =
+            untrusted("<b>&\"q\"</b>\u{1b}[31m\n\u{202e}evil\u{2066}\u{7f}\u{0}").into_string();
+        assert_eq!(
+            shown,
+            "<bdi>&lt;b&gt;&amp;&quot;q&quot;&lt;/b&gt;\\u{1b}[31m\\n\\u{202e}evil\\u{2066}\\u{7f}\\0</bdi>"
+        );
+        // Plain text (and non-ASCII that is neither) as it is.
+        assert_eq!(
+            untrusted("payments·é").into_string(),
+            "<bdi>payments·é</bdi>"
+        );
+        for c in ['\u{061c}', '\u{200e}', '\u{200f}', '\u{202a}', '\u{2069}'] {
+            assert!(
+                !untrusted(&c.to_string()).into_string().contains(c),
+                "{c:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn hostile_values_stay_text_and_attribute_values() {
+        let q = "q\"><script>alert(1)</script>\u{202e}";
+        let page = groups(Some(q), &[]);
+        assert_eq!(
+            page,
+            "<h1>Dead letters</h1><p>queue <bdi>q&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;\
+             \\u{202e}</bdi></p><p>No live dead letters in the table.</p>"
+        );
+        let asked = confirm(
+            ("Replay", 20, "dead letter(s)"),
+            "/dead-letters/replay",
+            "/dead-letters",
+            "tok\"en",
+            &[("queue", q)],
+        );
+        assert!(
+            asked.contains("<p>Replay 20 dead letter(s)?</p>"),
+            "{asked}"
+        );
+        assert!(
+            asked.contains("<button type=\"submit\">Replay 20</button>"),
+            "{asked}"
+        );
+        assert!(
+            asked.contains("name=\"csrf\" value=\"tok&quot;en\""),
+            "{asked}"
+        );
+        assert!(asked.contains("name=\"confirm\" value=\"1\""), "{asked}");
+        assert!(!asked.contains("<script"), "{asked}");
+        let done = done("1 replayed; row 2: <i>\u{202e}</i>");
+        assert!(
+            done.contains("<bdi>1 replayed; row 2: &lt;i&gt;\\u{202e}&lt;/i&gt;</bdi>"),
+            "{done}"
+        );
+    }
+
+    #[test]
+    fn pages_have_no_inline_script_style_or_handler() {
+        let body = login(true);
+        for page in [
+            layout("Sign in", &body, true),
+            layout("Sign in", &body, false),
+        ] {
+            assert!(page.starts_with("<!DOCTYPE html>"), "{page}");
+            assert!(!page.contains("style="), "{page}");
+            // No event handler attribute (` onclick=`, ` onload=`, ...).
+            let handler = page.split(" on").skip(1).any(|rest| {
+                let name = rest.trim_start_matches(|c: char| c.is_ascii_alphabetic());
+                name.len() < rest.len() && name.starts_with('=')
+            });
+            assert!(!handler, "{page}");
+            assert_eq!(
+                page.matches("<script").count(),
+                page.matches("<script src=\"/assets/refresh.js\" defer></script>")
+                    .count(),
+                "{page}"
+            );
+        }
+        let refreshed = layout("T<", "<p>x</p>", true);
+        assert!(
+            refreshed.contains("<title>T&lt; · idempo</title>"),
+            "{refreshed}"
+        );
+        assert!(
+            refreshed.contains("<main id=\"main\" data-refresh><p>x</p></main>"),
+            "{refreshed}"
+        );
+        assert!(!layout("T", "", false).contains("data-refresh"));
+        assert!(
+            body.contains("<input type=\"password\" name=\"token\" autofocus>"),
+            "{body}"
+        );
+    }
+
+    #[test]
+    fn a_chart_is_an_svg_line() {
+        let svg = sparkline(&[0.0, 2.0]).into_string();
+        assert_eq!(
+            svg,
+            "<svg class=\"chart\" viewBox=\"0 0 160 32\" role=\"img\" aria-label=\"max 2\">\
+             <polyline points=\"0.0,30.0 160.0,2.0\"></polyline></svg>"
+        );
+    }
 }
