@@ -101,7 +101,7 @@ async fn every_response_carries_the_security_headers() {
         );
         assert!(!csp.contains("unsafe-inline"), "{csp}");
         assert_eq!(headers["x-content-type-options"], "nosniff");
-        assert_eq!(headers["referrer-policy"], "no-referrer");
+        assert_eq!(headers["referrer-policy"], "same-origin");
         assert_eq!(headers["cache-control"], "no-store", "{path}");
         let page = response.text().await.unwrap();
         assert!(

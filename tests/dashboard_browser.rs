@@ -71,15 +71,8 @@ fn screenshots() -> PathBuf {
     dir
 }
 
-#[tokio::test]
-async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_once() {
-    let db = support::cli::payments_db().await;
-    let (broker, queue) = (Broker::connect().await, unique("q"));
-    let load = fill_dead_letter_table(&db, &broker, &queue, 25, 0).await;
-
-    let (_driver, driver_url) = chromedriver();
-    let dashboard = dashboard(&db, &["--token", "browser-token", "--sample-every", "1s"]);
-    let board = dashboard.url.clone();
+/// A headless Chromium session through `driver_url`.
+async fn browser(driver_url: &str) -> fantoccini::Client {
     let mut chrome = serde_json::json!({
         "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--window-size=1280,800"],
@@ -91,11 +84,23 @@ async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_onc
     }
     let mut caps = serde_json::Map::new();
     caps.insert("goog:chromeOptions".into(), chrome);
-    let browser = ClientBuilder::new(HttpConnector::new())
+    ClientBuilder::new(HttpConnector::new())
         .capabilities(caps)
-        .connect(&driver_url)
+        .connect(driver_url)
         .await
-        .unwrap_or_else(|e| panic!("cannot start a browser session: {e}\n{INSTALL}"));
+        .unwrap_or_else(|e| panic!("cannot start a browser session: {e}\n{INSTALL}"))
+}
+
+#[tokio::test]
+async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_once() {
+    let db = support::cli::payments_db().await;
+    let (broker, queue) = (Broker::connect().await, unique("q"));
+    let load = fill_dead_letter_table(&db, &broker, &queue, 25, 0).await;
+
+    let (_driver, driver_url) = chromedriver();
+    let dashboard = dashboard(&db, &["--token", "browser-token", "--sample-every", "1s"]);
+    let board = dashboard.url.clone();
+    let browser = browser(&driver_url).await;
 
     let run = async {
         // Signed out: the sign-in page; the token signs in.
@@ -198,4 +203,103 @@ async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_onc
         .count("SELECT count(*) FROM dead_letters WHERE state = 'live'")
         .await;
     assert_eq!(live, 0);
+}
+
+/// Hostile text in every field the dashboard shows, rendered by a real
+/// browser: no script runs, no markup is injected, a right-to-left override
+/// does not reverse the text around it, control characters show escaped.
+#[tokio::test]
+async fn hostile_letters_are_shown_as_text_in_the_browser() {
+    let db = support::cli::payments_db().await;
+    let queue = format!("{}\"'><svg onload=window.pwned=1>", unique("q"));
+    let fingerprint = "\"><script>window.pwned=2</script>";
+    let long = "x".repeat(1_000_000);
+    let hostile = [
+        (
+            "<script>window.pwned=3</script>",
+            "\"><img src=x onerror=\"window.pwned=4\">",
+        ),
+        (
+            "javascript:window.pwned=5",
+            "<a href=\"javascript:window.pwned=6\">click</a>",
+        ),
+        ("bill\u{202e}fdp.exe", "ESC\u{1b}[31mred\u{7}"),
+        ("long", long.as_str()),
+    ];
+    for (message_id, error) in hostile {
+        sqlx::query(
+            "INSERT INTO dead_letters (consumer, queue, message_id, payload_sha256, exchange, \
+                 routing_key, properties, headers, body, reason, error, fingerprint, attempts, \
+                 first_failed_at, last_failed_at) \
+             VALUES ($1, $1, $2, sha256($2::bytea), '', $1, '\\x0000', \
+                 '{\"x-evil\": \"<script>window.pwned=7</script>\"}', $3, \
+                 '<b onmouseover=window.pwned=8>reason</b>', $4, $5, 1, now(), now())",
+        )
+        .bind(&queue)
+        .bind(message_id)
+        .bind(format!("<script>window.pwned=9</script>{message_id}").into_bytes())
+        .bind(error)
+        .bind(fingerprint)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let row: i64 = sqlx::query_scalar("SELECT min(id) FROM dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let (_driver, driver_url) = chromedriver();
+    let dashboard = dashboard(&db, &[]);
+    let board = dashboard.url.clone();
+    let browser = browser(&driver_url).await;
+    let run = async {
+        let group = format!(
+            "{board}/dead-letters/group?queue={}&fingerprint={}",
+            urlencoding(&queue),
+            urlencoding(fingerprint)
+        );
+        for page in [
+            format!("{board}/dead-letters"),
+            group,
+            format!("{board}/dead-letters/{row}"),
+            format!("{board}/dead-letters/{}", row + 2),
+        ] {
+            browser.goto(&page).await?;
+            let pwned = browser
+                .execute("return window.pwned === undefined;", vec![])
+                .await?;
+            assert_eq!(pwned, serde_json::Value::Bool(true), "a script ran on {page}");
+            let injected = browser
+                .execute(
+                    "return document.querySelectorAll('main script, main img, main svg:not(.chart), main b').length;",
+                    vec![],
+                )
+                .await?;
+            assert_eq!(injected, serde_json::json!(0), "markup injected on {page}");
+        }
+        // The text as text: the override escaped, the controls shown.
+        browser.goto(&format!("{board}/dead-letters/{}", row + 2)).await?;
+        let text = browser.find(Locator::Css("main")).await?.text().await?;
+        assert!(text.contains("bill\\u{202e}fdp.exe"), "{text}");
+        assert!(text.contains("\\u{1b}[31mred\\u{7}"), "{text}");
+        assert!(!text.contains('\u{202e}') && !text.contains('\u{1b}'), "{text}");
+        browser.goto(&format!("{board}/dead-letters/{row}")).await?;
+        let text = browser.find(Locator::Css("main")).await?.text().await?;
+        assert!(text.contains("<script>window.pwned=3</script>"), "{text}");
+        Ok::<(), fantoccini::error::CmdError>(())
+    }
+    .await;
+    let closed = browser.close().await;
+    run.expect("the browser session");
+    closed.expect("close the browser session");
+}
+
+/// `text` percent-encoded for a query value.
+fn urlencoding(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }

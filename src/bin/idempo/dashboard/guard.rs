@@ -20,7 +20,9 @@ const SECURITY_HEADERS: [(HeaderName, &str); 4] = [
          form-action 'self'; frame-ancestors 'none'",
     ),
     (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
-    (header::REFERRER_POLICY, "no-referrer"),
+    // Not `no-referrer`: browsers then send `Origin: null` on the pages' own
+    // POSTs, which could not be told from a cross-site one.
+    (header::REFERRER_POLICY, "same-origin"),
     (header::X_FRAME_OPTIONS, "DENY"),
 ];
 
