@@ -340,3 +340,51 @@ async fn a_replay_sends_each_dead_letter_once_and_its_history_stays_bounded() {
     }
     assert_eq!(db.payments().await, 20);
 }
+
+/// A relay of its own writes heartbeats: `idempo status` (and the
+/// dashboard) list it beside the consumers, healthy while it publishes,
+/// stopped once it ends.
+#[tokio::test]
+async fn a_standalone_relay_is_listed_with_its_state() {
+    let db = Db::new().await;
+    idempo::migrate(&db.pool).await.unwrap();
+    let relay = idempo::relay::Relay::new(&support::amqp_url(), db.pool.clone())
+        .unwrap()
+        .poll_interval(Duration::from_millis(300));
+    let stop = relay.shutdown_handle();
+    let running = tokio::spawn(relay.run());
+    let services = Services::with_pool(support::amqp_url(), db.pool.clone());
+    let relay_instance = || async {
+        ops::status(&services, &StatusOptions::default())
+            .await
+            .unwrap()
+            .instances
+            .unwrap_or_default()
+            .into_iter()
+            .find(|i| i.consumer == "relay")
+    };
+    eventually(
+        "the relay says it runs",
+        Duration::from_secs(20),
+        || async {
+            relay_instance()
+                .await
+                .is_some_and(|i| i.state == "running" && i.queue.is_empty())
+        },
+    )
+    .await;
+    let alive = relay_instance().await.unwrap();
+    assert_eq!(
+        ops::Condition::of_instance(&alive),
+        ops::Condition::Healthy,
+        "{alive:?}"
+    );
+    stop.shutdown();
+    running.await.unwrap().unwrap();
+    let stopped = relay_instance().await.unwrap();
+    assert_eq!(stopped.state, "stopped");
+    assert_eq!(
+        ops::Condition::of_instance(&stopped),
+        ops::Condition::Stopped
+    );
+}

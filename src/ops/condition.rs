@@ -44,6 +44,10 @@ impl Condition {
         if !instance.is_alive() {
             return Condition::Stopped;
         }
+        if instance.queue.is_empty() {
+            // A relay of its own: healthy while it publishes.
+            return Condition::attention_if(instance.state != "running");
+        }
         Condition::attention_if(
             instance.state != "consuming" || instance.relay.as_deref() == Some("blocked"),
         )

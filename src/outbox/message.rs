@@ -142,7 +142,7 @@ impl OutboxMessage {
 
     /// The id the outbox keeps for the row when exact properties publish
     /// none (a dead letter whose consumer read its id from a header).
-    #[cfg(feature = "amqp")]
+    #[cfg(all(feature = "amqp", feature = "ops"))]
     pub(crate) fn row_id(mut self, id: String) -> Self {
         self.message_id = Some(id);
         self

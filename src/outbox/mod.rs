@@ -305,6 +305,7 @@ pub async fn discard_failed(pool: &PgPool, ids: Option<&[i64]>) -> Result<u64, s
 ///
 /// # Errors
 /// The delete failed.
+#[cfg(feature = "amqp")]
 pub(crate) async fn delete_published_before(
     pool: &PgPool,
     keep: Duration,

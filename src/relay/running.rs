@@ -18,6 +18,7 @@ use crate::backoff::Backoff;
 use crate::outbox;
 use crate::outbox::batch::{self, Batch, Failures, NOTIFY_CHANNEL, Row};
 use crate::{Error, Result};
+use tokio_util::sync::CancellationToken;
 
 impl Relay {
     /// Publishes until the [`ShutdownHandle`](crate::amqp::ShutdownHandle) fires. A graceful shutdown
@@ -52,12 +53,27 @@ impl Relay {
             .clone()
             .unwrap_or_else(|| format!("idempo-relay:{}", std::process::id()));
         let mut link = Reconnect::new(self.broker.clone(), name, Duration::from_secs(30));
+        // A relay of its own (not a consumer's) says it is alive: the
+        // dashboard and `idempo status` list it with the consumers.
+        let beats = (!self.dormant).then(|| {
+            let stop = CancellationToken::new();
+            let task = tokio::spawn(crate::runtime::heartbeat::beat_for_relay(
+                self.pool.clone(),
+                self.health.clone(),
+                stop.clone(),
+            ));
+            (stop, task)
+        });
         if let Some(never) =
             reconnect::run(&mut run, &mut link, self.shutdown.graceful_token()).await
         {
             match never {}
         }
         self.set_state(RelayState::Stopped);
+        if let Some((stop, task)) = beats {
+            stop.cancel();
+            let _ = task.await;
+        }
         Ok(())
     }
 }

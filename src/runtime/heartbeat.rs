@@ -130,6 +130,47 @@ pub(crate) async fn beat_once(
     #[cfg(not(feature = "outbox"))]
     let relay: Option<String> = None;
     let counters = serde_json::to_value(stats.snapshot()).unwrap_or_default();
+    write(pool, who, &state, relay.as_deref(), counters).await;
+}
+
+/// A standalone relay's heartbeats (consumer `relay`, no queue), every
+/// [`HEARTBEAT_EVERY`] and when its state changes, until `stop`; then one
+/// saying `stopped`.
+#[cfg(feature = "outbox")]
+pub(crate) async fn beat_for_relay(
+    pool: PgPool,
+    health: crate::relay::RelayHealth,
+    stop: CancellationToken,
+) {
+    let who = Identity::new("relay", "");
+    loop {
+        let state = health.snapshot().state;
+        let text = lower(state);
+        write(&pool, &who, &text, Some(&text), serde_json::json!({})).await;
+        tokio::select! {
+            () = tokio::time::sleep(HEARTBEAT_EVERY) => {}
+            _ = health.wait_for(|s| s.state != state) => {}
+            () = stop.cancelled() => break,
+        }
+    }
+    write(
+        &pool,
+        &who,
+        "stopped",
+        Some("stopped"),
+        serde_json::json!({}),
+    )
+    .await;
+}
+
+/// Writes one heartbeat row.
+async fn write(
+    pool: &PgPool,
+    who: &Identity,
+    state: &str,
+    relay: Option<&str>,
+    counters: serde_json::Value,
+) {
     let written = sqlx::query(
         "INSERT INTO idempo_heartbeats \
              (instance, consumer, queue, host, pid, state, relay, counters) \
