@@ -821,3 +821,59 @@ async fn a_queue_replay_and_an_imported_letter_give_back_every_byte() {
         .expect("the replay is in the capture queue");
     assert_gives_back(&every_property("dlq-2"), &body, &got.delivery);
 }
+
+/// A foreign client's message (pika writes and reads it) through both
+/// stores: every property and header type comes back as it went.
+#[tokio::test]
+async fn a_foreign_clients_message_comes_back_whole_from_both_stores() {
+    let (db, broker, queue) = support::setup().await;
+    let capture = support::unique("capture");
+    broker.declare(&capture).await;
+    let services = idempo::ops::Services::with_pool(support::amqp_url(), db.pool.clone());
+
+    // The table: dead-lettered there, replayed to the capture queue.
+    let table_sent = support::pika::publish_every_type(&queue, "pika-table");
+    let consumer = support::consumer::Running::start(
+        support::consumer::payments_consumer(&db, &queue).dead_letters(DeadLetters::Table),
+    );
+    consumer.settled(1).await;
+    let report = store(&db.pool)
+        .replay(
+            &Filter::queue(queue.as_str()),
+            &ReplayOptions {
+                all: true,
+                to: Some(capture.clone()),
+                ..ReplayOptions::by("test")
+            },
+            |_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 1, "{report:?}");
+    support::eventually_ready(&broker, &capture, 1).await;
+    consumer.stop().await.unwrap();
+    support::pika::assert_same(&table_sent, &support::pika::read_one(&capture));
+
+    // The RabbitMQ DLQ: replayed to the work queue, read from there.
+    let queue_sent = support::pika::publish_every_type(&queue, "pika-queue");
+    support::consumer::Running::start(support::consumer::payments_consumer(&db, &queue))
+        .finish(1)
+        .await;
+    support::eventually_ready(&broker, &format!("{queue}.dlq"), 1).await;
+    let from_queue = DeadLetterStore::open(&services, &queue, Store::Queue)
+        .await
+        .unwrap();
+    let report = from_queue
+        .replay(
+            &Filter::default(),
+            &ReplayOptions {
+                all: true,
+                ..ReplayOptions::by("test")
+            },
+            |_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 1, "{report:?}");
+    support::pika::assert_same(&queue_sent, &support::pika::read_one(&queue));
+}
