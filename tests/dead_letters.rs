@@ -877,3 +877,102 @@ async fn a_foreign_clients_message_comes_back_whole_from_both_stores() {
     assert_eq!(report.replayed, 1, "{report:?}");
     support::pika::assert_same(&queue_sent, &support::pika::read_one(&queue));
 }
+
+/// A letter whose queue is gone stays, with its reason, and the others
+/// are replayed: from the table and from a RabbitMQ DLQ.
+#[tokio::test]
+async fn a_letter_bound_for_a_missing_queue_stays_and_the_others_go() {
+    let (db, broker, queue) = support::setup().await;
+    let services = idempo::ops::Services::with_pool(support::amqp_url(), db.pool.clone());
+    broker.publish(&queue, Some("poison-1"), b"{not json").await;
+    broker.publish(&queue, Some("poison-2"), b"{not json").await;
+    support::consumer::Running::start(
+        support::consumer::payments_consumer(&db, &queue).dead_letters(DeadLetters::Table),
+    )
+    .finish(2)
+    .await;
+    let table = DeadLetterStore::open(&services, &queue, Store::Table)
+        .await
+        .unwrap();
+    let nowhere = ReplayOptions {
+        all: true,
+        to: Some(support::unique("gone")),
+        ..ReplayOptions::by("test")
+    };
+    let report = table
+        .replay(&Filter::queue(queue.as_str()), &nowhere, |_| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.replayed, report.skipped_total()),
+        (0, 2),
+        "{report:?}"
+    );
+    assert_eq!(
+        table
+            .list(&Filter::queue(queue.as_str()))
+            .await
+            .unwrap()
+            .len(),
+        2,
+        "both stay live"
+    );
+    let report = table
+        .replay(
+            &Filter::queue(queue.as_str()),
+            &ReplayOptions {
+                all: true,
+                ..ReplayOptions::by("test")
+            },
+            |_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.replayed, 2, "to their own queue: {report:?}");
+
+    // A DLQ: one letter's original queue is gone, the other's is there.
+    let gone = support::unique("gone");
+    broker.declare(&gone).await;
+    // Declared with its DLQ.
+    let dlq = format!("{gone}.dlq");
+    for (id, original) in [("to-gone", gone.as_str()), ("to-here", queue.as_str())] {
+        let mut headers = lapin::types::FieldTable::default();
+        for (name, value) in [
+            ("x-idempo-original-queue", original),
+            ("x-idempo-consumer", original),
+            ("x-idempo-reason", "permanent handler error"),
+        ] {
+            headers.insert(
+                name.into(),
+                lapin::types::AMQPValue::LongString(value.into()),
+            );
+        }
+        let properties = lapin::BasicProperties::default()
+            .with_message_id(id.into())
+            .with_headers(headers);
+        broker.publish_props(&dlq, properties, b"{}").await;
+    }
+    broker.delete(&gone).await;
+    let from_queue = DeadLetterStore::open(&services, &gone, Store::Queue)
+        .await
+        .unwrap();
+    let report = from_queue
+        .replay(
+            &Filter::default(),
+            &ReplayOptions {
+                all: true,
+                ..ReplayOptions::by("test")
+            },
+            |_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.replayed, report.skipped_total()),
+        (1, 1),
+        "{report:?}"
+    );
+    let left = from_queue.list(&Filter::default()).await.unwrap();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].message_id.as_deref(), Some("to-gone"));
+}

@@ -304,6 +304,9 @@ pub enum Refusal {
     TooLarge,
     /// Its stored properties cannot be decoded.
     Undecodable,
+    /// The queue it would be replayed to does not exist (start its
+    /// consumer, which declares it, or replay to another).
+    NoSuchQueue,
     /// The outbox refuses its copy (a routing key, id or property AMQP
     /// cannot carry).
     Unstageable,
@@ -320,6 +323,7 @@ impl fmt::Display for Refusal {
             }
             Refusal::TooLarge => "its replay copy would not fit the connection's frame size",
             Refusal::Undecodable => "its stored properties cannot be decoded",
+            Refusal::NoSuchQueue => "the queue to replay it to does not exist",
             Refusal::Unstageable => "the outbox refuses its copy (a name or id AMQP cannot carry)",
         })
     }

@@ -303,3 +303,20 @@ pub(crate) async fn purge(pool: &PgPool, filter: &Filter) -> Result<u64> {
     push_filter(&mut q, filter);
     Ok(q.build().execute(pool).await?.rows_affected())
 }
+
+/// The work queues of the live letters `filter` selects.
+///
+/// # Errors
+/// [`crate::Error::Database`] when the query fails.
+pub(crate) async fn queues(pool: &PgPool, filter: &Filter) -> Result<Vec<String>> {
+    let live = Filter {
+        state: Some(LetterState::Live),
+        any_state: false,
+        limit: None,
+        after_id: None,
+        ..filter.clone()
+    };
+    let mut q = QueryBuilder::new("SELECT DISTINCT queue FROM dead_letters");
+    push_filter(&mut q, &live);
+    Ok(q.build_query_scalar().fetch_all(pool).await?)
+}

@@ -19,7 +19,8 @@ const BATCH: i64 = 100;
 /// body and properties, its failure history moved into the replay
 /// headers) and marks it replayed; `on_event` hears of each letter once its
 /// batch committed. Letters whose id the consumer already processed are
-/// skipped unless `options.force`.
+/// skipped unless `options.force`, and those bound for a queue in
+/// `missing` (it does not exist) are skipped too.
 ///
 /// # Errors
 /// [`Error::Database`] when a batch fails (the batches before it are
@@ -28,6 +29,7 @@ pub(crate) async fn replay(
     pool: &PgPool,
     filter: &Filter,
     options: &ReplayOptions,
+    missing: &[String],
     mut on_event: impl FnMut(ReplayEvent<'_>),
 ) -> Result<ReplayReport> {
     let mut report = ReplayReport {
@@ -102,6 +104,11 @@ pub(crate) async fn replay(
                 continue;
             }
             let to = options.to.clone().unwrap_or(queue);
+            if missing.contains(&to) {
+                skipped_ids.push(id);
+                skipped.push((id, message_id, Refusal::NoSuchQueue));
+                continue;
+            }
             let properties = properties.unwrap_or_default();
             match replay_message(&properties, message_id.clone(), &to, body) {
                 Ok(message) => {

@@ -136,6 +136,9 @@ pub(crate) fn refusal(refusal: Refusal) -> String {
         Refusal::Foreign => {
             "foreign (no x-idempo-original-queue): name the work queue with --to".into()
         }
+        Refusal::NoSuchQueue => {
+            format!("{refusal}: start its consumer (which declares it) or pass --to")
+        }
         Refusal::PayloadMismatch | Refusal::AlreadyProcessed => {
             format!("{refusal} (--force to replay anyway)")
         }

@@ -128,7 +128,11 @@ impl DeadLetterStore {
             },
         };
         let source = if table {
-            Sources::Table(TableSource::new(services.database().await?.clone(), work))
+            Sources::Table(TableSource::new(
+                services.database().await?.clone(),
+                work,
+                Some(services.clone()),
+            ))
         } else {
             Sources::Queue(QueueSource::new(services.clone(), queue))
         };
@@ -136,10 +140,11 @@ impl DeadLetterStore {
     }
 
     /// The letters of the `dead_letters` table in `pool` (every queue's:
-    /// filters name the queue).
+    /// filters name the queue). Without a broker, a replay does not check
+    /// that its queues exist ([`open`](Self::open) does).
     pub fn table(pool: sqlx::PgPool) -> Self {
         DeadLetterStore {
-            source: Sources::Table(TableSource::new(pool, String::new())),
+            source: Sources::Table(TableSource::new(pool, String::new(), None)),
         }
     }
 
@@ -203,9 +208,12 @@ impl DeadLetterStore {
     ///
     /// # Errors
     /// [`OpsError::NothingSelected`] when neither the filter nor
-    /// `options.all` says what to replay; [`OpsError::TargetQueueNotFound`];
-    /// [`OpsError::NotConfirmed`]; connection and query errors. What was
-    /// replayed before the error stays replayed.
+    /// `options.all` says what to replay; [`OpsError::NotConfirmed`];
+    /// connection and query errors. What was replayed before the error
+    /// stays replayed. A letter that cannot be replayed is not an error: it
+    /// stays, and the report counts it under its [`Refusal`] (its queue
+    /// does not exist, its copy is too large or refused by the outbox, its
+    /// id was processed), while the others are replayed.
     pub async fn replay(
         &self,
         filter: &Filter,

@@ -106,7 +106,17 @@ impl Run<'_> {
                 }
                 Ok(target) => target,
             };
-            self.check(&target).await?;
+            if !self.exists(&target).await? {
+                // This letter stays; the others go on.
+                summary.skip(Refusal::NoSuchQueue);
+                on_event(ReplayEvent::Skipped {
+                    message_id,
+                    row: None,
+                    refusal: Refusal::NoSuchQueue,
+                });
+                self.opened.put_back(delivery.delivery_tag).await?;
+                continue;
+            }
             if self.options.dry_run {
                 summary.replayed += 1;
                 on_event(ReplayEvent::WouldReplay {
@@ -186,21 +196,19 @@ impl Run<'_> {
         })
     }
 
-    /// Checks once per work queue that it exists: a publish to a missing
-    /// queue through the default exchange would be returned.
-    async fn check(&mut self, target: &str) -> Result<()> {
+    /// Whether a work queue exists (asked once per queue): a publish to a
+    /// missing queue through the default exchange would be returned.
+    async fn exists(&mut self, target: &str) -> Result<bool> {
         if self.checked.iter().any(|q| q == target) {
-            return Ok(());
+            return Ok(true);
         }
         if queue_depth(&self.opened.connection, target)
             .await?
             .is_none()
         {
-            return Err(OpsError::TargetQueueNotFound {
-                queue: target.to_owned(),
-            });
+            return Ok(false);
         }
         self.checked.push(target.to_owned());
-        Ok(())
+        Ok(true)
     }
 }

@@ -13,11 +13,51 @@ use crate::ops::{Result, Services};
 pub(super) struct TableSource {
     pool: PgPool,
     queue: String,
+    /// Where the replays' queues are checked, when known.
+    broker: Option<Services>,
 }
 
 impl TableSource {
-    pub(super) fn new(pool: PgPool, queue: String) -> Self {
-        TableSource { pool, queue }
+    pub(super) fn new(pool: PgPool, queue: String, broker: Option<Services>) -> Self {
+        TableSource {
+            pool,
+            queue,
+            broker,
+        }
+    }
+
+    /// The queues a replay of `filter` would publish to that do not exist
+    /// (none known without a broker, or when it cannot be asked: the relay
+    /// then marks such a message failed, and `idempo outbox failed` shows it).
+    async fn missing(&self, filter: &Filter, options: &ReplayOptions) -> Result<Vec<String>> {
+        let Some(services) = &self.broker else {
+            return Ok(Vec::new());
+        };
+        let targets = match &options.to {
+            Some(to) => vec![to.clone()],
+            None => sql::queues(&self.pool, filter).await?,
+        };
+        let connection = match services.broker().await {
+            Ok(connection) => connection,
+            Err(e) => {
+                tracing::warn!(error = %e, "replay: cannot ask RabbitMQ which queues exist");
+                return Ok(Vec::new());
+            }
+        };
+        let mut missing = Vec::new();
+        for target in targets {
+            match crate::ops::queue_depth(&connection, &target).await {
+                Ok(None) => missing.push(target),
+                Ok(Some(_)) => {}
+                // A name AMQP refuses: no queue can have it.
+                Err(crate::ops::OpsError::Idempo(crate::Error::Config(_))) => missing.push(target),
+                Err(e) => {
+                    tracing::warn!(queue = %target, error = %e, "replay: cannot check a queue")
+                }
+            }
+        }
+        crate::ops::close(&connection).await;
+        Ok(missing)
     }
 
     /// Whether the table exists and holds letters (in any state) of `queue`.
@@ -89,7 +129,9 @@ impl Source for TableSource {
         options: &ReplayOptions,
         on_event: impl FnMut(ReplayEvent<'_>) + Send,
     ) -> Result<ReplayReport> {
-        Ok(replay::replay(&self.pool, &self.scoped(filter), options, on_event).await?)
+        let filter = self.scoped(filter);
+        let missing = self.missing(&filter, options).await?;
+        Ok(replay::replay(&self.pool, &filter, options, &missing, on_event).await?)
     }
 
     async fn purge(&self, filter: &Filter) -> Result<Picked> {
