@@ -431,7 +431,7 @@ async fn thousands_of_causes_are_paged() {
     for i in 0..150 {
         letters(&db, &queue, &format!("cause-{i:03}"), 1, i).await;
     }
-    let board = dashboard(&db, &[]);
+    let board = dashboard(&db, &["--sample-every", "200ms"]);
     let page = client()
         .get(format!("{}/dead-letters", board.url))
         .send()
@@ -443,4 +443,17 @@ async fn thousands_of_causes_are_paged() {
     let shown = page.matches("fingerprint=cause-").count();
     assert_eq!(shown, 100, "{page}");
     assert!(page.contains("largest causes are shown"));
+    // The overview lists the 50 largest, and says how many more there are.
+    support::eventually("the overview's sample", Duration::from_secs(20), || async {
+        let overview = client()
+            .get(format!("{}/", board.url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        overview.matches("fingerprint=cause-").count() == 50 && overview.contains("100 more causes")
+    })
+    .await;
 }

@@ -125,6 +125,20 @@ fn group_link(queue: &str, fingerprint: &str) -> String {
     )
 }
 
+/// Causes the overview lists at most (the largest): thousands of causes
+/// would make a page of megabytes, refreshed every 5 s.
+const OVERVIEW_CAUSES: usize = 50;
+
+/// The largest [`OVERVIEW_CAUSES`] of `letters`.
+fn largest(
+    letters: &[idempo::ops::dead_letters::LetterCount],
+) -> Vec<&idempo::ops::dead_letters::LetterCount> {
+    let mut sorted: Vec<_> = letters.iter().collect();
+    sorted.sort_by_key(|l| std::cmp::Reverse(l.count));
+    sorted.truncate(OVERVIEW_CAUSES);
+    sorted
+}
+
 pub(crate) fn overview(
     latest: &Latest,
     charts: &[(String, Vec<f64>)],
@@ -253,7 +267,7 @@ pub(crate) fn overview(
                 p class="rule" { "red: any live dead letter" }
                 table {
                     tr { th { "queue" } th { "count" } th { "reason" } th { "cause" } }
-                    @for l in letters {
+                    @for l in largest(letters) {
                         tr class=(colour(Condition::of_dead_letters(l))) {
                             td { (untrusted(&l.queue)) }
                             td { (l.count) }
@@ -264,6 +278,12 @@ pub(crate) fn overview(
                                 }
                             }
                         }
+                    }
+                }
+                @if letters.len() > OVERVIEW_CAUSES {
+                    p class="rule" {
+                        (letters.len() - OVERVIEW_CAUSES) " more causes: "
+                        a href="/dead-letters" { "the dead letters page" }
                     }
                 }
             }
