@@ -13,7 +13,7 @@
 //! | `traceparent` | a message staged in the outbox inside a traced span | the outbox |
 //! | `Idempotency-Key`, `Idempotent-Replayed` | HTTP requests and replayed answers | the `http` layer, the `retry` client |
 //!
-//! Read the failure headers of a dead letter through `amqp::DeadLetter`
+//! Read the failure headers of a dead letter through `ops::dead_letters::Letter`
 //! rather than by name: it parses them.
 
 /// Why the message was dead-lettered (one of `DeadLetterReason::as_str`, feature `amqp`).
@@ -52,7 +52,8 @@ pub const FIRST_FAILURE_HEADER: &str = "x-idempo-first-failure";
 pub const LAST_FAILURE_HEADER: &str = "x-idempo-last-failure";
 
 /// The header a replayed copy carries its failure history in: a JSON array
-/// of `ReplayRecord`s, one per replay, oldest first, of the last
+/// of replay records (reason, error, attempts, first and last failure,
+/// replayed at), one per replay, oldest first, of the last
 /// `MAX_REPLAY_HISTORY` replays only (the header would otherwise grow
 /// with every replay until the message no longer fits a frame). Written by
 /// `DeadLetter::replay_properties`, read by `DeadLetter::replay_history`.

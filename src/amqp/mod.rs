@@ -79,9 +79,7 @@ pub mod window;
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
 pub use crate::dead_letters::DeadLetters;
-pub use crate::runtime::dead_letter::{
-    DeadLetter, DeadLetterReason, MAX_REPLAY_HISTORY, ReplayRecord,
-};
+pub use crate::runtime::dead_letter::{DeadLetterReason, MAX_REPLAY_HISTORY};
 pub use crate::runtime::handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use crate::runtime::health::{Health, HealthSnapshot, RuntimeState};
 pub use crate::runtime::message::{DecodeError, FromMessage, JsonBody, Message};

@@ -35,7 +35,7 @@ impl QueueType {
 
 /// The dead-letter queue a consumer of `queue` declares unless told
 /// otherwise: `<queue>.dlq`. Dead letters carry their reason and history in
-/// `x-idempo-*` headers (read them with [`DeadLetter`](super::DeadLetter)).
+/// `x-idempo-*` headers (`idempo::ops::dead_letters` reads them).
 ///
 /// ```
 /// assert_eq!(idempo::amqp::dead_letter_queue("payments"), "payments.dlq");

@@ -24,6 +24,8 @@ pub(crate) mod queries;
 #[cfg(feature = "ops")]
 pub(crate) mod replay;
 pub(crate) mod table;
+#[cfg(feature = "ops")]
+pub(crate) mod view;
 
 #[cfg(feature = "ops")]
 pub(crate) use fingerprint::fingerprint;

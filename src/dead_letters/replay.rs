@@ -6,9 +6,9 @@ use sqlx::{PgPool, QueryBuilder, Row};
 use super::model::{Filter, LetterState, Refusal, ReplayEvent, ReplayOptions, ReplayReport};
 use super::queries::{count, decode_properties, push_filter};
 use super::table::text;
+use super::view::DeadLetter;
 use crate::inbox::{self, Claim};
 use crate::outbox::{self, OutboxError, OutboxMessage};
-use crate::runtime::dead_letter::DeadLetter;
 use crate::{Error, Result};
 
 /// Letters per transaction (one with a throttle).

@@ -137,9 +137,11 @@ pub(crate) fn string_header(headers: Option<&FieldTable>, name: &str) -> Option<
 }
 
 /// An AMQP table as JSON, the inverse of the relay's mapping of staged JSON
-/// headers (`relay/frame.rs`): what a replayed dead letter carries through
-/// the outbox, and how headers are shown. Byte arrays and text
-/// that is not UTF-8 become lossy text; timestamps and decimals numbers.
+/// headers (`relay/frame.rs`): the readable copy the outbox and the
+/// dead-letter table keep beside exact properties, and how headers are
+/// shown. Byte arrays and text that is not UTF-8 become lossy text;
+/// timestamps and decimals numbers.
+#[cfg(feature = "outbox")]
 pub(crate) fn json_headers(table: &FieldTable) -> serde_json::Map<String, serde_json::Value> {
     table
         .inner()
@@ -148,7 +150,8 @@ pub(crate) fn json_headers(table: &FieldTable) -> serde_json::Map<String, serde_
         .collect()
 }
 
-pub(crate) fn json_value(value: &AMQPValue) -> serde_json::Value {
+#[cfg(feature = "outbox")]
+fn json_value(value: &AMQPValue) -> serde_json::Value {
     use serde_json::Value;
     match value {
         AMQPValue::Boolean(b) => Value::Bool(*b),

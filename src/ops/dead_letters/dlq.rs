@@ -11,9 +11,9 @@ use lapin::options::{BasicAckOptions, BasicGetOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 
-use crate::amqp::DeadLetter;
 use crate::amqp::publish::ConfirmChannel;
 use crate::dead_letters::model::{Filter, Letter, LetterDetail, LetterState};
+use crate::dead_letters::view::DeadLetter;
 use crate::ops::{OpsError, Result, Services, close, queue_depth};
 
 /// What a letter's reason is when idempo did not say.

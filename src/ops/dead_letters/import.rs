@@ -2,8 +2,8 @@
 
 use super::dlq::{Opened, without_broker_headers};
 use super::queue::QueueSource;
-use crate::amqp::DeadLetter;
 use crate::dead_letters;
+use crate::dead_letters::view::DeadLetter;
 use crate::headers::{
     CONSUMER_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER, QUEUE_HEADER, ROUTING_KEY_HEADER,
 };

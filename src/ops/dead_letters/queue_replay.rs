@@ -8,8 +8,9 @@ use lapin::message::Delivery;
 use sqlx::PgPool;
 
 use super::dlq::{Opened, letter_of};
-use crate::amqp::{DeadLetter, PublishError};
+use crate::amqp::PublishError;
 use crate::dead_letters::model::{Filter, Refusal, ReplayEvent, ReplayOptions, ReplayReport};
+use crate::dead_letters::view::DeadLetter;
 use crate::inbox::{self, Claim};
 use crate::ops::{OpsError, Result, queue_depth};
 

@@ -1,0 +1,422 @@
+//! What a dead letter says about itself, read from its headers
+//! ([`DeadLetter`]): the one reader of idempo's failure headers, and the
+//! properties of a replay's copy (feature `ops`).
+
+use std::time::SystemTime;
+
+use lapin::BasicProperties;
+use lapin::message::Delivery;
+use lapin::types::{AMQPValue, FieldTable};
+use serde::{Deserialize, Serialize};
+
+use crate::headers::{REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER};
+use crate::runtime::dead_letter::MAX_REPLAY_HISTORY;
+use crate::runtime::headers::{
+    ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
+    MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, header_text, rfc3339,
+    truncate,
+};
+
+/// A record's error text is cut to this many bytes (the full text of the
+/// last failure stays in the dead letter's own error header).
+const MAX_RECORDED_ERROR: usize = 512;
+
+/// Headers a replay drops: the attempt counters start again (their values
+/// move into the [`REPLAY_HISTORY_HEADER`]).
+const RESET_ON_REPLAY: [&str; 5] = [
+    REASON_HEADER,
+    ERROR_HEADER,
+    ATTEMPTS_HEADER,
+    FIRST_FAILURE_HEADER,
+    LAST_FAILURE_HEADER,
+];
+
+/// A dead letter's `x-idempo-*` headers, read the way the runtime wrote them.
+///
+/// The runtime publishes each dead letter with its reason, the last error,
+/// the failed attempts, the consumer, the queue and routing key it came
+/// from, and when its first and last attempts failed (see the
+/// [`REASON_HEADER`](crate::headers::REASON_HEADER) family of constants). This view
+/// reads them from a delivery's [`BasicProperties`]: text headers must be
+/// UTF-8 (a value that is not reads as absent, as it does for the runtime);
+/// [`headers_for_display`](Self::headers_for_display) shows every header,
+/// whatever its type, for people.
+///
+/// A message without [`QUEUE_HEADER`](crate::headers::QUEUE_HEADER) was not
+/// dead-lettered by idempo ([`is_foreign`](Self::is_foreign)): put into the
+/// DLQ by hand, or by the broker's own dead-lettering.
+///
+/// # Example
+/// ```
+/// use idempo::amqp::lapin::BasicProperties;
+/// use idempo::amqp::lapin::types::{AMQPValue, FieldTable};
+/// use idempo::amqp::DeadLetter;
+/// use idempo::headers::{QUEUE_HEADER, REASON_HEADER};
+///
+/// let mut headers = FieldTable::default();
+/// headers.insert(REASON_HEADER.into(), AMQPValue::LongString("permanent handler error".into()));
+/// headers.insert(QUEUE_HEADER.into(), AMQPValue::LongString("payments".into()));
+/// let properties = BasicProperties::default()
+///     .with_message_id("pay-1".into())
+///     .with_headers(headers);
+///
+/// let dead = DeadLetter::new(&properties);
+/// assert_eq!(dead.message_id().as_deref(), Some("pay-1"));
+/// assert_eq!(dead.reason().as_deref(), Some("permanent handler error"));
+/// assert_eq!(dead.original_queue().as_deref(), Some("payments"));
+/// assert!(!dead.is_foreign());
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DeadLetter<'a> {
+    properties: &'a BasicProperties,
+}
+
+/// What a dead letter looked like before one replay: an element of the
+/// [`REPLAY_HISTORY_HEADER`] array. The times are RFC 3339 text as the
+/// runtime wrote them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub(crate) struct ReplayRecord {
+    /// Why it had been dead-lettered.
+    pub reason: Option<String>,
+    /// The text of its last error.
+    pub error: Option<String>,
+    /// How many attempts had failed.
+    pub attempts: Option<u32>,
+    /// When its first attempt failed.
+    pub first_failure: Option<String>,
+    /// When its last attempt failed.
+    pub last_failure: Option<String>,
+    /// When it was replayed (absent in records written before this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replayed_at: Option<String>,
+}
+
+impl<'a> DeadLetter<'a> {
+    /// The view of a message with these properties.
+    pub(crate) fn new(properties: &'a BasicProperties) -> Self {
+        DeadLetter { properties }
+    }
+
+    /// The view of a delivery (from a consumer or `basic.get`).
+    pub(crate) fn from_delivery(delivery: &'a Delivery) -> Self {
+        DeadLetter::new(&delivery.properties)
+    }
+
+    /// The header `name` as text: a UTF-8 string or an integer, `None` when
+    /// absent or anything else.
+    pub(crate) fn header(&self, name: &str) -> Option<String> {
+        header_text(self.properties.headers().as_ref()?.inner().get(name)?)
+    }
+
+    /// The id idempo deduplicated the original on ([`MESSAGE_ID_HEADER`]),
+    /// or else the `message_id` property.
+    pub(crate) fn message_id(&self) -> Option<String> {
+        self.header(MESSAGE_ID_HEADER).or_else(|| {
+            self.properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.as_str().to_owned())
+        })
+    }
+
+    /// Why it was dead-lettered: the text of a
+    /// [`DeadLetterReason`](DeadLetterReason::as_str).
+    pub(crate) fn reason(&self) -> Option<String> {
+        self.header(REASON_HEADER)
+    }
+
+    /// The text of the last error.
+    pub(crate) fn error(&self) -> Option<String> {
+        self.header(ERROR_HEADER)
+    }
+
+    /// How many attempts failed: an integer header (as the runtime writes
+    /// it) or its decimal text.
+    pub(crate) fn attempts(&self) -> Option<u32> {
+        self.header(ATTEMPTS_HEADER)?.parse().ok()
+    }
+
+    /// The consumer that dead-lettered it.
+    pub(crate) fn consumer(&self) -> Option<String> {
+        self.header(CONSUMER_HEADER)
+    }
+
+    /// The queue it was consumed from: where a replay sends it.
+    pub(crate) fn original_queue(&self) -> Option<String> {
+        self.header(QUEUE_HEADER)
+    }
+
+    /// The routing key it was first published with.
+    pub(crate) fn original_routing_key(&self) -> Option<String> {
+        self.header(ROUTING_KEY_HEADER)
+    }
+
+    /// When its first attempt failed.
+    pub(crate) fn first_failure(&self) -> Option<SystemTime> {
+        self.time(FIRST_FAILURE_HEADER)
+    }
+
+    /// When its last attempt failed.
+    pub(crate) fn last_failure(&self) -> Option<SystemTime> {
+        self.time(LAST_FAILURE_HEADER)
+    }
+
+    fn time(&self, name: &str) -> Option<SystemTime> {
+        humantime::parse_rfc3339(&self.header(name)?).ok()
+    }
+
+    /// What it looked like before each of its last replays (at most
+    /// [`MAX_REPLAY_HISTORY`]), oldest first (empty when it was never
+    /// replayed, or the header does not parse).
+    pub(crate) fn replay_history(&self) -> Vec<ReplayRecord> {
+        self.header(REPLAY_HISTORY_HEADER)
+            .and_then(|h| serde_json::from_str(&h).ok())
+            .unwrap_or_default()
+    }
+
+    /// How many times it was replayed in all: the [`REPLAY_COUNT_HEADER`],
+    /// or (written before that header) the length of its history.
+    pub(crate) fn replay_count(&self) -> u64 {
+        self.header(REPLAY_COUNT_HEADER)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| self.replay_history().len() as u64)
+    }
+
+    /// When it was last replayed, if its history says.
+    pub(crate) fn last_replayed(&self) -> Option<SystemTime> {
+        let last = self.replay_history().pop()?.replayed_at?;
+        humantime::parse_rfc3339(&last).ok()
+    }
+
+    /// Whether idempo did not dead-letter it: it has no
+    /// [`QUEUE_HEADER`](crate::headers::QUEUE_HEADER), so a replay needs a target.
+    pub(crate) fn is_foreign(&self) -> bool {
+        self.original_queue().is_none()
+    }
+
+    /// The properties of the copy a replay publishes to the work queue: the
+    /// same id, properties and other headers, without the attempt counters
+    /// (reason, error, attempts, first and last failure), which are appended
+    /// to the [`REPLAY_HISTORY_HEADER`] instead (with the time of this
+    /// replay; the last [`MAX_REPLAY_HISTORY`] records are kept, and the
+    /// [`REPLAY_COUNT_HEADER`] counts them all). The consumer then gets its
+    /// full number of attempts again.
+    pub(crate) fn replay_properties(&self) -> BasicProperties {
+        self.replay_properties_at(SystemTime::now())
+    }
+
+    fn replay_properties_at(&self, now: SystemTime) -> BasicProperties {
+        // Earlier entries are kept as they are, whatever their shape.
+        let mut history: Vec<serde_json::Value> = self
+            .header(REPLAY_HISTORY_HEADER)
+            .and_then(|h| serde_json::from_str(&h).ok())
+            .unwrap_or_default();
+        let record = ReplayRecord {
+            reason: self.reason(),
+            error: self
+                .error()
+                .map(|e| truncate(&e, MAX_RECORDED_ERROR).to_owned()),
+            attempts: self.attempts(),
+            first_failure: self.header(FIRST_FAILURE_HEADER),
+            last_failure: self.header(LAST_FAILURE_HEADER),
+            replayed_at: Some(rfc3339(now)),
+        };
+        let count = self.replay_count() + 1;
+        history.push(serde_json::to_value(record).expect("a record serialises"));
+        let excess = history.len().saturating_sub(MAX_REPLAY_HISTORY);
+        history.drain(..excess);
+        let mut headers = FieldTable::default();
+        if let Some(old) = self.properties.headers() {
+            for (name, value) in old.inner() {
+                let name_str = name.as_str();
+                if !RESET_ON_REPLAY.contains(&name_str)
+                    && name_str != REPLAY_HISTORY_HEADER
+                    && name_str != REPLAY_COUNT_HEADER
+                {
+                    headers.insert(name.clone(), value.clone());
+                }
+            }
+        }
+        headers.insert(
+            REPLAY_HISTORY_HEADER.into(),
+            AMQPValue::LongString(serde_json::Value::Array(history).to_string().into()),
+        );
+        headers.insert(
+            REPLAY_COUNT_HEADER.into(),
+            AMQPValue::LongLongInt(i64::try_from(count).unwrap_or(i64::MAX)),
+        );
+        self.properties.clone().with_headers(headers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use super::*;
+
+    fn properties(headers: &[(&str, AMQPValue)]) -> BasicProperties {
+        let mut table = FieldTable::default();
+        for (name, value) in headers {
+            table.insert((*name).into(), value.clone());
+        }
+        BasicProperties::default()
+            .with_message_id("property-id".into())
+            .with_headers(table)
+    }
+
+    fn text(s: &str) -> AMQPValue {
+        AMQPValue::LongString(s.into())
+    }
+
+    fn dead_letter_as_the_runtime_writes_it() -> BasicProperties {
+        properties(&[
+            (MESSAGE_ID_HEADER, text("pay-1")),
+            (REASON_HEADER, text("max attempts exceeded")),
+            (ERROR_HEADER, text("timeout")),
+            (ATTEMPTS_HEADER, AMQPValue::LongLongInt(3)),
+            (CONSUMER_HEADER, text("billing")),
+            (QUEUE_HEADER, text("payments")),
+            (ROUTING_KEY_HEADER, text("pay.eu")),
+            (FIRST_FAILURE_HEADER, text("2026-12-01T02:19:47.123Z")),
+            (LAST_FAILURE_HEADER, text("2026-12-01T02:20:47.000Z")),
+            ("x-custom", text("kept")),
+        ])
+    }
+
+    #[test]
+    fn every_header_the_runtime_writes_is_read() {
+        let p = dead_letter_as_the_runtime_writes_it();
+        let dead = DeadLetter::new(&p);
+        assert_eq!(dead.message_id().as_deref(), Some("pay-1"));
+        assert_eq!(dead.reason().as_deref(), Some("max attempts exceeded"));
+        assert_eq!(dead.error().as_deref(), Some("timeout"));
+        assert_eq!(dead.attempts(), Some(3));
+        assert_eq!(dead.consumer().as_deref(), Some("billing"));
+        assert_eq!(dead.original_queue().as_deref(), Some("payments"));
+        assert_eq!(dead.original_routing_key().as_deref(), Some("pay.eu"));
+        let first = UNIX_EPOCH + Duration::from_millis(1_796_091_587_123);
+        assert_eq!(dead.first_failure(), Some(first));
+        assert_eq!(
+            dead.last_failure(),
+            Some(UNIX_EPOCH + Duration::from_secs(1_796_091_647))
+        );
+        assert!(!dead.is_foreign());
+        assert!(dead.replay_history().is_empty());
+    }
+
+    #[test]
+    fn a_message_without_idempo_headers_is_foreign_and_keeps_its_property_id() {
+        let p = properties(&[]);
+        let dead = DeadLetter::new(&p);
+        assert!(dead.is_foreign());
+        assert_eq!(dead.message_id().as_deref(), Some("property-id"));
+        assert_eq!(dead.reason(), None);
+        assert_eq!(dead.attempts(), None);
+        assert_eq!(dead.last_failure(), None);
+    }
+
+    #[test]
+    fn text_must_be_utf8_and_only_the_display_is_lossy() {
+        let p = properties(&[
+            (
+                ERROR_HEADER,
+                AMQPValue::LongString(b"bad \xff byte"[..].into()),
+            ),
+            (ATTEMPTS_HEADER, text("2")),
+            (LAST_FAILURE_HEADER, text("yesterday")),
+            ("x-flag", AMQPValue::Boolean(true)),
+        ]);
+        let dead = DeadLetter::new(&p);
+        assert_eq!(dead.error(), None, "the one reader is strict");
+        assert_eq!(dead.attempts(), Some(2), "decimal text is read too");
+        assert_eq!(dead.last_failure(), None, "not RFC 3339");
+    }
+
+    #[test]
+    fn a_replayed_copy_drops_the_counters_and_appends_them_to_its_history() {
+        let p = dead_letter_as_the_runtime_writes_it();
+        let once = DeadLetter::new(&p).replay_properties();
+        let copy = DeadLetter::new(&once);
+        assert_eq!(copy.reason(), None);
+        assert_eq!(copy.attempts(), None);
+        assert_eq!(copy.first_failure(), None);
+        assert_eq!(copy.message_id().as_deref(), Some("pay-1"));
+        assert_eq!(copy.original_queue().as_deref(), Some("payments"));
+        assert_eq!(copy.header("x-custom").as_deref(), Some("kept"));
+        assert_eq!(once.message_id(), p.message_id());
+        let history = copy.replay_history();
+        assert_eq!(history.len(), 1);
+        assert_eq!(history[0].reason.as_deref(), Some("max attempts exceeded"));
+        assert_eq!(history[0].attempts, Some(3));
+        assert_eq!(
+            history[0].first_failure.as_deref(),
+            Some("2026-12-01T02:19:47.123Z")
+        );
+
+        // Dead-lettered again, then replayed again: two entries, oldest first.
+        let mut again = once.headers().clone().unwrap_or_default();
+        again.insert(REASON_HEADER.into(), text("permanent handler error"));
+        let again = once.clone().with_headers(again);
+        let twice = DeadLetter::new(&again).replay_properties();
+        let history = DeadLetter::new(&twice).replay_history();
+        assert_eq!(history.len(), 2);
+        assert_eq!(
+            history[1].reason.as_deref(),
+            Some("permanent handler error")
+        );
+    }
+
+    #[test]
+    fn the_replay_history_keeps_the_last_records_and_counts_every_replay() {
+        let mut p = dead_letter_as_the_runtime_writes_it();
+        let long_error = "e".repeat(4000);
+        let start = UNIX_EPOCH + Duration::from_secs(1_796_091_587);
+        let mut sizes = Vec::new();
+        for pass in 0..12u64 {
+            // Dead-lettered again with a long error, then replayed again.
+            let mut headers = p.headers().clone().unwrap_or_default();
+            headers.insert(REASON_HEADER.into(), text("permanent handler error"));
+            headers.insert(ERROR_HEADER.into(), text(&long_error));
+            let dead = p.clone().with_headers(headers);
+            p = DeadLetter::new(&dead).replay_properties_at(start + Duration::from_secs(pass));
+            let history = DeadLetter::new(&p).header(REPLAY_HISTORY_HEADER).unwrap();
+            sizes.push(history.len());
+        }
+        let copy = DeadLetter::new(&p);
+        assert_eq!(copy.replay_count(), 12);
+        let history = copy.replay_history();
+        assert_eq!(history.len(), MAX_REPLAY_HISTORY);
+        assert_eq!(
+            history[0].replayed_at.as_deref(),
+            Some("2026-12-01T02:19:54.000Z"),
+            "the oldest kept is the 8th replay"
+        );
+        assert_eq!(copy.last_replayed(), Some(start + Duration::from_secs(11)));
+        assert!(
+            history
+                .iter()
+                .all(|r| r.error.as_ref().unwrap().len() == MAX_RECORDED_ERROR),
+            "error texts are cut"
+        );
+        // Bounded: the header stops growing once the history is full.
+        assert!(
+            sizes[MAX_REPLAY_HISTORY..].windows(2).all(|w| w[0] == w[1]),
+            "{sizes:?}"
+        );
+        assert!(*sizes.last().unwrap() < 4_000, "{sizes:?}");
+    }
+
+    #[test]
+    fn a_history_written_before_the_count_counts_its_records() {
+        let old = r#"[{"reason":"a"},{"reason":"b"}]"#;
+        let p = properties(&[(REPLAY_HISTORY_HEADER, text(old))]);
+        let dead = DeadLetter::new(&p);
+        assert_eq!(dead.replay_count(), 2);
+        assert_eq!(dead.last_replayed(), None);
+        let once = dead.replay_properties();
+        assert_eq!(DeadLetter::new(&once).replay_count(), 3);
+        assert_eq!(DeadLetter::new(&once).replay_history().len(), 3);
+    }
+}
