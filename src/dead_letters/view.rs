@@ -38,34 +38,11 @@ const RESET_ON_REPLAY: [&str; 5] = [
 /// from, and when its first and last attempts failed (see the
 /// [`REASON_HEADER`](crate::headers::REASON_HEADER) family of constants). This view
 /// reads them from a delivery's [`BasicProperties`]: text headers must be
-/// UTF-8 (a value that is not reads as absent, as it does for the runtime);
-/// [`headers_for_display`](Self::headers_for_display) shows every header,
-/// whatever its type, for people.
+/// UTF-8 (a value that is not reads as absent, as it does for the runtime).
 ///
 /// A message without [`QUEUE_HEADER`](crate::headers::QUEUE_HEADER) was not
 /// dead-lettered by idempo ([`is_foreign`](Self::is_foreign)): put into the
 /// DLQ by hand, or by the broker's own dead-lettering.
-///
-/// # Example
-/// ```
-/// use idempo::amqp::lapin::BasicProperties;
-/// use idempo::amqp::lapin::types::{AMQPValue, FieldTable};
-/// use idempo::amqp::DeadLetter;
-/// use idempo::headers::{QUEUE_HEADER, REASON_HEADER};
-///
-/// let mut headers = FieldTable::default();
-/// headers.insert(REASON_HEADER.into(), AMQPValue::LongString("permanent handler error".into()));
-/// headers.insert(QUEUE_HEADER.into(), AMQPValue::LongString("payments".into()));
-/// let properties = BasicProperties::default()
-///     .with_message_id("pay-1".into())
-///     .with_headers(headers);
-///
-/// let dead = DeadLetter::new(&properties);
-/// assert_eq!(dead.message_id().as_deref(), Some("pay-1"));
-/// assert_eq!(dead.reason().as_deref(), Some("permanent handler error"));
-/// assert_eq!(dead.original_queue().as_deref(), Some("payments"));
-/// assert!(!dead.is_foreign());
-/// ```
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DeadLetter<'a> {
     properties: &'a BasicProperties,
