@@ -604,7 +604,7 @@ where
 }
 
 async fn pending(pool: &PgPool) -> anyhow::Result<i64> {
-    Ok(outbox::status(pool).await?.pending)
+    Ok(outbox::OutboxStatus::read(pool).await?.pending)
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy};
-use idempo::inbox::partitioned::{self, Partitioning};
+use idempo::inbox::partitioned::Partitioning;
 use idempo::inbox::{self, Begun};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -138,7 +138,7 @@ async fn main() -> anyhow::Result<()> {
     // 1/16 of the horizon (plus one maintenance interval) after it expires.
     let partitioning = Partitioning::new().period(retention / 16);
     if partitioned_mode {
-        partitioned::switch_to_partitioned(&pool, &partitioning, Some(retention)).await?;
+        partitioning.switch(&pool, Some(retention)).await?;
     }
     let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
         .fetch_one(&pool)
@@ -340,7 +340,7 @@ async fn main() -> anyhow::Result<()> {
         .await?;
         let (outbox_bytes, outbox_pending, outbox_oldest) = if forward {
             let (bytes, _, _) = table(&pool, "outbox").await?;
-            let status = idempo::outbox::status(&pool).await?;
+            let status = idempo::outbox::OutboxStatus::read(&pool).await?;
             (
                 Some(bytes),
                 Some(status.pending),

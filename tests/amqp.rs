@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use idempo::Tx;
 use idempo::amqp::{Consumer, HandlerError, Message, MessageIdSource, QueueType};
-use idempo::headers::{MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER};
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, ExchangeKind};
@@ -169,14 +168,11 @@ async fn poison_messages_are_dead_lettered_with_their_reason_and_write_nothing()
         ]
     );
     assert_eq!(dead[0].body, b"{not json", "the original body is kept");
-    assert_eq!(
-        dead[2].headers[idempo::headers::ERROR_HEADER],
-        "empty message id"
-    );
-    assert!(dead[3].headers[idempo::headers::ERROR_HEADER].contains("negative amount"));
+    assert_eq!(dead[2].headers["x-idempo-error"], "empty message id");
+    assert!(dead[3].headers["x-idempo-error"].contains("negative amount"));
     for d in &dead {
-        assert_eq!(d.headers[idempo::headers::CONSUMER_HEADER], queue);
-        assert_eq!(d.headers[idempo::headers::QUEUE_HEADER], queue);
+        assert_eq!(d.headers["x-idempo-consumer"], queue);
+        assert_eq!(d.headers["x-idempo-original-queue"], queue);
     }
     assert_eq!(dead[4].message_id.as_deref(), Some("reused"));
     assert_eq!(
@@ -310,7 +306,7 @@ async fn an_oversized_message_id_is_dead_lettered() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].reason(), "invalid message id");
     assert_eq!(
-        dead[0].headers[idempo::headers::ERROR_HEADER],
+        dead[0].headers["x-idempo-error"],
         "message id is 256 bytes long, the limit is 255"
     );
     assert_eq!(db.payments().await, 0);
@@ -332,7 +328,7 @@ async fn a_message_id_with_a_nul_is_dead_lettered_at_once() {
     let dead = broker.drain(&format!("{queue}.dlq")).await;
     assert_eq!(dead[0].reason(), "invalid message id");
     assert_eq!(
-        dead[0].headers[idempo::headers::ERROR_HEADER],
+        dead[0].headers["x-idempo-error"],
         "message id contains a NUL character"
     );
     assert_eq!(db.claims().await, 0);
@@ -442,11 +438,11 @@ async fn a_forged_copy_header_does_not_make_a_new_payment_a_duplicate() {
     // made-up seal; and a message claims an empty carried id.
     let mut forged = FieldTable::default();
     forged.insert(
-        MESSAGE_ID_HEADER.into(),
+        "x-idempo-message-id".into(),
         AMQPValue::LongString("pay-A".into()),
     );
     forged.insert(
-        MESSAGE_ID_SEAL_HEADER.into(),
+        "x-idempo-message-id-seal".into(),
         AMQPValue::LongString("00".repeat(32).into()),
     );
     let properties = lapin::BasicProperties::default()
@@ -454,7 +450,10 @@ async fn a_forged_copy_header_does_not_make_a_new_payment_a_duplicate() {
         .with_headers(forged);
     broker.publish_props(&queue, properties, &body).await;
     let mut empty = FieldTable::default();
-    empty.insert(MESSAGE_ID_HEADER.into(), AMQPValue::LongString("".into()));
+    empty.insert(
+        "x-idempo-message-id".into(),
+        AMQPValue::LongString("".into()),
+    );
     let properties = lapin::BasicProperties::default()
         .with_message_id("pay-C".into())
         .with_headers(empty);
@@ -487,15 +486,15 @@ async fn a_dead_letter_carries_its_sealed_id_and_one_without_an_id_carries_none(
         .find(|d| d.reason() == "missing message id")
         .unwrap();
     assert!(
-        !idless.headers.contains_key(MESSAGE_ID_HEADER),
+        !idless.headers.contains_key("x-idempo-message-id"),
         "{idless:?}"
     );
     let negative = dead
         .iter()
         .find(|d| d.reason() == "permanent handler error")
         .unwrap();
-    assert_eq!(negative.headers[MESSAGE_ID_HEADER], "pay-neg");
-    assert!(negative.headers.contains_key(MESSAGE_ID_SEAL_HEADER));
+    assert_eq!(negative.headers["x-idempo-message-id"], "pay-neg");
+    assert!(negative.headers.contains_key("x-idempo-message-id-seal"));
     // An operator replays both, giving the id-less one an id of its own.
     broker
         .publish_props(
@@ -793,10 +792,7 @@ async fn a_dead_letter_does_not_inherit_the_original_expiration() {
         dead[0].expiration, None,
         "a dead letter must not expire out of the DLQ"
     );
-    assert_eq!(
-        dead[0].headers[idempo::headers::ORIGINAL_EXPIRATION_HEADER],
-        "600000"
-    );
+    assert_eq!(dead[0].headers["x-idempo-original-expiration"], "600000");
     assert_eq!(dead[0].message_id.as_deref(), Some("ttl-poison"));
 }
 
@@ -985,7 +981,7 @@ async fn a_panicking_message_id_function_dead_letters_the_message() {
     let dead = broker.drain(&format!("{queue}.dlq")).await;
     assert_eq!(dead[0].reason(), "invalid message id");
     assert_eq!(
-        dead[0].headers[idempo::headers::ERROR_HEADER],
+        dead[0].headers["x-idempo-error"],
         "the message-id function panicked"
     );
     assert_eq!(db.payments_for("fine").await, 1);
@@ -1042,10 +1038,7 @@ async fn anyhow_errors_in_a_handler_are_classified_by_the_error_they_carry() {
     assert_eq!(reasons, ["undecodable body", "permanent handler error"]);
     assert_eq!(dead[0].message_id.as_deref(), Some("not-json"));
     assert_eq!(dead[1].message_id.as_deref(), Some("division"));
-    assert_eq!(
-        dead[1].headers[idempo::headers::ERROR_HEADER],
-        "computing the share"
-    );
+    assert_eq!(dead[1].headers["x-idempo-error"], "computing the share");
     assert_eq!(flaky_attempts.load(Ordering::SeqCst), 2, "retried once");
     assert_eq!(
         (stats.dead_lettered, stats.retried, stats.processed),

@@ -180,7 +180,7 @@ async fn a_relay_blocked_by_a_memory_alarm_says_so_and_its_gauges_stay_true() {
 
     drop(alarm);
     support::eventually("the backlog goes out", Duration::from_secs(60), || async {
-        outbox::status(&db.pool).await.unwrap().pending == 0
+        outbox::OutboxStatus::read(&db.pool).await.unwrap().pending == 0
     })
     .await;
     assert!(broker.ready(&queue).await >= 2010);

@@ -6,10 +6,6 @@ mod support;
 use std::time::Duration;
 
 use idempo::amqp::{Consumer, RedeliveryPolicy, RuntimeState};
-use idempo::headers::{
-    ATTEMPTS_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER, QUEUE_HEADER,
-    ROUTING_KEY_HEADER,
-};
 use support::consumer::{
     Running, WAIT, consumer_for, counting_payments, payments_consumer, payments_then,
 };
@@ -72,22 +68,22 @@ async fn after_max_attempts_the_delivery_is_dead_lettered_with_its_history() {
     assert_eq!(dead.len(), 1);
     let h = &dead[0].headers;
     assert_eq!(dead[0].reason(), "max attempts exceeded");
-    assert_eq!(h[ATTEMPTS_HEADER], "3");
+    assert_eq!(h["x-idempo-attempts"], "3");
     assert!(
-        h[ERROR_HEADER].contains("3 attempts failed"),
+        h["x-idempo-error"].contains("3 attempts failed"),
         "{}",
-        h[ERROR_HEADER]
+        h["x-idempo-error"]
     );
-    assert!(h[ERROR_HEADER].contains("downstream unavailable"));
-    assert_eq!(h[QUEUE_HEADER], queue);
+    assert!(h["x-idempo-error"].contains("downstream unavailable"));
+    assert_eq!(h["x-idempo-original-queue"], queue);
     assert_eq!(
-        h[ROUTING_KEY_HEADER], queue,
+        h["x-idempo-original-routing-key"], queue,
         "the original routing key, not the delay queue's"
     );
-    assert!(h[FIRST_FAILURE_HEADER] <= h[LAST_FAILURE_HEADER]);
-    assert!(h[FIRST_FAILURE_HEADER].ends_with('Z'));
+    assert!(h["x-idempo-first-failure"] <= h["x-idempo-last-failure"]);
+    assert!(h["x-idempo-first-failure"].ends_with('Z'));
     assert_eq!(dead[0].message_id.as_deref(), Some("pay-doomed"));
-    assert_eq!(h[idempo::headers::MESSAGE_ID_HEADER], "pay-doomed/600000");
+    assert_eq!(h["x-idempo-message-id"], "pay-doomed/600000");
     assert_eq!(dead[0].expiration, None);
     assert_eq!(db.payments().await, 0);
 }
@@ -848,10 +844,10 @@ async fn deterministic_database_errors_are_dead_lettered_at_once_and_timeouts_re
     let zero = find("pay-zero");
     assert_eq!(zero.reason(), "permanent handler error");
     assert!(
-        zero.headers[ERROR_HEADER].contains("division by zero"),
+        zero.headers["x-idempo-error"].contains("division by zero"),
         "{zero:?}"
     );
-    assert_eq!(zero.headers[ATTEMPTS_HEADER], "1", "no retry");
+    assert_eq!(zero.headers["x-idempo-attempts"], "1", "no retry");
     assert_eq!(find("pay-forced").reason(), "max attempts exceeded");
     assert_eq!(dead.len(), 2, "pay-timeout was retried, then applied");
     assert_eq!(stats.processed, 1, "{stats:?}");
@@ -941,7 +937,7 @@ async fn without_declaring_a_missing_delay_queue_still_runs_out_of_attempts() {
     let dead = broker.drain(&format!("{queue}.dlq")).await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].reason(), "max attempts exceeded");
-    assert_eq!(dead[0].headers[ATTEMPTS_HEADER], "3");
+    assert_eq!(dead[0].headers["x-idempo-attempts"], "3");
     assert_eq!(
         seen.lock().unwrap().headers.len(),
         3,
@@ -1065,7 +1061,7 @@ async fn a_delivery_the_client_cannot_parse_is_dead_lettered_and_the_queue_moves
         assert!(dead.iter().all(|d| d.reason() == "undecodable properties"));
         let errors: Vec<&str> = dead
             .iter()
-            .map(|d| d.headers[ERROR_HEADER].as_str())
+            .map(|d| d.headers["x-idempo-error"].as_str())
             .collect();
         assert!(
             errors
@@ -1122,7 +1118,6 @@ async fn a_delivery_that_keeps_killing_the_connection_is_reported_in_health() {
 /// per-message and in batch mode.
 #[tokio::test]
 async fn a_dead_letter_too_large_for_a_frame_is_trimmed_and_the_connection_survives() {
-    use idempo::headers::{REASON_HEADER, TRIMMED_HEADERS_HEADER};
     use lapin::types::{AMQPValue, FieldTable};
     for batch in [None, Some(10)] {
         let (db, broker, queue) = support::setup().await;
@@ -1163,7 +1158,7 @@ async fn a_dead_letter_too_large_for_a_frame_is_trimmed_and_the_connection_survi
         let dead = broker.drain(&format!("{queue}.dlq")).await;
         assert_eq!(dead.len(), 1, "{batch:?}");
         let h = &dead[0].headers;
-        assert_eq!(h[REASON_HEADER], "undecodable body");
+        assert_eq!(h["x-idempo-reason"], "undecodable body");
         assert_eq!(dead[0].message_id.as_deref(), Some("big"));
         assert_eq!(dead[0].body, b"not json");
         assert!(
@@ -1171,11 +1166,11 @@ async fn a_dead_letter_too_large_for_a_frame_is_trimmed_and_the_connection_survi
             "{batch:?}: the padding was trimmed"
         );
         assert!(
-            h[TRIMMED_HEADERS_HEADER].starts_with("x-pad="),
+            h["x-idempo-trimmed-headers"].starts_with("x-pad="),
             "{}",
-            h[TRIMMED_HEADERS_HEADER]
+            h["x-idempo-trimmed-headers"]
         );
-        assert!(h.contains_key(ERROR_HEADER) && h.contains_key(QUEUE_HEADER));
+        assert!(h.contains_key("x-idempo-error") && h.contains_key("x-idempo-original-queue"));
         assert_eq!(db.balances().await["ann"], 50);
         assert_eq!(broker.ready(&queue).await, 0);
     }
@@ -1185,7 +1180,6 @@ async fn a_dead_letter_too_large_for_a_frame_is_trimmed_and_the_connection_survi
 /// dead-lettered (trimmed) with reason `headers too large to retry`.
 #[tokio::test]
 async fn a_retry_too_large_for_a_frame_is_dead_lettered_instead() {
-    use idempo::headers::TRIMMED_HEADERS_HEADER;
     use lapin::types::{AMQPValue, FieldTable};
     let (db, broker, queue) = support::setup().await;
     let mut headers = FieldTable::default();
@@ -1212,7 +1206,7 @@ async fn a_retry_too_large_for_a_frame_is_dead_lettered_instead() {
     let dead = broker.drain(&format!("{queue}.dlq")).await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].reason(), "headers too large to retry");
-    assert!(dead[0].headers[ERROR_HEADER].contains("downstream unavailable"));
-    assert!(dead[0].headers[TRIMMED_HEADERS_HEADER].starts_with("x-pad="));
+    assert!(dead[0].headers["x-idempo-error"].contains("downstream unavailable"));
+    assert!(dead[0].headers["x-idempo-trimmed-headers"].starts_with("x-pad="));
     assert_eq!(db.payments().await, 0);
 }

@@ -100,7 +100,7 @@ async fn outbox_rows(conn: &mut sqlx::PgConnection) -> sqlx::Result<i64> {
 }
 
 async fn pending(pool: &PgPool) -> i64 {
-    outbox::status(pool).await.unwrap().pending
+    outbox::OutboxStatus::read(pool).await.unwrap().pending
 }
 
 /// Stages `n` payment messages for `queue`, each in its own transaction;
@@ -693,10 +693,10 @@ async fn refused_messages_are_retried_then_failed_with_their_reason_while_other_
     let arrived = collect_ids(&broker, &queue, 20).await;
     assert_eq!(arrived, good);
     eventually("both refused messages are failed", SOON, || async {
-        outbox::status(&db.pool).await.unwrap().failed == 2
+        outbox::OutboxStatus::read(&db.pool).await.unwrap().failed == 2
     })
     .await;
-    let failed = outbox::failed(&db.pool, 10).await.unwrap();
+    let failed = outbox::FailedMessage::list(&db.pool, 10).await.unwrap();
     let reasons: Vec<(&str, i32, &str)> = failed
         .iter()
         .map(|f| {
@@ -718,7 +718,7 @@ async fn refused_messages_are_retried_then_failed_with_their_reason_while_other_
     broker.declare(&nowhere).await;
     let unroutable_id = failed[0].id;
     assert_eq!(
-        outbox::retry_failed(&db.pool, Some(&[unroutable_id]))
+        outbox::FailedMessage::retry(&db.pool, Some(&[unroutable_id]))
             .await
             .unwrap(),
         1
@@ -726,7 +726,7 @@ async fn refused_messages_are_retried_then_failed_with_their_reason_while_other_
     assert_eq!(collect_ids(&broker, &nowhere, 1).await, ["unroutable"]);
     relay.stop().await;
     assert_eq!(
-        outbox::status(&db.pool).await.unwrap().failed,
+        outbox::OutboxStatus::read(&db.pool).await.unwrap().failed,
         1,
         "the nacked one stays visible"
     );
@@ -947,11 +947,11 @@ async fn a_body_over_the_brokers_limit_is_failed_with_the_brokers_reason() {
         "the rest flows"
     );
     eventually("the oversized row is failed", SOON, || async {
-        outbox::status(&db.pool).await.unwrap().failed == 1
+        outbox::OutboxStatus::read(&db.pool).await.unwrap().failed == 1
     })
     .await;
     drop(limit);
-    let failed = outbox::failed(&db.pool, 10).await.unwrap();
+    let failed = outbox::FailedMessage::list(&db.pool, 10).await.unwrap();
     assert_eq!(failed[0].message_id, "too-big");
     let reason = failed[0].last_error.as_deref().unwrap_or("");
     assert!(
@@ -1006,10 +1006,10 @@ async fn a_packed_batch_with_a_refused_message_delivers_the_rest_and_keeps_the_r
         .collect();
     assert_eq!(arrived, expected);
     eventually("the refused one is failed on its own row", SOON, || async {
-        outbox::status(&db.pool).await.unwrap().failed == 1
+        outbox::OutboxStatus::read(&db.pool).await.unwrap().failed == 1
     })
     .await;
-    let failed = outbox::failed(&db.pool, 10).await.unwrap();
+    let failed = outbox::FailedMessage::list(&db.pool, 10).await.unwrap();
     assert_eq!(
         (failed[0].message_id.as_str(), failed[0].attempts),
         ("m4", 2)
@@ -1116,10 +1116,10 @@ async fn a_row_for_a_missing_exchange_or_with_oversize_headers_does_not_hold_bac
         "every good row, and nothing else"
     );
     eventually("both bad rows are failed", SOON, || async {
-        outbox::status(&db.pool).await.unwrap().failed == 2
+        outbox::OutboxStatus::read(&db.pool).await.unwrap().failed == 2
     })
     .await;
-    let failed = outbox::failed(&db.pool, 10).await.unwrap();
+    let failed = outbox::FailedMessage::list(&db.pool, 10).await.unwrap();
     let typo = failed.iter().find(|f| f.message_id == "typo").unwrap();
     let reason = typo.last_error.as_deref().unwrap_or("");
     assert_eq!(typo.attempts, 3, "an attempt per refusal: {reason}");

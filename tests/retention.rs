@@ -20,7 +20,8 @@ fn seconds() -> Partitioning {
 /// A fresh schema whose `processed_messages` is partitioned.
 async fn partitioned_db(retention: Duration) -> Db {
     let db = Db::new().await;
-    let switched = partitioned::switch_to_partitioned(&db.pool, &seconds(), Some(retention))
+    let switched = seconds()
+        .switch(&db.pool, Some(retention))
         .await
         .expect("switch");
     assert!(!switched.already);
@@ -39,7 +40,8 @@ fn maintainer(
     let task = tokio::spawn(async move {
         let mut dropped = Vec::new();
         while !flag.load(Ordering::Relaxed) {
-            let done = partitioned::maintain(&pool, "c", Some(retention), &seconds())
+            let done = idempo::inbox::Inbox::new("c")
+                .maintain(&pool, Some(retention), &seconds())
                 .await
                 .expect("maintain");
             dropped.extend(done.dropped);
@@ -160,7 +162,8 @@ async fn an_id_claimed_in_one_partition_is_a_duplicate_after_the_next_opened() {
     );
     let first = partition_of(&db, "m-1").await;
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let done = partitioned::maintain(&db.pool, "c", Some(Duration::from_secs(60)), &seconds())
+    let done = idempo::inbox::Inbox::new("c")
+        .maintain(&db.pool, Some(Duration::from_secs(60)), &seconds())
         .await
         .unwrap();
     assert!(!done.skipped);
@@ -275,7 +278,7 @@ async fn partitions_beyond_the_horizon_go_while_claims_run() {
     // The partition of the claims before the switch went first.
     assert!(dropped[0].starts_with("processed_messages_before_"));
     // What is left is the horizon and the partitions ahead, not the history.
-    let left = partitioned::partitions(&db.pool).await.unwrap();
+    let left = partitioned::Partition::list(&db.pool).await.unwrap();
     assert!(left.len() <= 2 + 1 + 3 + 1, "{left:?}");
     let oldest: f64 = sqlx::query_scalar(
         "SELECT coalesce(extract(epoch FROM now() - min(processed_at)), 0)::float8 FROM processed_messages",
@@ -296,7 +299,8 @@ async fn a_second_maintainer_skips_while_the_first_holds_the_lock() {
     .execute(&mut *holder)
     .await
     .unwrap();
-    let done = partitioned::maintain(&db.pool, "c", Some(Duration::from_secs(60)), &seconds())
+    let done = idempo::inbox::Inbox::new("c")
+        .maintain(&db.pool, Some(Duration::from_secs(60)), &seconds())
         .await
         .unwrap();
     assert!(done.skipped);
@@ -310,7 +314,8 @@ async fn a_second_maintainer_skips_while_the_first_holds_the_lock() {
         .await
         .unwrap();
     drop(holder);
-    let done = partitioned::maintain(&db.pool, "c", Some(Duration::from_secs(60)), &seconds())
+    let done = idempo::inbox::Inbox::new("c")
+        .maintain(&db.pool, Some(Duration::from_secs(60)), &seconds())
         .await
         .unwrap();
     assert!(!done.skipped);
@@ -330,7 +335,11 @@ async fn claims_made_before_the_switch_still_deduplicate_after_it() {
         };
         inbox::Inbox::new("c").commit(tx, &id).await.unwrap();
     }
-    assert!(!partitioned::is_partitioned(&db.pool).await.unwrap());
+    assert!(
+        !partitioned::Partitioning::table_is_partitioned(&db.pool)
+            .await
+            .unwrap()
+    );
     // The partitioned claim refuses the plain table.
     assert!(
         inbox::Inbox::new("c")
@@ -340,11 +349,13 @@ async fn claims_made_before_the_switch_still_deduplicate_after_it() {
             .is_err()
     );
     let retention = Duration::from_secs(3600);
-    let switched = partitioned::switch_to_partitioned(&db.pool, &seconds(), Some(retention))
-        .await
-        .unwrap();
+    let switched = seconds().switch(&db.pool, Some(retention)).await.unwrap();
     let before = switched.before.expect("the plain table became a partition");
-    assert!(partitioned::is_partitioned(&db.pool).await.unwrap());
+    assert!(
+        partitioned::Partitioning::table_is_partitioned(&db.pool)
+            .await
+            .unwrap()
+    );
     assert_eq!(db.claims().await, 50, "no claim lost");
     for i in 0..50 {
         let id = format!("before-{i}");
@@ -382,9 +393,7 @@ async fn claims_made_before_the_switch_still_deduplicate_after_it() {
         0
     );
     // The switch is idempotent, and the read-only views still work.
-    let again = partitioned::switch_to_partitioned(&db.pool, &seconds(), Some(retention))
-        .await
-        .unwrap();
+    let again = seconds().switch(&db.pool, Some(retention)).await.unwrap();
     assert!(again.already);
     assert_eq!(
         inbox::Inbox::new("c")
@@ -393,7 +402,7 @@ async fn claims_made_before_the_switch_still_deduplicate_after_it() {
             .unwrap(),
         Claim::Duplicate
     );
-    let per_consumer = inbox::claims_per_consumer(&db.pool, &[]).await.unwrap();
+    let per_consumer = inbox::ConsumerClaims::list(&db.pool, &[]).await.unwrap();
     assert_eq!(per_consumer[0].claims, 51);
 }
 
@@ -416,7 +425,8 @@ async fn the_consumer_in_partitioned_mode_applies_each_payment_once() {
         })
         .await
         .expect("harness");
-    partitioned::switch_to_partitioned(h.pool(), &seconds(), Some(Duration::from_secs(60)))
+    seconds()
+        .switch(h.pool(), Some(Duration::from_secs(60)))
         .await
         .unwrap();
     let payment = Payment {
@@ -428,14 +438,10 @@ async fn the_consumer_in_partitioned_mode_applies_each_payment_once() {
     assert_eq!(copies.iter().filter(|d| d.is_acked()).count(), 1);
     assert_eq!(copies.iter().filter(|d| d.is_duplicate()).count(), 5);
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    partitioned::maintain(
-        h.pool(),
-        h.consumer(),
-        Some(Duration::from_secs(60)),
-        &seconds(),
-    )
-    .await
-    .unwrap();
+    idempo::inbox::Inbox::new(h.consumer())
+        .maintain(h.pool(), Some(Duration::from_secs(60)), &seconds())
+        .await
+        .unwrap();
     let again = h.deliver(message).await.unwrap();
     assert!(again.is_duplicate(), "{again:?}");
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM payments WHERE message_id = 'pay-1'")
@@ -497,9 +503,7 @@ async fn claim_cost_plain_vs_partitioned() {
         let cut = Partitioning::new()
             .period(Duration::from_secs(period))
             .ahead(2);
-        partitioned::switch_to_partitioned(&db.pool, &cut, None)
-            .await
-            .unwrap();
+        cut.switch(&db.pool, None).await.unwrap();
         let mut conn = db.pool.acquire().await.unwrap();
         // Partitions of the past: attached as the retention would keep them.
         for k in 1..(3600 / period) as i64 {
@@ -515,7 +519,7 @@ async fn claim_cost_plain_vs_partitioned() {
             .unwrap();
         }
         drop(conn);
-        let n = partitioned::partitions(&db.pool).await.unwrap().len();
+        let n = partitioned::Partition::list(&db.pool).await.unwrap().len();
         time(&db, true, "warm").await;
         let (fresh, duplicate) = time(&db, true, "m").await;
         println!(

@@ -13,7 +13,7 @@ use lapin::protocol::basic::gen_properties;
 use lapin::types::generation::gen_field_table;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
-use crate::headers::TRIMMED_HEADERS_HEADER;
+use crate::runtime::headers::TRIMMED_HEADERS_HEADER;
 
 /// A content header frame's bytes besides the properties: type, channel and
 /// size (7), class and weight (4), body size (8), frame end (1).
@@ -59,8 +59,8 @@ pub(crate) fn check(properties: &BasicProperties, frame_max: usize) -> Result<()
 /// Headers of idempo's that a dead letter can lose when nothing else is left
 /// to trim (their content is informational, bounded and rebuilt elsewhere).
 const INFORMATIONAL: [&str; 2] = [
-    crate::headers::ERROR_HEADER,
-    crate::headers::REPLAY_HISTORY_HEADER,
+    crate::runtime::headers::ERROR_HEADER,
+    crate::runtime::headers::REPLAY_HISTORY_HEADER,
 ];
 
 /// The record of trimmed headers is cut to this many bytes.

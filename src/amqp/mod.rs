@@ -79,11 +79,11 @@ pub mod window;
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
 pub use crate::dead_letters::DeadLetters;
-pub use crate::runtime::dead_letter::{DeadLetterReason, MAX_REPLAY_HISTORY};
+pub use crate::runtime::dead_letter::DeadLetterReason;
 pub use crate::runtime::handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use crate::runtime::health::{Health, HealthSnapshot, RuntimeState};
 pub use crate::runtime::message::{DecodeError, FromMessage, JsonBody, Message};
-pub use crate::runtime::message_id::{IdFn, MessageIdSource};
+pub use crate::runtime::message_id::MessageIdSource;
 pub use crate::runtime::redelivery::RedeliveryPolicy;
 #[cfg(feature = "ops")]
 pub(crate) use crate::runtime::seal::consumers_with_keys;

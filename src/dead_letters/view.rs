@@ -9,13 +9,13 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable};
 use serde::{Deserialize, Serialize};
 
-use crate::headers::{REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER};
 use crate::runtime::dead_letter::MAX_REPLAY_HISTORY;
 use crate::runtime::headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
     MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, header_text, rfc3339,
     truncate,
 };
+use crate::runtime::headers::{REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER};
 
 /// A record's error text is cut to this many bytes (the full text of the
 /// last failure stays in the dead letter's own error header).
@@ -36,11 +36,11 @@ const RESET_ON_REPLAY: [&str; 5] = [
 /// The runtime publishes each dead letter with its reason, the last error,
 /// the failed attempts, the consumer, the queue and routing key it came
 /// from, and when its first and last attempts failed (see the
-/// [`REASON_HEADER`](crate::headers::REASON_HEADER) family of constants). This view
+/// [`REASON_HEADER`](crate::runtime::headers::REASON_HEADER) family of constants). This view
 /// reads them from a delivery's [`BasicProperties`]: text headers must be
 /// UTF-8 (a value that is not reads as absent, as it does for the runtime).
 ///
-/// A message without [`QUEUE_HEADER`](crate::headers::QUEUE_HEADER) was not
+/// A message without [`QUEUE_HEADER`](crate::runtime::headers::QUEUE_HEADER) was not
 /// dead-lettered by idempo ([`is_foreign`](Self::is_foreign)): put into the
 /// DLQ by hand, or by the broker's own dead-lettering.
 #[derive(Debug, Clone, Copy)]
@@ -167,7 +167,7 @@ impl<'a> DeadLetter<'a> {
     }
 
     /// Whether idempo did not dead-letter it: it has no
-    /// [`QUEUE_HEADER`](crate::headers::QUEUE_HEADER), so a replay needs a target.
+    /// [`QUEUE_HEADER`](crate::runtime::headers::QUEUE_HEADER), so a replay needs a target.
     pub(crate) fn is_foreign(&self) -> bool {
         self.original_queue().is_none()
     }

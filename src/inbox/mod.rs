@@ -77,9 +77,9 @@ mod retention;
 
 #[cfg(feature = "amqp")]
 pub(crate) use claim::{Isolation, reads_committed_by_default};
+pub use reports::ConsumerClaims;
 #[cfg(feature = "ops")]
 pub(crate) use reports::consumers;
-pub use reports::{ConsumerClaims, claims_inserted, claims_per_consumer};
 
 /// What a claim found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -360,7 +360,7 @@ impl Inbox {
     /// Deletes `consumer`'s claims older than `age`, `batch` rows per statement,
     /// and returns how many rows went. A partitioned `processed_messages` loses
     /// nothing here (`ONLY`: a ctid names no row across partitions); its claims
-    /// go with their partitions ([`partitioned::maintain`]).
+    /// go with their partitions ([`Inbox::maintain`]).
     ///
     /// Each statement is its own short transaction and skips rows that another
     /// reaper has locked, so replicas reaping at once neither wait for nor

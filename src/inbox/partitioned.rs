@@ -3,12 +3,12 @@
 //! retention costs the same at any claim rate (no `DELETE`, no VACUUM debt).
 //!
 //! Opt-in: the plain table stays the default. A database switches once
-//! ([`switch_to_partitioned`], `idempo partitions switch`); from then on
+//! ([`Partitioning::switch`], `idempo partitions switch`); from then on
 //! every consumer of that database claims through an
 //! [`Inbox`](super::Inbox) made [`partitioned`](super::Inbox::partitioned)
 //! (its `begin`, `begin_batch`, `claim`, `claim_batch`) and commits with
 //! [`Inbox::commit`](super::Inbox::commit) as before, and one of them at a time
-//! runs [`maintain`] (the AMQP consumer does, with
+//! runs [`Inbox::maintain`](super::Inbox::maintain) (the AMQP consumer does, with
 //! `ConsumerBuilder::partitioned`).
 //!
 //! # How a claim stays exactly-once across partitions
@@ -54,9 +54,26 @@
 //! default period is an eighth of the retention, with two periods created
 //! ahead. [`Inbox::commit`](super::Inbox::commit)'s claim check reads them too.
 //!
+//! # Switching
+//! [`Partitioning::switch`] turns the plain table into the partitioned one,
+//! keeping every claim: the plain table becomes the oldest partition.
+//! The steps, each its own transaction:
+//! 1. `ACCESS EXCLUSIVE` on the plain table for a moment (waiting for the
+//!    claims in flight): the switch time T, a `NOT VALID` check
+//!    `processed_at < T`, and a column `claimed_under_lock` (`NOT NULL`,
+//!    no default once added) that only the partitioned claim fills in.
+//!    From here on a plain-mode claim fails (and its delivery is retried):
+//!    claims must not go where the partitioned probe does not look;
+//! 2. `VALIDATE` the check: one scan of the table, under `SHARE UPDATE
+//!    EXCLUSIVE` only;
+//! 3. `ACCESS EXCLUSIVE` for a moment: the plain table renamed
+//!    `processed_messages_before_<T>`, the partitioned `processed_messages`
+//!    created, the old table attached as its partition `[MINVALUE, T)`
+//!    (no scan: the check proves it), and the partitions from T on created.
+//!
 //! # Example: any worker loop
 //! ```no_run
-//! use idempo::inbox::{Begun, Inbox, partitioned};
+//! use idempo::inbox::{Begun, Inbox, partitioned::Partitioning};
 //!
 //! # async fn doc(pool: sqlx::PgPool, id: &str, body: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
 //! let inbox = Inbox::new("billing").partitioned(true);
@@ -72,7 +89,7 @@
 //! }
 //! // Elsewhere, periodically (one instance at a time does the work):
 //! let retention = std::time::Duration::from_secs(7 * 24 * 3600);
-//! partitioned::maintain(&pool, "billing", Some(retention), &partitioned::Partitioning::new()).await?;
+//! inbox.maintain(&pool, Some(retention), &Partitioning::new()).await?;
 //! # Ok(()) }
 //! ```
 
@@ -82,9 +99,8 @@ use crate::error::Error;
 
 mod maintenance;
 
-pub use maintenance::{
-    Maintained, Partition, Switched, is_partitioned, maintain, partitions, switch_to_partitioned,
-};
+pub use maintenance::{Maintained, Partition, Switched};
+pub(crate) use maintenance::{is_partitioned, maintain};
 
 /// Why the partitioned mode refused.
 #[derive(Debug, thiserror::Error)]
@@ -103,7 +119,7 @@ pub enum PartitionError {
     /// `processed_messages` is still the plain table.
     #[error(
         "processed_messages is not partitioned: switch it first (`idempo partitions switch` or \
-         idempo::inbox::partitioned::switch_to_partitioned)"
+         idempo::inbox::partitioned::Partitioning::switch)"
     )]
     NotPartitioned,
     /// `processed_messages` does not exist: migrate first.

@@ -1,6 +1,6 @@
 //! Retention of the plain `processed_messages`: deleting claims that can no
 //! longer be redelivered (a partitioned table drops whole partitions
-//! instead: [`partitioned::maintain`](super::partitioned::maintain)).
+//! instead: [`Inbox::maintain`](super::Inbox::maintain)).
 
 use std::time::Duration;
 
@@ -11,7 +11,7 @@ use crate::error::Result;
 /// Deletes `consumer`'s claims older than `age`, `batch` rows per statement,
 /// and returns how many rows went. A partitioned `processed_messages` loses
 /// nothing here (`ONLY`: a ctid names no row across partitions); its claims
-/// go with their partitions ([`partitioned::maintain`]).
+/// go with their partitions ([`Inbox::maintain`](super::Inbox::maintain)).
 pub(crate) async fn delete_processed_before(
     pool: &PgPool,
     consumer: &str,

@@ -272,7 +272,7 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
     // The database's questions side by side (the pool has two connections),
     // then the broker's beside the rest.
     let (claims, dead_letters, sealed, instances) = tokio::join!(
-        crate::inbox::claims_per_consumer(pool, &options.consumers),
+        crate::inbox::ConsumerClaims::list(pool, &options.consumers),
         crate::dead_letters::queries::counts(pool),
         crate::amqp::consumers_with_keys(pool),
         crate::runtime::heartbeat::instances(pool, INSTANCES_WITHIN),
@@ -358,7 +358,7 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
     let window_store = crate::window::PostgresWindow::new(pool.clone());
     let (inspected, outbox, http_keys, window) = tokio::join!(
         broker,
-        crate::outbox::status(pool),
+        crate::outbox::OutboxStatus::read(pool),
         http_store.count_by_state(),
         window_store.count_by_state(),
     );

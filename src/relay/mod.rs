@@ -159,7 +159,7 @@ impl Drop for Publishing<'_> {
 ///   commits), and polls every 5 s as a fallback;
 /// - a refused (nacked) or unroutable message is retried with exponential
 ///   backoff (1 s doubling to 5 min, jittered), and after 10 attempts marked
-///   `failed` with its reason ([`outbox::failed`](crate::outbox::failed), [`outbox::retry_failed`](crate::outbox::retry_failed));
+///   `failed` with its reason ([`FailedMessage::list`](crate::outbox::FailedMessage::list), [`FailedMessage::retry`](crate::outbox::FailedMessage::retry));
 /// - a message over which the broker closes the channel (`NOT_FOUND`: a
 ///   missing exchange; `PRECONDITION_FAILED`) is refused the same way: the
 ///   batch's unanswered messages are published again one at a time, on a

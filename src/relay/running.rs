@@ -520,7 +520,7 @@ impl<'a> Running<'a> {
             }
             *last = Some(Instant::now());
         }
-        if let Ok(status) = outbox::status(&self.relay.pool).await {
+        if let Ok(status) = outbox::OutboxStatus::read(&self.relay.pool).await {
             metrics::gauge!("idempo_outbox_pending").set(status.pending as f64);
             metrics::gauge!("idempo_outbox_failed").set(status.failed as f64);
             metrics::gauge!("idempo_outbox_oldest_pending_seconds")

@@ -30,7 +30,7 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
-    /// The value of the [`REASON_HEADER`](crate::headers::REASON_HEADER) header.
+    /// The value of the `x-idempo-reason` header.
     pub fn as_str(self) -> &'static str {
         match self {
             DeadLetterReason::MissingMessageId => "missing message id",
@@ -51,6 +51,6 @@ impl fmt::Display for DeadLetterReason {
     }
 }
 
-/// How many replay records the
-/// [`REPLAY_HISTORY_HEADER`](crate::headers::REPLAY_HISTORY_HEADER) keeps.
-pub const MAX_REPLAY_HISTORY: usize = 5;
+/// How many replay records the `x-idempo-replay-history` header keeps
+/// (the replay guide and `Letter::history` say 5).
+pub(crate) const MAX_REPLAY_HISTORY: usize = 5;

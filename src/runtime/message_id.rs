@@ -8,8 +8,9 @@ use crate::message_id::validate_message_id;
 use crate::runtime::headers::header_text;
 use crate::runtime::message::Message;
 
-/// A user function that finds a delivery's id; `None` means "no id".
-pub type IdFn = Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>;
+/// A user function that finds a delivery's id; `None` means "no id". (An
+/// alias for the crate's code only: rustdoc shows the type it names.)
+pub(crate) type IdFn = Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>;
 
 /// How the runtime finds the id it deduplicates on.
 ///
@@ -26,6 +27,7 @@ pub enum MessageIdSource {
     /// An application header with this name (string or integer value).
     Header(String),
     /// A function of the delivery; `None` means "no id" (dead-lettered).
+    /// Made by [`MessageIdSource::custom`].
     Custom(IdFn),
     /// The lowercase hex SHA-256 of the body: equal bodies are one message.
     ///
@@ -43,7 +45,7 @@ impl MessageIdSource {
     /// Extracts and validates the id of `message` from this source.
     ///
     /// (The runtime first looks for the id an idempo copy carries forward in
-    /// [`MESSAGE_ID_HEADER`](crate::headers::MESSAGE_ID_HEADER), sealed under the
+    /// `x-idempo-message-id`, sealed under the
     /// consumer's key; a header without a valid seal is ignored, and then
     /// this source decides.)
     ///

@@ -16,7 +16,7 @@ pub(crate) const BATCH: i64 = 5_000;
 /// Deletes rows older than `retention` now and every `interval`, until
 /// `stop`; with `dead_letters`, also the consumer's replayed and discarded
 /// dead letters settled longer ago than that. With `partitioning`, runs
-/// [`partitioned::maintain`] instead of the delete, at least twice a period
+/// [`Inbox::maintain`](crate::inbox::Inbox::maintain) instead of the delete, at least twice a period
 /// (`retention` `None`: partitions are created, none retired).
 pub(crate) async fn reap_periodically(
     pool: PgPool,

@@ -549,7 +549,7 @@ pub struct DeadLetter {
 impl DeadLetter {
     pub fn reason(&self) -> &str {
         self.headers
-            .get(idempo::headers::REASON_HEADER)
+            .get("x-idempo-reason")
             .map(String::as_str)
             .unwrap_or("<no reason header>")
     }

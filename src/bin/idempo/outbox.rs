@@ -1,5 +1,5 @@
-//! `idempo outbox failed|retry|discard`: [`idempo::outbox::failed`],
-//! [`idempo::outbox::retry_failed`] and [`idempo::outbox::discard_failed`].
+//! `idempo outbox failed|retry|discard`: [`FailedMessage`](idempo::outbox::FailedMessage)'s
+//! `list`, `retry` and `discard`.
 
 use anyhow::bail;
 use clap::{Args, Subcommand};
@@ -58,7 +58,7 @@ pub(crate) async fn exec(ctx: &Ctx, command: OutboxCommand) -> anyhow::Result<u8
     let pool = ctx.services.database().await?;
     match command {
         OutboxCommand::Failed { limit } => {
-            let failed = idempo::outbox::failed(pool, limit).await?;
+            let failed = idempo::outbox::FailedMessage::list(pool, limit).await?;
             if ctx.json {
                 for f in &failed {
                     output::json(&json!({
@@ -92,7 +92,8 @@ pub(crate) async fn exec(ctx: &Ctx, command: OutboxCommand) -> anyhow::Result<u8
             }
         }
         OutboxCommand::Retry(selected) => {
-            let retried = idempo::outbox::retry_failed(pool, selected.ids("retry")?).await?;
+            let retried =
+                idempo::outbox::FailedMessage::retry(pool, selected.ids("retry")?).await?;
             selected.check(retried, "put back")?;
             if ctx.json {
                 output::json(&json!({"retried": retried}));
@@ -101,7 +102,8 @@ pub(crate) async fn exec(ctx: &Ctx, command: OutboxCommand) -> anyhow::Result<u8
             }
         }
         OutboxCommand::Discard(selected) => {
-            let discarded = idempo::outbox::discard_failed(pool, selected.ids("discard")?).await?;
+            let discarded =
+                idempo::outbox::FailedMessage::discard(pool, selected.ids("discard")?).await?;
             selected.check(discarded, "discarded")?;
             if ctx.json {
                 output::json(&json!({"discarded": discarded}));

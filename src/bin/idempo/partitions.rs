@@ -53,8 +53,7 @@ pub(crate) async fn exec(ctx: &Ctx, command: PartitionsCommand) -> anyhow::Resul
     match command {
         PartitionsCommand::Switch(cut) => {
             let pool = ctx.services.database().await?;
-            let s = partitioned::switch_to_partitioned(pool, &cut.partitioning(), cut.retention)
-                .await?;
+            let s = cut.partitioning().switch(pool, cut.retention).await?;
             if ctx.json {
                 output::json(
                     &json!({"already": s.already, "before": s.before, "created": s.created}),
@@ -71,8 +70,9 @@ pub(crate) async fn exec(ctx: &Ctx, command: PartitionsCommand) -> anyhow::Resul
         }
         PartitionsCommand::Maintain { consumer, cut } => {
             let pool = ctx.services.database().await?;
-            let m =
-                partitioned::maintain(pool, &consumer, cut.retention, &cut.partitioning()).await?;
+            let m = idempo::inbox::Inbox::new(consumer.as_str())
+                .maintain(pool, cut.retention, &cut.partitioning())
+                .await?;
             if ctx.json {
                 output::json(
                     &json!({"skipped": m.skipped, "created": m.created, "dropped": m.dropped}),
@@ -85,7 +85,7 @@ pub(crate) async fn exec(ctx: &Ctx, command: PartitionsCommand) -> anyhow::Resul
         }
         PartitionsCommand::List => {
             let pool = ctx.services.database().await?;
-            for p in partitioned::partitions(pool).await? {
+            for p in partitioned::Partition::list(pool).await? {
                 if ctx.json {
                     output::json(&json!({"name": p.name, "upper_epoch_secs": p.upper_epoch_secs}));
                 } else {

@@ -29,6 +29,7 @@ use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
 
 use super::{PartitionError, Partitioning};
 use crate::error::Result;
+use crate::inbox::Inbox;
 
 /// How long a DDL statement waits for a lock before it gives up.
 const LOCK_TIMEOUT: &str = "2s";
@@ -46,12 +47,12 @@ pub struct Partition {
     /// Its upper bound (exclusive), in seconds since the Unix epoch; `None`
     /// for an unbounded one (never created by idempo).
     pub upper_epoch_secs: Option<f64>,
-    /// A `DETACH ... CONCURRENTLY` was interrupted: the next [`maintain`]
+    /// A `DETACH ... CONCURRENTLY` was interrupted: the next [`Inbox::maintain`]
     /// finishes it.
     pub detach_pending: bool,
 }
 
-/// What one [`maintain`] pass did.
+/// What one [`Inbox::maintain`] pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Maintained {
@@ -63,7 +64,7 @@ pub struct Maintained {
     pub dropped: Vec<String>,
 }
 
-/// What [`switch_to_partitioned`] did.
+/// What [`Partitioning::switch`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Switched {
@@ -76,13 +77,76 @@ pub struct Switched {
     pub created: Vec<String>,
 }
 
-/// Whether `processed_messages` (in the connection's `search_path`) is
-/// partitioned.
-///
-/// # Errors
-/// [`PartitionError::MissingTable`] (in [`Error::Other`](crate::Error::Other))
-/// when it does not exist; [`Error::Database`](crate::Error::Database).
-pub async fn is_partitioned(pool: &PgPool) -> Result<bool> {
+impl Partitioning {
+    /// Whether `processed_messages` (in the connection's `search_path`) is
+    /// partitioned already.
+    ///
+    /// # Errors
+    /// [`PartitionError::MissingTable`] (in [`Error::Other`](crate::Error::Other))
+    /// when it does not exist; [`Error::Database`](crate::Error::Database).
+    pub async fn table_is_partitioned(pool: &PgPool) -> Result<bool> {
+        is_partitioned(pool).await
+    }
+
+    /// Turns a plain `processed_messages` into the partitioned one, cut by
+    /// these settings, keeping every claim; `retention` is the longest any
+    /// consumer keeps its claims (`None`: forever). Idempotent: a
+    /// partitioned table is left alone. The steps and their locks are in
+    /// the [module's documentation](super#switching).
+    ///
+    /// Stop the consumers first (or let their claims fail and be retried
+    /// for the length of the switch), then start them in the partitioned
+    /// mode.
+    ///
+    /// # Errors
+    /// [`PartitionError::MissingTable`] (in [`Error::Other`](crate::Error::Other));
+    /// [`Error::Database`](crate::Error::Database) when a step fails: the steps
+    /// before it stay done, and running the switch again finishes it.
+    pub async fn switch(&self, pool: &PgPool, retention: Option<Duration>) -> Result<Switched> {
+        switch_to_partitioned(pool, self, retention).await
+    }
+}
+
+impl Partition {
+    /// The partitions of `processed_messages`, oldest first.
+    ///
+    /// # Errors
+    /// [`Error::Database`](crate::Error::Database).
+    pub async fn list(pool: &PgPool) -> Result<Vec<Partition>> {
+        let mut conn = pool.acquire().await?;
+        list(&mut conn).await
+    }
+}
+
+impl Inbox {
+    /// One pass of the partitioned inbox's maintenance for this consumer:
+    /// registers its `retention` (`None`: keep forever), creates the
+    /// partitions up to [`Partitioning::ahead`] periods after the current
+    /// one, and retires the partitions whose upper bound is older than the
+    /// longest retention any consumer registered. Run it periodically (at
+    /// most every period; the AMQP consumer does) from every instance: one
+    /// at a time does the work, the others skip.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: the maintainers' lock goes with its connection, and a
+    /// detach cut short is finished by the next pass.
+    ///
+    /// # Errors
+    /// [`PartitionError::NotPartitioned`] (in [`Error::Other`](crate::Error::Other));
+    /// [`Error::Database`](crate::Error::Database) when a statement fails, a
+    /// lock timeout included: the next pass tries again.
+    pub async fn maintain(
+        &self,
+        pool: &PgPool,
+        retention: Option<Duration>,
+        partitioning: &Partitioning,
+    ) -> Result<Maintained> {
+        maintain(pool, self.consumer(), retention, partitioning).await
+    }
+}
+
+/// Whether `processed_messages` is partitioned ([`Partitioning::table_is_partitioned`]).
+pub(crate) async fn is_partitioned(pool: &PgPool) -> Result<bool> {
     let kind: Option<String> = sqlx::query_scalar(
         "SELECT relkind::text FROM pg_class WHERE oid = to_regclass('processed_messages')",
     )
@@ -93,15 +157,6 @@ pub async fn is_partitioned(pool: &PgPool) -> Result<bool> {
         Some("p") => Ok(true),
         Some(_) => Ok(false),
     }
-}
-
-/// The partitions of `processed_messages`, oldest first.
-///
-/// # Errors
-/// [`Error::Database`](crate::Error::Database).
-pub async fn partitions(pool: &PgPool) -> Result<Vec<Partition>> {
-    let mut conn = pool.acquire().await?;
-    list(&mut conn).await
 }
 
 async fn list(conn: &mut PgConnection) -> Result<Vec<Partition>> {
@@ -126,23 +181,8 @@ async fn list(conn: &mut PgConnection) -> Result<Vec<Partition>> {
         .collect())
 }
 
-/// One pass of the partitioned inbox's maintenance: registers `consumer`'s
-/// `retention` (`None`: keep forever), creates the partitions up to
-/// [`Partitioning::ahead`] periods after the current one, and retires the
-/// partitions whose upper bound is older than the longest retention any
-/// consumer registered. Run it periodically (at most every period; the AMQP
-/// consumer does) from every instance: one at a time does the work, the
-/// others skip.
-///
-/// # Cancel safety
-/// Cancel-safe: the maintainers' lock goes with its connection, and a
-/// detach cut short is finished by the next pass.
-///
-/// # Errors
-/// [`PartitionError::NotPartitioned`] (in [`Error::Other`](crate::Error::Other));
-/// [`Error::Database`](crate::Error::Database) when a statement fails, a
-/// lock timeout included: the next pass tries again.
-pub async fn maintain(
+/// [`Inbox::maintain`] for `consumer`.
+pub(crate) async fn maintain(
     pool: &PgPool,
     consumer: &str,
     retention: Option<Duration>,
@@ -277,33 +317,8 @@ async fn retire(conn: &mut PgConnection, keep: f64) -> Result<Vec<String>> {
     Ok(dropped)
 }
 
-/// Turns a plain `processed_messages` into the partitioned one, keeping
-/// every claim: the plain table becomes the oldest partition (claims before
-/// the switch), and partitions are created for the claims after it.
-/// Idempotent: a partitioned table is left alone.
-///
-/// The steps, each its own transaction:
-/// 1. `ACCESS EXCLUSIVE` on the plain table for a moment (waiting for the
-///    claims in flight): the switch time T, a `NOT VALID` check
-///    `processed_at < T`, and a column `claimed_under_lock` (`NOT NULL`,
-///    no default once added) that only the partitioned claim fills in.
-///    From here on a plain-mode claim fails (and its delivery is retried):
-///    claims must not go where the partitioned probe does not look;
-/// 2. `VALIDATE` the check: one scan of the table, under `SHARE UPDATE
-///    EXCLUSIVE` only;
-/// 3. `ACCESS EXCLUSIVE` for a moment: the plain table renamed
-///    `processed_messages_before_<T>`, the partitioned `processed_messages`
-///    created, the old table attached as its partition `[MINVALUE, T)`
-///    (no scan: the check proves it), and the partitions from T on created.
-///
-/// Stop the consumers first (or let their claims fail and be retried for
-/// the length of the switch), then start them in the partitioned mode.
-///
-/// # Errors
-/// [`PartitionError::MissingTable`] (in [`Error::Other`](crate::Error::Other));
-/// [`Error::Database`](crate::Error::Database) when a step fails: the steps
-/// before it stay done, and running the switch again finishes it.
-pub async fn switch_to_partitioned(
+/// [`Partitioning::switch`].
+async fn switch_to_partitioned(
     pool: &PgPool,
     partitioning: &Partitioning,
     retention: Option<Duration>,

@@ -4,10 +4,10 @@ use super::dlq::{Opened, without_broker_headers};
 use super::queue::QueueSource;
 use crate::dead_letters;
 use crate::dead_letters::view::DeadLetter;
-use crate::headers::{
+use crate::ops::{OpsError, Result, Services};
+use crate::runtime::headers::{
     CONSUMER_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER, QUEUE_HEADER, ROUTING_KEY_HEADER,
 };
-use crate::ops::{OpsError, Result, Services};
 use crate::runtime::letters::NewLetter;
 
 /// What [`import`] moved.

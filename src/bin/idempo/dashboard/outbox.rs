@@ -16,9 +16,9 @@ const FAILED_AT_MOST: i64 = 100_000;
 pub(crate) async fn outbox(State(app): Shared, caller: Caller) -> Page {
     let pool = app.database().await?;
     let (status, pending, failed) = tokio::join!(
-        idempo::outbox::status(pool),
-        idempo::outbox::pending_by_destination(pool, 200),
-        idempo::outbox::failed(pool, 200),
+        idempo::outbox::OutboxStatus::read(pool),
+        idempo::outbox::PendingGroup::list(pool, 200),
+        idempo::outbox::FailedMessage::list(pool, 200),
     );
     let csrf = app.csrf(&caller);
     let body = pages::outbox(&status?, &pending?, &failed?, csrf.as_deref());
@@ -54,7 +54,7 @@ pub(crate) async fn discard(
 async fn act(app: &App, caller: &Caller, form: &OutboxForm, discard: bool) -> Page {
     app.admit(caller, form.csrf.as_deref())?;
     let pool = app.database().await?;
-    let failed: Vec<i64> = idempo::outbox::failed(pool, FAILED_AT_MOST)
+    let failed: Vec<i64> = idempo::outbox::FailedMessage::list(pool, FAILED_AT_MOST)
         .await?
         .iter()
         .map(|m| m.id)
@@ -103,10 +103,10 @@ async fn act(app: &App, caller: &Caller, form: &OutboxForm, discard: bool) -> Pa
         failed
     };
     let message = if discard {
-        let n = idempo::outbox::discard_failed(pool, Some(&rows)).await?;
+        let n = idempo::outbox::FailedMessage::discard(pool, Some(&rows)).await?;
         format!("{n} failed row(s) discarded")
     } else {
-        let n = idempo::outbox::retry_failed(pool, Some(&rows)).await?;
+        let n = idempo::outbox::FailedMessage::retry(pool, Some(&rows)).await?;
         format!("{n} failed row(s) back to pending")
     };
     tracing::warn!(operator = %caller.operator(), "dashboard: outbox: {message}");

@@ -131,7 +131,9 @@ impl Samples {
         };
         let inserted = async {
             match services.database().await {
-                Ok(pool) => idempo::inbox::claims_inserted(pool).await.ok(),
+                Ok(pool) => idempo::inbox::ConsumerClaims::inserted_total(pool)
+                    .await
+                    .ok(),
                 Err(_) => None,
             }
         };
