@@ -54,9 +54,10 @@ mod services;
 use std::time::Duration;
 
 use anyhow::Context;
+use idempo::ClientTls;
 use idempo::Schema;
 use idempo::amqp::DeadLetters;
-use idempo::amqp::{Broker, BrokerTlsFiles, Consumer, RedeliveryPolicy};
+use idempo::amqp::{Broker, Consumer, RedeliveryPolicy};
 use sqlx::postgres::PgPoolOptions;
 
 fn env_or(name: &str, default: &str) -> String {
@@ -152,7 +153,7 @@ async fn main() -> anyhow::Result<()> {
     // Named and explained before a client meets them: a bad certificate
     // file would show as a TLS failure, or as a file error without its path.
     idempo::certificate::check_database_url(&database_url)?;
-    let broker = Broker::new(&amqp_url)?.tls_files(&BrokerTlsFiles::from_env())?;
+    let broker = Broker::new(&amqp_url)?.tls(&ClientTls::from_env("AMQP")?)?;
 
     let pool = services::connect_postgres(
         PgPoolOptions::new()

@@ -101,6 +101,7 @@ mod backoff;
 pub mod certificate;
 #[cfg(any(feature = "http", feature = "window"))]
 mod cleanup;
+mod client_tls;
 #[cfg(feature = "amqp")]
 mod duration;
 mod error;
@@ -178,6 +179,7 @@ pub mod testing;
 #[cfg(any(feature = "http", feature = "window"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "window"))))]
 pub use cleanup::StateCount;
+pub use client_tls::ClientTls;
 pub use error::{Error, Result};
 #[cfg(any(feature = "http", feature = "retry"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "retry"))))]
@@ -222,7 +224,4 @@ pub struct ReadmeDoctests;
 
 pub use migrate::{MIGRATIONS_TABLE, Schema, check_migrations, migrate, migrator};
 pub use redact::redact_url;
-#[cfg(all(feature = "redis", feature = "tls"))]
-#[cfg_attr(docsrs, doc(cfg(all(feature = "redis", feature = "tls"))))]
-pub use redis_connection::RedisTls;
 pub use tx::{Tx, TxGuard};

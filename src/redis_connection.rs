@@ -4,78 +4,13 @@ use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 
-use crate::{Error, Result};
-
-/// The CA and client certificate for a `rediss://` connection (feature
-/// `tls`): what `RedisStore::connect_with_tls` (`http`) and
-/// `RedisWindow::connect_with_tls` (`window`) take.
-///
-/// ```
-/// let tls = idempo::RedisTls::new()
-///     .ca_pem(b"-----BEGIN CERTIFICATE-----...".to_vec())
-///     .client_identity_pem(b"client certificate".to_vec(), b"client key".to_vec());
-/// ```
-#[cfg(feature = "tls")]
-#[derive(Clone, Default)]
-pub struct RedisTls {
-    ca_pem: Option<Vec<u8>>,
-    identity: Option<(Vec<u8>, Vec<u8>)>,
-}
-
-#[cfg(feature = "tls")]
-impl std::fmt::Debug for RedisTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // A client key must not reach a log.
-        f.debug_struct("RedisTls")
-            .field("custom_ca", &self.ca_pem.is_some())
-            .field("client_certificate", &self.identity.is_some())
-            .finish()
-    }
-}
-
-#[cfg(feature = "tls")]
-impl RedisTls {
-    /// The system's root certificates, no client certificate.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Trusts this CA (PEM) instead of the system's roots.
-    #[must_use]
-    pub fn ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
-        self.ca_pem = Some(pem.into());
-        self
-    }
-
-    /// Presents this client certificate and key (PEM): mutual TLS.
-    #[must_use]
-    pub fn client_identity_pem(
-        mut self,
-        certificate: impl Into<Vec<u8>>,
-        key: impl Into<Vec<u8>>,
-    ) -> Self {
-        self.identity = Some((certificate.into(), key.into()));
-        self
-    }
-
-    fn certificates(self) -> redis::TlsCertificates {
-        redis::TlsCertificates {
-            client_tls: self
-                .identity
-                .map(|(client_cert, client_key)| redis::ClientTlsConfig {
-                    client_cert,
-                    client_key,
-                }),
-            root_cert: self.ca_pem,
-        }
-    }
-}
+use crate::{ClientTls, Error, Result};
 
 /// A connection manager for `url` with 2-second connection and response
 /// timeouts, so that a Redis outage fails calls quickly instead of hanging them.
 /// `tls` replaces the system's roots (and adds a client certificate) for a
 /// `rediss://` URL.
-pub(crate) async fn connect(url: &str, tls: Option<TlsCertificates>) -> Result<ConnectionManager> {
+pub(crate) async fn connect(url: &str, tls: Option<&ClientTls>) -> Result<ConnectionManager> {
     let client = client(url, tls)?;
     let config = redis::aio::ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(2)))
@@ -133,22 +68,31 @@ async fn speaks_plain_resp(host: &str, port: u16) -> bool {
         .unwrap_or(false)
 }
 
-#[cfg(feature = "tls")]
-type TlsCertificates = RedisTls;
-#[cfg(not(feature = "tls"))]
-type TlsCertificates = std::convert::Infallible;
-
-fn client(url: &str, tls: Option<TlsCertificates>) -> Result<redis::Client> {
+fn client(url: &str, tls: Option<&ClientTls>) -> Result<redis::Client> {
     if url.starts_with("rediss://") && cfg!(not(feature = "tls")) {
         return Err(Error::Config(
             "a rediss:// URL needs idempo's `tls` feature".into(),
         ));
     }
-    match tls {
+    match tls.filter(|tls| !tls.is_default()) {
         #[cfg(feature = "tls")]
-        Some(tls) => Ok(redis::Client::build_with_tls(url, tls.certificates())?),
+        Some(tls) => {
+            let loaded = tls.load()?;
+            let certificates = redis::TlsCertificates {
+                client_tls: loaded.identity.map(|(client_cert, client_key)| {
+                    redis::ClientTlsConfig {
+                        client_cert,
+                        client_key,
+                    }
+                }),
+                root_cert: loaded.ca_pem,
+            };
+            Ok(redis::Client::build_with_tls(url, certificates)?)
+        }
         #[cfg(not(feature = "tls"))]
-        Some(never) => match never {},
+        Some(_) => Err(Error::Config(
+            "TLS settings for rediss:// need idempo's `tls` feature".into(),
+        )),
         None => Ok(redis::Client::open(url)?),
     }
 }

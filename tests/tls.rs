@@ -163,9 +163,14 @@ fn assert_tls_error(error: &idempo::Error, service: &str) {
 }
 
 fn amqps(ca: &str) -> Broker {
+    amqps_with(idempo::ClientTls::new().ca_pem(cluster::read_cert(ca)))
+}
+
+fn amqps_with(tls: idempo::ClientTls) -> Broker {
     Broker::new(cluster::AMQPS_URL)
         .unwrap()
-        .ca_pem(String::from_utf8(cluster::read_cert(ca)).unwrap())
+        .tls(&tls)
+        .unwrap()
         .connection_timeout(Duration::from_secs(5))
 }
 
@@ -180,9 +185,13 @@ async fn amqps_with_the_clusters_ca_and_a_client_certificate() {
         .await
         .expect("amqps with the cluster's CA connects");
     let publish = support::Broker::with(publisher, &cluster::node_url(1)).await;
-    let broker = amqps("ca.pem").client_identity_pem(
-        cluster::read_cert("client.pem"),
-        cluster::read_cert("client.key"),
+    let broker = amqps_with(
+        idempo::ClientTls::new()
+            .ca_pem(cluster::read_cert("ca.pem"))
+            .client_identity_pem(
+                cluster::read_cert("client.pem"),
+                cluster::read_cert("client.key"),
+            ),
     );
     let running = payment_applied_through(&db, db.pool.clone(), Some(broker), &publish).await;
 
@@ -227,14 +236,15 @@ async fn amqps_to_a_plain_port_fails_fast() {
     let db = Db::new().await;
     let plain = Broker::new("amqps://guest:guest@localhost:5681/%2f")
         .unwrap()
-        .ca_pem(String::from_utf8(cluster::read_cert("ca.pem")).unwrap())
+        .tls(&idempo::ClientTls::new().ca_pem(cluster::read_cert("ca.pem")))
+        .unwrap()
         .connection_timeout(Duration::from_secs(5));
     let refusal = run_until_refused(payments_consumer(&db, &unique("tls")).broker(plain)).await;
     assert_tls_error(&refusal, "RabbitMQ");
 }
 
-fn redis_tls(ca: &str, client_certificate: bool) -> idempo::RedisTls {
-    let tls = idempo::RedisTls::new().ca_pem(cluster::read_cert(ca));
+fn redis_tls(ca: &str, client_certificate: bool) -> idempo::ClientTls {
+    let tls = idempo::ClientTls::new().ca_pem(cluster::read_cert(ca));
     if client_certificate {
         tls.client_identity_pem(
             cluster::read_cert("client.pem"),
@@ -252,7 +262,7 @@ fn rediss_url() -> String {
 #[tokio::test]
 async fn rediss_with_the_ca_and_a_client_certificate() {
     cluster::require().await;
-    let store = RedisWindow::connect_with_tls(&rediss_url(), redis_tls("ca.pem", true))
+    let store = RedisWindow::connect_with_tls(&rediss_url(), &redis_tls("ca.pem", true))
         .await
         .unwrap_or_else(|e| {
             panic!(
@@ -265,7 +275,7 @@ async fn rediss_with_the_ca_and_a_client_certificate() {
     assert!(window.insert(&scope, &id).await.unwrap(), "a new id");
     assert!(!window.insert(&scope, &id).await.unwrap(), "seen over TLS");
 
-    idempo::http::RedisStore::connect_with_tls(&rediss_url(), redis_tls("ca.pem", true))
+    idempo::http::RedisStore::connect_with_tls(&rediss_url(), &redis_tls("ca.pem", true))
         .await
         .expect("the HTTP store connects over TLS too");
 }
@@ -278,7 +288,7 @@ async fn rediss_misconfigurations_fail_fast() {
         ("no client certificate", redis_tls("ca.pem", false)),
     ] {
         let started = Instant::now();
-        let error = RedisWindow::connect_with_tls(&rediss_url(), tls)
+        let error = RedisWindow::connect_with_tls(&rediss_url(), &tls)
             .await
             .err()
             .unwrap_or_else(|| panic!("{what}: must not connect"));
@@ -380,35 +390,35 @@ fn encrypted_client_key() -> std::path::PathBuf {
 #[tokio::test]
 async fn certificate_file_mistakes_name_the_file_and_what_is_wrong() {
     require_node_1().await;
-    use idempo::amqp::BrokerTlsFiles;
+    use idempo::ClientTls;
     let client = cluster::cert("client.pem");
     let key = cluster::cert("client.key");
     let missing = std::path::PathBuf::from("/nonexistent/idempo/ca.pem");
     let cases = [
         (
-            BrokerTlsFiles::new().ca_file(scratch_file("garbage.pem", b"not a certificate")),
+            ClientTls::new().ca_file(scratch_file("garbage.pem", b"not a certificate")),
             "no certificate in PEM",
         ),
         (
-            BrokerTlsFiles::new().ca_file(scratch_file("empty.pem", b"")),
+            ClientTls::new().ca_file(scratch_file("empty.pem", b"")),
             "is empty",
         ),
         (
-            BrokerTlsFiles::new().ca_file(&key),
+            ClientTls::new().ca_file(&key),
             "holds a private key, not a certificate",
         ),
         (
-            BrokerTlsFiles::new().ca_file(&missing),
+            ClientTls::new().ca_file(&missing),
             "certificate file not found: /nonexistent/idempo/ca.pem",
         ),
         (
-            BrokerTlsFiles::new()
+            ClientTls::new()
                 .ca_file(cluster::cert("ca.pem"))
                 .client_identity_files(&client, encrypted_client_key()),
             "encrypted private key: decrypt it first",
         ),
         (
-            BrokerTlsFiles::new()
+            ClientTls::new()
                 .ca_file(cluster::cert("ca.pem"))
                 .client_identity_files(&client, &client),
             "holds a certificate, not a private key",
@@ -417,7 +427,7 @@ async fn certificate_file_mistakes_name_the_file_and_what_is_wrong() {
     for (files, expected) in cases {
         let error = Broker::new(cluster::AMQPS_URL)
             .unwrap()
-            .tls_files(&files)
+            .tls(&files)
             .expect_err("an unusable file is refused before connecting");
         let text = error.to_string();
         let named = match &error {
@@ -433,8 +443,8 @@ async fn certificate_file_mistakes_name_the_file_and_what_is_wrong() {
     // The right files connect.
     let broker = Broker::new(cluster::AMQPS_URL)
         .unwrap()
-        .tls_files(
-            &BrokerTlsFiles::new()
+        .tls(
+            &ClientTls::new()
                 .ca_file(cluster::cert("ca.pem"))
                 .client_identity_files(&client, &key),
         )

@@ -2,7 +2,6 @@
 //! to reach it (TLS, timeouts), and the connection that finds a live node.
 
 use std::fmt;
-use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -19,7 +18,7 @@ use crate::{Error, Result};
 pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The environment variable naming a PEM file of CA certificates to trust
-/// for `amqps://` instead of the system's roots ([`BrokerTlsFiles::from_env`]).
+/// for `amqps://` instead of the system's roots (`ClientTls::from_env("AMQP")`).
 pub const AMQP_CA_FILE: &str = "AMQP_CA_FILE";
 /// The environment variable naming the PEM file of a client certificate (and
 /// its chain) to present for `amqps://`; it goes with [`AMQP_CLIENT_KEY_FILE`].
@@ -27,73 +26,6 @@ pub const AMQP_CLIENT_CERT_FILE: &str = "AMQP_CLIENT_CERT_FILE";
 /// The environment variable naming the PEM file of the client certificate's
 /// private key (unencrypted PKCS#8, PKCS#1 or SEC1).
 pub const AMQP_CLIENT_KEY_FILE: &str = "AMQP_CLIENT_KEY_FILE";
-
-/// The certificate files of an `amqps://` connection, as the binaries take
-/// them (the `payments` example and the `idempo` command read them with
-/// [`from_env`](Self::from_env)); [`Broker::tls_files`] reads and checks them.
-///
-/// ```
-/// use idempo::amqp::{Broker, BrokerTlsFiles};
-///
-/// let files = BrokerTlsFiles::from_env(); // AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE
-/// let broker = Broker::new("amqps://guest:guest@rabbit:5671/%2f")?.tls_files(&files)?;
-/// # Ok::<_, idempo::Error>(())
-/// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct BrokerTlsFiles {
-    /// CA certificates to trust instead of the system's roots.
-    pub ca_file: Option<PathBuf>,
-    /// The client certificate (mutual TLS).
-    pub client_cert_file: Option<PathBuf>,
-    /// The client certificate's private key.
-    pub client_key_file: Option<PathBuf>,
-}
-
-impl BrokerTlsFiles {
-    /// No files: the system's roots, no client certificate.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// The files named by [`AMQP_CA_FILE`], [`AMQP_CLIENT_CERT_FILE`] and
-    /// [`AMQP_CLIENT_KEY_FILE`] (unset or empty: none).
-    pub fn from_env() -> Self {
-        let var = |name| {
-            std::env::var_os(name)
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from)
-        };
-        BrokerTlsFiles {
-            ca_file: var(AMQP_CA_FILE),
-            client_cert_file: var(AMQP_CLIENT_CERT_FILE),
-            client_key_file: var(AMQP_CLIENT_KEY_FILE),
-        }
-    }
-
-    /// Trusts the CA certificates in this file.
-    #[must_use]
-    pub fn ca_file(mut self, path: impl Into<PathBuf>) -> Self {
-        self.ca_file = Some(path.into());
-        self
-    }
-
-    /// Presents the client certificate and key in these files.
-    #[must_use]
-    pub fn client_identity_files(
-        mut self,
-        certificate: impl Into<PathBuf>,
-        key: impl Into<PathBuf>,
-    ) -> Self {
-        self.client_cert_file = Some(certificate.into());
-        self.client_key_file = Some(key.into());
-        self
-    }
-
-    fn is_empty(&self) -> bool {
-        self.ca_file.is_none() && self.client_cert_file.is_none() && self.client_key_file.is_none()
-    }
-}
 
 /// The broker a consumer (or a publisher) connects to: one or more node
 /// addresses, tried in order (or shuffled) until one answers; TLS settings
@@ -211,75 +143,47 @@ impl Broker {
         self
     }
 
-    /// Trusts this CA (PEM) for `amqps://` addresses instead of the system's
-    /// roots (feature `tls`).
-    #[cfg(feature = "tls")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
-    #[must_use]
-    pub fn ca_pem(mut self, pem: impl Into<String>) -> Self {
-        self.ca_pem = Some(pem.into());
-        self
-    }
-
-    /// Presents this client certificate and key (PEM; PKCS#8 key) to the
-    /// broker: mutual TLS (feature `tls`).
-    #[cfg(feature = "tls")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
-    #[must_use]
-    pub fn client_identity_pem(
-        mut self,
-        certificate: impl Into<Vec<u8>>,
-        key: impl Into<Vec<u8>>,
-    ) -> Self {
-        self.identity = Some((certificate.into(), key.into()));
-        self
-    }
-
-    /// Reads and checks the certificate files of `files`, and uses them as
-    /// [`ca_pem`](Self::ca_pem) and
-    /// [`client_identity_pem`](Self::client_identity_pem) do. Nothing given:
-    /// the broker unchanged.
+    /// The TLS settings of `amqps://` addresses: the CA to trust instead of
+    /// the system's roots, a client certificate to present (mutual TLS).
+    /// Files are read and checked now.
+    ///
+    /// ```
+    /// use idempo::ClientTls;
+    /// use idempo::amqp::Broker;
+    ///
+    /// // AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE (unset: the defaults)
+    /// let tls = ClientTls::from_env("AMQP")?;
+    /// let broker = Broker::new("amqps://guest:guest@rabbit:5671/%2f")?.tls(&tls)?;
+    /// # Ok::<_, idempo::Error>(())
+    /// ```
     ///
     /// # Errors
     /// [`Error::Certificate`] naming the file that is missing or unusable;
-    /// [`Error::Config`] for a client certificate without its key (or the
-    /// reverse), or files without idempo's `tls` feature.
-    pub fn tls_files(self, files: &BrokerTlsFiles) -> Result<Self> {
-        if files.is_empty() {
+    /// [`Error::Config`] for settings other than the defaults without
+    /// idempo's `tls` feature.
+    pub fn tls(self, tls: &crate::ClientTls) -> Result<Self> {
+        if tls.is_default() {
             return Ok(self);
         }
         #[cfg(not(feature = "tls"))]
-        return Err(Error::Config(format!(
-            "{AMQP_CA_FILE}, {AMQP_CLIENT_CERT_FILE} and {AMQP_CLIENT_KEY_FILE} need idempo's `tls` feature"
-        )));
+        return Err(Error::Config(
+            "TLS settings for amqps:// need idempo's `tls` feature".into(),
+        ));
         #[cfg(feature = "tls")]
         {
-            use crate::certificate::{read_ca_file, read_certificate_file, read_key_file};
-            let mut broker = self;
-            if let Some(path) = &files.ca_file {
-                let pem = read_ca_file(path)?;
-                broker = broker.ca_pem(String::from_utf8_lossy(&pem).into_owned());
-            }
-            match (&files.client_cert_file, &files.client_key_file) {
-                (Some(certificate), Some(key)) => {
-                    broker = broker.client_identity_pem(
-                        read_certificate_file(certificate)?,
-                        read_key_file(key)?,
-                    );
-                }
-                (None, None) => {}
-                _ => {
-                    return Err(Error::Config(format!(
-                        "a client certificate needs both {AMQP_CLIENT_CERT_FILE} and {AMQP_CLIENT_KEY_FILE}"
-                    )));
-                }
-            }
-            Ok(broker)
+            let loaded = tls.load()?;
+            Ok(Broker {
+                ca_pem: loaded
+                    .ca_pem
+                    .map(|pem| String::from_utf8_lossy(&pem).into_owned()),
+                identity: loaded.identity,
+                ..self
+            })
         }
     }
 
     /// The lapin TLS configuration of these settings.
-    pub(crate) fn tls(&self) -> OwnedTLSConfig {
+    pub(crate) fn tls_config(&self) -> OwnedTLSConfig {
         OwnedTLSConfig {
             identity: self
                 .identity
@@ -351,7 +255,7 @@ impl Broker {
                 ConnectionProperties::default().with_connection_name(name.to_owned().into());
             let runtime = lapin::runtime::default_runtime()?;
             let connecting =
-                Connection::connect_uri_with_config(uri, properties, self.tls(), runtime);
+                Connection::connect_uri_with_config(uri, properties, self.tls_config(), runtime);
             let node = redact_url(&self.addresses[index]);
             // One bound for TCP, TLS and AMQP together: lapin's async connect
             // does not apply the URL's timeout, and a node that accepts TCP and

@@ -91,8 +91,7 @@ pub use crate::runtime::shutdown::ShutdownHandle;
 pub use crate::runtime::stats::{Stats, StatsSnapshot};
 pub use crate::runtime::watched::Watched;
 pub use broker::{
-    AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE, Broker, BrokerTlsFiles,
-    DEFAULT_CONNECTION_TIMEOUT,
+    AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE, Broker, DEFAULT_CONNECTION_TIMEOUT,
 };
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;

@@ -9,13 +9,21 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable};
 use serde::{Deserialize, Serialize};
 
-use crate::runtime::dead_letter::MAX_REPLAY_HISTORY;
+use crate::runtime::headers::REPLAY_HISTORY_HEADER;
 use crate::runtime::headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
     MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, header_text, rfc3339,
     truncate,
 };
-use crate::runtime::headers::{REPLAY_COUNT_HEADER, REPLAY_HISTORY_HEADER};
+
+/// How many times the message was replayed in all (an integer), including
+/// the replays whose records left the [`REPLAY_HISTORY_HEADER`]. Written
+/// and read by the replay only.
+pub(crate) const REPLAY_COUNT_HEADER: &str = "x-idempo-replay-count";
+
+/// How many replay records the [`REPLAY_HISTORY_HEADER`] keeps (the guide
+/// and `Letter::history` say 5).
+pub(crate) const MAX_REPLAY_HISTORY: usize = 5;
 
 /// A record's error text is cut to this many bytes (the full text of the
 /// last failure stays in the dead letter's own error header).

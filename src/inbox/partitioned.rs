@@ -100,6 +100,7 @@ use crate::error::Error;
 mod maintenance;
 
 pub use maintenance::{Maintained, Partition, Switched};
+#[cfg(feature = "amqp")]
 pub(crate) use maintenance::{is_partitioned, maintain};
 
 /// Why the partitioned mode refused.

@@ -54,7 +54,8 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::OnceCell;
 
-use crate::amqp::{Broker, BrokerTlsFiles};
+use crate::ClientTls;
+use crate::amqp::Broker;
 use crate::redact_url as redacted;
 
 pub use condition::{Condition, OUTBOX_PENDING_LIMIT};
@@ -75,7 +76,7 @@ pub struct Services {
     database_url: String,
     pool: Arc<OnceCell<PgPool>>,
     connection_name: String,
-    tls_files: BrokerTlsFiles,
+    tls: ClientTls,
     max_connections: u32,
 }
 
@@ -101,7 +102,7 @@ impl Services {
             database_url: database_url.into(),
             pool: Arc::default(),
             connection_name: "idempo-ops".into(),
-            tls_files: BrokerTlsFiles::default(),
+            tls: ClientTls::default(),
             max_connections: 2,
         }
     }
@@ -131,11 +132,10 @@ impl Services {
         self
     }
 
-    /// The CA and client certificate files for `amqps://` addresses (see
-    /// [`Broker::tls_files`]).
+    /// The TLS settings of `amqps://` addresses (see [`Broker::tls`]).
     #[must_use]
-    pub fn broker_tls_files(mut self, files: BrokerTlsFiles) -> Self {
-        self.tls_files = files;
+    pub fn broker_tls(mut self, tls: ClientTls) -> Self {
+        self.tls = tls;
         self
     }
 
@@ -180,7 +180,7 @@ impl Services {
                 source,
             })?
             .connection_timeout(CONNECT_TIMEOUT)
-            .tls_files(&self.tls_files)?;
+            .tls(&self.tls)?;
         broker
             .connect(&self.connection_name)
             .await

@@ -50,7 +50,3 @@ impl fmt::Display for DeadLetterReason {
         f.write_str(self.as_str())
     }
 }
-
-/// How many replay records the `x-idempo-replay-history` header keeps
-/// (the replay guide and `Letter::history` say 5).
-pub(crate) const MAX_REPLAY_HISTORY: usize = 5;

@@ -47,14 +47,10 @@ pub(crate) const LAST_FAILURE_HEADER: &str = "x-idempo-last-failure";
 /// The header a replayed copy carries its failure history in: a JSON array
 /// of replay records (reason, error, attempts, first and last failure,
 /// replayed at), one per replay, oldest first, of the last
-/// `MAX_REPLAY_HISTORY` replays only (the header would otherwise grow
+/// `dead_letters::view::MAX_REPLAY_HISTORY` replays only (the header would otherwise grow
 /// with every replay until the message no longer fits a frame). Written by
 /// the replay (`dead_letters/view.rs`), which reads it too.
 pub(crate) const REPLAY_HISTORY_HEADER: &str = "x-idempo-replay-history";
-
-/// How many times the message was replayed in all (an integer), including
-/// the replays whose records left the [`REPLAY_HISTORY_HEADER`].
-pub(crate) const REPLAY_COUNT_HEADER: &str = "x-idempo-replay-count";
 
 /// The failure history a message carries, updated with the current failure.
 #[derive(Debug, Clone)]

@@ -88,18 +88,20 @@ impl RedisWindow {
         ))
     }
 
-    /// Connects to a `rediss://` URL trusting `tls.root_cert` (PEM) instead of
-    /// the system's roots, and presenting `tls.client_tls` if given (mutual
+    /// Connects to a `rediss://` URL with these TLS settings (a CA to trust
+    /// instead of the system's roots, a client certificate for mutual
     /// TLS). A plain `rediss://` URL with the system's roots works with
     /// [`connect`](Self::connect).
     ///
     /// # Errors
     /// [`Error::Tls`](crate::Error::Tls) when the handshake is refused (a wrong
     /// CA, a host name the certificate does not name, a port without TLS);
+    /// [`Error::Certificate`](crate::Error::Certificate) naming a file that is
+    /// missing or unusable;
     /// [`StoreError::Redis`](crate::StoreError::Redis) when Redis cannot be reached.
     #[cfg(feature = "tls")]
     #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
-    pub async fn connect_with_tls(url: &str, tls: crate::RedisTls) -> Result<Self> {
+    pub async fn connect_with_tls(url: &str, tls: &crate::ClientTls) -> Result<Self> {
         Ok(Self::new(
             crate::redis_connection::connect(url, Some(tls)).await?,
         ))

@@ -72,7 +72,7 @@ async fn pass(target: &Target<'_>) -> Result<usize> {
         .map_err(|e| QuarantineError::Address(e.to_string()))?;
     let runtime =
         lapin::runtime::default_runtime().map_err(|e| QuarantineError::Address(e.to_string()))?;
-    let tls = target.broker.tls();
+    let tls = target.broker.tls_config();
     let stream = uri
         .connect_with_config_async(tls.as_ref(), &runtime)
         .await?;

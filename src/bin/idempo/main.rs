@@ -25,7 +25,8 @@ use std::process::ExitCode;
 
 use clap::builder::{OsStringValueParser, TypedValueParser};
 use clap::{Parser, Subcommand};
-use idempo::amqp::{AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE, BrokerTlsFiles};
+use idempo::ClientTls;
+use idempo::amqp::{AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE};
 use idempo::ops::Services;
 
 /// Exit code of a command that worked but found something an operator must act on.
@@ -141,19 +142,29 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    // An empty variable names no file, as `BrokerTlsFiles::from_env` reads it.
+    // An empty variable names no file, as `ClientTls::from_env` reads it.
     let named = |file: Option<PathBuf>| file.filter(|f| !f.as_os_str().is_empty());
-    let mut tls = BrokerTlsFiles::new();
-    tls.ca_file = named(cli.amqp_ca_file);
-    tls.client_cert_file = named(cli.amqp_client_cert_file);
-    tls.client_key_file = named(cli.amqp_client_key_file);
+    let tls = match ClientTls::files(
+        named(cli.amqp_ca_file),
+        named(cli.amqp_client_cert_file),
+        named(cli.amqp_client_key_file),
+    ) {
+        Ok(tls) => tls,
+        Err(e) => {
+            eprintln!(
+                "idempo: {e} (--amqp-client-cert-file/{AMQP_CLIENT_CERT_FILE} and \
+                 --amqp-client-key-file/{AMQP_CLIENT_KEY_FILE})"
+            );
+            return ExitCode::FAILURE;
+        }
+    };
     let ctx = Ctx {
         json: cli.json,
         operator: cli.operator,
         database_url: cli.database_url.clone(),
         services: Services::new(cli.amqp_url, cli.database_url)
             .connection_name("idempo-cli")
-            .broker_tls_files(tls),
+            .broker_tls(tls),
     };
     let outcome = runtime.block_on(async {
         let outcome = match cli.command {
