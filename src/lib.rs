@@ -133,6 +133,8 @@ mod store_error;
 mod tx;
 #[cfg(feature = "amqp")]
 mod wait;
+#[cfg(any(feature = "amqp", feature = "outbox"))]
+mod wire_size;
 
 #[cfg(feature = "amqp")]
 mod runtime;

@@ -14,16 +14,13 @@ use lapin::types::generation::gen_field_table;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use crate::runtime::headers::TRIMMED_HEADERS_HEADER;
-
-/// A content header frame's bytes besides the properties: type, channel and
-/// size (7), class and weight (4), body size (8), frame end (1).
-const HEADER_FRAME_OVERHEAD: usize = 20;
+use crate::wire_size::{DEFAULT_FRAME_MAX, HEADER_FRAME_OVERHEAD};
 
 /// The frame size a connection negotiated, where `0` (no limit, which
 /// RabbitMQ never negotiates) reads as RabbitMQ's default of 128 KiB.
 pub(crate) fn frame_max(connection: &lapin::Connection) -> usize {
     match connection.configuration().frame_max() {
-        0 => 131_072,
+        0 => DEFAULT_FRAME_MAX,
         n => n as usize,
     }
 }

@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 use super::OutboxError;
 use super::packed::Staged;
 use crate::message_id::validate_message_id;
+use crate::wire_size::{self, HEADER_FRAME_OVERHEAD, MAX_SHORT_STRING, PROPERTY_FLAGS};
 
 /// The largest body staged unless [`OutboxMessage::max_body_size`] says
 /// otherwise: RabbitMQ 4's default `max_message_size` (16 MiB), the strictest
@@ -14,18 +15,9 @@ use crate::message_id::validate_message_id;
 /// handler, instead of at the relay.
 pub const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
 
-/// RabbitMQ's default `frame_max` (128 KiB): a message's properties and
-/// headers travel in one frame no larger than the connection's, and a
-/// broker that receives a larger one closes the whole connection
-/// (`FRAME_ERROR`). Staging refuses what would not fit in the default.
-pub(crate) const MAX_HEADER_FRAME: usize = 131_072;
-
-/// The content header frame's bytes besides the properties (type, channel,
-/// size, class, weight, body size, end marker) and the property flags.
-const HEADER_FRAME_FIXED: usize = 22;
-
-/// AMQP short strings (exchange, routing key, header names) hold at most 255 bytes.
-const MAX_SHORT_STRING: usize = 255;
+/// Staging refuses properties that would not fit a frame of RabbitMQ's
+/// default size.
+pub(crate) const MAX_HEADER_FRAME: usize = wire_size::DEFAULT_FRAME_MAX;
 
 /// A message to publish once the staging transaction commits: exchange,
 /// routing key, body and AMQP properties. Persistent by default; its
@@ -345,15 +337,16 @@ impl OutboxMessage {
     pub(crate) fn header_frame_size(&self) -> usize {
         if let Some(encoded) = &self.properties {
             // The property flags are in the encoding already.
-            return HEADER_FRAME_FIXED - 2 + encoded.len();
+            return HEADER_FRAME_OVERHEAD + encoded.len();
         }
-        let short = |s: Option<&str>| s.map_or(0, |s| 1 + s.len());
+        let short = wire_size::short_string;
         let headers = if self.headers.is_empty() {
             0
         } else {
-            table_size(&self.headers)
+            wire_size::json_table(&self.headers)
         };
-        HEADER_FRAME_FIXED
+        HEADER_FRAME_OVERHEAD
+            + PROPERTY_FLAGS
             + short(self.content_type.as_deref())
             + headers
             + 1 // delivery mode
@@ -403,27 +396,6 @@ impl OutboxMessage {
             }
         }
         Ok(())
-    }
-}
-
-/// The encoded size of JSON headers as an AMQP field table.
-fn table_size(object: &Map<String, Value>) -> usize {
-    4 + object
-        .iter()
-        .map(|(name, value)| 1 + name.len() + value_size(value))
-        .sum::<usize>()
-}
-
-/// The encoded size of a JSON value as an AMQP field value (type byte
-/// included): null is void, numbers are 64-bit, strings are long strings.
-fn value_size(value: &Value) -> usize {
-    1 + match value {
-        Value::Null => 0,
-        Value::Bool(_) => 1,
-        Value::Number(_) => 8,
-        Value::String(s) => 4 + s.len(),
-        Value::Array(items) => 4 + items.iter().map(value_size).sum::<usize>(),
-        Value::Object(object) => table_size(object),
     }
 }
 

@@ -57,10 +57,8 @@ mod stage;
 mod unit;
 
 use std::future::Future;
-use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use sqlx::PgPool;
 
 pub use admin::{FailedMessage, OutboxStatus, PendingGroup};
 pub use message::{DEFAULT_MAX_BODY_SIZE, OutboxMessage};
@@ -174,8 +172,8 @@ pub(crate) fn current_traceparent() -> Option<String> {
 /// The delete failed.
 #[cfg(feature = "amqp")]
 pub(crate) async fn delete_published_before(
-    pool: &PgPool,
-    keep: Duration,
+    pool: &sqlx::PgPool,
+    keep: std::time::Duration,
     batch: i64,
 ) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(

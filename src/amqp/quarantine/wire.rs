@@ -35,7 +35,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Wire<S> {
     pub(super) fn new(stream: S) -> Self {
         Wire {
             stream,
-            frame_max: 131_072,
+            frame_max: crate::wire_size::DEFAULT_FRAME_MAX as u32,
         }
     }
 
@@ -248,7 +248,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Wire<S> {
         let kind = head[0];
         let channel = u16::from_be_bytes([head[1], head[2]]);
         let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]);
-        if size > self.frame_max.max(131_072) {
+        if size
+            > self
+                .frame_max
+                .max(crate::wire_size::DEFAULT_FRAME_MAX as u32)
+        {
             return Err(QuarantineError::Protocol(format!(
                 "a frame of {size} bytes"
             )));

@@ -1,0 +1,59 @@
+//! The sizes of AMQP 0-9-1's wire format that idempo checks before it
+//! sends: the frame a message's properties travel in, short strings, and
+//! JSON headers as a field table. The AMQP adapter measures lapin's own
+//! encoding with these constants (`amqp/fit.rs`); the outbox, which knows
+//! no lapin, measures JSON headers here.
+
+#[cfg(feature = "outbox")]
+use serde_json::{Map, Value};
+
+/// RabbitMQ's default `frame_max` (128 KiB), also what a negotiated `0` (no
+/// limit, which RabbitMQ never negotiates) reads as: a message's properties
+/// and headers travel in one frame no larger than the connection's, and a
+/// broker that receives a larger one closes the whole connection
+/// (`FRAME_ERROR`).
+pub(crate) const DEFAULT_FRAME_MAX: usize = 131_072;
+
+/// A content header frame's bytes besides the properties: type, channel and
+/// size (7), class and weight (4), body size (8), frame end (1).
+pub(crate) const HEADER_FRAME_OVERHEAD: usize = 20;
+
+/// The property flags that lead the encoded properties.
+#[cfg(feature = "outbox")]
+pub(crate) const PROPERTY_FLAGS: usize = 2;
+
+/// AMQP short strings (exchange, routing key, header names, message id)
+/// hold at most 255 bytes.
+#[cfg(feature = "outbox")]
+pub(crate) const MAX_SHORT_STRING: usize = 255;
+
+/// The encoded size of an optional short string property.
+#[cfg(feature = "outbox")]
+pub(crate) fn short_string(value: Option<&str>) -> usize {
+    value.map_or(0, |s| 1 + s.len())
+}
+
+/// The encoded size of JSON headers as an AMQP field table, mapped as the
+/// relay maps them: null is void, numbers are 64-bit, strings are long
+/// strings.
+#[cfg(feature = "outbox")]
+pub(crate) fn json_table(object: &Map<String, Value>) -> usize {
+    4 + object
+        .iter()
+        .map(|(name, value)| 1 + name.len() + json_value(value))
+        .sum::<usize>()
+}
+
+/// The encoded size of a JSON value as an AMQP field value, type byte
+/// included.
+#[cfg(feature = "outbox")]
+fn json_value(value: &Value) -> usize {
+    1 + match value {
+        Value::Null => 0,
+        Value::Bool(_) => 1,
+        Value::Number(_) => 8,
+        Value::String(s) => 4 + s.len(),
+        Value::Array(items) => 4 + items.iter().map(json_value).sum::<usize>(),
+        Value::Object(object) => json_table(object),
+    }
+}
