@@ -16,7 +16,7 @@ use serde::Deserialize;
 
 use super::auth::Caller;
 use super::failure::Failure;
-use super::{App, Page, Shared, pages};
+use super::{App, Page, Shared, letter_pages, pages};
 
 #[derive(Deserialize)]
 pub(crate) struct QueueQuery {
@@ -50,7 +50,7 @@ pub(crate) async fn dead_letters(State(app): Shared, Query(q): Query<QueueQuery>
     let mut groups = table(&app).await?.groups(&filter).await?;
     let more = groups.len() as i64 > GROUPS;
     groups.truncate(GROUPS as usize);
-    let mut body = pages::groups(queue.as_deref(), &groups);
+    let mut body = letter_pages::groups(queue.as_deref(), &groups);
     if more {
         body.push_str(
             &maud::html! {
@@ -80,7 +80,7 @@ pub(crate) async fn dead_letters(State(app): Shared, Query(q): Query<QueueQuery>
         return Ok(Html(pages::layout("Dead letters", &body, true)));
     }
     match app.dlq_views.list(&app.services, &queue).await {
-        Ok((dlq, letters)) => body.push_str(&pages::queue_dlq(&dlq, &letters)),
+        Ok((dlq, letters)) => body.push_str(&letter_pages::queue_dlq(&dlq, &letters)),
         Err(why) => body.push_str(&maud::html! { p.rule { (why) } }.into_string()),
     }
     Ok(Html(pages::layout("Dead letters", &body, false)))
@@ -101,7 +101,7 @@ pub(crate) async fn group(State(app): Shared, caller: Caller, Query(q): Query<Qu
     };
     let letters = table(&app).await?.list(&filter).await?;
     let csrf = app.csrf(&caller);
-    let mut body = pages::group(&queue, &fingerprint, &letters, csrf.as_deref());
+    let mut body = letter_pages::group(&queue, &fingerprint, &letters, csrf.as_deref());
     if let (true, Some(last)) = (letters.len() as i64 == PAGE, letters.last()) {
         let next = format!(
             "/dead-letters/group?queue={}&fingerprint={}&after={}",
@@ -130,7 +130,7 @@ pub(crate) async fn letter(State(app): Shared, caller: Caller, Path(id): Path<i6
     let csrf = app.csrf(&caller);
     Ok(Html(pages::layout(
         "Dead letter",
-        &pages::letter(&detail, csrf.as_deref()),
+        &letter_pages::letter(&detail, csrf.as_deref()),
         false,
     )))
 }

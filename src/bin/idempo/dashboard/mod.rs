@@ -12,8 +12,10 @@ mod actions;
 mod auth;
 mod failure;
 mod guard;
+mod letter_pages;
 mod letters;
 mod outbox;
+mod overview_page;
 mod pages;
 mod samples;
 mod serve;
@@ -201,7 +203,7 @@ async fn overview(State(app): Shared) -> Page {
         .latest(&app.services)
         .await
         .map_err(Failure::Unavailable)?;
-    let body = pages::overview(&latest, &app.samples.charts(), app.sample_every);
+    let body = overview_page::overview(&latest, &app.samples.charts(), app.sample_every);
     Ok(Html(pages::layout("Overview", &body, true)))
 }
 

@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use super::auth::Caller;
 use super::failure::Failure;
-use super::{App, Page, Shared, pages};
+use super::{App, Page, Shared, letter_pages, pages};
 
 /// Failed rows looked at, at most, for a confirmation.
 const FAILED_AT_MOST: i64 = 100_000;
@@ -21,7 +21,7 @@ pub(crate) async fn outbox(State(app): Shared, caller: Caller) -> Page {
         idempo::outbox::FailedMessage::list(pool, 200),
     );
     let csrf = app.csrf(&caller);
-    let body = pages::outbox(&status?, &pending?, &failed?, csrf.as_deref());
+    let body = letter_pages::outbox(&status?, &pending?, &failed?, csrf.as_deref());
     Ok(Html(pages::layout("Outbox", &body, true)))
 }
 

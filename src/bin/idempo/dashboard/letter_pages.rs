@@ -1,0 +1,299 @@
+//! The dead-letter and outbox pages: causes, one queue's dead-letter
+//! queue, one cause's letters, one letter, and the outbox's pending and
+//! failed rows. Every value from a queue or a table goes through
+//! [`untrusted`].
+
+use idempo::ops::dead_letters::{Group, Letter, LetterDetail};
+use idempo::ops::{Condition, OUTBOX_PENDING_LIMIT, short_duration};
+use idempo::outbox::{FailedMessage, OutboxStatus, PendingGroup};
+use maud::{Markup, html};
+
+use super::pages::{action, colour, or_dash, time, untrusted, untrusted_body, urlencode};
+
+/// The link to the letters of one cause: the query values percent-encoded
+/// (maud escapes the attribute).
+pub(crate) fn group_link(queue: &str, fingerprint: &str) -> String {
+    format!(
+        "/dead-letters/group?queue={}&fingerprint={}",
+        urlencode(queue),
+        urlencode(fingerprint)
+    )
+}
+
+pub(crate) fn groups(queue: Option<&str>, groups: &[Group]) -> String {
+    html! {
+        h1 { "Dead letters" }
+        @if let Some(q) = queue {
+            p { "queue " (untrusted(q)) }
+        }
+        @if groups.is_empty() {
+            p { "No live dead letters in the table." }
+        } @else {
+            table {
+                tr {
+                    th { "queue" } th { "count" } th { "reason" } th { "first seen" }
+                    th { "last seen" } th { "sample error" } th { "cause" }
+                }
+                @for g in groups {
+                    tr {
+                        td { (untrusted(&g.queue)) }
+                        td { (g.count) }
+                        td { (untrusted(&g.reason)) }
+                        td { (time(g.first_seen)) }
+                        td { (time(g.last_seen)) }
+                        td class="error" { (untrusted(&g.sample_error)) }
+                        td {
+                            a class="group" href=(group_link(&g.queue, &g.fingerprint)) {
+                                (untrusted(&g.fingerprint))
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    .into_string()
+}
+
+/// A RabbitMQ DLQ's letters, read-only (the table store is not in use).
+pub(crate) fn queue_dlq(dlq: &str, letters: &[Letter]) -> String {
+    html! {
+        h2 {
+            "RabbitMQ dead-letter queue " (untrusted(dlq)) " (" (letters.len())
+            " shown, read-only here)"
+        }
+        p class="rule" {
+            "replay or delete them with " code { "idempo dlq" }
+            ", or keep dead letters in PostgreSQL (" code { "DeadLetters::Table" } ", "
+            code { "idempo dlq import" } ") to act on them here"
+        }
+        table {
+            tr {
+                th { "message id" } th { "reason" } th { "attempts" } th { "last failure" }
+                th { "size" } th { "error" }
+            }
+            @for d in letters {
+                tr {
+                    td { (untrusted(d.message_id.as_deref().unwrap_or("-"))) }
+                    td { (untrusted(&d.reason)) }
+                    td { (or_dash(d.attempts)) }
+                    td { (time(d.last_failed_at)) }
+                    td { (d.body_bytes) }
+                    td class="error" { (untrusted(d.error.as_deref().unwrap_or("-"))) }
+                }
+            }
+        }
+    }
+    .into_string()
+}
+
+pub(crate) fn group(
+    queue: &str,
+    fingerprint: &str,
+    letters: &[Letter],
+    csrf: Option<&str>,
+) -> String {
+    let fields = [("queue", queue), ("fingerprint", fingerprint)];
+    html! {
+        h1 { "Dead letters of one cause" }
+        p {
+            "queue " (untrusted(queue)) " · cause " (untrusted(fingerprint)) " · "
+            (letters.len()) " shown"
+        }
+        @if let Some(csrf) = csrf {
+            div class="actions" {
+                (action("/dead-letters/replay", csrf, &fields, "Replay this group…"))
+                (action("/dead-letters/discard", csrf, &fields, "Discard this group…"))
+                (action("/dead-letters/purge", csrf, &fields, "Delete this group…"))
+            }
+        }
+        table {
+            tr {
+                th { "row" } th { "message id" } th { "attempts" } th { "last failed" } th { "error" }
+            }
+            @for l in letters {
+                @let id = or_dash(l.id);
+                tr {
+                    td { a href={ "/dead-letters/" (id) } { (id) } }
+                    td { (untrusted(l.message_id.as_deref().unwrap_or("-"))) }
+                    td { (or_dash(l.attempts)) }
+                    td { (time(l.last_failed_at)) }
+                    td class="error" { (untrusted(l.error.as_deref().unwrap_or("-"))) }
+                }
+            }
+        }
+    }
+    .into_string()
+}
+
+pub(crate) fn outbox(
+    status: &OutboxStatus,
+    pending: &[PendingGroup],
+    failed: &[FailedMessage],
+    csrf: Option<&str>,
+) -> String {
+    html! {
+        h1 { "Outbox" }
+        p class="rule" {
+            "red: a failed message, or the oldest pending one older than "
+            (short_duration(OUTBOX_PENDING_LIMIT))
+        }
+        p class=(colour(Condition::of_outbox(status))) {
+            (status.pending) " pending, " (status.failed) " failed, oldest pending "
+            (status.oldest_pending_age.map_or("-".into(), short_duration))
+        }
+        h2 { "Pending by destination" }
+        table {
+            tr {
+                th { "exchange" } th { "routing key" } th { "ordering key" } th { "messages" }
+                th { "oldest" }
+            }
+            @for p in pending {
+                tr {
+                    td {
+                        @if p.exchange.is_empty() && p.routing_key.is_empty() {
+                            "(packed rows)"
+                        } @else {
+                            (untrusted(&p.exchange))
+                        }
+                    }
+                    td { (untrusted(&p.routing_key)) }
+                    td { (untrusted(p.ordering_key.as_deref().unwrap_or("-"))) }
+                    td { (p.messages) }
+                    td { (format!("{:.0}", p.oldest_secs)) " s" }
+                }
+            }
+        }
+        h2 { "Failed" }
+        @if let (Some(csrf), false) = (csrf, failed.is_empty()) {
+            (action("/outbox/retry", csrf, &[], "Retry every failed message"))
+            (action("/outbox/discard", csrf, &[], "Discard every failed message"))
+        }
+        table {
+            tr {
+                th { "row" } th { "message id" } th { "destination" } th { "attempts" }
+                th { "last error" } th {}
+            }
+            @for f in failed {
+                @let id = f.id.to_string();
+                tr class="red" {
+                    td { (f.id) }
+                    td { (untrusted(&f.message_id)) }
+                    td { (untrusted(&f.exchange)) " / " (untrusted(&f.routing_key)) }
+                    td { (f.attempts) }
+                    td class="error" { (untrusted(f.last_error.as_deref().unwrap_or("-"))) }
+                    td {
+                        @if let Some(csrf) = csrf {
+                            (action("/outbox/retry", csrf, &[("id", &id)], "Retry"))
+                            (action("/outbox/discard", csrf, &[("id", &id)], "Discard"))
+                        }
+                    }
+                }
+            }
+        }
+    }
+    .into_string()
+}
+
+/// The body shown: text when it is, a hex dump of the first bytes otherwise;
+/// at most 16 KiB either way.
+fn body_preview(body: &[u8]) -> Markup {
+    const SHOWN: usize = 16 * 1024;
+    let shown = &body[..body.len().min(SHOWN)];
+    html! {
+        @match std::str::from_utf8(shown) {
+            Ok(s) => { pre class="body" { (untrusted_body(s)) } }
+            Err(_) => {
+                pre class="body" { "binary: " (hex::encode(&shown[..shown.len().min(512)])) }
+            }
+        }
+        @if body.len() > SHOWN {
+            " (first " (SHOWN) " of " (body.len()) " bytes)"
+        }
+    }
+}
+
+pub(crate) fn letter(detail: &LetterDetail, csrf: Option<&str>) -> String {
+    let l = &detail.letter;
+    let id = or_dash(l.id);
+    html! {
+        h1 { "Dead letter " (id) }
+        dl {
+            dt { "message id" } dd { (untrusted(l.message_id.as_deref().unwrap_or("-"))) }
+            dt { "queue" } dd { (untrusted(l.queue.as_deref().unwrap_or("-"))) }
+            dt { "consumer" } dd { (untrusted(l.consumer.as_deref().unwrap_or("-"))) }
+            dt { "state" } dd { (l.state.as_str()) " (replayed " (l.replay_count) " time(s))" }
+            dt { "reason" } dd { (untrusted(&l.reason)) }
+            dt { "error" } dd class="error" { (untrusted(l.error.as_deref().unwrap_or("-"))) }
+            dt { "attempts" } dd { (or_dash(l.attempts)) " (arrived " (l.deliveries) " time(s))" }
+            dt { "first failed" } dd { (time(l.first_failed_at)) }
+            dt { "last failed" } dd { (time(l.last_failed_at)) }
+            dt { "routing" }
+            dd {
+                "exchange " (untrusted(&format!("{:?}", detail.exchange)))
+                " · routing key " (untrusted(&format!("{:?}", l.routing_key)))
+            }
+        }
+        @if let (Some(csrf), "live") = (csrf, l.state.as_str()) {
+            div class="actions" {
+                (action("/dead-letters/replay", csrf, &[("id", &id)], "Replay…"))
+                (action("/dead-letters/discard", csrf, &[("id", &id)], "Discard…"))
+            }
+        }
+        h2 { "Headers" }
+        table {
+            @if let Some(headers) = detail.headers.as_object() {
+                @for (name, value) in headers {
+                    @let shown = value.as_str().map_or_else(|| value.to_string(), str::to_owned);
+                    tr { td { (untrusted(name)) } td { (untrusted(&shown)) } }
+                }
+            }
+        }
+        h2 { "Body" }
+        (body_preview(&detail.body))
+    }
+    .into_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dashboard::pages::{confirm, done};
+
+    #[test]
+    fn hostile_values_stay_text_and_attribute_values() {
+        let q = "q\"><script>alert(1)</script>\u{202e}";
+        let page = groups(Some(q), &[]);
+        assert_eq!(
+            page,
+            "<h1>Dead letters</h1><p>queue <bdi>q&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;\
+             \\u{202e}</bdi></p><p>No live dead letters in the table.</p>"
+        );
+        let asked = confirm(
+            ("Replay", 20, "dead letter(s)"),
+            "/dead-letters/replay",
+            "/dead-letters",
+            "tok\"en",
+            &[("queue", q)],
+        );
+        assert!(
+            asked.contains("<p>Replay 20 dead letter(s)?</p>"),
+            "{asked}"
+        );
+        assert!(
+            asked.contains("<button type=\"submit\">Replay 20</button>"),
+            "{asked}"
+        );
+        assert!(
+            asked.contains("name=\"csrf\" value=\"tok&quot;en\""),
+            "{asked}"
+        );
+        assert!(asked.contains("name=\"confirm\" value=\"1\""), "{asked}");
+        assert!(!asked.contains("<script"), "{asked}");
+        let done = done("1 replayed; row 2: <i>\u{202e}</i>");
+        assert!(
+            done.contains("<bdi>1 replayed; row 2: &lt;i&gt;\\u{202e}&lt;/i&gt;</bdi>"),
+            "{done}"
+        );
+    }
+}
