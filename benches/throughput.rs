@@ -34,6 +34,8 @@
 //! `BENCH_COUNT_TRIPS=0` connects directly instead (no proxy hop, to compare
 //! throughput with and without it) and leaves those columns empty.
 
+#[path = "support/cpu.rs"]
+mod cpu;
 #[path = "../examples/common/payments.rs"]
 #[allow(dead_code)]
 mod payments;
@@ -43,6 +45,7 @@ mod pg_trips;
 mod topology;
 
 use std::process::Command;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -93,6 +96,9 @@ struct Figures {
     pings_per_msg: Option<f64>,
     prepares_per_msg: Option<f64>,
     db_errors: Option<u64>,
+    /// Phase 1's CPU per message, by process (`support/cpu.rs`).
+    #[serde(default)]
+    cpu: cpu::PerMessage,
 }
 
 impl Figures {
@@ -183,6 +189,33 @@ fn report(results: &[Figures]) {
             eprintln!("{}: {errors} database errors in phase 1", r.variant);
         }
     }
+    println!(
+        "\nCPU µs per message in phase 1 (consumer: this process{}; PG backends: the pool's; PG all: every postgres process; broker: the node on the AMQP port)\n",
+        if std::env::var("BENCH_COUNT_TRIPS").as_deref() == Ok("0") {
+            ""
+        } else {
+            ", the counting proxy included"
+        }
+    );
+    println!("| variant | consumer | PG backends | PG all | broker | total |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for r in results {
+        let c = r.cpu;
+        let cell = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{v:.0}"));
+        let total = [c.consumer_us, c.postgres_us, c.broker_us]
+            .iter()
+            .map(|v| v.unwrap_or(0.0))
+            .sum::<f64>();
+        println!(
+            "| {} | {} | {} | {} | {} | {:.0} |",
+            r.variant,
+            cell(c.consumer_us),
+            cell(c.backends_us),
+            cell(c.postgres_us),
+            cell(c.broker_us),
+            total
+        );
+    }
 }
 
 /// What every variant shares: a schema, a queue, and a way to publish.
@@ -196,6 +229,12 @@ struct Bench {
     latencies: Arc<Mutex<Vec<f64>>>,
     /// The proxy `pool` goes through (not the setup's `admin` pool).
     proxy: Option<pg_trips::Proxy>,
+    /// A pool outside the measured one, for reading `pg_stat_activity`.
+    admin: PgPool,
+    /// The measured pool's `application_name`: it names its backends.
+    tag: String,
+    /// The RabbitMQ node's pid, for its CPU.
+    broker_pid: Option<String>,
 }
 
 /// Phase 1, the pre-filled drain: how long it took, how many messages
@@ -204,6 +243,7 @@ struct Drain {
     seconds: f64,
     messages: u64,
     wire: Option<pg_trips::Counts>,
+    cpu: cpu::PerMessage,
 }
 
 async fn setup(variant: &str, pool_size: u32) -> anyhow::Result<Bench> {
@@ -246,7 +286,11 @@ async fn setup(variant: &str, pool_size: u32) -> anyhow::Result<Bench> {
     }
     let pool = PgPoolOptions::new()
         .max_connections(pool_size)
-        .connect_with(options.options([("search_path", tag.as_str())]))
+        .connect_with(
+            options
+                .options([("search_path", tag.as_str())])
+                .application_name(&tag),
+        )
         .await?;
     idempo::migrate(&pool).await?;
     payments::create_tables(&pool).await?;
@@ -267,9 +311,15 @@ async fn setup(variant: &str, pool_size: u32) -> anyhow::Result<Bench> {
         Ok("classic") => QueueType::Classic,
         _ => QueueType::Quorum,
     };
+    let broker_pid = lapin::uri::AMQPUri::from_str(&amqp_url)
+        .ok()
+        .and_then(|uri| cpu::listener_pid(uri.authority.port));
     Ok(Bench {
         pool,
-        queue: tag,
+        queue: tag.clone(),
+        admin,
+        tag,
+        broker_pid,
         amqp_url,
         queue_type,
         publisher,
@@ -296,6 +346,10 @@ impl Bench {
 
     fn wire_since(&self, before: Option<pg_trips::Counts>) -> Option<pg_trips::Counts> {
         Some(self.wire()? - before?)
+    }
+
+    async fn cpu(&self) -> cpu::Ticks {
+        cpu::sample(&self.admin, &self.tag, self.broker_pid.as_deref()).await
     }
 
     /// Declares the queue as idempo would (so both kinds of consumer use the same type).
@@ -440,6 +494,7 @@ async fn run_variant(variant: &str) -> anyhow::Result<Figures> {
         pings_per_msg: per_message(|w| w.ping_flights),
         prepares_per_msg: per_message(|w| w.parsed),
         db_errors: wire.map(|w| w.errors),
+        cpu: drain.cpu,
     })
 }
 
@@ -548,15 +603,18 @@ async fn run_idempo(
         let s = stats.snapshot();
         s.processed + s.duplicates
     };
-    let (wire_before, settled_before) = (bench.wire(), settled());
+    let (wire_before, settled_before, cpu_before) = (bench.wire(), settled(), bench.cpu().await);
     let started = Instant::now();
     while settled() < messages {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    let seconds = started.elapsed().as_secs_f64();
+    let settled_now = settled() - settled_before;
     let drain = Drain {
-        seconds: started.elapsed().as_secs_f64(),
-        messages: settled() - settled_before,
+        seconds,
+        messages: settled_now,
         wire: bench.wire_since(wire_before),
+        cpu: cpu::per_message(cpu_before, bench.cpu().await, settled_now),
     };
     if !duplicates {
         bench.publish("p", paced, true).await?;
@@ -597,6 +655,7 @@ async fn run_hand_written(
         .await?;
     let done = Arc::new(AtomicU64::new(0));
     let wire_before = bench.wire();
+    let cpu_before = bench.cpu().await;
     let started = Instant::now();
     let worker = {
         let (pool, latencies, done, variant) = (
@@ -618,10 +677,13 @@ async fn run_hand_written(
         anyhow::ensure!(!worker.is_finished(), "the {variant} consumer stopped");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    let seconds = started.elapsed().as_secs_f64();
+    let settled = done.load(Ordering::Relaxed);
     let drain = Drain {
-        seconds: started.elapsed().as_secs_f64(),
-        messages: done.load(Ordering::Relaxed),
+        seconds,
+        messages: settled,
         wire: bench.wire_since(wire_before),
+        cpu: cpu::per_message(cpu_before, bench.cpu().await, settled),
     };
     bench.publish("p", paced, true).await?;
     while done.load(Ordering::Relaxed) < messages + paced {
