@@ -39,7 +39,7 @@ mod cpu;
 #[path = "../examples/common/payments.rs"]
 #[allow(dead_code)]
 mod payments;
-#[path = "support/pg_trips.rs"]
+#[path = "../tests/support/pg_trips.rs"]
 mod pg_trips;
 #[path = "support/topology.rs"]
 mod topology;

@@ -1,11 +1,9 @@
 //! PostgreSQL's SQLSTATE codes, read in one place: every classification of a
-//! database error (an outage, a duplicate, a lock that is busy, a bad
+//! database error (an outage, a lock that is busy, a bad
 //! statement) is decided here, by code, never by matching message texts.
 
 use std::borrow::Cow;
 
-/// `unique_violation`.
-pub(crate) const UNIQUE_VIOLATION: &str = "23505";
 /// `division_by_zero`: how the commit check says its claim is gone.
 pub(crate) const DIVISION_BY_ZERO: &str = "22012";
 /// `read_only_sql_transaction`: a standby, or a database set read-only.

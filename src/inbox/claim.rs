@@ -10,7 +10,7 @@ use sqlx::{AssertSqlSafe, PgExecutor, PgPool, Postgres, Transaction};
 use sqlx_core::transaction::TransactionManager;
 
 use super::partitioned::PartitionError;
-use super::{Claim, ClaimedBatch, payload_sha256};
+use super::{Claim, payload_sha256};
 use crate::error::{Error, Result};
 use crate::literal;
 use crate::message_id::validate_message_id;
@@ -149,156 +149,18 @@ pub(crate) async fn reads_committed_by_default(pool: &PgPool) -> Result<bool> {
     Ok(level == "read committed")
 }
 
-/// [`begin_claim_batch`], with the isolation level set or known.
-pub(crate) async fn begin_claims(
+/// Opens a claim's transaction on `pool`: READ COMMITTED whatever the
+/// session's default, unless that is known to be it.
+pub(crate) async fn begin(
     pool: &PgPool,
-    consumer: &str,
-    messages: &[(&str, &[u8])],
     isolation: Isolation,
-) -> Result<ClaimedBatch> {
-    let sql = |consumer: &str, rows: &[&Row<'_>]| begin_then_claim(consumer, rows, isolation);
-    begin_claims_by(
-        pool,
-        consumer,
-        messages,
-        sql,
-        crate::sqlstate::UNIQUE_VIOLATION,
-    )
-    .await
-}
-
-/// An id to claim and its body's hash.
-type Row<'a> = (&'a str, [u8; 32]);
-
-/// The round trips of [`begin_claims`]: `sql` makes the simple query that
-/// claims the consumer's (literal) rows and opens the transaction, and
-/// fails with `conflict` (SQLSTATE) when some id was claimed already.
-/// The partitioned mode claims through the same loop with its own query.
-async fn begin_claims_by(
-    pool: &PgPool,
-    consumer: &str,
-    messages: &[(&str, &[u8])],
-    sql: impl Fn(&str, &[&Row<'_>]) -> Result<String>,
-    conflict: &str,
-) -> Result<ClaimedBatch> {
-    let consumer_literal = literal::text("consumer", consumer)?;
-    let mut rows = Vec::with_capacity(messages.len());
-    for (id, body) in messages {
-        validate_message_id(id)?;
-        rows.push((*id, payload_sha256(body)));
-    }
-    // The first occurrence of each id is claimed; the others follow it.
-    let mut firsts: HashMap<&str, usize> = HashMap::with_capacity(rows.len());
-    for (i, (id, _)) in rows.iter().enumerate() {
-        firsts.entry(id).or_insert(i);
-    }
-    let mut open: Vec<usize> = firsts.values().copied().collect();
-    open.sort_unstable_by_key(|&i| rows[i].0);
-    let mut claims: Vec<Option<Claim>> = vec![None; rows.len()];
-    let mut stored: HashMap<String, Option<Vec<u8>>> = HashMap::new();
-    let mut tx = None;
-    // Bounded: each round decides the ids it conflicted on, unless their
-    // rows vanished (retention deleted them) in between.
-    for _ in 0..3 {
-        if open.is_empty() {
-            break;
-        }
-        let claimed: Vec<&Row<'_>> = open.iter().map(|&i| &rows[i]).collect();
-        match pool
-            .begin_with(AssertSqlSafe(sql(&consumer_literal, &claimed)?))
-            .await
-        {
-            Ok(begun) => {
-                for &i in &open {
-                    claims[i] = Some(Claim::Fresh);
-                }
-                open.clear();
-                tx = Some(begun);
-                break;
-            }
-            Err(e) if crate::sqlstate::is(&e, conflict) => {
-                // The claim failed its transaction, which sqlx rolls back
-                // with the connection's next statement. A new statement
-                // sees the committed rows.
-                let ids: Vec<&str> = open.iter().map(|&i| rows[i].0).collect();
-                stored.extend(stored_hashes(pool, consumer, &ids).await?);
-                for &i in &open {
-                    claims[i] = compare(stored.get(rows[i].0), &rows[i].1);
-                }
-                open.retain(|&i| claims[i].is_none());
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-    if !open.is_empty() {
-        return Err(vanished());
-    }
-    for (i, (id, hash)) in rows.iter().enumerate() {
-        let first = firsts[id];
-        if first != i {
-            claims[i] = Some(match claims[first] {
-                Some(Claim::Fresh) if rows[first].1 == *hash => Claim::Duplicate,
-                Some(Claim::Fresh) => Claim::Mismatch,
-                _ => compare(stored.get(*id), hash).ok_or_else(vanished)?,
-            });
-        }
-    }
-    Ok(ClaimedBatch {
-        claims: claims
-            .into_iter()
-            .map(|claim| claim.ok_or_else(vanished))
-            .collect::<Result<_>>()?,
-        tx,
-    })
-}
-
-/// The `BEGIN` that opens a claim's transaction, READ COMMITTED whatever the
-/// session's default unless that is known to be it.
-fn begin(isolation: Isolation) -> &'static str {
-    match isolation {
-        Isolation::Set => "BEGIN ISOLATION LEVEL READ COMMITTED; ",
+) -> Result<Transaction<'static, Postgres>> {
+    let begin = match isolation {
+        Isolation::Set => "BEGIN ISOLATION LEVEL READ COMMITTED",
         #[cfg(feature = "amqp")]
-        Isolation::Default => "BEGIN; ",
-    }
-}
-
-/// The simple query of [`Inbox::begin_batch`](super::Inbox::begin_batch):
-/// `BEGIN`, then the claims, in one round trip.
-fn begin_then_claim(consumer: &str, rows: &[&Row<'_>], isolation: Isolation) -> Result<String> {
-    // BEGIN first: a conflict then fails an open transaction, which sqlx
-    // (0.9.1 counts the transaction before BEGIN's answer) rolls back; a
-    // conflict before BEGIN would leave nothing open for its ROLLBACK, and
-    // PostgreSQL would warn "there is no transaction in progress".
-    let mut sql = String::from(begin(isolation));
-    sql.push_str("INSERT INTO processed_messages (consumer, message_id, payload_sha256) ");
-    if rows.len() == 1 {
-        for (id, hash) in rows {
-            sql.push_str(&format!(
-                "VALUES ({consumer}, {}, {})",
-                literal::text("message id", id)?,
-                literal::bytes(hash)
-            ));
-        }
-    } else {
-        // Not a VALUES row each: PostgreSQL plans every row of a VALUES
-        // list, while an array is one constant. The hashes travel as one
-        // bytea, 32 bytes per id, in the ids' order.
-        let mut ids = Vec::with_capacity(rows.len());
-        let mut hashes = Vec::with_capacity(rows.len() * 32);
-        for (id, hash) in rows {
-            ids.push(literal::text("message id", id)?);
-            hashes.extend_from_slice(hash);
-        }
-        sql.push_str(&format!(
-            "SELECT {consumer}, id, substring(h FROM n::int * 32 - 31 FOR 32) \
-             FROM unnest(ARRAY[{}]::text[]) WITH ORDINALITY AS t(id, n), {} AS h \
-             ORDER BY n",
-            ids.join(", "),
-            literal::bytes(&hashes)
-        ));
-    }
-
-    Ok(sql)
+        Isolation::Default => "BEGIN",
+    };
+    Ok(pool.begin_with(begin).await?)
 }
 
 /// What a stored claim says of a message with `hash`: `None` when there is
@@ -417,36 +279,6 @@ async fn stored_hash<'e>(
 }
 
 // ------------------------------------------------------------- partitioned
-
-/// [`begin_claims`] on a partitioned `processed_messages`, through its
-/// claim function (migration 0009).
-pub(crate) async fn partitioned_begin_claims(
-    pool: &PgPool,
-    consumer: &str,
-    messages: &[(&str, &[u8])],
-    isolation: Isolation,
-) -> Result<ClaimedBatch> {
-    let sql = |consumer: &str, rows: &[&Row<'_>]| -> Result<String> {
-        let mut ids = Vec::with_capacity(rows.len());
-        let mut hashes = Vec::with_capacity(rows.len());
-        for (id, hash) in rows {
-            ids.push(literal::text("message id", id)?);
-            hashes.push(literal::bytes(hash));
-        }
-        // IDP02 (some id claimed already) fails the transaction, as a
-        // unique violation does in the plain mode.
-        Ok(format!(
-            "{}SELECT count(*) FROM idempo_claim_partitioned({consumer}, \
-             ARRAY[{}]::text[], ARRAY[{}]::bytea[], true)",
-            begin(isolation),
-            ids.join(", "),
-            hashes.join(", ")
-        ))
-    };
-    begin_claims_by(pool, consumer, messages, sql, "IDP02")
-        .await
-        .map_err(refusal)
-}
 
 /// [`claim_batch`] on a partitioned `processed_messages`: one round trip.
 /// `processed_messages`: one [`Claim`] per message, in order; an id that

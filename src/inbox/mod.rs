@@ -18,7 +18,6 @@
 //!
 //! # async fn doc(pool: sqlx::PgPool, id: &str, body: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
 //! let inbox = Inbox::new("billing");
-//! // BEGIN and the claim travel together: one round trip.
 //! match inbox.begin(&pool, id, body).await? {
 //!     Begun::Fresh(mut tx) => {
 //!         sqlx::query("UPDATE accounts SET balance = balance + 10 WHERE id = 1")
@@ -40,16 +39,23 @@
 //! [`Inbox::claim`] does the same inside a transaction the caller opened.
 //!
 //! # The wire shape
-//! A fresh message costs two round trips of idempo's own around the
-//! caller's statements, fewer than a careful hand-written loop (`BEGIN`,
+//! A fresh message costs three round trips of idempo's own around the
+//! caller's statements, as a careful hand-written loop does (`BEGIN`,
 //! claim, ..., `COMMIT`):
 //!
-//! 1. `BEGIN ISOLATION LEVEL READ COMMITTED; INSERT INTO processed_messages
-//!    ...` as one simple query. The insert has no `ON CONFLICT`: a committed
-//!    claim of the id fails it (`23505`) and with it the transaction, which
-//!    sqlx rolls back with the connection's next statement. A duplicate then
-//!    costs one more round trip, the read of the stored body hash.
-//! 2. `SELECT 1 / count(*) FROM processed_messages WHERE <the claim>; COMMIT
+//! 1. `BEGIN ISOLATION LEVEL READ COMMITTED` (plain `BEGIN` when the
+//!    consumer knows its sessions default to it).
+//! 2. `INSERT INTO processed_messages ... ON CONFLICT DO NOTHING RETURNING`,
+//!    a statement prepared once per connection: PostgreSQL does not parse
+//!    or plan it again. A duplicate raises nothing, so it writes no `ERROR`
+//!    line to PostgreSQL's log and aborts no transaction: its stored body
+//!    hash is read (one more round trip) and the empty transaction is
+//!    dropped. (Sending `BEGIN` with a literal claim in one simple query
+//!    saves a round trip but makes PostgreSQL parse and plan the claim for
+//!    every message, and sqlx cannot read that query's answer, so a
+//!    duplicate could only show as an error; measured slower on a shared
+//!    host, see BENCHMARKS.md.)
+//! 3. `SELECT 1 / count(*) FROM processed_messages WHERE <the claim>; COMMIT
 //!    AND CHAIN`. PostgreSQL stops a simple query at its first error: in an
 //!    aborted transaction the `SELECT` fails (`25P02`), and when the claim is
 //!    gone (the caller rolled back) it divides by zero, so in neither case
@@ -57,8 +63,8 @@
 //!    `ROLLBACK` that sqlx's `Transaction` sends when dropped; it travels with
 //!    the pool's check of the returned connection, not on the message's path.
 //!
-//! Values travel in the SQL text as literals (`src/literal.rs`): validated,
-//! quoted by libpq's rules, bytes as hex digits.
+//! The check's values travel in the SQL text as literals (`src/literal.rs`):
+//! validated, quoted by libpq's rules.
 
 use std::time::Duration;
 
@@ -69,6 +75,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 use crate::error::Error;
 use crate::error::Result;
 pub use crate::message_id::InvalidMessageId;
+use crate::message_id::validate_message_id;
 
 pub(crate) mod claim;
 pub mod partitioned;
@@ -241,9 +248,9 @@ impl Inbox {
         }
     }
 
-    /// Opens a transaction on `pool` with `message_id` claimed in it, in **one
-    /// round trip**: [`claim`](Inbox::claim) without a `BEGIN` of its own. A duplicate costs a
-    /// second round trip (the read of the stored body hash) and leaves no
+    /// Opens a transaction on `pool` with `message_id` claimed in it: `BEGIN`,
+    /// then [`claim`](Inbox::claim), two round trips. A duplicate costs a third
+    /// (the read of the stored body hash), raises no error and leaves no
     /// transaction open.
     ///
     /// Commit a [`Begun::Fresh`] transaction with [`commit`](Inbox::commit) (one more round
@@ -262,11 +269,11 @@ impl Inbox {
         })
     }
 
-    /// [`begin`](Inbox::begin) for many messages (`(message id, body)` pairs): one round
-    /// trip opens the transaction with every claim in it, in sorted id order
-    /// (two batches sharing ids cannot deadlock). When some ids were processed
-    /// already, their stored hashes are read and the rest claimed again: a
-    /// batch with duplicates costs two round trips more.
+    /// [`begin`](Inbox::begin) for many messages (`(message id, body)` pairs): `BEGIN`,
+    /// then [`claim_batch`](Inbox::claim_batch), every claim in one statement, in
+    /// sorted id order (two batches sharing ids cannot deadlock). When some
+    /// ids were processed already, their stored hashes are read: a batch with
+    /// duplicates costs one round trip more.
     ///
     /// An id that occurs twice in `messages` is claimed by its first occurrence
     /// and the others are `Duplicate` (same body) or `Mismatch` (other body), as
@@ -291,11 +298,25 @@ impl Inbox {
         messages: &[(&str, &[u8])],
         isolation: claim::Isolation,
     ) -> Result<ClaimedBatch> {
-        if self.partitioned {
-            claim::partitioned_begin_claims(pool, &self.consumer, messages, isolation).await
-        } else {
-            claim::begin_claims(pool, &self.consumer, messages, isolation).await
+        // An invalid id costs no round trip.
+        for (id, _) in messages {
+            validate_message_id(id)?;
         }
+        // BEGIN, then the claims as an `INSERT ... ON CONFLICT DO NOTHING`
+        // that reports what it inserted: a duplicate raises nothing (no
+        // ERROR line in PostgreSQL's log, no aborted transaction).
+        let mut tx = claim::begin(pool, isolation).await?;
+        let claims = match messages {
+            [(id, body)] => vec![self.claim(&mut tx, id, body).await?],
+            _ => self.claim_batch(&mut tx, messages).await?,
+        };
+        // Nothing fresh: dropped, its ROLLBACK goes with the pool's check
+        // of the released connection.
+        let fresh = claims.contains(&Claim::Fresh);
+        Ok(ClaimedBatch {
+            claims,
+            tx: fresh.then_some(tx),
+        })
     }
 
     /// Commits a transaction in which `message_id` was claimed, after checking

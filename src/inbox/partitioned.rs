@@ -49,7 +49,7 @@
 //! every id is simpler to state and to hold.
 //!
 //! # The price
-//! A fresh claim is still one round trip with `BEGIN`, but the probe reads
+//! A fresh claim is still one statement, but the probe reads
 //! one index per attached partition, so keep the partitions few: the
 //! default period is an eighth of the retention, with two periods created
 //! ahead. [`Inbox::commit`](super::Inbox::commit)'s claim check reads them too.

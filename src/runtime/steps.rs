@@ -6,9 +6,9 @@
 //! units of one, which go through them again:
 //!
 //! ```text
-//! Decode ─► Claim (claims + BEGIN, one round trip) ─┬─ all Duplicate/Mismatch ─► decided (no transaction)
-//!    │                                               └─ Fresh ─► Handle ─┬─ Ok ─► Commit (claim check + COMMIT, one round trip) ─► Processed
-//!    └─ undecodable ─► DeadLetter                                        └─ error / panic / timeout ─► ROLLBACK ─► Failed
+//! Decode ─► Claim (BEGIN, then the claims) ─┬─ all Duplicate/Mismatch ─► decided (no transaction)
+//!    │                                        └─ Fresh ─► Handle ─┬─ Ok ─► Commit (claim check + COMMIT, one round trip) ─► Processed
+//!    └─ undecodable ─► DeadLetter                                 └─ error / panic / timeout ─► ROLLBACK ─► Failed
 //!
 //! Failed         = one delivery: its outcome (Retry, or DeadLetter for a permanent error)
 //!                  a batch: Split ─► each delivery alone, from Decode
@@ -91,7 +91,8 @@ impl Unit {
 enum Step {
     /// Decode the bodies; one that does not decode leaves the unit, dead-lettered.
     Decode(Unit),
-    /// Claim every id of the unit, opening the transaction (one round trip).
+    /// Claim every id of the unit, opening the transaction (`BEGIN`, then
+    /// one statement for the claims).
     Claim(Unit, Call),
     /// Run the handler over the unit, now only fresh messages.
     Handle(Unit, Call, Transaction<'static, Postgres>),
