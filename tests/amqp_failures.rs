@@ -484,8 +484,11 @@ async fn a_batch_commit_whose_connection_dies_is_resolved_through_the_claims() {
 /// name as a literal (quoted, so that `q_1` does not match `q_12`).
 async fn sleeping_commits(db: &Db, queue: &str) -> i64 {
     sqlx::query_scalar(
+        // A per-message commit is a plain COMMIT after the prepared check;
+        // a batch's check names the consumer in the COMMIT's query.
         "SELECT count(*) FROM pg_stat_activity \
-         WHERE wait_event = 'PgSleep' AND strpos(query, quote_literal($1)) > 0",
+         WHERE wait_event = 'PgSleep' \
+           AND (query = 'COMMIT' OR strpos(query, quote_literal($1)) > 0)",
     )
     .bind(queue)
     .fetch_one(&db.pool)

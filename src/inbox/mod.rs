@@ -23,9 +23,9 @@
 //!         sqlx::query("UPDATE accounts SET balance = balance + 10 WHERE id = 1")
 //!             .execute(&mut *tx)
 //!             .await?;
-//!         // The claim check and COMMIT travel together too. Effects and claim
-//!         // commit together; an aborted transaction (a failed statement that
-//!         // was ignored) is an error, not a silent rollback.
+//!         // The claim check, then COMMIT: effects and claim commit together;
+//!         // an aborted transaction (a failed statement that was ignored) is
+//!         // an error, not a silent rollback.
 //!         inbox.commit(tx, id).await?;
 //!     }
 //!     Begun::Duplicate => {} // already applied: just acknowledge
@@ -39,9 +39,9 @@
 //! [`Inbox::claim`] does the same inside a transaction the caller opened.
 //!
 //! # The wire shape
-//! A fresh message costs three round trips of idempo's own around the
-//! caller's statements, as a careful hand-written loop does (`BEGIN`,
-//! claim, ..., `COMMIT`):
+//! A fresh message costs four round trips of idempo's own around the
+//! caller's statements, one more than a careful hand-written loop (`BEGIN`,
+//! claim, ..., `COMMIT`), for the claim check:
 //!
 //! 1. `BEGIN ISOLATION LEVEL READ COMMITTED` (plain `BEGIN` when the
 //!    consumer knows its sessions default to it).
@@ -55,16 +55,18 @@
 //!    every message, and sqlx cannot read that query's answer, so a
 //!    duplicate could only show as an error; measured slower on a shared
 //!    host, see BENCHMARKS.md.)
-//! 3. `SELECT 1 / count(*) FROM processed_messages WHERE <the claim>; COMMIT
-//!    AND CHAIN`. PostgreSQL stops a simple query at its first error: in an
-//!    aborted transaction the `SELECT` fails (`25P02`), and when the claim is
-//!    gone (the caller rolled back) it divides by zero, so in neither case
-//!    does `COMMIT` run. `AND CHAIN` leaves an empty transaction open for the
-//!    `ROLLBACK` that sqlx's `Transaction` sends when dropped; it travels with
-//!    the pool's check of the returned connection, not on the message's path.
+//! 3. `SELECT 1 / count(*) FROM processed_messages WHERE <the claim>`,
+//!    prepared too: in an aborted transaction it fails (`25P02`), and when
+//!    the claim is gone (the caller rolled back) it divides by zero, so in
+//!    neither case is `COMMIT` sent.
+//! 4. `COMMIT`.
 //!
-//! The check's values travel in the SQL text as literals (`src/literal.rs`):
-//! validated, quoted by libpq's rules.
+//! (The check and `COMMIT AND CHAIN` in one simple query save the fourth
+//! round trip but are parsed and planned for every message, and leave an
+//! empty chained transaction for a `ROLLBACK`: more CPU in PostgreSQL than
+//! the round trip, measured. The consumer still sends them together when
+//! the commit carries the handler's staged outbox rows, literal inserts
+//! that travel in that same query.)
 
 use std::time::Duration;
 
@@ -320,8 +322,8 @@ impl Inbox {
     }
 
     /// Commits a transaction in which `message_id` was claimed, after checking
-    /// that the claim is still in it: **one round trip**, the check and `COMMIT`
-    /// sent together (see the [module docs](self#the-wire-shape)).
+    /// that the claim is still in it: two round trips, the check (a prepared
+    /// statement) and `COMMIT` (see the [module docs](self#the-wire-shape)).
     ///
     /// Why not just `tx.commit()`: PostgreSQL answers `COMMIT` of an *aborted*
     /// transaction (one in which a statement failed, even if the caller ignored
