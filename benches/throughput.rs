@@ -11,7 +11,7 @@
 //! its peak RSS is its own. See BENCHMARKS.md for what each variant does.
 //!
 //! Round trips: each variant's pool reaches PostgreSQL through a counting
-//! proxy of its own (`support/pg_trips.rs`, TLS off, TCP `DATABASE_URL` only)
+//! proxy of its own (`tests/support/pg_trips.rs`, TLS off, TCP `DATABASE_URL` only)
 //! that reads the server's messages during the pre-filled drain (phase 1),
 //! after the connections' start-up. Per message settled in that window
 //! (per duplicate for g; empty for a, which has no database):

@@ -154,7 +154,7 @@ fn inbox(handler: Arc<dyn Prepare>, parts: &Parts<'_>) -> Arc<dyn Decide> {
         gate: parts.gate.clone(),
         stats: parts.stats.clone(),
         forwarding: parts.forwarding.clone(),
-        read_committed: tokio::sync::OnceCell::new(),
+        sessions: tokio::sync::OnceCell::new(),
         inbox: crate::inbox::Inbox::new(parts.consumer).partitioned(parts.partitioned),
     })
 }

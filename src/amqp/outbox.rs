@@ -59,8 +59,9 @@ mod imp {
             tx: Transaction<'static, Postgres>,
             consumer: &str,
             message_id: &str,
+            shape: crate::inbox::CommitShape,
         ) -> crate::Result<()> {
-            crate::outbox::commit_unit(unit, tx, consumer, message_id).await?;
+            crate::outbox::commit_unit(unit, tx, consumer, message_id, shape).await?;
             if unit.staged()
                 && let Some(relay) = &self.relay
             {
@@ -155,8 +156,9 @@ mod imp {
             tx: Transaction<'static, Postgres>,
             consumer: &str,
             message_id: &str,
+            shape: crate::inbox::CommitShape,
         ) -> crate::Result<()> {
-            crate::inbox::claim::commit_with(tx, consumer, message_id, "").await
+            crate::inbox::claim::commit_with(tx, consumer, message_id, "", shape).await
         }
 
         pub(crate) fn start_relay(

@@ -138,15 +138,60 @@ pub(crate) enum Isolation {
     Default,
 }
 
-/// Whether sessions of `pool` default to READ COMMITTED (PostgreSQL's own
-/// default), asked once on one of its connections.
+/// What the consumer runtime learns once of its pool's sessions.
 #[cfg(feature = "amqp")]
-pub(crate) async fn reads_committed_by_default(pool: &PgPool) -> Result<bool> {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sessions {
+    /// They default to READ COMMITTED (PostgreSQL's own default).
+    pub(crate) read_committed: bool,
+    /// How its commits travel.
+    pub(crate) commit: CommitShape,
+}
+
+/// A round trip at least this long makes the commit save one
+/// ([`CommitShape::OneTrip`]): beyond it, waiting costs more than
+/// PostgreSQL's parsing of a literal check (tens of µs, measured).
+#[cfg(feature = "amqp")]
+const FAR: std::time::Duration = std::time::Duration::from_micros(500);
+
+/// Asks one of `pool`'s connections for its default isolation level, and
+/// times three trivial round trips on it (the fastest counts: a scheduler's
+/// hiccup is not distance).
+#[cfg(feature = "amqp")]
+pub(crate) async fn sessions(pool: &PgPool) -> Result<Sessions> {
+    let mut conn = pool.acquire().await?;
     let level: String =
         sqlx::query_scalar("SELECT current_setting('default_transaction_isolation')")
-            .fetch_one(pool)
+            .fetch_one(&mut *conn)
             .await?;
-    Ok(level == "read committed")
+    let mut fastest = std::time::Duration::MAX;
+    for _ in 0..3 {
+        let sent = std::time::Instant::now();
+        sqlx::raw_sql("").execute(&mut *conn).await?;
+        fastest = fastest.min(sent.elapsed());
+    }
+    Ok(Sessions {
+        read_committed: level == "read committed",
+        commit: if fastest >= FAR {
+            CommitShape::OneTrip
+        } else {
+            CommitShape::Prepared
+        },
+    })
+}
+
+/// How [`commit_with`] sends the claim check and `COMMIT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CommitShape {
+    /// The check as a prepared statement, then `COMMIT`: two round trips,
+    /// nothing parsed or planned again (a database close by).
+    Prepared,
+    /// The check with literals and `COMMIT AND CHAIN` in one simple query:
+    /// one round trip, parsed and planned each time (a database far away,
+    /// or staged outbox rows to send with them anyway).
+    // Only the consumer runtime measures its database's distance.
+    #[cfg(feature = "amqp")]
+    OneTrip,
 }
 
 /// Opens a claim's transaction on `pool`: READ COMMITTED whatever the
@@ -200,7 +245,7 @@ pub(crate) async fn commit(
     consumer: &str,
     message_id: &str,
 ) -> Result<()> {
-    commit_with(tx, consumer, message_id, "").await
+    commit_with(tx, consumer, message_id, "", CommitShape::Prepared).await
 }
 
 /// [`commit`] with `statements` (SQL of idempo's own, literals only, each
@@ -217,6 +262,7 @@ pub(crate) async fn commit_with(
     consumer: &str,
     message_id: &str,
     statements: &str,
+    shape: CommitShape,
 ) -> Result<()> {
     validate_message_id(message_id)?;
     // Divides by zero when the claim is gone: the simple query stops there.
@@ -234,7 +280,10 @@ pub(crate) async fn commit_with(
             Error::Database(e)
         }
     };
-    if PgTransactionManager::get_transaction_depth(&tx) == 1 && statements.is_empty() {
+    if PgTransactionManager::get_transaction_depth(&tx) == 1
+        && statements.is_empty()
+        && shape == CommitShape::Prepared
+    {
         // Prepared once per connection: PostgreSQL neither parses nor plans
         // it again, which costs more than the round trip it adds.
         sqlx::query(CHECK)

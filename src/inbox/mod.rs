@@ -85,7 +85,7 @@ mod reports;
 mod retention;
 
 #[cfg(feature = "amqp")]
-pub(crate) use claim::{Isolation, reads_committed_by_default};
+pub(crate) use claim::{CommitShape, Isolation, Sessions, sessions};
 pub use reports::ConsumerClaims;
 #[cfg(feature = "ops")]
 pub(crate) use reports::consumers;

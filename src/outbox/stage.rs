@@ -167,10 +167,11 @@ pub(crate) async fn commit_unit(
     tx: Transaction<'_, Postgres>,
     consumer: &str,
     message_id: &str,
+    shape: crate::inbox::claim::CommitShape,
 ) -> crate::Result<()> {
     let (deferred, quiet) = unit.take_deferred();
     let statements = deferred_rows(&deferred, quiet)?;
-    crate::inbox::claim::commit_with(tx, consumer, message_id, &statements).await
+    crate::inbox::claim::commit_with(tx, consumer, message_id, &statements, shape).await
 }
 
 /// The statements that write a unit's deferred messages, as SQL text with

@@ -58,7 +58,7 @@ pub(crate) struct InboxSteps {
     pub(crate) forwarding: Arc<Forwarding>,
     /// Whether the pool's sessions default to READ COMMITTED, once known:
     /// the claims then skip `SET TRANSACTION`.
-    pub(crate) read_committed: tokio::sync::OnceCell<bool>,
+    pub(crate) sessions: tokio::sync::OnceCell<inbox::Sessions>,
     /// Where the claims go (plain or partitioned).
     pub(crate) inbox: Inbox,
 }
@@ -202,11 +202,11 @@ impl InboxSteps {
         let ids = unit.ids(messages);
         // Asked once; until an answer comes, the claim sets the level itself.
         let isolation = match self
-            .read_committed
-            .get_or_try_init(|| inbox::reads_committed_by_default(&self.pool))
+            .sessions
+            .get_or_try_init(|| inbox::sessions(&self.pool))
             .await
         {
-            Ok(true) => Isolation::Default,
+            Ok(sessions) if sessions.read_committed => Isolation::Default,
             _ => Isolation::Set,
         };
         let claimed = self.inbox.begin_claims(&self.pool, &ids, isolation).await;
@@ -293,9 +293,14 @@ impl InboxSteps {
         // One claim tells for the whole unit: a statement fails in an aborted
         // transaction, and a ROLLBACK took every claim.
         let id = messages[unit.members[0]].id();
+        // Until the sessions are known, the shape any caller gets.
+        let shape = self
+            .sessions
+            .get()
+            .map_or(inbox::CommitShape::Prepared, |s| s.commit);
         let committed = self
             .forwarding
-            .commit(&staging, tx, &self.consumer, id)
+            .commit(&staging, tx, &self.consumer, id, shape)
             .await;
         match committed {
             Ok(()) => Step::Decided(unit, Outcome::Processed),

@@ -105,7 +105,7 @@ fn steps(pool: &PgPool, handler: Arc<dyn Prepare>) -> InboxSteps {
         gate,
         stats,
         forwarding: Arc::new(Forwarding::new(false)),
-        read_committed: tokio::sync::OnceCell::new(),
+        sessions: tokio::sync::OnceCell::new(),
         inbox: crate::inbox::Inbox::new("unit"),
     }
 }
@@ -188,7 +188,7 @@ async fn claims_and_handlers_run_at_read_committed_whatever_the_session_default(
         let message = Message::for_test(&format!("iso-{n}"), b"{}");
         assert_eq!(decide(&steps, &[message]).await, ["processed"]);
         assert_eq!(
-            *steps.read_committed.get().expect("asked once"),
+            steps.sessions.get().expect("asked once").read_committed,
             n == 0,
             "what the sessions default to"
         );
@@ -232,6 +232,45 @@ async fn failing_handlers_commit_nothing_and_say_how_to_settle() {
     }
     assert!(db.effects().await.is_empty(), "every write rolled back");
     assert_eq!(db.claims().await, 0, "and every claim");
+    db.drop().await;
+}
+
+/// Both ways a commit travels (the prepared check then `COMMIT`, for a
+/// database close by; the literal check with `COMMIT AND CHAIN` in one
+/// round trip, for one far away) commit a fresh message once and refuse a
+/// transaction the handler aborted or ended.
+#[tokio::test]
+async fn both_commit_shapes_commit_once_and_refuse_aborted_or_ended_transactions() {
+    use crate::inbox::{CommitShape, Sessions};
+    let db = TestDb::new().await;
+    for shape in [CommitShape::Prepared, CommitShape::OneTrip] {
+        let steps = steps(&db.pool, each());
+        steps
+            .sessions
+            .set(Sessions {
+                read_committed: true,
+                commit: shape,
+            })
+            .unwrap();
+        let id = format!("pay-{shape:?}");
+        let first = Message::for_test(&id, b"100");
+        assert_eq!(
+            decide(&steps, std::slice::from_ref(&first)).await,
+            ["processed"],
+            "{shape:?}"
+        );
+        assert_eq!(decide(&steps, &[first]).await, ["duplicate"], "{shape:?}");
+        for refused in ["swallow", "rollback"] {
+            let message = Message::for_test(&format!("{refused}-{shape:?}"), b"{}");
+            assert_eq!(decide(&steps, &[message]).await, ["retry"], "{shape:?}");
+        }
+    }
+    assert_eq!(
+        db.effects().await,
+        ["pay-OneTrip", "pay-Prepared"],
+        "one effect each, none of the refused"
+    );
+    assert_eq!(db.claims().await, 2);
     db.drop().await;
 }
 
