@@ -845,3 +845,31 @@ async fn duplicates_and_mismatches_raise_no_error_in_postgresql() {
     assert_eq!(seen.errors, 0, "no ErrorResponse on the wire: {seen:?}");
     assert!(seen.complete > 0, "the proxy saw the claims: {seen:?}");
 }
+
+/// `commit` checks that the claim was made in *this* transaction: a
+/// transaction whose claim of the id found it processed already (the
+/// caller ignored the `Duplicate`) commits nothing and says so.
+#[tokio::test]
+async fn commit_refuses_a_transaction_whose_claim_was_a_duplicate() {
+    let db = Db::new().await;
+    let inbox = inbox::Inbox::new("c");
+    let Begun::Fresh(tx) = inbox.begin(&db.pool, "m-1", b"body").await.unwrap() else {
+        panic!("the first claim is fresh");
+    };
+    inbox.commit(tx, "m-1").await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    assert_eq!(
+        inbox.claim(&mut tx, "m-1", b"body").await.unwrap(),
+        Claim::Duplicate
+    );
+    sqlx::query("INSERT INTO payments (message_id, account, amount_cents) VALUES ('m-1', 'a', 1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let refused = inbox.commit(tx, "m-1").await.unwrap_err();
+    assert!(
+        matches!(refused, idempo::Error::ClaimLost { .. }),
+        "{refused:?}"
+    );
+    assert_eq!(db.payments().await, 0, "nothing committed");
+}
