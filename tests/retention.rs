@@ -527,3 +527,40 @@ async fn claim_cost_plain_vs_partitioned() {
         );
     }
 }
+
+/// A consumer not seen for longer than its own retention stops holding
+/// partitions for the others: its registration is forgotten at the next
+/// pass. One kept forever is never forgotten, and a recent one stays.
+#[tokio::test]
+async fn consumers_gone_longer_than_their_retention_are_forgotten() {
+    let db = partitioned_db(Duration::from_secs(60)).await;
+    let maintain = |consumer: &'static str, retention: Option<Duration>| {
+        let pool = db.pool.clone();
+        async move {
+            idempo::inbox::Inbox::new(consumer)
+                .maintain(&pool, retention, &seconds())
+                .await
+                .unwrap()
+        }
+    };
+    maintain("gone", Some(Duration::from_secs(3600))).await;
+    maintain("forever", None).await;
+    maintain("recent", Some(Duration::from_secs(3600))).await;
+    // Not seen for two hours: longer than "gone"'s hour, and "forever"'s too.
+    sqlx::query(
+        "UPDATE processed_messages_retention SET seen_at = now() - interval '2 hours' \
+         WHERE consumer IN ('gone', 'forever')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let done = maintain("c", Some(Duration::from_secs(60))).await;
+    assert!(!done.skipped);
+    assert_eq!(done.forgotten, ["gone"]);
+    let left: Vec<String> =
+        sqlx::query_scalar("SELECT consumer FROM processed_messages_retention ORDER BY consumer")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(left, ["c", "forever", "recent"]);
+}

@@ -75,12 +75,17 @@ pub(crate) async fn exec(ctx: &Ctx, command: PartitionsCommand) -> anyhow::Resul
                 .await?;
             if ctx.json {
                 output::json(
-                    &json!({"skipped": m.skipped, "created": m.created, "dropped": m.dropped}),
+                    &json!({"skipped": m.skipped, "created": m.created, "dropped": m.dropped, "forgotten": m.forgotten}),
                 );
             } else if m.skipped {
                 println!("another instance is maintaining the partitions: skipped");
             } else {
-                println!("{} created, {} dropped", m.created.len(), m.dropped.len());
+                println!(
+                    "{} created, {} dropped, {} consumer(s) gone longer than their retention forgotten",
+                    m.created.len(),
+                    m.dropped.len(),
+                    m.forgotten.len()
+                );
             }
         }
         PartitionsCommand::List => {

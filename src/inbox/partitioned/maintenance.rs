@@ -62,6 +62,9 @@ pub struct Maintained {
     pub created: Vec<String>,
     /// The partitions detached and dropped.
     pub dropped: Vec<String>,
+    /// The consumers whose retention no longer counted: not seen (no
+    /// maintenance pass of theirs) for longer than that retention.
+    pub forgotten: Vec<String>,
 }
 
 /// What [`Partitioning::switch`] did.
@@ -208,6 +211,23 @@ pub(crate) async fn maintain(
     };
     let created =
         create_ahead(&mut conn, partitioning.period_secs(retention), partitioning).await?;
+    // A consumer not seen for longer than its own retention: every claim it
+    // made is past that retention already, so its registration no longer
+    // holds partitions for anyone (forever: never forgotten).
+    let forgotten: Vec<String> = sqlx::query_scalar(
+        "DELETE FROM processed_messages_retention \
+         WHERE CASE WHEN retention_secs = 'Infinity' THEN false \
+                    ELSE seen_at < now() - make_interval(secs => retention_secs) END \
+         RETURNING consumer",
+    )
+    .fetch_all(&mut conn)
+    .await?;
+    if !forgotten.is_empty() {
+        tracing::info!(
+            ?forgotten,
+            "partitioned inbox: forgot consumers gone longer than their retention"
+        );
+    }
     let keep: f64 = sqlx::query_scalar(
         "SELECT coalesce(max(retention_secs), $1) FROM processed_messages_retention",
     )
@@ -220,6 +240,7 @@ pub(crate) async fn maintain(
         skipped: false,
         created,
         dropped,
+        forgotten,
     })
 }
 
