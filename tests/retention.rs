@@ -564,3 +564,40 @@ async fn consumers_gone_longer_than_their_retention_are_forgotten() {
             .unwrap();
     assert_eq!(left, ["c", "forever", "recent"]);
 }
+
+/// A maintenance pass borrows a pooled connection and gives it back as it
+/// found it: the same backend (not closed and replaced every interval), no
+/// advisory lock left, the session's lock timeout restored.
+#[tokio::test]
+async fn a_pass_returns_its_connection_unlocked_and_as_it_was() {
+    let db = partitioned_db(Duration::from_secs(60)).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .expect("a one-connection pool");
+    let pid = |pool: sqlx::PgPool| async move {
+        sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = pid(pool.clone()).await;
+    for _ in 0..2 {
+        let done = idempo::inbox::Inbox::new("c")
+            .maintain(&pool, Some(Duration::from_secs(60)), &seconds())
+            .await
+            .unwrap();
+        assert!(!done.skipped);
+    }
+    assert_eq!(pid(pool.clone()).await, before, "the same connection");
+    let (advisory, timeout): (i64, String) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+                 AND pid = pg_backend_pid()), current_setting('lock_timeout')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((advisory, timeout.as_str()), (0, "0"));
+    pool.close().await;
+}

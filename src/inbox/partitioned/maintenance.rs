@@ -20,8 +20,9 @@
 //!
 //! One maintainer at a time: a session advisory lock per schema, *tried*, so
 //! a second instance skips the pass ([`Maintained::skipped`]) instead of
-//! waiting. The connection that holds it is closed, never returned to the
-//! pool, so a pass cancelled midway cannot leave the lock behind.
+//! waiting. The pass unlocks and returns its pooled connection when it
+//! ends; a pass that fails or is cancelled midway closes the connection
+//! instead, so the lock cannot be left behind.
 
 use std::time::Duration;
 
@@ -220,7 +221,7 @@ pub(crate) async fn maintain(
                     ELSE seen_at < now() - make_interval(secs => retention_secs) END \
          RETURNING consumer",
     )
-    .fetch_all(&mut conn)
+    .fetch_all(&mut *conn)
     .await?;
     if !forgotten.is_empty() {
         tracing::info!(
@@ -232,10 +233,10 @@ pub(crate) async fn maintain(
         "SELECT coalesce(max(retention_secs), $1) FROM processed_messages_retention",
     )
     .bind(keep)
-    .fetch_one(&mut conn)
+    .fetch_one(&mut *conn)
     .await?;
     let dropped = retire(&mut conn, keep).await?;
-    let _ = conn.close().await;
+    conn.release().await;
     Ok(Maintained {
         skipped: false,
         created,
@@ -244,28 +245,90 @@ pub(crate) async fn maintain(
     })
 }
 
-/// A connection of its own (closed when dropped) holding the maintainers'
-/// lock, with the DDL's lock timeout; `None` when `wait` is false and
-/// another instance holds the lock.
-async fn maintainer(pool: &PgPool, wait: bool) -> Result<Option<PgConnection>> {
-    let mut conn = pool.acquire().await?.detach();
+/// A pooled connection holding the maintainers' lock, with the DDL's lock
+/// timeout; `None` when `wait` is false and another instance holds the
+/// lock (the connection goes back to the pool).
+async fn maintainer(pool: &PgPool, wait: bool) -> Result<Option<Maintainer>> {
+    let mut conn = pool.acquire().await?;
     let sql = if wait {
         format!("SELECT pg_advisory_lock({LOCK_KEY}) IS NOT NULL")
     } else {
         format!("SELECT pg_try_advisory_lock({LOCK_KEY})")
     };
     let locked: bool = sqlx::query_scalar(AssertSqlSafe(sql))
-        .fetch_one(&mut conn)
+        .fetch_one(&mut *conn)
         .await?;
     if !locked {
-        let _ = conn.close().await;
         return Ok(None);
     }
-    conn.execute(AssertSqlSafe(format!(
-        "SET lock_timeout = '{LOCK_TIMEOUT}'"
-    )))
-    .await?;
-    Ok(Some(conn))
+    // From here on a failure drops the guard, which closes the connection
+    // and with it the lock.
+    let mut maintainer = Maintainer { conn: Some(conn) };
+    maintainer
+        .execute(AssertSqlSafe(format!(
+            "SET lock_timeout = '{LOCK_TIMEOUT}'"
+        )))
+        .await?;
+    Ok(Some(maintainer))
+}
+
+/// The maintainers' lock on a pooled connection. [`release`](Self::release)
+/// unlocks it and returns the connection to the pool; dropped otherwise (an
+/// error, a pass cancelled midway), the connection is detached from the pool
+/// and closed, so the lock cannot outlive the pass nor reach another
+/// borrower. (Each pass once detached its connection, making the pool open
+/// a new one every interval on every instance.)
+struct Maintainer {
+    conn: Option<sqlx::pool::PoolConnection<sqlx::Postgres>>,
+}
+
+impl Maintainer {
+    /// Unlocks, restores the session's lock timeout and returns the
+    /// connection to the pool; on a failure the connection is closed
+    /// instead, which unlocks too.
+    async fn release(mut self) {
+        let released = sqlx::raw_sql(AssertSqlSafe(format!(
+            "RESET lock_timeout; SELECT pg_advisory_unlock({LOCK_KEY})"
+        )))
+        .execute(&mut *self)
+        .await;
+        if released.is_ok() {
+            // Back to the pool, lock released.
+            drop(self.conn.take());
+        }
+    }
+}
+
+impl Maintainer {
+    /// Closes the connection (and with it the lock) instead of returning it:
+    /// after the switch, whose DDL renamed the table its statements knew.
+    async fn close(mut self) {
+        if let Some(conn) = self.conn.take() {
+            let _ = conn.close().await;
+        }
+    }
+}
+
+impl std::ops::Deref for Maintainer {
+    type Target = PgConnection;
+    fn deref(&self) -> &PgConnection {
+        self.conn.as_ref().expect("held until released or dropped")
+    }
+}
+
+impl std::ops::DerefMut for Maintainer {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.conn.as_mut().expect("held until released or dropped")
+    }
+}
+
+impl Drop for Maintainer {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            // Closing the socket ends the session and its advisory lock.
+            drop(conn.detach());
+        }
+    }
 }
 
 /// Creates the partitions from the newest one's upper bound (or the start
@@ -350,7 +413,7 @@ async fn switch_to_partitioned(
         );
     };
     if is_partitioned(pool).await? {
-        let _ = conn.close().await;
+        conn.close().await;
         return Ok(Switched {
             already: true,
             before: None,
@@ -364,7 +427,7 @@ async fn switch_to_partitioned(
          WHERE conrelid = to_regclass('processed_messages') \
            AND conname = 'processed_messages_before_switch'",
     )
-    .fetch_optional(&mut conn)
+    .fetch_optional(&mut *conn)
     .await?;
     if existing.is_none() {
         let mut tx = conn.begin().await?;
@@ -394,7 +457,7 @@ async fn switch_to_partitioned(
          FROM pg_constraint WHERE conrelid = to_regclass('processed_messages') \
            AND conname = 'processed_messages_before_switch'",
     )
-    .fetch_one(&mut conn)
+    .fetch_one(&mut *conn)
     .await?;
     let before = format!("processed_messages_before_{t}");
     let mut tx = conn.begin().await?;
@@ -414,7 +477,7 @@ async fn switch_to_partitioned(
     .await?;
     let created = create_ahead(&mut tx, partitioning.period_secs(retention), partitioning).await?;
     tx.commit().await?;
-    let _ = conn.close().await;
+    conn.close().await;
     Ok(Switched {
         already: false,
         before: Some(before),
