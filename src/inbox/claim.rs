@@ -248,18 +248,30 @@ pub(crate) async fn commit(
     commit_with(tx, consumer, message_id, "", CommitShape::Prepared).await
 }
 
-/// [`commit`] with `statements` (SQL of idempo's own, literals only, each
-/// followed by `; `) run between the claim check and `COMMIT`, in the same
-/// round trip. The consumer's outbox writes a unit's forwarded messages this
-/// way, so forwarding costs no round trip of its own.
 /// The claim check: divides by zero when the claim is gone, so a simple
 /// query stops there and its `COMMIT` never runs. `processed_at = now()`:
 /// the claim was made in this transaction (its default is the
 /// transaction's start), and on a partitioned table PostgreSQL reads only
-/// the partition it went to instead of every one.
+/// the partition it went to instead of every one. [`literal_check`] is its
+/// twin for a simple query.
 const CHECK: &str = "SELECT 1 / count(*) FROM processed_messages \
      WHERE consumer = $1 AND message_id = $2 AND processed_at = now()";
 
+/// [`CHECK`] with its values as literals, followed by `; `.
+fn literal_check(consumer: &str, message_id: &str) -> Result<String> {
+    Ok(format!(
+        "SELECT 1 / count(*) FROM processed_messages \
+         WHERE consumer = {} AND message_id = {} AND processed_at = now(); ",
+        literal::text("consumer", consumer)?,
+        literal::text("message id", message_id)?,
+    ))
+}
+
+/// [`commit`] with `statements` (SQL of idempo's own, literals only, each
+/// followed by `; `) run between the claim check and `COMMIT`, in the same
+/// round trip. The consumer's outbox writes a unit's forwarded messages this
+/// way, so forwarding costs no round trip of its own. Without statements,
+/// `shape` says whether the check and `COMMIT` travel apart or together.
 pub(crate) async fn commit_with(
     mut tx: Transaction<'_, Postgres>,
     consumer: &str,
@@ -268,13 +280,6 @@ pub(crate) async fn commit_with(
     shape: CommitShape,
 ) -> Result<()> {
     validate_message_id(message_id)?;
-    // Divides by zero when the claim is gone: the simple query stops there.
-    let check = format!(
-        "SELECT 1 / count(*) FROM processed_messages \
-         WHERE consumer = {} AND message_id = {} AND processed_at = now(); ",
-        literal::text("consumer", consumer)?,
-        literal::text("message id", message_id)?,
-    );
     let claim_lost = |e: sqlx::Error| {
         if crate::sqlstate::is(&e, crate::sqlstate::DIVISION_BY_ZERO) {
             Error::ClaimLost {
@@ -299,6 +304,7 @@ pub(crate) async fn commit_with(
         tx.commit().await?;
         return Ok(());
     }
+    let check = literal_check(consumer, message_id)?;
     if PgTransactionManager::get_transaction_depth(&tx) == 1 {
         let sql = format!("{check}{statements}COMMIT AND CHAIN");
         sqlx::raw_sql(AssertSqlSafe(sql))

@@ -4,11 +4,10 @@
 //! [`untrusted`].
 
 use idempo::ops::dead_letters::{Group, Letter, LetterDetail};
-use idempo::ops::{Condition, OUTBOX_PENDING_LIMIT, short_duration};
 use idempo::outbox::{FailedMessage, OutboxStatus, PendingGroup};
 use maud::{Markup, html};
 
-use super::pages::{action, colour, or_dash, time, untrusted, untrusted_body, urlencode};
+use super::pages::{action, or_dash, outbox_summary, time, untrusted, untrusted_body, urlencode};
 
 /// The link to the letters of one cause: the query values percent-encoded
 /// (maud escapes the attribute).
@@ -134,14 +133,7 @@ pub(crate) fn outbox(
 ) -> String {
     html! {
         h1 { "Outbox" }
-        p class="rule" {
-            "red: a failed message, or the oldest pending one older than "
-            (short_duration(OUTBOX_PENDING_LIMIT))
-        }
-        p class=(colour(Condition::of_outbox(status))) {
-            (status.pending) " pending, " (status.failed) " failed, oldest pending "
-            (status.oldest_pending_age.map_or("-".into(), short_duration))
-        }
+        (outbox_summary(status))
         h2 { "Pending by destination" }
         table {
             tr {

@@ -1,11 +1,11 @@
 //! The overview page: the health of each consumer, queue, delay queue and
 //! the outbox as `idempo::ops` decided it, with rates and their charts.
 
-use idempo::ops::{Condition, OUTBOX_PENDING_LIMIT, short_duration};
+use idempo::ops::{Condition, short_duration};
 use maud::{Markup, html};
 
 use super::letter_pages::group_link;
-use super::pages::{colour, or_dash, untrusted};
+use super::pages::{colour, or_dash, outbox_summary, untrusted};
 use super::samples::Latest;
 
 /// A rate as the overview shows it.
@@ -188,14 +188,7 @@ pub(crate) fn overview(
                 .collect();
             section {
                 h2 { "Outbox" }
-                p class="rule" {
-                    "red: a failed message, or the oldest pending one older than "
-                    (short_duration(OUTBOX_PENDING_LIMIT))
-                }
-                p class=(colour(Condition::of_outbox(o))) {
-                    (o.pending) " pending, " (o.failed) " failed, oldest pending "
-                    (o.oldest_pending_age.map_or("-".into(), short_duration))
-                }
+                (outbox_summary(o))
                 p {
                     "relays: "
                     @if relays.is_empty() { "none running" } @else { (untrusted(&relays.join(", "))) }

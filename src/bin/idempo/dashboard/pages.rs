@@ -6,7 +6,7 @@
 
 use std::borrow::Cow;
 
-use idempo::ops::Condition;
+use idempo::ops::{Condition, OUTBOX_PENDING_LIMIT, short_duration};
 use maud::{DOCTYPE, Markup, PreEscaped, html};
 
 /// The stylesheet, embedded: the dashboard works air-gapped.
@@ -21,6 +21,21 @@ pub(crate) fn colour(condition: Condition) -> &'static str {
         Condition::Attention => "red",
         Condition::Stopped => "muted",
         _ => "green",
+    }
+}
+
+/// The outbox's rule and its counts, coloured by what `ops` decided: the
+/// overview and the outbox page show the same lines.
+pub(crate) fn outbox_summary(status: &idempo::outbox::OutboxStatus) -> Markup {
+    html! {
+        p class="rule" {
+            "red: a failed message, or the oldest pending one older than "
+            (short_duration(OUTBOX_PENDING_LIMIT))
+        }
+        p class=(colour(Condition::of_outbox(status))) {
+            (status.pending) " pending, " (status.failed) " failed, oldest pending "
+            (status.oldest_pending_age.map_or("-".into(), short_duration))
+        }
     }
 }
 
