@@ -115,6 +115,12 @@ async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_onc
             .await?
             .click()
             .await?;
+        // Waited for: the click returns before the overview loads.
+        browser
+            .wait()
+            .at_most(Duration::from_secs(20))
+            .for_element(Locator::XPath("//h1[. = 'Overview']"))
+            .await?;
         let overview = browser.source().await?;
         assert!(
             overview.contains("Overview") && overview.contains(&queue),
@@ -127,6 +133,11 @@ async fn an_operator_replays_a_group_in_the_browser_and_each_payment_applies_onc
         assert!(groups.contains("max attempts exceeded"), "{groups}");
         assert!(groups.contains(">25<"), "the group counts 25: {groups}");
         browser.find(Locator::Css("a.group")).await?.click().await?;
+        browser
+            .wait()
+            .at_most(Duration::from_secs(20))
+            .for_element(Locator::XPath("//h1[. = 'Dead letters of one cause']"))
+            .await?;
         std::fs::write(
             screenshots().join("dashboard-dead-letters.png"),
             browser.screenshot().await?,
