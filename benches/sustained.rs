@@ -19,6 +19,14 @@
 //! - `SUSTAINED_FORWARD=1`: each payment also stages a forward through the
 //!   outbox (the relay publishes it to a capped queue): the outbox table under
 //!   sustained forwarding.
+//! - `SUSTAINED_CONSUMER`: `idempo`, `hand` or `both` (the default): `hand`
+//!   is the hand-written loop of `support/hand.rs` (per-message, concurrency
+//!   16, claims in a table of its own trimmed by a `DELETE` reaper every 5 s).
+//!   `both` runs idempo, then the hand loop on a queue of its own, at the
+//!   same offered rate (the first burst's, or `SUSTAINED_RATE`) from the same
+//!   publisher, and compares the two: sustained rates, and how flat each is
+//!   after the first horizon (the last 5 minutes ÷ the first 5). The hand loop
+//!   has no batch mode and no forward.
 //! - `SUSTAINED_DATABASE_URL`: a PostgreSQL to use. Without it the bench
 //!   starts a cluster of its own, `idempo_sustained` on port 5499
 //!   (`pg_createcluster`, trust auth, autovacuum on, shared_buffers 1GB), because
@@ -27,13 +35,17 @@
 //! - `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`).
 //!
 //! Every minute it prints, and at the end writes to
-//! `target/sustained-<mode>-<retention mode>.json`: offered and achieved
+//! `target/sustained-<mode>-<retention mode>[-forward].json` (the hand loop's
+//! to `target/sustained-per-message-hand.json`): offered and achieved
 //! rates, the backlog, claim latency p50/p99 (a probe claims a fresh id every
 //! 20 ms beside the load: `begin_claim` + `commit`), the size of
 //! `processed_messages` (heap and indexes, all partitions), its dead tuples,
 //! WAL bytes per claim, the oldest claim against the horizon, and with
 //! forwarding the outbox's size and oldest pending row.
 
+#[path = "support/hand.rs"]
+#[allow(dead_code)]
+mod hand;
 #[path = "../examples/common/payments.rs"]
 #[allow(dead_code)]
 mod payments;
@@ -49,7 +61,10 @@ use anyhow::{Context, bail};
 use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy};
 use idempo::inbox::partitioned::Partitioning;
 use idempo::inbox::{self, Begun};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use serde::Serialize;
@@ -89,11 +104,54 @@ struct Minute {
 #[derive(Debug, Serialize)]
 struct Report {
     mode: String,
+    /// `idempo` or `hand`.
+    consumer: String,
     retention_mode: String,
     retention_secs: f64,
     burst_per_sec: f64,
     offered_per_sec: f64,
     minutes: Vec<Minute>,
+}
+
+/// Which consumer a run measures.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Idempo,
+    Hand,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Idempo => "idempo",
+            Kind::Hand => "hand",
+        }
+    }
+}
+
+/// What every run shares.
+struct Setup {
+    mode: String,
+    batch: Option<usize>,
+    retention_mode: String,
+    partitioned_mode: bool,
+    partitioning: Partitioning,
+    minutes: u32,
+    retention: Duration,
+    burst: u64,
+    forward: bool,
+    amqp_url: String,
+    pool: PgPool,
+    channel: lapin::Channel,
+    /// Ids go on across runs: no run's message is another's duplicate.
+    next_id: Arc<AtomicU64>,
+}
+
+/// A consumer at work: what it settled so far, and how to stop it.
+struct Running {
+    settled: Box<dyn Fn() -> u64 + Send + Sync>,
+    task: tokio::task::JoinHandle<()>,
+    stop: Box<dyn FnOnce() + Send>,
 }
 
 #[tokio::main]
@@ -111,6 +169,19 @@ async fn main() -> anyhow::Result<()> {
         "plain" => false,
         other => bail!("SUSTAINED_RETENTION_MODE={other}: partitioned or plain"),
     };
+    let forward = env_or("SUSTAINED_FORWARD", 0u8) == 1;
+    let kinds = match env_or("SUSTAINED_CONSUMER", "both".to_string()).as_str() {
+        "idempo" => vec![Kind::Idempo],
+        "hand" => vec![Kind::Hand],
+        "both" => vec![Kind::Idempo, Kind::Hand],
+        other => bail!("SUSTAINED_CONSUMER={other}: idempo, hand or both"),
+    };
+    if kinds.contains(&Kind::Hand) && (batch.is_some() || forward) {
+        bail!(
+            "the hand-written loop is per-message without forwarding: \
+             set SUSTAINED_CONSUMER=idempo with SUSTAINED_MODE=batch or SUSTAINED_FORWARD=1"
+        );
+    }
     let minutes: u32 = env_or("SUSTAINED_MINUTES", 30);
     let retention = humantime::parse_duration(&env_or("SUSTAINED_RETENTION", "5m".to_string()))
         .context("SUSTAINED_RETENTION")?;
@@ -118,7 +189,6 @@ async fn main() -> anyhow::Result<()> {
         "SUSTAINED_BURST",
         if batch.is_some() { 300_000 } else { 60_000 },
     );
-    let forward = env_or("SUSTAINED_FORWARD", 0u8) == 1;
     let amqp_url: String = env_or(
         "AMQP_URL",
         "amqp://guest:guest@127.0.0.1:5672/%2f".to_string(),
@@ -134,6 +204,7 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("cannot connect to {}", idempo::redact_url(&database_url)))?;
     idempo::migrate(&pool).await?;
     payments::create_tables(&pool).await?;
+    sqlx::raw_sql(hand::OWN_CLAIMS_TABLE).execute(&pool).await?;
     // Partitions of a sixteenth of the horizon: a claim is retired at most
     // 1/16 of the horizon (plus one maintenance interval) after it expires.
     let partitioning = Partitioning::new().period(retention / 16);
@@ -148,80 +219,224 @@ async fn main() -> anyhow::Result<()> {
          autovacuum {autovacuum}",
         humantime::format_duration(retention)
     );
-
-    let queue = format!("sustained-{mode}-{}", std::process::id());
-    let forward_queue = format!("{queue}.forwarded");
     let connection = Connection::connect(&amqp_url, ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
-    // The forwards land in a capped queue nobody reads.
-    declare(
-        &channel,
-        &forward_queue,
-        &[("x-max-length", AMQPValue::LongLongInt(10_000))],
-    )
-    .await?;
+    let setup = Setup {
+        mode,
+        batch,
+        retention_mode,
+        partitioned_mode,
+        partitioning,
+        minutes,
+        retention,
+        burst,
+        forward,
+        amqp_url,
+        pool,
+        channel,
+        next_id: Arc::new(AtomicU64::new(0)),
+    };
+    let mut rate: Option<f64> = std::env::var("SUSTAINED_RATE")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let mut reports = Vec::new();
+    for kind in kinds {
+        reports.push(sustain(&setup, kind, &mut rate).await?);
+    }
+    if let [idempo, hand] = &reports[..] {
+        compare(idempo, hand);
+    }
+    let _ = connection.close(200, "done".into()).await;
+    Ok(())
+}
 
+/// The idempo consumer of this run's mode, on `queue`.
+fn idempo_consumer(setup: &Setup, queue: &str, forward_queue: &str) -> idempo::Result<Consumer> {
+    let mut builder = Consumer::builder(setup.amqp_url.clone(), setup.pool.clone())
+        .queue(queue)
+        .queue_type(QueueType::Quorum)
+        .prefetch(if setup.batch.is_some() { 1_000 } else { 32 })
+        .concurrency(16)
+        .redelivery(RedeliveryPolicy::requeue(Duration::from_millis(100)))
+        .retention(setup.retention)
+        .retention_interval(Duration::from_secs(5));
+    if setup.partitioned_mode {
+        builder = builder.partitioned(setup.partitioning);
+    }
     let behaviour = payments::Behaviour {
         fail_rate: 0.0,
-        forward_to: forward.then(|| forward_queue.as_str().into()),
+        forward_to: setup.forward.then(|| forward_queue.into()),
     };
-    let build = || {
-        let mut builder = Consumer::builder(amqp_url.clone(), pool.clone())
-            .queue(&queue)
-            .queue_type(QueueType::Quorum)
-            .prefetch(if batch.is_some() { 1_000 } else { 32 })
-            .concurrency(16)
-            .redelivery(RedeliveryPolicy::requeue(Duration::from_millis(100)))
-            .retention(retention)
-            .retention_interval(Duration::from_secs(5));
-        if partitioned_mode {
-            builder = builder.partitioned(partitioning);
-        }
-        let behaviour = behaviour.clone();
-        match batch {
-            Some(size) => builder
-                .batch_handler(move |tx, b| payments::handle_batch(tx, b, behaviour.clone()))
-                .batch(size)
-                .build(),
-            None => builder
-                .handler(move |tx, m| payments::handle(tx, m, behaviour.clone()))
-                .build(),
-        }
-    };
+    match setup.batch {
+        Some(size) => builder
+            .batch_handler(move |tx, b| payments::handle_batch(tx, b, behaviour.clone()))
+            .batch(size)
+            .build(),
+        None => builder
+            .handler(move |tx, m| payments::handle(tx, m, behaviour.clone()))
+            .build(),
+    }
+}
 
-    // The runtime declares its topology once, then the queue is filled.
-    topology::declare_once(build()?).await?;
+/// Starts the `kind` consumer on `queue` (declared already).
+async fn start(
+    setup: &Setup,
+    kind: Kind,
+    queue: &str,
+    forward_queue: &str,
+) -> anyhow::Result<Running> {
+    match kind {
+        Kind::Idempo => {
+            let consumer = idempo_consumer(setup, queue, forward_queue)?;
+            let stats = consumer.stats();
+            let shutdown = consumer.shutdown_handle();
+            let task = tokio::spawn(async move {
+                if let Err(e) = consumer.run().await {
+                    eprintln!("the consumer stopped: {e}");
+                }
+            });
+            Ok(Running {
+                settled: Box::new(move || {
+                    let s = stats.snapshot();
+                    s.processed + s.duplicates
+                }),
+                task,
+                stop: Box::new(move || shutdown.shutdown()),
+            })
+        }
+        Kind::Hand => {
+            let connection =
+                Connection::connect(&setup.amqp_url, ConnectionProperties::default()).await?;
+            let channel = connection.create_channel().await?;
+            channel.basic_qos(32, BasicQosOptions::default()).await?;
+            let deliveries = channel
+                .basic_consume(
+                    queue.into(),
+                    "".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            let done = Arc::new(AtomicU64::new(0));
+            let (pool, counted) = (setup.pool.clone(), done.clone());
+            let task = tokio::spawn(async move {
+                let consumed = hand::per_message(
+                    deliveries,
+                    pool,
+                    hand::CLAIM_IN_OWN_TABLE,
+                    counted,
+                    |_| async {},
+                );
+                if let Err(e) = consumed.await {
+                    eprintln!("the hand-written consumer stopped: {e}");
+                }
+                let _ = connection.close(200, "done".into()).await;
+            });
+            let reaper = tokio::spawn(hand::reap(
+                setup.pool.clone(),
+                setup.retention,
+                Duration::from_secs(5),
+            ));
+            let abort = task.abort_handle();
+            Ok(Running {
+                settled: Box::new(move || done.load(Ordering::Relaxed)),
+                task,
+                stop: Box::new(move || {
+                    reaper.abort();
+                    abort.abort();
+                }),
+            })
+        }
+    }
+}
+
+/// A claim of the probe: one fresh id claimed and committed alone.
+async fn probe_claim(pool: &PgPool, partitioned: bool, kind: Kind, id: &str) -> bool {
+    let inbox = inbox::Inbox::new("sustained-probe").partitioned(partitioned);
+    match kind {
+        Kind::Idempo => match inbox.begin(pool, id, b"{}").await {
+            Ok(Begun::Fresh(tx)) => inbox.commit(tx, id).await.is_ok(),
+            _ => false,
+        },
+        Kind::Hand => {
+            let claimed = async {
+                let mut tx = pool.begin().await?;
+                sqlx::query(hand::CLAIM_IN_OWN_TABLE)
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await
+            };
+            claimed.await.is_ok()
+        }
+    }
+}
+
+/// One run: the burst, then `minutes` at the offered rate (`rate`, set by
+/// the first burst unless given).
+async fn sustain(setup: &Setup, kind: Kind, rate: &mut Option<f64>) -> anyhow::Result<Report> {
+    let queue = format!(
+        "sustained-{}-{}-{}",
+        setup.mode,
+        kind.name(),
+        std::process::id()
+    );
+    let forward_queue = format!("{queue}.forwarded");
+    let channel = &setup.channel;
+    let (claims_table, retention_mode) = match kind {
+        Kind::Idempo => ("processed_messages", setup.retention_mode.clone()),
+        Kind::Hand => ("hand_claims", "delete-reaper".to_string()),
+    };
+    match kind {
+        Kind::Idempo => {
+            // The forwards land in a capped queue nobody reads.
+            declare(
+                channel,
+                &forward_queue,
+                &[("x-max-length", AMQPValue::LongLongInt(10_000))],
+            )
+            .await?;
+            // The runtime declares its topology once, then the queue is filled.
+            topology::declare_once(idempo_consumer(setup, &queue, &forward_queue)?).await?;
+        }
+        Kind::Hand => {
+            declare(
+                channel,
+                &queue,
+                &[("x-queue-type", AMQPValue::LongString("quorum".into()))],
+            )
+            .await?;
+        }
+    }
 
     // Burst: a prefilled queue drained into the fresh table.
     let published = Arc::new(AtomicU64::new(0));
-    let next_id = Arc::new(AtomicU64::new(0));
-    publish_n(&channel, &queue, &next_id, burst).await?;
-    published.fetch_add(burst, Ordering::Relaxed);
-    let consumer = build()?;
-    let stats = consumer.stats();
-    let shutdown = consumer.shutdown_handle();
-    let running = tokio::spawn(consumer.run());
-    let settled = |s: idempo::amqp::StatsSnapshot| s.processed + s.duplicates;
+    let next_id = setup.next_id.clone();
+    publish_n(channel, &queue, &next_id, setup.burst).await?;
+    published.fetch_add(setup.burst, Ordering::Relaxed);
+    let running = start(setup, kind, &queue, &forward_queue).await?;
+    let settled = &running.settled;
     let started = Instant::now();
-    while settled(stats.snapshot()) < burst {
+    while settled() < setup.burst {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        if running.is_finished() {
-            bail!("the consumer stopped: {:?}", running.await);
+        if running.task.is_finished() {
+            bail!("the {} consumer stopped", kind.name());
         }
         if started.elapsed() > Duration::from_secs(1800) {
             bail!("the burst did not drain in 30 minutes");
         }
     }
-    let burst_rate = burst as f64 / started.elapsed().as_secs_f64();
-    let rate: f64 = env_or("SUSTAINED_RATE", burst_rate.round());
+    let burst_rate = setup.burst as f64 / started.elapsed().as_secs_f64();
+    let rate = *rate.get_or_insert(burst_rate.round());
     println!(
-        "burst: {burst} messages in {:.1?}: {burst_rate:.0}/s; offering {rate:.0}/s",
+        "{}: burst of {} messages in {:.1?}: {burst_rate:.0}/s; offering {rate:.0}/s",
+        kind.name(),
+        setup.burst,
         started.elapsed()
     );
-
     // Sustained: publish `rate` per second in ticks of 100 ms, 2 % of them twice.
     let publisher = {
         let (channel, queue, next_id, published) = (
@@ -251,31 +466,20 @@ async fn main() -> anyhow::Result<()> {
     };
     let latencies = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
     let probe = {
-        let (pool, latencies) = (pool.clone(), latencies.clone());
+        let (pool, partitioned, latencies) = (
+            setup.pool.clone(),
+            setup.partitioned_mode,
+            latencies.clone(),
+        );
         tokio::spawn(async move {
             let mut n = 0u64;
             let mut tick = tokio::time::interval(Duration::from_millis(20));
             loop {
                 tick.tick().await;
                 n += 1;
-                let id = format!("probe-{}-{n}", std::process::id());
+                let id = format!("probe-{}-{}-{n}", kind.name(), std::process::id());
                 let t = Instant::now();
-                let begun = if partitioned_mode {
-                    inbox::Inbox::new("sustained-probe")
-                        .partitioned(true)
-                        .begin(&pool, &id, b"{}")
-                        .await
-                } else {
-                    inbox::Inbox::new("sustained-probe")
-                        .begin(&pool, &id, b"{}")
-                        .await
-                };
-                if let Ok(Begun::Fresh(tx)) = begun
-                    && inbox::Inbox::new("sustained-probe")
-                        .commit(tx, &id)
-                        .await
-                        .is_ok()
-                {
+                if probe_claim(&pool, partitioned, kind, &id).await {
                     let ms = t.elapsed().as_secs_f64() * 1e3;
                     latencies.lock().unwrap().push(ms);
                 }
@@ -284,13 +488,15 @@ async fn main() -> anyhow::Result<()> {
     };
 
     let mut report = Report {
-        mode: mode.clone(),
-        retention_mode: retention_mode.clone(),
-        retention_secs: retention.as_secs_f64(),
+        mode: setup.mode.clone(),
+        consumer: kind.name().to_string(),
+        retention_mode,
+        retention_secs: setup.retention.as_secs_f64(),
         burst_per_sec: burst_rate,
         offered_per_sec: rate,
         minutes: Vec::new(),
     };
+    println!("{}:", kind.name());
     println!(
         "{:>3} {:>9} {:>9} {:>8} {:>7} {:>7} {:>10} {:>9} {:>8} {:>8} {:>5} {:>10} {:>8}",
         "min",
@@ -310,16 +516,16 @@ async fn main() -> anyhow::Result<()> {
     let mut last = (
         Instant::now(),
         published.load(Ordering::Relaxed),
-        settled(stats.snapshot()),
-        wal(&pool).await?,
+        settled(),
+        wal(&setup.pool).await?,
     );
-    for minute in 1..=minutes {
+    for minute in 1..=setup.minutes {
         tokio::time::sleep(Duration::from_secs(60)).await;
         let now = (
             Instant::now(),
             published.load(Ordering::Relaxed),
-            settled(stats.snapshot()),
-            wal(&pool).await?,
+            settled(),
+            wal(&setup.pool).await?,
         );
         let secs = now.0.duration_since(last.0).as_secs_f64();
         let claims = now.2.saturating_sub(last.2);
@@ -330,17 +536,24 @@ async fn main() -> anyhow::Result<()> {
                 .copied()
                 .unwrap_or(f64::NAN)
         };
-        let (table_bytes, dead_tuples, partitions) = table(&pool, "processed_messages").await?;
-        let oldest: f64 = sqlx::query_scalar(
-            "SELECT coalesce(extract(epoch FROM now() - min(processed_at)), 0)::float8 \
-             FROM processed_messages WHERE consumer = $1",
-        )
-        .bind(&queue)
-        .fetch_one(&pool)
+        let (table_bytes, dead_tuples, partitions) = table(&setup.pool, claims_table).await?;
+        let oldest: f64 = match kind {
+            Kind::Idempo => sqlx::query_scalar(
+                "SELECT coalesce(extract(epoch FROM now() - min(processed_at)), 0)::float8 \
+                 FROM processed_messages WHERE consumer = $1",
+            )
+            .bind(&queue),
+            // The hand loop's table holds its claims (and the probe's) only.
+            Kind::Hand => sqlx::query_scalar(
+                "SELECT coalesce(extract(epoch FROM now() - min(processed_at)), 0)::float8 \
+                 FROM hand_claims",
+            ),
+        }
+        .fetch_one(&setup.pool)
         .await?;
-        let (outbox_bytes, outbox_pending, outbox_oldest) = if forward {
-            let (bytes, _, _) = table(&pool, "outbox").await?;
-            let status = idempo::outbox::OutboxStatus::read(&pool).await?;
+        let (outbox_bytes, outbox_pending, outbox_oldest) = if setup.forward {
+            let (bytes, _, _) = table(&setup.pool, "outbox").await?;
+            let status = idempo::outbox::OutboxStatus::read(&setup.pool).await?;
             (
                 Some(bytes),
                 Some(status.pending),
@@ -353,14 +566,14 @@ async fn main() -> anyhow::Result<()> {
             minute,
             offered_per_sec: now.1.saturating_sub(last.1) as f64 / secs,
             achieved_per_sec: claims as f64 / secs,
-            backlog: backlog(&channel, &queue).await,
+            backlog: backlog(channel, &queue).await,
             claim_p50_ms: pct(0.50),
             claim_p99_ms: pct(0.99),
             table_bytes,
             dead_tuples,
             wal_bytes_per_claim: (now.3 - last.3) as f64 / claims.max(1) as f64,
             oldest_claim_secs: oldest,
-            oldest_over_horizon: oldest / retention.as_secs_f64(),
+            oldest_over_horizon: oldest / setup.retention.as_secs_f64(),
             partitions,
             outbox_bytes,
             outbox_pending,
@@ -389,18 +602,79 @@ async fn main() -> anyhow::Result<()> {
     }
     publisher.abort();
     probe.abort();
-    shutdown.shutdown();
-    let _ = tokio::time::timeout(Duration::from_secs(60), running).await;
+    (running.stop)();
+    let _ = tokio::time::timeout(Duration::from_secs(60), running.task).await;
+    // A backlog left in the queue would weigh on the next run's broker.
+    let _ = channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
     summarize(&report);
     let path = format!(
-        "{}/target/sustained-{mode}-{retention_mode}{}.json",
+        "{}/target/sustained-{}-{}{}.json",
         env!("CARGO_MANIFEST_DIR"),
-        if forward { "-forward" } else { "" }
+        setup.mode,
+        report.retention_mode,
+        match (kind, setup.forward) {
+            (Kind::Hand, _) => "",
+            (Kind::Idempo, true) => "-forward",
+            (Kind::Idempo, false) => "",
+        }
     );
     std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
     println!("figures: {path}");
-    let _ = connection.close(200, "done".into()).await;
-    Ok(())
+    Ok(report)
+}
+
+/// Both consumers side by side: the sustained rates (minutes after the
+/// first), and each one's last 5 minutes ÷ its first 5 after the first horizon.
+fn compare(idempo: &Report, hand: &Report) {
+    let (a, b) = (steady_rate(idempo), steady_rate(hand));
+    println!(
+        "sustained at {:.0}/s offered: idempo {a:.0}/s, hand-written {b:.0}/s: {:.2}x [target >= 1.0]",
+        idempo.offered_per_sec,
+        a / b
+    );
+    for r in [idempo, hand] {
+        match flatness(r) {
+            Some((first, last)) => println!(
+                "{}: after the first horizon, the first 5 minutes {first:.0}/s, the last 5 {last:.0}/s: {:.2}x [target >= 0.95]",
+                r.consumer,
+                last / first
+            ),
+            None => println!(
+                "{}: too short for flatness (the first horizon and 10 minutes after it)",
+                r.consumer
+            ),
+        }
+    }
+}
+
+/// The mean achieved rate, the first minute left out.
+fn steady_rate(r: &Report) -> f64 {
+    let steady: Vec<f64> = r
+        .minutes
+        .iter()
+        .skip(1)
+        .map(|m| m.achieved_per_sec)
+        .collect();
+    steady.iter().sum::<f64>() / steady.len().max(1) as f64
+}
+
+/// The mean achieved rate of the first 5 and of the last 5 minutes after the
+/// first horizon.
+fn flatness(r: &Report) -> Option<(f64, f64)> {
+    let horizon_min = (r.retention_secs / 60.0).ceil().max(1.0) as usize;
+    let after: Vec<f64> = r
+        .minutes
+        .iter()
+        .skip(horizon_min)
+        .map(|m| m.achieved_per_sec)
+        .collect();
+    if after.len() < 10 {
+        return None;
+    }
+    let mean = |m: &[f64]| m.iter().sum::<f64>() / m.len() as f64;
+    Some((mean(&after[..5]), mean(&after[after.len() - 5..])))
 }
 
 /// The issue's three targets, read off the minutes.

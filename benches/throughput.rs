@@ -36,6 +36,9 @@
 
 #[path = "support/cpu.rs"]
 mod cpu;
+#[path = "support/hand.rs"]
+#[allow(dead_code)]
+mod hand;
 #[path = "../examples/common/payments.rs"]
 #[allow(dead_code)]
 mod payments;
@@ -667,8 +670,21 @@ async fn run_hand_written(
         tokio::spawn(async move {
             match &variant[..2] {
                 "a:" => raw(consumer, latencies, done).await,
-                "b:" => per_message(consumer, pool, latencies, done, false).await,
-                "c:" => per_message(consumer, pool, latencies, done, true).await,
+                "b:" => {
+                    let written = move |received| {
+                        let latencies = latencies.clone();
+                        async move { Bench::record_latency(&latencies, received).await }
+                    };
+                    hand::per_message(
+                        consumer,
+                        pool,
+                        hand::CLAIM_IN_PROCESSED_MESSAGES,
+                        done,
+                        written,
+                    )
+                    .await
+                }
+                "c:" => article(consumer, pool, latencies, done).await,
                 _ => batch_loop(consumer, pool, latencies, done).await,
             }
         })
@@ -717,15 +733,14 @@ async fn raw(
     Ok(())
 }
 
-/// (b) The careful per-message loop: BEGIN, claim, insert, balance, COMMIT, ack;
-/// or (c, `article`) the article's algorithm: SELECT completed?, BEGIN, INSERT
-/// processing, work, UPDATE completed, COMMIT, ack. Both at concurrency 16.
-async fn per_message(
+/// (c, `article`) The article's algorithm at concurrency 16: SELECT
+/// completed?, BEGIN, INSERT processing, work, UPDATE completed, COMMIT, ack.
+/// (b, the careful loop, is `hand::per_message`.)
+async fn article(
     mut consumer: lapin::Consumer,
     pool: PgPool,
     latencies: Arc<Mutex<Vec<f64>>>,
     done: Arc<AtomicU64>,
-    article: bool,
 ) -> anyhow::Result<()> {
     let permits = Arc::new(Semaphore::new(16));
     while let Some(delivery) = consumer.next().await {
@@ -735,39 +750,24 @@ async fn per_message(
         let (pool, latencies, done) = (pool.clone(), latencies.clone(), done.clone());
         tokio::spawn(async move {
             let result: anyhow::Result<()> = async {
-                let id = delivery.properties.message_id().as_ref().map(|s| s.to_string()).unwrap_or_default();
+                let id = hand::message_id(&delivery);
                 let p: payments::Payment = serde_json::from_slice(&delivery.data)?;
-                if article {
-                    let status: Option<String> = sqlx::query_scalar("SELECT status FROM article_processed WHERE message_id = $1")
-                        .bind(&id)
-                        .fetch_optional(&pool)
-                        .await?;
-                    if status.as_deref() != Some("completed") {
-                        let mut tx = pool.begin().await?;
-                        sqlx::query("INSERT INTO article_processed (message_id, status) VALUES ($1, 'processing') ON CONFLICT DO NOTHING")
-                            .bind(&id)
-                            .execute(&mut *tx)
-                            .await?;
-                        write_payment(&mut tx, &id, &p).await?;
-                        Bench::record_latency(&latencies, received).await;
-                        sqlx::query("UPDATE article_processed SET status = 'completed', updated_at = now() WHERE message_id = $1")
-                            .bind(&id)
-                            .execute(&mut *tx)
-                            .await?;
-                        tx.commit().await?;
-                    }
-                } else {
+                let status: Option<String> = sqlx::query_scalar("SELECT status FROM article_processed WHERE message_id = $1")
+                    .bind(&id)
+                    .fetch_optional(&pool)
+                    .await?;
+                if status.as_deref() != Some("completed") {
                     let mut tx = pool.begin().await?;
-                    let fresh = sqlx::query("INSERT INTO processed_messages (consumer, message_id) VALUES ('hand', $1) ON CONFLICT DO NOTHING")
+                    sqlx::query("INSERT INTO article_processed (message_id, status) VALUES ($1, 'processing') ON CONFLICT DO NOTHING")
                         .bind(&id)
                         .execute(&mut *tx)
-                        .await?
-                        .rows_affected()
-                        == 1;
-                    if fresh {
-                        write_payment(&mut tx, &id, &p).await?;
-                        Bench::record_latency(&latencies, received).await;
-                    }
+                        .await?;
+                    hand::write_payment(&mut tx, &id, &p).await?;
+                    Bench::record_latency(&latencies, received).await;
+                    sqlx::query("UPDATE article_processed SET status = 'completed', updated_at = now() WHERE message_id = $1")
+                        .bind(&id)
+                        .execute(&mut *tx)
+                        .await?;
                     tx.commit().await?;
                 }
                 delivery.acker.ack(BasicAckOptions::default()).await?;
@@ -781,28 +781,6 @@ async fn per_message(
             drop(permit);
         });
     }
-    Ok(())
-}
-
-async fn write_payment(
-    tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
-    id: &str,
-    p: &payments::Payment,
-) -> sqlx::Result<()> {
-    sqlx::query("INSERT INTO payments (message_id, account, amount_cents) VALUES ($1, $2, $3)")
-        .bind(id)
-        .bind(&p.account)
-        .bind(p.amount_cents)
-        .execute(&mut **tx)
-        .await?;
-    sqlx::query(
-        "INSERT INTO account_balances (account, balance_cents) VALUES ($1, $2) \
-         ON CONFLICT (account) DO UPDATE SET balance_cents = account_balances.balance_cents + excluded.balance_cents",
-    )
-    .bind(&p.account)
-    .bind(p.amount_cents)
-    .execute(&mut **tx)
-    .await?;
     Ok(())
 }
 
@@ -831,16 +809,7 @@ async fn batch_loop(
                 _ => break,
             }
         }
-        let ids: Vec<String> = batch
-            .iter()
-            .map(|d| {
-                d.properties
-                    .message_id()
-                    .as_ref()
-                    .map(|s| s.to_string())
-                    .unwrap_or_default()
-            })
-            .collect();
+        let ids: Vec<String> = batch.iter().map(hand::message_id).collect();
         let mut tx = pool.begin().await?;
         let fresh: Vec<String> = sqlx::query_scalar(
             "INSERT INTO processed_messages (consumer, message_id) SELECT 'hand', id FROM unnest($1::text[]) id ORDER BY id \
