@@ -65,7 +65,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
-use tokio::sync::{Mutex, Semaphore};
+use tokio::sync::Mutex;
 
 const VARIANTS: &[&str] = &[
     "a:raw-consume",
@@ -737,51 +737,40 @@ async fn raw(
 /// completed?, BEGIN, INSERT processing, work, UPDATE completed, COMMIT, ack.
 /// (b, the careful loop, is `hand::per_message`.)
 async fn article(
-    mut consumer: lapin::Consumer,
+    consumer: lapin::Consumer,
     pool: PgPool,
     latencies: Arc<Mutex<Vec<f64>>>,
     done: Arc<AtomicU64>,
 ) -> anyhow::Result<()> {
-    let permits = Arc::new(Semaphore::new(16));
-    while let Some(delivery) = consumer.next().await {
-        let delivery = delivery?;
-        let received = Instant::now();
-        let permit = permits.clone().acquire_owned().await?;
+    hand::each_delivery(consumer, move |delivery, received| {
         let (pool, latencies, done) = (pool.clone(), latencies.clone(), done.clone());
-        tokio::spawn(async move {
-            let result: anyhow::Result<()> = async {
-                let id = hand::message_id(&delivery);
-                let p: payments::Payment = serde_json::from_slice(&delivery.data)?;
-                let status: Option<String> = sqlx::query_scalar("SELECT status FROM article_processed WHERE message_id = $1")
+        async move {
+            let id = hand::message_id(&delivery);
+            let p: payments::Payment = serde_json::from_slice(&delivery.data)?;
+            let status: Option<String> = sqlx::query_scalar("SELECT status FROM article_processed WHERE message_id = $1")
+                .bind(&id)
+                .fetch_optional(&pool)
+                .await?;
+            if status.as_deref() != Some("completed") {
+                let mut tx = pool.begin().await?;
+                sqlx::query("INSERT INTO article_processed (message_id, status) VALUES ($1, 'processing') ON CONFLICT DO NOTHING")
                     .bind(&id)
-                    .fetch_optional(&pool)
+                    .execute(&mut *tx)
                     .await?;
-                if status.as_deref() != Some("completed") {
-                    let mut tx = pool.begin().await?;
-                    sqlx::query("INSERT INTO article_processed (message_id, status) VALUES ($1, 'processing') ON CONFLICT DO NOTHING")
-                        .bind(&id)
-                        .execute(&mut *tx)
-                        .await?;
-                    hand::write_payment(&mut tx, &id, &p).await?;
-                    Bench::record_latency(&latencies, received).await;
-                    sqlx::query("UPDATE article_processed SET status = 'completed', updated_at = now() WHERE message_id = $1")
-                        .bind(&id)
-                        .execute(&mut *tx)
-                        .await?;
-                    tx.commit().await?;
-                }
-                delivery.acker.ack(BasicAckOptions::default()).await?;
-                done.fetch_add(1, Ordering::Relaxed);
-                Ok(())
+                hand::write_payment(&mut tx, &id, &p).await?;
+                Bench::record_latency(&latencies, received).await;
+                sqlx::query("UPDATE article_processed SET status = 'completed', updated_at = now() WHERE message_id = $1")
+                    .bind(&id)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
             }
-            .await;
-            if let Err(e) = result {
-                eprintln!("hand-written consumer: {e}");
-            }
-            drop(permit);
-        });
-    }
-    Ok(())
+            delivery.acker.ack(BasicAckOptions::default()).await?;
+            done.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+    })
+    .await
 }
 
 /// (d) The hand-written single-loop batch consumer: collect up to 500 or

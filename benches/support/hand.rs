@@ -96,11 +96,34 @@ pub fn message_id(delivery: &lapin::message::Delivery) -> String {
         .unwrap_or_default()
 }
 
-/// The per-message loop at concurrency 16: each delivery in a task of its
-/// own ([`apply`] with `claim`), acked after its commit and then counted in
+/// Each delivery in a task of its own, 16 at a time: `handle(delivery,
+/// received)` settles it, and its error, if any, is printed.
+pub async fn each_delivery<F, Fut>(mut consumer: lapin::Consumer, handle: F) -> anyhow::Result<()>
+where
+    F: Fn(lapin::message::Delivery, Instant) -> Fut,
+    Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
+{
+    let permits = Arc::new(Semaphore::new(16));
+    while let Some(delivery) = consumer.next().await {
+        let delivery = delivery?;
+        let received = Instant::now();
+        let permit = permits.clone().acquire_owned().await?;
+        let work = handle(delivery, received);
+        tokio::spawn(async move {
+            if let Err(e) = work.await {
+                eprintln!("hand-written consumer: {e}");
+            }
+            drop(permit);
+        });
+    }
+    Ok(())
+}
+
+/// The per-message loop at concurrency 16 ([`each_delivery`]): [`apply`]
+/// with `claim`, the ack after the commit, then the delivery counted in
 /// `done`. `written(received)` runs after a fresh delivery's writes.
 pub async fn per_message<F, Fut>(
-    mut consumer: lapin::Consumer,
+    consumer: lapin::Consumer,
     pool: PgPool,
     claim: &'static str,
     done: Arc<AtomicU64>,
@@ -110,29 +133,18 @@ where
     F: Fn(Instant) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = ()> + Send,
 {
-    let permits = Arc::new(Semaphore::new(16));
-    while let Some(delivery) = consumer.next().await {
-        let delivery = delivery?;
-        let received = Instant::now();
-        let permit = permits.clone().acquire_owned().await?;
+    each_delivery(consumer, move |delivery, received| {
         let (pool, done, written) = (pool.clone(), done.clone(), written.clone());
-        tokio::spawn(async move {
-            let result: anyhow::Result<()> = async {
-                let id = message_id(&delivery);
-                let payment: Payment = serde_json::from_slice(&delivery.data)?;
-                apply(&pool, claim, &id, &payment, written(received)).await?;
-                delivery.acker.ack(BasicAckOptions::default()).await?;
-                done.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            .await;
-            if let Err(e) = result {
-                eprintln!("hand-written consumer: {e}");
-            }
-            drop(permit);
-        });
-    }
-    Ok(())
+        async move {
+            let id = message_id(&delivery);
+            let payment: Payment = serde_json::from_slice(&delivery.data)?;
+            apply(&pool, claim, &id, &payment, written(received)).await?;
+            delivery.acker.ack(BasicAckOptions::default()).await?;
+            done.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+    })
+    .await
 }
 
 /// The reaper a hand-written loop runs beside it: every `every`, delete the
