@@ -1,6 +1,7 @@
 //! [`Config`]: a consumer's settings once the builder checked them, read by
 //! every part of the runtime.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -9,7 +10,10 @@ use crate::Schema;
 use crate::amqp::broker::Broker;
 use crate::amqp::topology::Topology;
 use crate::runtime::message_id::MessageIdSource;
+use crate::runtime::outcome::Decide;
 use crate::runtime::redelivery::RedeliveryPolicy;
+use crate::runtime::route::Router;
+use crate::runtime::seal::Keyring;
 
 /// RabbitMQ's default `consumer_timeout`: an unacked delivery older than this
 /// makes the broker close the channel, and the message is redelivered.
@@ -47,14 +51,25 @@ pub(crate) struct Config {
 }
 
 impl Config {
+    /// The runtime's router for this consumer, deciding with `decide`.
+    pub(crate) fn router(&self, decide: Arc<dyn Decide>) -> Router {
+        Router {
+            consumer: self.consumer.clone(),
+            queue: self.topology.queue.clone(),
+            message_id: self.message_id.clone(),
+            keys: Arc::new(Keyring::new(self.pool.clone(), self.consumer.clone())),
+            decide,
+            redelivery: self.redelivery.clone(),
+            letters: self.letter_store(),
+        }
+    }
+
     /// The runtime's letter store: the `dead_letters` table when chosen,
     /// otherwise none (the transport's DLQ).
-    pub(crate) fn letter_store(
-        &self,
-    ) -> Option<std::sync::Arc<dyn crate::runtime::letters::LetterStore>> {
+    pub(crate) fn letter_store(&self) -> Option<Arc<dyn crate::runtime::letters::LetterStore>> {
         #[cfg(feature = "outbox")]
         if self.dead_letters == crate::dead_letters::DeadLetters::Table {
-            return Some(std::sync::Arc::new(crate::dead_letters::TableStore {
+            return Some(Arc::new(crate::dead_letters::TableStore {
                 pool: self.pool.clone(),
             }));
         }

@@ -8,9 +8,10 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use crate::amqp::config::Config;
+use crate::amqp::consumer_relay::RunningRelay;
 use crate::amqp::mode::Dispatch;
-use crate::amqp::outbox::Forwarding;
 use crate::amqp::session::Runtime;
+use crate::runtime::forwarding::Forwarding;
 use crate::runtime::health::Health;
 use crate::runtime::heartbeat;
 use crate::runtime::retention;
@@ -215,11 +216,17 @@ impl Consumer {
                 config.retention,
                 config.partitioning,
                 config.retention_interval,
-                config.dead_letter_retention(),
+                config.letter_store().zip(config.dead_letter_retention()),
                 shutdown.graceful_token().clone(),
             ))
         });
-        let relay = forwarding.start_relay(&config.broker, &config.pool, &config.consumer, &health);
+        let relay = RunningRelay::start(
+            &forwarding,
+            &config.broker,
+            &config.pool,
+            &config.consumer,
+            &health,
+        );
         let beating = heartbeat::Identity::new(&config.consumer, &config.topology.queue);
         let beats = tokio::spawn(heartbeat::beat_periodically(
             config.pool.clone(),

@@ -16,8 +16,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::delivery::Pipeline;
+use crate::amqp::fields::string_header;
 use crate::amqp::mode::Dispatch;
-use crate::runtime::headers::string_header;
 use crate::runtime::outcome::Settled;
 
 /// Batches processed at once in batch mode (each on its own connection).

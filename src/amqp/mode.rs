@@ -73,8 +73,8 @@ use sqlx::PgPool;
 #[cfg(doc)]
 use super::ConsumerBuilder;
 use crate::Result;
-use crate::amqp::outbox::Forwarding;
 use crate::runtime::database_gate::DatabaseGate;
+use crate::runtime::forwarding::Forwarding;
 use crate::runtime::handler::Prepare;
 use crate::runtime::outcome::Decide;
 use crate::runtime::stats::Stats;

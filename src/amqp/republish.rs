@@ -4,13 +4,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lapin::types::AMQPValue;
 use lapin::{BasicProperties, Connection};
 
 use super::Message;
+use super::copy::copy_properties;
 use crate::amqp::fit;
 use crate::amqp::publish::{ConfirmChannel, PublishError};
-use crate::runtime::copy::copy_properties;
+use crate::runtime::headers::HeaderValue;
 
 /// How long a copy may wait for its confirm before the original is handed back.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
@@ -57,7 +57,7 @@ impl Republisher {
         &self,
         queue: &str,
         message: &Message,
-        headers: impl IntoIterator<Item = (&'static str, AMQPValue)>,
+        headers: impl IntoIterator<Item = (&'static str, HeaderValue)>,
     ) -> Result<(), PublishError> {
         let properties = copy_properties(message, headers);
         self.send(queue, message, properties).await
@@ -74,7 +74,7 @@ impl Republisher {
         &self,
         queue: &str,
         message: &Message,
-        headers: impl IntoIterator<Item = (&'static str, AMQPValue)>,
+        headers: impl IntoIterator<Item = (&'static str, HeaderValue)>,
     ) -> Result<Vec<(String, usize)>, PublishError> {
         let properties = copy_properties(message, headers);
         let (properties, trimmed) =

@@ -73,7 +73,7 @@ impl Runtime {
     ) -> Self {
         Runtime {
             dispatcher: Dispatcher::new(&dispatch, config.concurrency),
-            router: Arc::new(Router::new(&config, dispatch.decide.clone())),
+            router: Arc::new(config.router(dispatch.decide.clone())),
             wedged: 0,
             unresponsive: false,
             unparseable: false,

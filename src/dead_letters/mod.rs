@@ -29,7 +29,7 @@ pub(crate) mod view;
 
 #[cfg(feature = "ops")]
 pub(crate) use fingerprint::fingerprint;
-pub(crate) use table::{TableStore, insert};
+pub(crate) use table::{Row, TableStore, insert};
 
 /// Where a consumer puts its dead letters
 /// ([`ConsumerBuilder::dead_letters`](crate::amqp::ConsumerBuilder::dead_letters)).

@@ -4,12 +4,14 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
+use lapin::BasicProperties;
 use lapin::protocol::basic::gen_properties;
 use sqlx::PgPool;
 
 use super::fingerprint::fingerprint;
+use crate::amqp::copy::copy_properties;
+use crate::amqp::fields::json_headers;
 use crate::inbox;
-use crate::runtime::headers::json_headers;
 use crate::runtime::letters::{LetterStore, NewLetter};
 use crate::{Error, Result};
 
@@ -27,13 +29,32 @@ fn jsonb_text(value: &serde_json::Value) -> String {
     value.to_string().replace("\\u0000", "\\ufffd")
 }
 
+/// A row of `dead_letters` as it is inserted: the letter's final AMQP
+/// properties, whoever built them (the runtime's copy, a DLQ's import, the
+/// quarantine's mended properties).
+pub(crate) struct Row<'a> {
+    pub(crate) consumer: &'a str,
+    pub(crate) queue: &'a str,
+    pub(crate) message_id: &'a str,
+    pub(crate) exchange: &'a str,
+    pub(crate) routing_key: &'a str,
+    pub(crate) properties: &'a BasicProperties,
+    pub(crate) body: &'a [u8],
+    pub(crate) reason: &'a str,
+    pub(crate) error: &'a str,
+    pub(crate) attempts: u32,
+    /// RFC 3339.
+    pub(crate) first_failed_at: &'a str,
+    pub(crate) last_failed_at: &'a str,
+}
+
 /// Stores a dead letter, in a transaction of its own. The same message
 /// (consumer, queue, id, body) dead-lettered again while its letter is
 /// live updates that letter (a lost ack brings a dead letter back).
 ///
 /// # Errors
 /// [`Error::Database`] when PostgreSQL refuses or cannot be reached.
-pub(crate) async fn insert(pool: &PgPool, letter: &NewLetter<'_>) -> Result<()> {
+pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
     let properties = match gen_properties(letter.properties)(Vec::new().into()) {
         Ok(written) => written.write,
         Err(e) => {
@@ -127,6 +148,9 @@ pub(crate) async fn reap(
     }
 }
 
+/// Letters per `DELETE` of the consumer's periodic reaping.
+const REAP_BATCH: i64 = 5_000;
+
 /// The `dead_letters` table as the runtime's letter store.
 pub(crate) struct TableStore {
     pub(crate) pool: PgPool,
@@ -137,6 +161,33 @@ impl LetterStore for TableStore {
         &'a self,
         letter: &'a NewLetter<'a>,
     ) -> futures::future::BoxFuture<'a, Result<()>> {
-        Box::pin(insert(&self.pool, letter))
+        Box::pin(async move {
+            // The letter is the AMQP copy of the original with idempo's headers.
+            let message = letter.message;
+            let properties = copy_properties(message, letter.headers.iter().cloned());
+            let row = Row {
+                consumer: letter.consumer,
+                queue: letter.queue,
+                message_id: message.id(),
+                exchange: message.exchange(),
+                routing_key: letter.routing_key,
+                properties: &properties,
+                body: message.body(),
+                reason: letter.reason,
+                error: letter.error,
+                attempts: letter.attempts,
+                first_failed_at: letter.first_failed_at,
+                last_failed_at: letter.last_failed_at,
+            };
+            insert(&self.pool, &row).await
+        })
+    }
+
+    fn reap<'a>(
+        &'a self,
+        consumer: &'a str,
+        older_than: Duration,
+    ) -> futures::future::BoxFuture<'a, Result<u64>> {
+        Box::pin(reap(&self.pool, Some(consumer), older_than, REAP_BATCH))
     }
 }

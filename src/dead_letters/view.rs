@@ -9,11 +9,11 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable};
 use serde::{Deserialize, Serialize};
 
+use crate::amqp::fields::header_text;
 use crate::runtime::headers::REPLAY_HISTORY_HEADER;
 use crate::runtime::headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, header_text, rfc3339,
-    truncate,
+    MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, rfc3339, truncate,
 };
 
 /// How many times the message was replayed in all (an integer), including

@@ -188,7 +188,7 @@ impl OutboxMessage {
         self.headers = properties
             .headers()
             .as_ref()
-            .map(crate::runtime::headers::json_headers)
+            .map(crate::amqp::fields::json_headers)
             .unwrap_or_default();
         self.properties = Some(encoded);
         Ok(self)

@@ -53,6 +53,7 @@ pub(crate) mod batch;
 mod message;
 #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) mod packed;
+mod relay_link;
 mod stage;
 mod unit;
 
@@ -64,9 +65,10 @@ pub use admin::{FailedMessage, OutboxStatus, PendingGroup};
 pub use message::{DEFAULT_MAX_BODY_SIZE, OutboxMessage};
 // The consumer's commit of a unit's staging: used by the AMQP runtime only.
 #[cfg(feature = "amqp")]
+pub(crate) use relay_link::{Publishing, RelayLink};
+#[cfg(feature = "amqp")]
 pub(crate) use stage::commit_unit;
 pub use stage::{StageTarget, stage, stage_all};
-#[cfg(feature = "amqp")]
 pub(crate) use unit::UnitOutbox;
 
 /// Why a message could not be staged.

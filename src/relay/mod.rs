@@ -19,45 +19,22 @@
 
 mod broker_link;
 pub(crate) mod frame;
+mod heartbeat;
 mod running;
 mod said;
 
 use std::fmt;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::PgPool;
-use tokio::sync::Notify;
 
 use crate::Result;
 use crate::amqp::broker::Broker;
-use crate::outbox::OutboxStatus;
 use crate::outbox::batch::RetrySchedule;
+use crate::outbox::{OutboxStatus, RelayLink};
+pub use crate::runtime::health::RelayState;
 use crate::runtime::shutdown::ShutdownHandle;
 use crate::runtime::watched::Watched;
-
-/// Where a relay is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RelayState {
-    /// Run by a consumer whose process has not used the outbox yet: it checks
-    /// for pending rows every poll interval and starts when it finds some or
-    /// when the process stages a message.
-    Dormant,
-    /// Connecting to the broker (first time or after a loss).
-    Connecting,
-    /// Publishing (or waiting for `NOTIFY`).
-    Running,
-    /// Connected, but the broker blocks publishing (`connection.blocked`: a
-    /// memory or disk alarm): rows wait, nothing is retried or failed
-    /// ([`RelaySnapshot::broker_blocked`] says why).
-    Blocked,
-    /// The broker connection was lost; waiting before reconnecting.
-    Reconnecting,
-    /// `run` returned.
-    Stopped,
-}
 
 /// A snapshot of a relay's health.
 #[derive(Debug, Clone, PartialEq)]
@@ -92,46 +69,6 @@ fn relay_health(state: RelayState) -> RelayHealth {
         last_error: None,
         broker_blocked: None,
     })
-}
-
-/// The consumer's end of the relay it runs: wakes it after a commit that
-/// staged (no `NOTIFY` needed), and tells whether it is publishing. Cheap to
-/// clone.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct RelayLink {
-    /// A stored permit: the relay sees a wake-up it was not waiting for yet.
-    wake: Arc<Notify>,
-    publishing: Arc<AtomicBool>,
-}
-
-impl RelayLink {
-    /// A commit that staged messages: the relay publishes them now (and
-    /// leaves its dormancy if it was dormant).
-    pub(crate) fn wake(&self) {
-        self.wake.notify_one();
-    }
-
-    /// Whether the relay is connected and publishing: staging may then skip
-    /// `NOTIFY`, since the relay is woken directly.
-    pub(crate) fn is_publishing(&self) -> bool {
-        self.publishing.load(Ordering::Relaxed)
-    }
-}
-
-/// Marks the link as publishing while it lives.
-struct Publishing<'a>(&'a RelayLink);
-
-impl<'a> Publishing<'a> {
-    fn start(link: &'a RelayLink) -> Self {
-        link.publishing.store(true, Ordering::Relaxed);
-        Publishing(link)
-    }
-}
-
-impl Drop for Publishing<'_> {
-    fn drop(&mut self) {
-        self.0.publishing.store(false, Ordering::Relaxed);
-    }
 }
 
 /// Publishes the outbox's committed rows: run one (or several, on several

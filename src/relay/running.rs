@@ -12,10 +12,11 @@ use tracing::Instrument;
 
 use super::broker_link::BrokerLink;
 use super::said::{self, Envelope, Said};
-use super::{CLEANUP_BATCH, CONTENDED_RETRY, LOCAL_LINGER, Publishing, Relay, RelayState};
+use super::{CLEANUP_BATCH, CONTENDED_RETRY, LOCAL_LINGER, Relay, RelayState};
 use crate::amqp::reconnect::{self, Loss, Reconnect, Session, Sessions};
 use crate::backoff::Backoff;
 use crate::outbox;
+use crate::outbox::Publishing;
 use crate::outbox::batch::{self, Batch, Failures, NOTIFY_CHANNEL, Row};
 use crate::{Error, Result};
 use tokio_util::sync::CancellationToken;
@@ -57,7 +58,7 @@ impl Relay {
         // dashboard and `idempo status` list it with the consumers.
         let beats = (!self.dormant).then(|| {
             let stop = CancellationToken::new();
-            let task = tokio::spawn(crate::runtime::heartbeat::beat_for_relay(
+            let task = tokio::spawn(super::heartbeat::beat_for_relay(
                 self.pool.clone(),
                 self.health.clone(),
                 stop.clone(),
@@ -132,7 +133,7 @@ impl<'a> Running<'a> {
     async fn wait_until_used(&self) -> bool {
         let stop = self.relay.shutdown.graceful_token();
         loop {
-            let staged = self.relay.link.wake.notified();
+            let staged = self.relay.link.woken();
             match batch::any_pending(&self.relay.pool).await {
                 Ok(true) => return true,
                 Ok(false) => {}
@@ -249,7 +250,7 @@ impl<'a> Running<'a> {
                     }
                 }
                 // The consumer committed what it staged without NOTIFY.
-                () = relay.link.wake.notified() => {
+                () = relay.link.woken() => {
                     // Let the consumer's next commits join this batch: its
                     // handlers commit continuously under load.
                     tokio::time::sleep(LOCAL_LINGER).await;

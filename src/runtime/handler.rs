@@ -401,9 +401,7 @@ fn decode_all<M: FromMessage>(messages: &[Message]) -> Result<Vec<M>, (usize, De
 fn traceparent(message: &Message) -> Option<String> {
     #[cfg(feature = "outbox")]
     {
-        message
-            .header(crate::headers::TRACEPARENT_HEADER)
-            .and_then(crate::runtime::headers::header_text)
+        message.header_text(crate::headers::TRACEPARENT_HEADER)
     }
     #[cfg(not(feature = "outbox"))]
     {

@@ -3,9 +3,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use lapin::types::{AMQPValue, FieldTable};
-
-use crate::runtime::message::Message;
+use crate::runtime::message::{HeaderRef, Message};
 
 // The headers of idempo's copies (documented in `crate::headers`'s table).
 
@@ -52,6 +50,14 @@ pub(crate) const LAST_FAILURE_HEADER: &str = "x-idempo-last-failure";
 /// the replay (`dead_letters/view.rs`), which reads it too.
 pub(crate) const REPLAY_HISTORY_HEADER: &str = "x-idempo-replay-history";
 
+/// A header value idempo writes on a copy; each transport writes it in its
+/// own type (AMQP: a long string, a long-long integer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum HeaderValue {
+    Text(String),
+    Integer(i64),
+}
+
 /// The failure history a message carries, updated with the current failure.
 #[derive(Debug, Clone)]
 pub(crate) struct Failures {
@@ -67,13 +73,13 @@ impl Failures {
     /// arrives with the delay queue's.
     pub(crate) fn record(message: &Message) -> Failures {
         let now = rfc3339(SystemTime::now());
-        let previous = message
-            .header(ATTEMPTS_HEADER)
-            .and_then(as_u32)
-            .unwrap_or(0);
+        // Any integer type counts; text does not.
+        let previous = match message.header_ref(ATTEMPTS_HEADER) {
+            Some(HeaderRef::Integer(n)) => u32::try_from(n).unwrap_or(0),
+            _ => 0,
+        };
         let first_failure = message
-            .header(FIRST_FAILURE_HEADER)
-            .and_then(header_text)
+            .header_text(FIRST_FAILURE_HEADER)
             .unwrap_or_else(|| now.clone());
         Failures {
             attempts: previous.saturating_add(1),
@@ -83,19 +89,16 @@ impl Failures {
     }
 
     /// The headers to write on the republished copy.
-    pub(crate) fn headers(&self) -> [(&'static str, AMQPValue); 3] {
+    pub(crate) fn headers(&self) -> [(&'static str, HeaderValue); 3] {
         [
-            (
-                ATTEMPTS_HEADER,
-                AMQPValue::LongLongInt(i64::from(self.attempts)),
-            ),
+            (ATTEMPTS_HEADER, HeaderValue::Integer(self.attempts.into())),
             (
                 FIRST_FAILURE_HEADER,
-                AMQPValue::LongString(self.first_failure.as_str().into()),
+                HeaderValue::Text(self.first_failure.clone()),
             ),
             (
                 LAST_FAILURE_HEADER,
-                AMQPValue::LongString(self.last_failure.as_str().into()),
+                HeaderValue::Text(self.last_failure.clone()),
             ),
         ]
     }
@@ -105,23 +108,8 @@ impl Failures {
 /// across retries, whose copies carry the delay queue's name instead.
 pub(crate) fn original_routing_key(message: &Message) -> String {
     message
-        .header(ROUTING_KEY_HEADER)
-        .and_then(header_text)
+        .header_text(ROUTING_KEY_HEADER)
         .unwrap_or_else(|| message.routing_key().to_owned())
-}
-
-fn as_u32(value: &AMQPValue) -> Option<u32> {
-    let n: i128 = match value {
-        AMQPValue::ShortShortInt(n) => (*n).into(),
-        AMQPValue::ShortShortUInt(n) => (*n).into(),
-        AMQPValue::ShortInt(n) => (*n).into(),
-        AMQPValue::ShortUInt(n) => (*n).into(),
-        AMQPValue::LongInt(n) => (*n).into(),
-        AMQPValue::LongUInt(n) => (*n).into(),
-        AMQPValue::LongLongInt(n) => (*n).into(),
-        _ => return None,
-    };
-    u32::try_from(n).ok()
 }
 
 /// `2026-12-01T02:19:47.123Z`. A time RFC 3339 cannot write (a clock set
@@ -148,97 +136,9 @@ pub(crate) fn truncate(text: &str, max: usize) -> &str {
     &text[..end]
 }
 
-/// A header value as text: a string, UTF-8 bytes, or an integer.
-pub(crate) fn header_text(value: &AMQPValue) -> Option<String> {
-    match value {
-        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        AMQPValue::ByteArray(b) => String::from_utf8(b.as_slice().to_vec()).ok(),
-        AMQPValue::ShortShortInt(n) => Some(n.to_string()),
-        AMQPValue::ShortShortUInt(n) => Some(n.to_string()),
-        AMQPValue::ShortInt(n) => Some(n.to_string()),
-        AMQPValue::ShortUInt(n) => Some(n.to_string()),
-        AMQPValue::LongInt(n) => Some(n.to_string()),
-        AMQPValue::LongUInt(n) => Some(n.to_string()),
-        AMQPValue::LongLongInt(n) => Some(n.to_string()),
-        _ => None,
-    }
-}
-
-/// The header `name` as text ([`header_text`]); other values are ignored
-/// with a warning.
-pub(crate) fn string_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
-    let value = headers?.inner().get(name)?;
-    let text = header_text(value);
-    if text.is_none() {
-        tracing::warn!(
-            header = name,
-            ?value,
-            "a header that is neither text nor a number is ignored"
-        );
-    }
-    text
-}
-
-/// An AMQP table as JSON, the inverse of the relay's mapping of staged JSON
-/// headers (`relay/frame.rs`): the readable copy the outbox and the
-/// dead-letter table keep beside exact properties, and how headers are
-/// shown. Byte arrays and text that is not UTF-8 become lossy text;
-/// timestamps and decimals numbers.
-#[cfg(feature = "outbox")]
-pub(crate) fn json_headers(table: &FieldTable) -> serde_json::Map<String, serde_json::Value> {
-    table
-        .inner()
-        .iter()
-        .map(|(name, value)| (name.to_string(), json_value(value)))
-        .collect()
-}
-
-#[cfg(feature = "outbox")]
-fn json_value(value: &AMQPValue) -> serde_json::Value {
-    use serde_json::Value;
-    match value {
-        AMQPValue::Boolean(b) => Value::Bool(*b),
-        AMQPValue::ShortShortInt(i) => Value::from(*i),
-        AMQPValue::ShortShortUInt(i) => Value::from(*i),
-        AMQPValue::ShortInt(i) => Value::from(*i),
-        AMQPValue::ShortUInt(i) => Value::from(*i),
-        AMQPValue::LongInt(i) => Value::from(*i),
-        AMQPValue::LongUInt(i) => Value::from(*i),
-        AMQPValue::LongLongInt(i) => Value::from(*i),
-        AMQPValue::Timestamp(t) => Value::from(*t),
-        AMQPValue::Float(f) => Value::from(f64::from(*f)),
-        AMQPValue::Double(f) => Value::from(*f),
-        AMQPValue::ShortString(s) => Value::String(s.to_string()),
-        AMQPValue::LongString(s) => Value::String(String::from_utf8_lossy(s.as_bytes()).into()),
-        AMQPValue::ByteArray(b) => Value::String(String::from_utf8_lossy(b.as_slice()).into()),
-        AMQPValue::FieldArray(items) => {
-            Value::Array(items.as_slice().iter().map(json_value).collect())
-        }
-        AMQPValue::FieldTable(table) => Value::Object(json_headers(table)),
-        AMQPValue::DecimalValue(d) => {
-            Value::from(f64::from(d.value) / 10f64.powi(i32::from(d.scale)))
-        }
-        AMQPValue::Void => Value::Null,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn integer_and_string_headers_become_ids() {
-        assert_eq!(
-            header_text(&AMQPValue::LongLongInt(42)).as_deref(),
-            Some("42")
-        );
-        assert_eq!(
-            header_text(&AMQPValue::LongString("pay-1".into())).as_deref(),
-            Some("pay-1")
-        );
-        assert_eq!(header_text(&AMQPValue::Boolean(true)), None);
-    }
 
     #[test]
     fn rfc3339_formats_utc_with_milliseconds() {
@@ -264,13 +164,5 @@ mod tests {
             rfc3339(UNIX_EPOCH + Duration::from_secs(400 * 146_097 * 86_400)),
             "9999-12-31T23:59:59.999Z"
         );
-    }
-
-    #[test]
-    fn attempt_counts_accept_any_integer_type() {
-        assert_eq!(as_u32(&AMQPValue::LongLongInt(3)), Some(3));
-        assert_eq!(as_u32(&AMQPValue::ShortUInt(7)), Some(7));
-        assert_eq!(as_u32(&AMQPValue::LongLongInt(-1)), None);
-        assert_eq!(as_u32(&AMQPValue::LongString("3".into())), None);
     }
 }

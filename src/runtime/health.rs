@@ -39,7 +39,32 @@ pub struct HealthSnapshot {
     pub wedged_sessions: u32,
     /// The state of the outbox relay the consumer runs (`None` without one).
     #[cfg(feature = "outbox")]
-    pub relay: Option<crate::relay::RelayState>,
+    pub relay: Option<RelayState>,
+}
+
+#[cfg(feature = "outbox")]
+/// Where a relay is in its life (the relay's, kept here because a
+/// consumer's health reports the state of the relay it runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RelayState {
+    /// Run by a consumer whose process has not used the outbox yet: it checks
+    /// for pending rows every poll interval and starts when it finds some or
+    /// when the process stages a message.
+    Dormant,
+    /// Connecting to the broker (first time or after a loss).
+    Connecting,
+    /// Publishing (or waiting for `NOTIFY`).
+    Running,
+    /// Connected, but the broker blocks publishing (`connection.blocked`: a
+    /// memory or disk alarm): rows wait, nothing is retried or failed
+    /// ([`RelaySnapshot::broker_blocked`](crate::relay::RelaySnapshot::broker_blocked)
+    /// says why).
+    Blocked,
+    /// The broker connection was lost; waiting before reconnecting.
+    Reconnecting,
+    /// `run` returned.
+    Stopped,
 }
 
 impl HealthSnapshot {

@@ -133,38 +133,8 @@ pub(crate) async fn beat_once(
     write(pool, who, &state, relay.as_deref(), counters).await;
 }
 
-/// A standalone relay's heartbeats (consumer `relay`, no queue), every
-/// [`HEARTBEAT_EVERY`] and when its state changes, until `stop`; then one
-/// saying `stopped`.
-#[cfg(feature = "outbox")]
-pub(crate) async fn beat_for_relay(
-    pool: PgPool,
-    health: crate::relay::RelayHealth,
-    stop: CancellationToken,
-) {
-    let who = Identity::new("relay", "");
-    loop {
-        let state = health.snapshot().state;
-        let text = lower(state);
-        write(&pool, &who, &text, Some(&text), serde_json::json!({})).await;
-        tokio::select! {
-            () = tokio::time::sleep(HEARTBEAT_EVERY) => {}
-            _ = health.wait_for(|s| s.state != state) => {}
-            () = stop.cancelled() => break,
-        }
-    }
-    write(
-        &pool,
-        &who,
-        "stopped",
-        Some("stopped"),
-        serde_json::json!({}),
-    )
-    .await;
-}
-
 /// Writes one heartbeat row.
-async fn write(
+pub(crate) async fn write(
     pool: &PgPool,
     who: &Identity,
     state: &str,
@@ -194,7 +164,7 @@ async fn write(
 }
 
 /// A state's name as stored: its variant in lower case.
-fn lower(state: impl std::fmt::Debug) -> String {
+pub(crate) fn lower(state: impl std::fmt::Debug) -> String {
     format!("{state:?}").to_lowercase()
 }
 

@@ -3,9 +3,12 @@
 //! table is one, feature `outbox`). The runtime routes to it without knowing
 //! which store it is.
 
-use futures::future::BoxFuture;
-use lapin::BasicProperties;
+use std::time::Duration;
 
+use futures::future::BoxFuture;
+
+use super::headers::HeaderValue;
+use super::message::Message;
 use crate::Result;
 
 /// A dead letter as the runtime writes it.
@@ -14,12 +17,12 @@ use crate::Result;
 pub(crate) struct NewLetter<'a> {
     pub(crate) consumer: &'a str,
     pub(crate) queue: &'a str,
-    pub(crate) message_id: &'a str,
-    pub(crate) exchange: &'a str,
+    /// The original, as delivered (its id, body, exchange, envelope).
+    pub(crate) message: &'a Message,
+    /// The routing key it was first published with.
     pub(crate) routing_key: &'a str,
-    /// The dead letter's properties: the original's, with idempo's headers.
-    pub(crate) properties: &'a BasicProperties,
-    pub(crate) body: &'a [u8],
+    /// idempo's failure headers, to add to the original's.
+    pub(crate) headers: &'a [(&'static str, HeaderValue)],
     pub(crate) reason: &'a str,
     pub(crate) error: &'a str,
     pub(crate) attempts: u32,
@@ -33,6 +36,10 @@ pub(crate) trait LetterStore: Send + Sync {
     /// Stores `letter`, durably, or fails: [`Error::is_unavailable`]
     /// (crate::Error::is_unavailable) errors are waited out by the caller.
     fn insert<'a>(&'a self, letter: &'a NewLetter<'a>) -> BoxFuture<'a, Result<()>>;
+
+    /// Deletes `consumer`'s letters replayed or discarded more than
+    /// `older_than` ago; returns how many.
+    fn reap<'a>(&'a self, consumer: &'a str, older_than: Duration) -> BoxFuture<'a, Result<u64>>;
 }
 
 /// What became of a dead letter sent to the letter store.

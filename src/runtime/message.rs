@@ -1,110 +1,123 @@
 //! What a handler receives: the raw [`Message`] and typed extractors such as [`JsonBody`].
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
-use lapin::BasicProperties;
-use lapin::types::{AMQPValue, FieldTable};
 use serde::de::DeserializeOwned;
 
-/// One delivery as the handler sees it: body, properties, headers and routing
-/// data. Cheap to clone (the data is shared).
+/// A header value as the runtime reads it, whatever the transport's own
+/// type (AMQP field values, JetStream's text headers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HeaderRef<'a> {
+    /// Text or raw bytes (an AMQP long string holds bytes).
+    Bytes(&'a [u8]),
+    /// Any integer type.
+    Integer(i128),
+    /// Anything else (booleans, tables, ...): no id, count or time.
+    Other,
+}
+
+impl HeaderRef<'_> {
+    /// The value as text: UTF-8 bytes, or an integer written out.
+    pub(crate) fn text(self) -> Option<String> {
+        match self {
+            HeaderRef::Bytes(b) => String::from_utf8(b.to_vec()).ok(),
+            HeaderRef::Integer(n) => Some(n.to_string()),
+            HeaderRef::Other => None,
+        }
+    }
+}
+
+/// The transport's own part of a delivery (AMQP: its properties): what the
+/// runtime reads through it, the transport reads whole by downcasting.
+pub(crate) trait Envelope: Any + Send + Sync {
+    /// The id the producer gave the message in the transport's own field
+    /// (AMQP: the `message_id` property).
+    fn message_id(&self) -> Option<&str>;
+
+    /// One application header.
+    fn header(&self, name: &str) -> Option<HeaderRef<'_>>;
+}
+
+/// One delivery as the handler sees it: body, headers and routing data.
+/// Cheap to clone (the data is shared).
 ///
 /// Its `Debug` output leaves the body out, so payloads never end up in logs.
 #[derive(Clone)]
 pub struct Message {
-    inner: Arc<Inner>,
+    inner: Arc<Inner<dyn Envelope>>,
 }
 
-struct Inner {
+// The envelope is the last field so that one allocation holds it whatever
+// its type (an `Arc<Inner<E>>` coerces to `Arc<Inner<dyn Envelope>>`).
+struct Inner<E: ?Sized> {
     id: String,
     body: Vec<u8>,
-    properties: BasicProperties,
     exchange: String,
     routing_key: String,
     redelivered: bool,
     delivery_tag: u64,
     received_at: std::time::Instant,
+    envelope: E,
 }
 
 impl Message {
-    pub(crate) fn from_delivery(delivery: lapin::message::Delivery) -> Self {
-        Message {
-            inner: Arc::new(Inner {
-                id: String::new(),
-                body: delivery.data,
-                properties: delivery.properties,
-                exchange: delivery.exchange.to_string(),
-                routing_key: delivery.routing_key.to_string(),
-                redelivered: delivery.redelivered,
-                delivery_tag: delivery.delivery_tag,
-                received_at: std::time::Instant::now(),
-            }),
-        }
-    }
-
-    /// A delivery that did not come through lapin (the test harness's
-    /// feed), its id not yet extracted.
-    #[cfg_attr(not(any(test, feature = "testing")), allow(dead_code))]
-    pub(crate) fn incoming(
+    /// A delivery as its transport hands it over, its id not yet extracted.
+    pub(crate) fn incoming<E: Envelope>(
         body: Vec<u8>,
-        properties: BasicProperties,
+        envelope: E,
         exchange: &str,
         routing_key: &str,
         redelivered: bool,
         delivery_tag: u64,
     ) -> Self {
-        Message {
-            inner: Arc::new(Inner {
-                id: String::new(),
-                body,
-                properties,
-                exchange: exchange.to_owned(),
-                routing_key: routing_key.to_owned(),
-                redelivered,
-                delivery_tag,
-                received_at: std::time::Instant::now(),
-            }),
-        }
-    }
-
-    /// This message as the broker would deliver it again: same body,
-    /// properties and routing, a new delivery tag, the id not yet extracted.
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
-    pub(crate) fn delivered_again(&self, redelivered: bool, delivery_tag: u64) -> Self {
-        Message::incoming(
-            self.inner.body.clone(),
-            self.inner.properties.clone(),
-            &self.inner.exchange,
-            &self.inner.routing_key,
+        let inner: Arc<Inner<dyn Envelope>> = Arc::new(Inner {
+            id: String::new(),
+            body,
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
             redelivered,
             delivery_tag,
-        )
+            received_at: std::time::Instant::now(),
+            envelope,
+        });
+        Message { inner }
+    }
+
+    /// The transport's envelope, when it is an `E`.
+    pub(crate) fn envelope<E: Envelope>(&self) -> Option<&E> {
+        let envelope: &dyn Any = &self.inner.envelope;
+        envelope.downcast_ref()
     }
 
     /// A message that no broker delivered, for the runtime's unit tests.
     #[cfg(test)]
     pub(crate) fn for_test(id: &str, body: &[u8]) -> Self {
-        let mut message = Message::incoming(
-            body.to_vec(),
-            BasicProperties::default(),
-            "",
-            "test",
-            false,
-            1,
-        );
+        let mut message = Message::for_test_with_headers(body, &[]);
         message.set_id(id.to_owned());
         message
     }
 
-    /// A message with application headers, for the runtime's unit tests.
+    /// A message with text headers, its id not yet extracted, for the
+    /// runtime's unit tests.
     #[cfg(test)]
-    pub(crate) fn for_test_with_headers(body: &[u8], headers: FieldTable) -> Self {
-        let mut message = Message::for_test("", body);
-        Arc::get_mut(&mut message.inner)
-            .expect("not shared yet")
-            .properties = BasicProperties::default().with_headers(headers);
-        message
+    pub(crate) fn for_test_with_headers(body: &[u8], headers: &[(&str, &str)]) -> Self {
+        struct Headers(Vec<(String, String)>);
+        impl Envelope for Headers {
+            fn message_id(&self) -> Option<&str> {
+                None
+            }
+            fn header(&self, name: &str) -> Option<HeaderRef<'_>> {
+                let (_, value) = self.0.iter().find(|(n, _)| n == name)?;
+                Some(HeaderRef::Bytes(value.as_bytes()))
+            }
+        }
+        let headers = headers
+            .iter()
+            .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+            .collect();
+        Message::incoming(body.to_vec(), Headers(headers), "", "test", false, 1)
     }
 
     /// Records the id the runtime deduplicates on; called before the message
@@ -128,28 +141,20 @@ impl Message {
         &self.inner.body
     }
 
-    /// The AMQP properties (message id, content type, timestamp, ...).
-    pub fn properties(&self) -> &BasicProperties {
-        &self.inner.properties
+    /// The id the producer set in the transport's own field (AMQP: the
+    /// `message_id` property).
+    pub(crate) fn transport_id(&self) -> Option<&str> {
+        self.inner.envelope.message_id()
     }
 
-    /// The AMQP `message_id` property, if set.
-    pub fn message_id_property(&self) -> Option<&str> {
-        self.inner
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.as_str())
+    /// One header as the runtime reads it.
+    pub(crate) fn header_ref(&self, name: &str) -> Option<HeaderRef<'_>> {
+        self.inner.envelope.header(name)
     }
 
-    /// The application headers, if any.
-    pub fn headers(&self) -> Option<&FieldTable> {
-        self.inner.properties.headers().as_ref()
-    }
-
-    /// One application header.
-    pub fn header(&self, name: &str) -> Option<&AMQPValue> {
-        self.headers()?.inner().get(name)
+    /// One header as text ([`HeaderRef::text`]).
+    pub(crate) fn header_text(&self, name: &str) -> Option<String> {
+        self.header_ref(name)?.text()
     }
 
     /// The exchange the message was published to (empty for the default exchange).

@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use crate::inbox::{InvalidMessageId, payload_sha256};
 use crate::message_id::validate_message_id;
-use crate::runtime::headers::header_text;
 use crate::runtime::message::Message;
 
 /// A user function that finds a delivery's id; `None` means "no id". (An
@@ -54,8 +53,8 @@ impl MessageIdSource {
     /// holds a NUL.
     pub fn extract(&self, message: &Message) -> Result<String, InvalidMessageId> {
         let id = match self {
-            MessageIdSource::Property => message.message_id_property().map(str::to_owned),
-            MessageIdSource::Header(name) => message.header(name).and_then(header_text),
+            MessageIdSource::Property => message.transport_id().map(str::to_owned),
+            MessageIdSource::Header(name) => message.header_text(name),
             // A panic here would repeat on every redelivery: treat it as
             // an invalid id, which is dead-lettered.
             MessageIdSource::Custom(f) => {

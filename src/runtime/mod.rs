@@ -9,13 +9,15 @@
 //! at the [`database_gate`] while PostgreSQL is away. What the runtime counts
 //! and reports lives in [`stats`], [`health`] and [`heartbeat`].
 //!
-//! Today this room still speaks AMQP's types (a [`Message`] carries lapin's
-//! properties and field tables); the transport itself — connections,
-//! sessions, topology, confirms, reconnects — lives in [`crate::amqp`].
+//! This room names no broker: a [`Message`] carries its transport's part
+//! as an envelope the runtime reads headers and the producer's id through,
+//! and copies' headers are [`headers::HeaderValue`]s each transport writes in
+//! its own types. The AMQP transport (connections, sessions, topology,
+//! confirms, reconnects, the AMQP copy) lives in [`crate::amqp`].
 
-pub(crate) mod copy;
 pub(crate) mod database_gate;
 pub(crate) mod dead_letter;
+pub(crate) mod forwarding;
 pub(crate) mod handler;
 pub(crate) mod headers;
 pub(crate) mod health;

@@ -1,6 +1,7 @@
 //! The retention reaper: deletes a consumer's old `processed_messages` rows,
 //! or, in the partitioned mode, maintains the partitions, periodically.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgPool;
@@ -8,14 +9,15 @@ use tokio_util::sync::CancellationToken;
 
 use crate::inbox;
 use crate::inbox::partitioned::{self, Partitioning};
+use crate::runtime::letters::LetterStore;
 
 /// Rows per `DELETE`: small enough that each statement is short and holds few
 /// locks, large enough to keep up.
 pub(crate) const BATCH: i64 = 5_000;
 
 /// Deletes rows older than `retention` now and every `interval`, until
-/// `stop`; with `dead_letters`, also the consumer's replayed and discarded
-/// dead letters settled longer ago than that. With `partitioning`, runs
+/// `stop`; with `letters`, also the consumer's replayed and discarded
+/// dead letters settled longer ago than the duration beside the store. With `partitioning`, runs
 /// [`Inbox::maintain`](crate::inbox::Inbox::maintain) instead of the delete, at least twice a period
 /// (`retention` `None`: partitions are created, none retired).
 pub(crate) async fn reap_periodically(
@@ -24,13 +26,12 @@ pub(crate) async fn reap_periodically(
     retention: Option<Duration>,
     partitioning: Option<Partitioning>,
     mut interval: Duration,
-    dead_letters: Option<Duration>,
+    letters: Option<(Arc<dyn LetterStore>, Duration)>,
     stop: CancellationToken,
 ) {
     loop {
-        #[cfg(feature = "outbox")]
-        if let Some(keep) = dead_letters {
-            match crate::dead_letters::table::reap(&pool, Some(&consumer), keep, BATCH).await {
+        if let Some((store, keep)) = &letters {
+            match store.reap(&consumer, *keep).await {
                 Ok(0) => {}
                 Ok(deleted) => {
                     tracing::info!(%consumer, deleted, "retention: deleted settled dead letters")
@@ -40,8 +41,6 @@ pub(crate) async fn reap_periodically(
                 }
             }
         }
-        #[cfg(not(feature = "outbox"))]
-        let _ = dead_letters;
         if let Some(partitioning) = &partitioning {
             let period = Duration::from_secs(partitioning.period_secs(retention) as u64);
             interval = interval.min(period / 2).max(Duration::from_millis(100));

@@ -2,21 +2,17 @@
 //! the delivery logic and its transport. [`Router`] finds each message's id,
 //! has the unit decided (the inbox steps of `steps.rs`, or a dedup window)
 //! and turns each [`Outcome`] into a [`Route`]: ack, dead-letter, delay,
-//! requeue or leave. The consumer's sessions carry routes out over lapin
-//! (`delivery.rs`); the test harness (`crate::testing`, feature `testing`)
+//! requeue or leave. The AMQP adapter carries routes out over lapin
+//! (`amqp/delivery.rs`); the test harness (`crate::testing`, feature `testing`)
 //! records them, so both run this same code.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::types::AMQPValue;
-
-use crate::amqp::config::Config;
-use crate::runtime::copy::copy_properties;
 use crate::runtime::dead_letter::DeadLetterReason;
 use crate::runtime::headers::{
-    CONSUMER_HEADER, ERROR_HEADER, Failures, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER,
-    QUEUE_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
+    CONSUMER_HEADER, ERROR_HEADER, Failures, HeaderValue, MESSAGE_ID_HEADER,
+    MESSAGE_ID_SEAL_HEADER, QUEUE_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
 };
 use crate::runtime::letters::{LetterStore, NewLetter, Stored};
 use crate::runtime::message::Message;
@@ -72,19 +68,6 @@ pub(crate) struct Router {
 }
 
 impl Router {
-    /// The router of a consumer configured as `config`, deciding with `decide`.
-    pub(crate) fn new(config: &Config, decide: Arc<dyn Decide>) -> Self {
-        Router {
-            consumer: config.consumer.clone(),
-            queue: config.topology.queue.clone(),
-            message_id: config.message_id.clone(),
-            keys: Arc::new(Keyring::new(config.pool.clone(), config.consumer.clone())),
-            decide,
-            redelivery: config.redelivery.clone(),
-            letters: config.letter_store(),
-        }
-    }
-
     /// Inserts the dead letter of `message` in the letter store, waiting
     /// (with backoff) while PostgreSQL cannot take it, until `abandon`.
     /// `None` when letters go to the transport's store instead.
@@ -97,16 +80,13 @@ impl Router {
     ) -> Option<Stored> {
         let store = self.letters.as_deref()?;
         let (reason, error) = (letter.reason, letter.error);
-        let properties = copy_properties(message, letter.headers.iter().cloned());
         let routing_key = original_routing_key(message);
         let letter = NewLetter {
             consumer: &self.consumer,
             queue: &self.queue,
-            message_id: message.id(),
-            exchange: message.exchange(),
+            message,
             routing_key: &routing_key,
-            properties: &properties,
-            body: message.body(),
+            headers: &letter.headers,
             reason: reason.as_str(),
             error,
             attempts: failures.attempts,
@@ -233,8 +213,8 @@ impl Router {
         message: &Message,
         error: &str,
         failures: &Failures,
-    ) -> Vec<(&'static str, AMQPValue)> {
-        let text = |s: &str| AMQPValue::LongString(s.into());
+    ) -> Vec<(&'static str, HeaderValue)> {
+        let text = |s: &str| HeaderValue::Text(s.to_owned());
         let mut headers = vec![
             (ERROR_HEADER, text(truncate(error, MAX_ERROR_HEADER))),
             (CONSUMER_HEADER, text(&self.consumer)),

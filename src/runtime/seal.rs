@@ -21,7 +21,7 @@ use tokio::sync::OnceCell;
 
 use crate::Result;
 use crate::inbox::payload_sha256;
-use crate::runtime::headers::{MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, header_text};
+use crate::runtime::headers::{MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER};
 use crate::runtime::message::Message;
 
 /// Where a consumer's [`Seal`] comes from: loaded (or created) on first
@@ -143,7 +143,7 @@ impl Seal {
     /// header is there, not empty, and its seal is valid.
     pub(crate) fn carried_id(&self, message: &Message) -> Option<String> {
         let id = claimed_id(message)?;
-        let seal = message.header(MESSAGE_ID_SEAL_HEADER).and_then(header_text);
+        let seal = message.header_text(MESSAGE_ID_SEAL_HEADER);
         let expected = self.seal(&id, message);
         match seal {
             Some(seal) if bool::from(seal.as_bytes().ct_eq(expected.as_bytes())) => Some(id),
@@ -167,8 +167,7 @@ impl Seal {
 /// [`MESSAGE_ID_HEADER`].
 pub(crate) fn claimed_id(message: &Message) -> Option<String> {
     message
-        .header(MESSAGE_ID_HEADER)
-        .and_then(header_text)
+        .header_text(MESSAGE_ID_HEADER)
         .filter(|id| !id.is_empty())
 }
 
@@ -222,16 +221,16 @@ mod tests {
             "4f1a88296d56eae915265b342220dc01896ec2b2b55230c33ee498e8bf0d1877";
         let seal = Seal::for_test("payments", [7; 32]);
         let body = br#"{"account":"a","amount_cents":1}"#;
-        let plain = Message::for_test_with_headers(body, Default::default());
+        let plain = Message::for_test_with_headers(body, &[]);
         assert_eq!(seal.seal("pay-A", &plain), SEALED_BEFORE);
-        let header = |v: &str| lapin::types::AMQPValue::LongString(v.into());
         let copy = |sealed: &str| {
-            let table: std::collections::BTreeMap<lapin::types::ShortString, _> = [
-                (MESSAGE_ID_HEADER.into(), header("pay-A")),
-                (MESSAGE_ID_SEAL_HEADER.into(), header(sealed)),
-            ]
-            .into();
-            Message::for_test_with_headers(body, table.into())
+            Message::for_test_with_headers(
+                body,
+                &[
+                    (MESSAGE_ID_HEADER, "pay-A"),
+                    (MESSAGE_ID_SEAL_HEADER, sealed),
+                ],
+            )
         };
         assert_eq!(
             seal.carried_id(&copy(SEALED_BEFORE)).as_deref(),
@@ -251,18 +250,7 @@ mod tests {
     fn only_a_valid_seal_carries_an_id_forward() {
         let seal = Seal::for_test("payments", [7; 32]);
         let body = br#"{"account":"a","amount_cents":1}"#;
-        let message = |headers: &[(&str, &str)]| {
-            let table: std::collections::BTreeMap<_, _> = headers
-                .iter()
-                .map(|(k, v)| {
-                    (
-                        lapin::types::ShortString::from(*k),
-                        lapin::types::AMQPValue::LongString((*v).into()),
-                    )
-                })
-                .collect();
-            Message::for_test_with_headers(body, table.into())
-        };
+        let message = |headers: &[(&str, &str)]| Message::for_test_with_headers(body, headers);
         let sealed = seal.seal("pay-A", &message(&[]));
         let genuine = message(&[
             (MESSAGE_ID_HEADER, "pay-A"),

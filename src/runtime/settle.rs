@@ -17,7 +17,7 @@
 use std::time::Duration;
 
 use super::dead_letter::DeadLetterReason;
-use super::headers::{Failures, REASON_HEADER};
+use super::headers::{Failures, HeaderValue, REASON_HEADER};
 use super::health::Health;
 use super::letters::Stored;
 use super::message::Message;
@@ -183,10 +183,7 @@ impl Settle<'_> {
         abandon: &Abandon,
     ) -> Settled {
         let mut headers = self.router.failure_headers(message, error, &failures).await;
-        headers.push((
-            REASON_HEADER,
-            lapin::types::AMQPValue::LongString(reason.as_str().into()),
-        ));
+        headers.push((REASON_HEADER, HeaderValue::Text(reason.as_str().to_owned())));
         let letter = Letter {
             reason,
             error,

@@ -29,10 +29,10 @@ use futures::future::BoxFuture;
 use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::Error;
-use crate::amqp::outbox::Forwarding;
 use crate::error::database_unavailable;
 use crate::inbox::{self, Claim, Inbox, Isolation};
 use crate::runtime::database_gate::DatabaseGate;
+use crate::runtime::forwarding::Forwarding;
 use crate::runtime::handler::{Call, Prepare};
 use crate::runtime::message::Message;
 use crate::runtime::outcome::{
@@ -361,7 +361,7 @@ impl InboxSteps {
 }
 
 /// What a unit's handler staged in the outbox, for its commit.
-type Staging = crate::amqp::outbox::Unit;
+type Staging = crate::runtime::forwarding::Unit;
 
 /// A database that cannot take writes now sends the unit to the gate;
 /// anything else fails it.

@@ -13,6 +13,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use super::dead_letter::DeadLetterReason;
+use super::headers::HeaderValue;
 use super::message::Message;
 
 /// A copy the transport could not send.
@@ -39,7 +40,7 @@ pub(crate) struct Later<'a> {
     pub(crate) attempts: u32,
     pub(crate) error: &'a str,
     /// idempo's failure headers for the copy.
-    pub(crate) headers: Vec<(&'static str, lapin::types::AMQPValue)>,
+    pub(crate) headers: Vec<(&'static str, HeaderValue)>,
 }
 
 /// A delivery put aside for good, into the transport's own store (or the
@@ -49,7 +50,7 @@ pub(crate) struct Letter<'a> {
     pub(crate) reason: DeadLetterReason,
     pub(crate) error: &'a str,
     /// idempo's failure headers for the letter, its reason included.
-    pub(crate) headers: Vec<(&'static str, lapin::types::AMQPValue)>,
+    pub(crate) headers: Vec<(&'static str, HeaderValue)>,
 }
 
 /// How one delivery of a unit ended, handed to [`Transport::finish`].

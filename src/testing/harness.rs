@@ -223,10 +223,7 @@ impl Harness {
         (plan, outage): (Arc<Plan>, Arc<Outage>),
         (hold_timeout, handler_timeout): (Duration, Duration),
     ) -> Self {
-        let router = Arc::new(Router::new(
-            &consumer.config,
-            consumer.dispatch.decide.clone(),
-        ));
+        let router = Arc::new(consumer.config.router(consumer.dispatch.decide.clone()));
         Harness {
             dead_letter_queue: consumer.config.topology.dead_letter_queue.clone(),
             router,
@@ -279,7 +276,8 @@ impl Harness {
     /// A message as the broker hands it over, its [`id`](Message::id) the
     /// one the consumer's id source reads (when it reads one).
     fn incoming(&self, body: Vec<u8>, properties: BasicProperties) -> Message {
-        let mut message = Message::incoming(body, properties, "", &self.router.queue, false, 0);
+        let mut message =
+            Message::with_properties(body, properties, "", &self.router.queue, false, 0);
         if let Ok(id) = self.router.message_id.extract(&message) {
             message.set_id(id);
         }
@@ -313,7 +311,7 @@ impl Harness {
     pub fn forwarded(&self, message: &OutboxMessage) -> Message {
         let staged = message.to_staged();
         let frame = crate::relay::frame::frame(&staged);
-        let mut forwarded = Message::incoming(
+        let mut forwarded = Message::with_properties(
             staged.body.clone(),
             frame.properties,
             frame.exchange,

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use super::delivered::Delivered;
 use crate::amqp::DeadLetterReason;
-use crate::runtime::copy::copy_properties;
+use crate::amqp::copy::copy_properties;
+use crate::runtime::headers::HeaderValue;
 use crate::runtime::message::Message;
 use crate::runtime::transport::{Finished, Later, Letter, Refused, Transport};
 
@@ -55,12 +56,8 @@ impl<'a> Recorder<'a> {
 }
 
 /// The copy the broker would deliver from `queue`.
-fn copy(
-    message: &Message,
-    headers: Vec<(&'static str, lapin::types::AMQPValue)>,
-    queue: &str,
-) -> Message {
-    Message::incoming(
+fn copy(message: &Message, headers: Vec<(&'static str, HeaderValue)>, queue: &str) -> Message {
+    Message::with_properties(
         message.body().to_vec(),
         copy_properties(message, headers),
         "",

@@ -164,7 +164,7 @@ async fn store(
         .map(|id| id.to_string())
         .unwrap_or_default();
     let routing_key = String::from_utf8_lossy(&got.routing_key);
-    let letter = crate::runtime::letters::NewLetter {
+    let letter = crate::dead_letters::Row {
         consumer: target.consumer,
         queue: target.queue,
         message_id: &message_id,

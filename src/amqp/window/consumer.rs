@@ -19,9 +19,9 @@ use futures::future::BoxFuture;
 use crate::Result;
 use crate::amqp::ConsumerBuilder;
 use crate::amqp::builder::runnable;
+use crate::amqp::fields::string_header;
 use crate::amqp::mode::{Dispatch, IntoDispatch, NoHandler, Parts};
 use crate::runtime::handler::HandlerError;
-use crate::runtime::headers::string_header;
 use crate::runtime::message::{DecodeError, FromMessage, Message, decode};
 use crate::runtime::outcome::{
     Abandon, Decide, HandlerRun, Outcome, guarded, handler_failed, mismatch, retry, timed_out,

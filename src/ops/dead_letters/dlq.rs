@@ -65,7 +65,7 @@ pub(super) fn detail_of(delivery: &Delivery) -> LetterDetail {
         .properties
         .headers()
         .as_ref()
-        .map(|h| serde_json::Value::Object(crate::runtime::headers::json_headers(h)))
+        .map(|h| serde_json::Value::Object(crate::amqp::fields::json_headers(h)))
         .unwrap_or_else(|| serde_json::json!({}));
     LetterDetail {
         letter: letter_of(delivery),

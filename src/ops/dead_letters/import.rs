@@ -8,7 +8,6 @@ use crate::ops::{OpsError, Result, Services};
 use crate::runtime::headers::{
     CONSUMER_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER, QUEUE_HEADER, ROUTING_KEY_HEADER,
 };
-use crate::runtime::letters::NewLetter;
 
 /// What [`import`] moved.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -62,7 +61,7 @@ pub async fn import(
             let first = dead.header(FIRST_FAILURE_HEADER).unwrap_or_default();
             let last = dead.header(LAST_FAILURE_HEADER).unwrap_or_default();
             let exchange = delivery.exchange.to_string();
-            let letter = NewLetter {
+            let letter = crate::dead_letters::Row {
                 consumer: &consumer,
                 queue: &letter_queue,
                 message_id: &message_id,

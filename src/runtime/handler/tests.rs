@@ -1,7 +1,7 @@
 use std::borrow::Cow;
 
 use super::*;
-use crate::amqp::DeadLetterReason;
+use crate::runtime::dead_letter::DeadLetterReason;
 use crate::runtime::outcome::{Outcome, handler_failed};
 
 /// A database error with a SQLSTATE, as PostgreSQL would report it.

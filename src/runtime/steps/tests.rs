@@ -8,9 +8,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::*;
 use crate::Tx;
-use crate::amqp::JsonBody;
 use crate::runtime::handler::{EachMessage, HandlerError, WholeBatch};
 use crate::runtime::health::Health;
+use crate::runtime::message::JsonBody;
 
 /// A schema of its own (named like the integration tests' schemas, so
 /// that their cleanup also removes leftovers), migrated; 3 connections.

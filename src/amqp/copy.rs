@@ -1,5 +1,5 @@
-//! The copy idempo sends of a delivery (to a delay queue, to the dead
-//! letters, into the dead-letter table): one rule for what follows the
+//! The AMQP copy idempo sends of a delivery (to a delay queue, to the
+//! DLQ, into the dead-letter table): one rule for what follows the
 //! original and what does not.
 
 use std::collections::BTreeMap;
@@ -7,8 +7,9 @@ use std::collections::BTreeMap;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
-use super::headers::ORIGINAL_EXPIRATION_HEADER;
-use super::message::Message;
+use super::fields::amqp_value;
+use crate::runtime::headers::{HeaderValue, ORIGINAL_EXPIRATION_HEADER};
+use crate::runtime::message::Message;
 
 /// The original properties with `headers` added, minus what must not follow a
 /// copy: `expiration` (it would expire in the delay queue or the DLQ),
@@ -16,7 +17,7 @@ use super::message::Message;
 /// headers (they would route the copy to extra queues).
 pub(crate) fn copy_properties(
     message: &Message,
-    extra: impl IntoIterator<Item = (&'static str, AMQPValue)>,
+    extra: impl IntoIterator<Item = (&'static str, HeaderValue)>,
 ) -> BasicProperties {
     let original = message.properties();
     let mut headers: BTreeMap<ShortString, AMQPValue> = message
@@ -31,7 +32,7 @@ pub(crate) fn copy_properties(
             .or_insert_with(|| AMQPValue::LongString(expiration.as_str().into()));
     }
     for (name, value) in extra {
-        headers.insert(name.into(), value);
+        headers.insert(name.into(), amqp_value(value));
     }
 
     let mut properties = BasicProperties::default()

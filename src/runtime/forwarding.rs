@@ -1,0 +1,105 @@
+//! Where the delivery runtime and the [outbox](crate::outbox) meet: each
+//! unit's [`Tx`] carries the unit's [`UnitOutbox`](crate::outbox::UnitOutbox)
+//! (staging through the handler's guard finds it there), the unit commits
+//! through it (its claim check writes the deferred messages), and the relay
+//! the consumer runs (if any) is woken after a commit that staged. Without
+//! feature `outbox` the same calls commit with
+//! [`Inbox::commit`](crate::inbox::Inbox::commit) and wake nothing.
+
+use sqlx::{Postgres, Transaction};
+
+use crate::Tx;
+
+pub(crate) use imp::{Forwarding, Unit};
+
+#[cfg(feature = "outbox")]
+mod imp {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::outbox::{RelayLink, UnitOutbox};
+
+    /// What a unit's handler staged.
+    pub(crate) type Unit = Arc<UnitOutbox>;
+
+    /// A consumer's side of the outbox: its relay link, if it runs a relay.
+    #[derive(Debug)]
+    pub(crate) struct Forwarding {
+        relay: Option<RelayLink>,
+    }
+
+    impl Forwarding {
+        pub(crate) fn new(relay: bool) -> Self {
+            Forwarding {
+                relay: relay.then(RelayLink::default),
+            }
+        }
+
+        /// The link to the relay the consumer runs, if it runs one.
+        pub(crate) fn relay_link(&self) -> Option<&RelayLink> {
+            self.relay.as_ref()
+        }
+
+        /// The handler's [`Tx`] for a unit's transaction, and the unit's
+        /// record of what it stages.
+        pub(crate) fn open(&self, tx: Transaction<'static, Postgres>) -> (Tx, Unit) {
+            // With our relay publishing, it is woken after the commit, so
+            // staging skips NOTIFY (a notifying commit holds a global lock).
+            let quiet = self.relay.as_ref().is_some_and(RelayLink::is_publishing);
+            let unit = Arc::new(UnitOutbox::new(quiet));
+            (Tx::with_extension(tx, unit.clone()), unit)
+        }
+
+        /// Commits the unit (claim check, deferred messages), then wakes the
+        /// relay if the unit staged.
+        pub(crate) async fn commit(
+            &self,
+            unit: &Unit,
+            tx: Transaction<'static, Postgres>,
+            consumer: &str,
+            message_id: &str,
+            shape: crate::inbox::CommitShape,
+        ) -> crate::Result<()> {
+            crate::outbox::commit_unit(unit, tx, consumer, message_id, shape).await?;
+            if unit.staged()
+                && let Some(relay) = &self.relay
+            {
+                relay.wake();
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(not(feature = "outbox"))]
+mod imp {
+    use super::*;
+
+    /// Nothing to record without the outbox.
+    pub(crate) type Unit = ();
+
+    /// Without the outbox: plain commits, no relay.
+    #[derive(Debug)]
+    pub(crate) struct Forwarding;
+
+    impl Forwarding {
+        pub(crate) fn new(_relay: bool) -> Self {
+            Forwarding
+        }
+
+        pub(crate) fn open(&self, tx: Transaction<'static, Postgres>) -> (Tx, Unit) {
+            (Tx::new(tx), ())
+        }
+
+        pub(crate) async fn commit(
+            &self,
+            _unit: &Unit,
+            tx: Transaction<'static, Postgres>,
+            consumer: &str,
+            message_id: &str,
+            shape: crate::inbox::CommitShape,
+        ) -> crate::Result<()> {
+            crate::inbox::claim::commit_with(tx, consumer, message_id, "", shape).await
+        }
+    }
+}
