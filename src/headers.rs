@@ -10,7 +10,7 @@
 //! | `x-idempo-trimmed-headers` | a dead letter trimmed to fit the frame | the consumer runtime |
 //! | `x-idempo-replay-history`, `x-idempo-replay-count` | a replayed dead letter | `idempo dlq replay` |
 //! | `x-idempo-dedup-id`, `x-group-id` | a message sent through the dedup window | `DedupPublisher` |
-//! | `traceparent` | a message staged in the outbox inside a traced span | the outbox |
+//! | `traceparent`, `tracestate` | a message staged in the outbox inside a traced span | the outbox |
 //! | `Idempotency-Key`, `Idempotent-Replayed` | HTTP requests and replayed answers | the `http` layer, the `retry` client |
 //!
 //! The headers idempo writes on the copies it makes (the `x-idempo-*` rows
@@ -25,8 +25,13 @@ pub const DEDUP_ID_HEADER: &str = "x-idempo-dedup-id";
 /// The header that carries a message's group id (SQS's `MessageGroupId`).
 pub const GROUP_ID_HEADER: &str = "x-group-id";
 
-/// The header that carries a W3C trace context.
+/// The header that carries a W3C trace context: a message's creation
+/// context (see [`otel`](crate::otel), feature `otel`).
 pub const TRACEPARENT_HEADER: &str = "traceparent";
+
+/// The header that carries the vendor part of a W3C trace context, beside
+/// [`TRACEPARENT_HEADER`].
+pub const TRACESTATE_HEADER: &str = "tracestate";
 
 /// The request header that carries an idempotency key: read by the
 /// `http` layer, sent by the `retry` client.

@@ -166,6 +166,10 @@ pub mod saga;
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
 pub mod outbox;
 
+#[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+pub mod otel;
+
 #[cfg(feature = "retry")]
 #[cfg_attr(docsrs, doc(cfg(feature = "retry")))]
 pub mod retry;

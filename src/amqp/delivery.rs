@@ -19,17 +19,19 @@ use std::time::Duration;
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, Span, field};
+use tracing::{Instrument, Span};
 
 use crate::amqp::acks::{AckTracker, Misplaced};
 use crate::amqp::publish::PublishError;
 use crate::amqp::republish::Republisher;
+use crate::amqp::telemetry;
 use crate::runtime::health::Health;
 use crate::runtime::message::Message;
 use crate::runtime::outcome::{Abandon, Settled};
 use crate::runtime::route::Router;
 use crate::runtime::settle::{LogLimit, Settle};
 use crate::runtime::stats::{Counter, Stats};
+use crate::runtime::trace;
 use crate::runtime::transport::{Finished, Later, Letter, Refused, Transport};
 
 /// The pause before a retry that could not reach its delay queue goes
@@ -60,32 +62,21 @@ impl Pipeline {
         self: Arc<Self>,
         deliveries: Vec<lapin::message::Delivery>,
     ) -> Vec<Settled> {
-        let span = match deliveries.as_slice() {
-            [one] => tracing::info_span!(
-                "delivery",
-                consumer = %self.router.consumer,
-                message_id = field::Empty,
-                delivery_tag = one.delivery_tag,
-                redelivered = one.redelivered,
-                outcome = field::Empty,
-            ),
-            many => {
-                tracing::info_span!("batch", consumer = %self.router.consumer, size = many.len())
-            }
-        };
+        let span = telemetry::process_span(&self.router.consumer, &self.router.queue, &deliveries);
+        let mut receipts = Vec::with_capacity(deliveries.len());
+        let mut messages: Vec<Message> = deliveries
+            .into_iter()
+            .map(|delivery| {
+                self.stats.incr(Counter::Deliveries);
+                receipts.push(Receipt {
+                    acker: delivery.acker.clone(),
+                    tag: delivery.delivery_tag,
+                });
+                Message::from_delivery(delivery)
+            })
+            .collect();
+        trace::link_producers(&span, &messages);
         async {
-            let mut receipts = Vec::with_capacity(deliveries.len());
-            let mut messages: Vec<Message> = deliveries
-                .into_iter()
-                .map(|delivery| {
-                    self.stats.incr(Counter::Deliveries);
-                    receipts.push(Receipt {
-                        acker: delivery.acker.clone(),
-                        tag: delivery.delivery_tag,
-                    });
-                    Message::from_delivery(delivery)
-                })
-                .collect();
             // The unit's deliveries share a channel: the first one's tells
             // when it closed (lapin poisons every acker of a closed channel).
             let abandon = Abandon {
@@ -96,14 +87,14 @@ impl Pipeline {
                 }),
             };
             let outcomes = self.router.outcomes(&mut messages, &abandon).await;
-            if let [message] = messages.as_slice() {
-                Span::current().record("message_id", message.id());
-            }
-            let routes = outcomes
+            let routes: Vec<_> = outcomes
                 .into_iter()
                 .zip(&messages)
                 .map(|(outcome, message)| self.router.route(message, outcome))
                 .collect();
+            if let ([message], [route]) = (messages.as_slice(), routes.as_slice()) {
+                trace::decided(&Span::current(), message, route);
+            }
             let items = messages.into_iter().zip(receipts).collect();
             let settle = Settle {
                 router: &self.router,
@@ -113,7 +104,7 @@ impl Pipeline {
             };
             let settled = settle.unit(&*self, items, routes, &abandon).await;
             if let [one] = settled.as_slice() {
-                Span::current().record("outcome", one.as_str());
+                trace::settled(&Span::current(), *one);
             }
             settled
         }

@@ -73,6 +73,7 @@ mod quarantine;
 pub(crate) mod reconnect;
 pub(crate) mod republish;
 mod session;
+pub(crate) mod telemetry;
 pub(crate) mod topology;
 pub(crate) mod urls;
 #[cfg(feature = "window")]

@@ -21,6 +21,7 @@ use crate::amqp::quarantine;
 use crate::amqp::reconnect::{self, Loss, Reconnect, Session, Sessions};
 use crate::amqp::republish::Republisher;
 use crate::amqp::topology::{Topology, dead_letter_queue};
+use crate::runtime::dead_letter::DeadLetterReason;
 use crate::runtime::health::{Health, RuntimeState};
 use crate::runtime::route::Router;
 use crate::runtime::shutdown::ShutdownHandle;
@@ -337,7 +338,8 @@ impl Runtime {
             Ok(n) if n > 0 => {
                 for _ in 0..n {
                     self.stats.incr(Counter::PoisonFrames);
-                    self.stats.incr(Counter::DeadLettered);
+                    self.stats
+                        .dead_lettered(DeadLetterReason::UndecodableProperties);
                 }
                 self.wedged = 0;
                 self.health.record_error(format!(

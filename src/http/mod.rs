@@ -107,6 +107,7 @@
 //! | `#database-unavailable` | 503 | a handler returned an [`idempo::Error`](crate::Error) that says the database is unreachable (never stored) |
 //! | `#handler-failed` | 500 | a handler returned another [`idempo::Error`](crate::Error) (never stored) |
 
+mod body;
 mod config;
 mod key;
 mod layer;

@@ -7,16 +7,18 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum_core::body::Body;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
+use futures::FutureExt;
 use futures::future::BoxFuture;
-use futures::{FutureExt, StreamExt};
 use http::response::Parts as ResponseParts;
 use http::{HeaderValue, Request, Response};
 use http_body::Body as HttpBody;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sqlx::{Postgres, Transaction};
 use tower_service::Service;
+use tracing::{Instrument, field};
 
+use super::body::{Capped, failing, prefixed, read_capped};
 use super::config::Config;
 use super::key::{IDEMPOTENT_REPLAYED, IdempotencyKey};
 use super::problem::{LayerAnswer, Problem};
@@ -166,7 +168,12 @@ where
         lease: config.lease,
         ttl: config.ttl,
     };
-    let token = match bounded(config.store_timeout, store.begin(operation)).await {
+    // The key's outcome, on a span the handler's own spans are children of.
+    let span = tracing::info_span!("idempotency_key", "idempo.key.outcome" = field::Empty);
+    let begun = bounded(config.store_timeout, store.begin(operation)).await;
+    let outcome = begun.as_ref().map_or("store_unavailable", Begin::outcome);
+    span.record("idempo.key.outcome", outcome);
+    let token = match begun {
         Ok(Begin::Started(token)) => token,
         Ok(Begin::Completed(stored)) => return Ok(replay(stored)),
         Ok(Begin::InProgress { lease_left }) => {
@@ -201,10 +208,13 @@ where
     // would stay in progress until its lease ran out and the retry ran again.
     // Tracked, so that a graceful shutdown can wait for it (`in_flight`).
     let tasks = owner.config.tasks.clone();
-    let task = tasks.spawn(async move {
-        let call = async move { inner.call(request).await };
-        owner.execute(call, phase).await
-    });
+    let task = tasks.spawn(
+        async move {
+            let call = async move { inner.call(request).await };
+            owner.execute(call, phase).await
+        }
+        .instrument(span),
+    );
     match task.await {
         Ok(result) => result,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -542,52 +552,4 @@ async fn handler_tx(phase: Option<AtomicPhase>) -> HandlerTx {
         None => HandlerTx::Unused,
         Some(tx) => tx.take().map_or(HandlerTx::Stuck, HandlerTx::Open),
     }
-}
-
-enum Capped<B> {
-    Complete(Bytes),
-    TooLarge(Bytes, B),
-    Failed(Bytes, BoxError),
-}
-
-/// Reads a response body up to `limit` bytes; beyond that, hands back what
-/// was read and the rest, unread, so it can still be streamed to the client.
-async fn read_capped<B>(mut body: B, limit: usize) -> Capped<B>
-where
-    B: HttpBody<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
-    let mut read = BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        match frame {
-            Ok(frame) => {
-                if let Ok(data) = frame.into_data() {
-                    read.extend_from_slice(&data);
-                    if read.len() > limit {
-                        return Capped::TooLarge(read.freeze(), body);
-                    }
-                }
-            }
-            Err(error) => return Capped::Failed(read.freeze(), error.into()),
-        }
-    }
-    Capped::Complete(read.freeze())
-}
-
-/// `prefix`, then the rest of `body`.
-fn prefixed<B>(prefix: Bytes, body: B) -> Body
-where
-    B: HttpBody<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-{
-    let rest = Body::new(body).into_data_stream();
-    let head = futures::stream::once(async move { Ok::<_, axum_core::Error>(prefix) });
-    Body::from_stream(head.chain(rest))
-}
-
-/// `prefix`, then the error the body ended with: the client sees the
-/// response break off, as it would without the layer.
-fn failing(prefix: Bytes, error: BoxError) -> Body {
-    let chunks: [Result<Bytes, BoxError>; 2] = [Ok(prefix), Err(error)];
-    Body::from_stream(futures::stream::iter(chunks))
 }

@@ -50,6 +50,18 @@ pub enum Begin {
     Mismatch,
 }
 
+impl Begin {
+    /// The key's outcome as the layer's span records it (`idempo.key.outcome`).
+    pub(crate) fn outcome(&self) -> &'static str {
+        match self {
+            Begin::Started(_) => "new",
+            Begin::Completed(_) => "replayed",
+            Begin::InProgress { .. } => "in_progress",
+            Begin::Mismatch => "conflict",
+        }
+    }
+}
+
 /// A request that wants to start the operation its key names.
 #[derive(Debug, Clone, Copy)]
 pub struct Operation<'a> {

@@ -161,8 +161,14 @@ pub async fn with_traceparent<F: Future>(traceparent: Option<String>, future: F)
     TRACEPARENT.scope(traceparent, future).await
 }
 
-/// The `traceparent` set by the innermost [`with_traceparent`], if any.
+/// The creation context of what is staged now: with feature `otel` and an
+/// OpenTelemetry layer, the current span's; else the `traceparent` set by
+/// the innermost [`with_traceparent`], if any.
 pub(crate) fn current_traceparent() -> Option<String> {
+    #[cfg(feature = "otel")]
+    if let Some(traced) = crate::otel::context::current_traceparent() {
+        return Some(traced);
+    }
     TRACEPARENT.try_with(Clone::clone).ok().flatten()
 }
 

@@ -22,6 +22,7 @@ pub(crate) mod frame;
 mod heartbeat;
 mod running;
 mod said;
+mod send_span;
 
 use std::fmt;
 use std::time::Duration;

@@ -12,6 +12,7 @@ use tracing::Instrument;
 
 use super::broker_link::BrokerLink;
 use super::said::{self, Envelope, Said};
+use super::send_span;
 use super::{CLEANUP_BATCH, CONTENDED_RETRY, LOCAL_LINGER, Relay, RelayState};
 use crate::amqp::reconnect::{self, Loss, Reconnect, Session, Sessions};
 use crate::backoff::Backoff;
@@ -389,7 +390,20 @@ impl<'a> Running<'a> {
                     ),
                 }
             }
+            let spans: Vec<Vec<tracing::Span>> = envelopes
+                .iter()
+                .map(|e| e.messages.iter().map(send_span::open).collect())
+                .collect();
+            #[cfg(feature = "otel")]
+            let started = Instant::now();
             let mut said = said::publish(self.relay, broker, &envelopes).await;
+            #[cfg(feature = "otel")]
+            crate::otel::metrics::Relay::get().published_in(started.elapsed());
+            for ((envelope, row), spans) in envelopes.iter().zip(&said).zip(spans) {
+                for ((message, said), span) in envelope.messages.iter().zip(row).zip(spans) {
+                    send_span::close(span, message, said);
+                }
+            }
             let unknown = said
                 .iter()
                 .flatten()
@@ -526,6 +540,9 @@ impl<'a> Running<'a> {
             metrics::gauge!("idempo_outbox_failed").set(status.failed as f64);
             metrics::gauge!("idempo_outbox_oldest_pending_seconds")
                 .set(status.oldest_pending_age.map_or(0.0, |d| d.as_secs_f64()));
+            #[cfg(feature = "otel")]
+            crate::otel::metrics::Relay::get()
+                .outbox(status.pending.max(0) as u64, status.oldest_pending_age);
             self.relay.health.update(|s| s.outbox = status);
         }
     }

@@ -45,6 +45,22 @@ impl DeadLetterReason {
     }
 }
 
+impl DeadLetterReason {
+    /// The reason as an OpenTelemetry `error.type`: a short identifier.
+    pub(crate) fn error_type(self) -> &'static str {
+        match self {
+            DeadLetterReason::MissingMessageId => "missing_message_id",
+            DeadLetterReason::InvalidMessageId => "invalid_message_id",
+            DeadLetterReason::UndecodableBody => "undecodable_body",
+            DeadLetterReason::UndecodableProperties => "undecodable_properties",
+            DeadLetterReason::PayloadMismatch => "payload_mismatch",
+            DeadLetterReason::PermanentError => "permanent_error",
+            DeadLetterReason::AttemptsExhausted => "attempts_exhausted",
+            DeadLetterReason::HeadersTooLarge => "headers_too_large",
+        }
+    }
+}
+
 impl fmt::Display for DeadLetterReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())

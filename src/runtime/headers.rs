@@ -73,11 +73,7 @@ impl Failures {
     /// arrives with the delay queue's.
     pub(crate) fn record(message: &Message) -> Failures {
         let now = rfc3339(SystemTime::now());
-        // Any integer type counts; text does not.
-        let previous = match message.header_ref(ATTEMPTS_HEADER) {
-            Some(HeaderRef::Integer(n)) => u32::try_from(n).unwrap_or(0),
-            _ => 0,
-        };
+        let previous = Self::previous_attempts(message);
         let first_failure = message
             .header_text(FIRST_FAILURE_HEADER)
             .unwrap_or_else(|| now.clone());
@@ -85,6 +81,16 @@ impl Failures {
             attempts: previous.saturating_add(1),
             first_failure,
             last_failure: now,
+        }
+    }
+
+    /// The failed attempts before this delivery, as its copy's header says:
+    /// 0 for a first delivery.
+    pub(crate) fn previous_attempts(message: &Message) -> u32 {
+        // Any integer type counts; text does not.
+        match message.header_ref(ATTEMPTS_HEADER) {
+            Some(HeaderRef::Integer(n)) => u32::try_from(n).unwrap_or(0),
+            _ => 0,
         }
     }
 

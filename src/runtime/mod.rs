@@ -34,5 +34,6 @@ pub(crate) mod settle;
 pub(crate) mod shutdown;
 pub(crate) mod stats;
 pub(crate) mod steps;
+pub(crate) mod trace;
 pub(crate) mod transport;
 pub(crate) mod watched;

@@ -39,7 +39,7 @@ pub(crate) enum Outcome {
     Abandoned,
 }
 
-/// How a delivery was settled: the `outcome` field of its span.
+/// How a delivery was settled: the `idempo.settlement` field of its span.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Settled {
     Processed,

@@ -196,7 +196,7 @@ impl Settle<'_> {
         {
             match stored {
                 Stored::Yes => {
-                    self.stats.incr(Counter::DeadLettered);
+                    self.stats.dead_lettered(reason);
                     tracing::warn!(%reason, %error, "dead-lettered to the letter store");
                     transport.letter_stored(message, receipt, letter).await;
                     return Settled::DeadLettered;
@@ -213,7 +213,7 @@ impl Settle<'_> {
         }
         match transport.dead_letter(message, receipt, letter).await {
             Ok(trimmed) => {
-                self.stats.incr(Counter::DeadLettered);
+                self.stats.dead_lettered(reason);
                 if trimmed.is_empty() {
                     tracing::warn!(%reason, %error, "dead-lettered");
                 } else {
@@ -227,7 +227,7 @@ impl Settle<'_> {
                 let error = format!("cannot dead-letter ({reason}): {why}; rejecting the original");
                 tracing::error!(%error);
                 self.health.record_error(error);
-                self.stats.incr(Counter::DeadLettered);
+                self.stats.dead_lettered(reason);
                 transport.reject(receipt).await;
                 Settled::DeadLettered
             }

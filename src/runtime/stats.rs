@@ -47,6 +47,9 @@ impl std::fmt::Debug for Stats {
 struct Counters {
     consumer: String,
     cells: [AtomicU64; Counter::ALL.len()],
+    /// The same counts as OpenTelemetry instruments (see [`crate::otel`]).
+    #[cfg(feature = "otel")]
+    otel: crate::otel::metrics::Consumer,
 }
 
 /// The counters at one instant (as JSON in the consumer's heartbeat).
@@ -151,6 +154,8 @@ impl Stats {
             inner: Arc::new(Counters {
                 consumer: consumer.to_owned(),
                 cells: Default::default(),
+                #[cfg(feature = "otel")]
+                otel: crate::otel::metrics::Consumer::new(consumer),
             }),
         }
     }
@@ -158,11 +163,34 @@ impl Stats {
     pub(crate) fn incr(&self, counter: Counter) {
         self.inner.cells[counter as usize].fetch_add(1, Ordering::Relaxed);
         metrics::counter!(counter.metric(), "consumer" => self.inner.consumer.clone()).increment(1);
+        #[cfg(feature = "otel")]
+        {
+            let otel = &self.inner.otel;
+            match counter {
+                Counter::Deliveries => otel.consumed(),
+                Counter::Processed => otel.claim("fresh"),
+                Counter::Duplicates => otel.claim("duplicate"),
+                Counter::PayloadMismatches => otel.claim("mismatch"),
+                Counter::Retried => otel.retried(),
+                _ => {}
+            }
+        }
+    }
+
+    /// Counts a dead letter, with its reason for the OpenTelemetry counter.
+    pub(crate) fn dead_lettered(&self, reason: crate::runtime::dead_letter::DeadLetterReason) {
+        self.incr(Counter::DeadLettered);
+        #[cfg(feature = "otel")]
+        self.inner.otel.dead_lettered(reason.error_type());
+        #[cfg(not(feature = "otel"))]
+        let _ = reason;
     }
 
     pub(crate) fn handler_duration(&self, elapsed: Duration) {
         metrics::histogram!("idempo_handler_duration_seconds", "consumer" => self.inner.consumer.clone())
             .record(elapsed.as_secs_f64());
+        #[cfg(feature = "otel")]
+        self.inner.otel.processed_in(elapsed);
     }
 
     /// The current values.

@@ -11,6 +11,7 @@ pub mod cli;
 pub mod cluster;
 pub mod consumer;
 pub mod example;
+pub mod otlp;
 pub mod pika;
 pub mod service_url;
 

@@ -158,6 +158,22 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Traces over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set: a replay's
+    // publishes, the dashboard's requests.
+    let telemetry = match idempo::otel::Telemetry::from_env("idempo") {
+        Ok(telemetry) => telemetry,
+        Err(e) => {
+            eprintln!("idempo: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(telemetry) = &telemetry {
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::util::SubscriberInitExt;
+        tracing_subscriber::registry()
+            .with(telemetry.layer())
+            .init();
+    }
     let ctx = Ctx {
         json: cli.json,
         operator: cli.operator,
@@ -182,6 +198,9 @@ fn main() -> ExitCode {
             done => done,
         }
     });
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown();
+    }
     match outcome {
         Ok(code) => ExitCode::from(code),
         Err(e) => {

@@ -1,0 +1,123 @@
+//! W3C trace context in and out of message headers: the creation context a
+//! message carries, and the current span's context for what is staged.
+
+use std::collections::HashMap;
+
+use opentelemetry::Context;
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use opentelemetry::trace::{SpanContext, TraceContextExt};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+use crate::headers::{TRACEPARENT_HEADER, TRACESTATE_HEADER};
+
+struct Carrier<'a> {
+    traceparent: &'a str,
+    tracestate: Option<&'a str>,
+}
+
+impl Extractor for Carrier<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        match key {
+            TRACEPARENT_HEADER => Some(self.traceparent),
+            TRACESTATE_HEADER => self.tracestate,
+            _ => None,
+        }
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        vec![TRACEPARENT_HEADER, TRACESTATE_HEADER]
+    }
+}
+
+/// The span context a `traceparent` (and `tracestate`) names, when valid.
+pub(crate) fn span_context(traceparent: &str, tracestate: Option<&str>) -> Option<SpanContext> {
+    if !well_formed(traceparent) {
+        return None;
+    }
+    let carrier = Carrier {
+        traceparent,
+        tracestate,
+    };
+    let cx = TraceContextPropagator::new().extract(&carrier);
+    let span = cx.span().span_context().clone();
+    span.is_valid().then_some(span)
+}
+
+/// W3C's shape, which the propagator does not check whole (it takes
+/// `00-abc-def-01` for a trace): `vv-<32 hex>-<16 hex>-ff`, lower case, a
+/// version other than `ff`.
+fn well_formed(traceparent: &str) -> bool {
+    let parts: Vec<&str> = traceparent.trim().split('-').collect();
+    let hex = |s: &str, len: usize| {
+        s.len() == len
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    parts.len() >= 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && hex(parts[1], 32)
+        && hex(parts[2], 16)
+        && hex(parts[3], 2)
+        && (parts[0] != "00" || parts.len() == 4)
+}
+
+/// A context whose (remote) parent is `span`.
+pub(crate) fn remote_parent(span: SpanContext) -> Context {
+    Context::new().with_remote_span_context(span)
+}
+
+/// The current `tracing` span's OpenTelemetry context as a `traceparent`,
+/// when there is a traced span (an OpenTelemetry layer is installed).
+pub(crate) fn current_traceparent() -> Option<String> {
+    let cx = tracing::Span::current().context();
+    if !cx.span().span_context().is_valid() {
+        return None;
+    }
+    let mut headers = HashMap::new();
+    TraceContextPropagator::new().inject_context(&cx, &mut headers);
+    headers.remove(TRACEPARENT_HEADER)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_valid_traceparent_names_its_span() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let span = span_context(tp, Some("vendor=x")).expect("valid");
+        assert_eq!(
+            span.trace_id().to_string(),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
+        assert_eq!(span.span_id().to_string(), "00f067aa0ba902b7");
+        assert!(span.is_remote());
+        assert_eq!(span.trace_state().get("vendor"), Some("x"));
+    }
+
+    #[test]
+    fn garbage_names_no_span() {
+        assert!(span_context("00-abc-def-01", None).is_none());
+        assert!(span_context("", None).is_none());
+        let upper = "00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01";
+        assert!(span_context(upper, None).is_none());
+        let extra = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x";
+        assert!(span_context(extra, None).is_none());
+        assert!(
+            span_context(
+                "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+                None
+            )
+            .is_none()
+        );
+    }
+
+    #[test]
+    fn without_a_layer_there_is_no_current_context() {
+        let span = tracing::info_span!("plain");
+        let _entered = span.enter();
+        assert_eq!(current_traceparent(), None);
+    }
+}
