@@ -429,3 +429,63 @@ fn load_more(n: usize) -> Vec<(String, Vec<u8>)> {
         .map(|i| (format!("held-{i}"), b"{}".to_vec()))
         .collect()
 }
+
+#[tokio::test]
+async fn a_dead_letter_shows_its_trace_id_linked_by_the_trace_url_template() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (db, broker, queue) = (db().await, Broker::connect().await, unique("q"));
+    broker.declare(&queue).await;
+    broker.track(&format!("{queue}.dlq"));
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let traceparent = format!("00-{trace}-00f067aa0ba902b7-01");
+    // No message id: dead-lettered at once, into the table.
+    broker
+        .publish_with_headers(&queue, &[("traceparent", &traceparent)], b"{not json")
+        .await;
+    let example = spawn_example(&db.url, &queue, &[("PAYMENTS_DEAD_LETTERS", "table")]);
+    eventually(
+        "the letter in the table",
+        Duration::from_secs(60),
+        || async { live_letters(&db).await == 1 },
+    )
+    .await;
+    drop(example);
+    let id: i64 = sqlx::query_scalar("SELECT id FROM dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let template = "http://jaeger.example:16686/trace/{trace_id}";
+    let board = dashboard(&db, &["--read-only", "--trace-url", template]);
+    let page = reqwest::get(format!("{}/dead-letters/{id}", board.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        page.contains(&format!(
+            "<a href=\"http://jaeger.example:16686/trace/{trace}\">{trace}</a>"
+        )),
+        "{page}"
+    );
+    drop(board);
+    // Without a template, the id as text; a template without {trace_id} is
+    // refused at start.
+    let board = dashboard(&db, &["--read-only"]);
+    let page = reqwest::get(format!("{}/dead-letters/{id}", board.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains(&format!("<dd>{trace}</dd>")), "{page}");
+    let out = support::cli::idempo(&db)
+        .args(["dashboard", "--listen", "127.0.0.1:0"])
+        .env("IDEMPO_TRACE_URL", "http://jaeger/trace/")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("{trace_id}"), "{stderr}");
+}

@@ -215,6 +215,16 @@ pub struct LetterDetail {
     pub body: Vec<u8>,
 }
 
+impl LetterDetail {
+    /// The trace id of the message's creation context (its `traceparent`
+    /// header), kept through every retry and replay: where to look for the
+    /// failed attempts in a trace backend.
+    pub fn trace_id(&self) -> Option<&str> {
+        let traceparent = self.headers.get(crate::headers::TRACEPARENT_HEADER)?;
+        crate::headers::trace_id(traceparent.as_str()?)
+    }
+}
+
 /// Which letter [`DeadLetterStore::show`](crate::ops::dead_letters::DeadLetterStore::show)
 /// shows.
 #[derive(Debug, Clone, PartialEq, Eq)]

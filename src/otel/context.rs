@@ -32,9 +32,9 @@ impl Extractor for Carrier<'_> {
 
 /// The span context a `traceparent` (and `tracestate`) names, when valid.
 pub(crate) fn span_context(traceparent: &str, tracestate: Option<&str>) -> Option<SpanContext> {
-    if !well_formed(traceparent) {
-        return None;
-    }
+    // The propagator does not check the shape whole (it takes
+    // `00-abc-def-01` for a trace).
+    crate::headers::trace_id(traceparent)?;
     let carrier = Carrier {
         traceparent,
         tracestate,
@@ -42,25 +42,6 @@ pub(crate) fn span_context(traceparent: &str, tracestate: Option<&str>) -> Optio
     let cx = TraceContextPropagator::new().extract(&carrier);
     let span = cx.span().span_context().clone();
     span.is_valid().then_some(span)
-}
-
-/// W3C's shape, which the propagator does not check whole (it takes
-/// `00-abc-def-01` for a trace): `vv-<32 hex>-<16 hex>-ff`, lower case, a
-/// version other than `ff`.
-fn well_formed(traceparent: &str) -> bool {
-    let parts: Vec<&str> = traceparent.trim().split('-').collect();
-    let hex = |s: &str, len: usize| {
-        s.len() == len
-            && s.bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    parts.len() >= 4
-        && hex(parts[0], 2)
-        && parts[0] != "ff"
-        && hex(parts[1], 32)
-        && hex(parts[2], 16)
-        && hex(parts[3], 2)
-        && (parts[0] != "00" || parts.len() == 4)
 }
 
 /// A context whose (remote) parent is `span`.

@@ -83,7 +83,11 @@
 //! # }
 //! ```
 
+// Read by the runtime and the relay (feature `amqp`); the outbox alone
+// stages with the current context only.
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) mod context;
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) mod metrics;
 mod telemetry;
 

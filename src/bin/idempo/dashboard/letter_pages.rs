@@ -205,7 +205,37 @@ fn body_preview(body: &[u8]) -> Markup {
     }
 }
 
-pub(crate) fn letter(detail: &LetterDetail, csrf: Option<&str>) -> String {
+/// Refuses a `--trace-url` that would link nowhere useful.
+pub(crate) fn check_trace_url(template: &str) -> anyhow::Result<()> {
+    if template.is_empty() {
+        return Ok(());
+    }
+    if !template.contains(TRACE_ID) {
+        anyhow::bail!(
+            "--trace-url/IDEMPO_TRACE_URL {template:?} has no {TRACE_ID}: write where the trace \
+             id goes, e.g. http://localhost:16686/trace/{TRACE_ID}"
+        );
+    }
+    if !(template.starts_with("http://") || template.starts_with("https://")) {
+        anyhow::bail!("--trace-url/IDEMPO_TRACE_URL {template:?} is not an http(s) URL");
+    }
+    Ok(())
+}
+
+const TRACE_ID: &str = "{trace_id}";
+
+/// The trace id, linked to the backend's page when there is a template.
+fn trace(trace_id: Option<&str>, template: Option<&str>) -> Markup {
+    html! {
+        @match (trace_id, template) {
+            (Some(id), Some(template)) => a href=(template.replace(TRACE_ID, id)) { (id) },
+            (Some(id), None) => (id),
+            (None, _) => "-",
+        }
+    }
+}
+
+pub(crate) fn letter(detail: &LetterDetail, csrf: Option<&str>, trace_url: Option<&str>) -> String {
     let l = &detail.letter;
     let id = or_dash(l.id);
     html! {
@@ -220,6 +250,7 @@ pub(crate) fn letter(detail: &LetterDetail, csrf: Option<&str>) -> String {
             dt { "attempts" } dd { (or_dash(l.attempts)) " (arrived " (l.deliveries) " time(s))" }
             dt { "first failed" } dd { (time(l.first_failed_at)) }
             dt { "last failed" } dd { (time(l.last_failed_at)) }
+            dt { "trace" } dd { (trace(detail.trace_id(), trace_url)) }
             dt { "routing" }
             dd {
                 "exchange " (untrusted(&format!("{:?}", detail.exchange)))
@@ -251,6 +282,25 @@ pub(crate) fn letter(detail: &LetterDetail, csrf: Option<&str>) -> String {
 mod tests {
     use super::*;
     use crate::dashboard::pages::{confirm, done};
+
+    #[test]
+    fn a_trace_id_links_to_the_template_only_when_one_is_set() {
+        let id = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let linked = trace(
+            Some(id),
+            Some("https://t.example/trace/{trace_id}?a=1&b=\"x"),
+        )
+        .into_string();
+        assert_eq!(
+            linked,
+            format!("<a href=\"https://t.example/trace/{id}?a=1&amp;b=&quot;x\">{id}</a>")
+        );
+        assert_eq!(trace(Some(id), None).into_string(), id);
+        assert_eq!(trace(None, Some("https://t/{trace_id}")).into_string(), "-");
+        assert!(check_trace_url("http://jaeger:16686/trace/{trace_id}").is_ok());
+        assert!(check_trace_url("http://jaeger:16686/trace/").is_err());
+        assert!(check_trace_url("javascript:alert('{trace_id}')").is_err());
+    }
 
     #[test]
     fn hostile_values_stay_text_and_attribute_values() {

@@ -130,7 +130,7 @@ pub(crate) async fn letter(State(app): Shared, caller: Caller, Path(id): Path<i6
     let csrf = app.csrf(&caller);
     Ok(Html(pages::layout(
         "Dead letter",
-        &letter_pages::letter(&detail, csrf.as_deref()),
+        &letter_pages::letter(&detail, csrf.as_deref(), app.trace_url.as_deref()),
         false,
     )))
 }

@@ -68,6 +68,11 @@ pub(crate) struct DashboardArgs {
         hide_env_values = true
     )]
     management_url: Option<String>,
+    /// A trace backend's page for a trace, with `{trace_id}` where the id
+    /// goes (`http://jaeger:16686/trace/{trace_id}`): a dead letter's
+    /// trace id becomes a link to it.
+    #[arg(long, value_name = "TEMPLATE", env = "IDEMPO_TRACE_URL")]
+    trace_url: Option<String>,
 }
 
 struct App {
@@ -79,6 +84,8 @@ struct App {
     samples: samples::Samples,
     sample_every: std::time::Duration,
     dlq_views: letters::DlqViews,
+    /// `--trace-url`, checked.
+    trace_url: Option<String>,
 }
 
 impl App {
@@ -141,6 +148,9 @@ pub(crate) async fn exec(ctx: &Ctx, args: DashboardArgs) -> anyhow::Result<u8> {
         Some(url) => Ok(Management::new(url)?),
         None => Management::for_services(&ctx.services).map_err(|e| e.to_string()),
     };
+    if let Some(template) = &args.trace_url {
+        letter_pages::check_trace_url(template)?;
+    }
     let every = args.sample_every.max(std::time::Duration::from_millis(100));
     let app = Arc::new(App {
         // Concurrent actions each hold a connection (a replay's batch).
@@ -151,6 +161,7 @@ pub(crate) async fn exec(ctx: &Ctx, args: DashboardArgs) -> anyhow::Result<u8> {
         samples: samples::Samples::new(management),
         sample_every: every,
         dlq_views: letters::DlqViews::default(),
+        trace_url: args.trace_url.filter(|t| !t.is_empty()),
     });
     let sampler = app.clone();
     tokio::spawn(async move {
