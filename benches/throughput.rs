@@ -39,6 +39,8 @@ mod cpu;
 #[path = "support/hand.rs"]
 #[allow(dead_code)]
 mod hand;
+#[path = "support/otlp_sink.rs"]
+mod otlp_sink;
 #[path = "../examples/common/payments.rs"]
 #[allow(dead_code)]
 mod payments;
@@ -78,6 +80,8 @@ const VARIANTS: &[&str] = &[
     "f:idempo-batch100",
     "f:idempo-batch500",
     "g:idempo-duplicates-c16",
+    // Feature `otel`: e:idempo-c16 with its spans exported over OTLP.
+    "h:idempo-traced-c16",
 ];
 
 /// Paced phase for latency: this many messages per second, for this long.
@@ -114,8 +118,14 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--variant") {
         let variant = args.get(i + 1).context("--variant NAME")?.clone();
+        #[cfg(feature = "otel")]
+        let telemetry = otlp_sink::install()?;
         let runtime = tokio::runtime::Runtime::new()?;
         let figures = runtime.block_on(run_variant(&variant))?;
+        #[cfg(feature = "otel")]
+        if let Some(telemetry) = telemetry {
+            telemetry.shutdown();
+        }
         println!("FIGURES {}", serde_json::to_string(&figures)?);
         return Ok(());
     }
@@ -123,12 +133,34 @@ fn main() -> anyhow::Result<()> {
     let filter: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with("--")).collect();
     let exe = std::env::current_exe()?;
     let mut results = Vec::new();
+    let mut sink = None;
     for variant in VARIANTS {
         if !filter.is_empty() && !filter.iter().any(|f| variant.contains(f.as_str())) {
             continue;
         }
+        let traced = variant.contains("traced");
+        if traced && !cfg!(feature = "otel") {
+            eprintln!("skipping {variant}: built without feature otel (--features otel)");
+            continue;
+        }
         eprintln!("running {variant} ...");
-        let out = Command::new(&exe).args(["--variant", variant]).output()?;
+        let mut command = Command::new(&exe);
+        command.args(["--variant", variant]);
+        for name in [
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+        ] {
+            command.env_remove(name);
+        }
+        if traced {
+            let sink = match &mut sink {
+                Some(sink) => sink,
+                None => sink.insert(otlp_sink::Sink::start()?),
+            };
+            command.env("OTEL_EXPORTER_OTLP_ENDPOINT", &sink.endpoint);
+        }
+        let out = command.output()?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         let line = stdout
             .lines()
@@ -143,6 +175,23 @@ fn main() -> anyhow::Result<()> {
         results.push(serde_json::from_str::<Figures>(line)?);
     }
     report(&results);
+    if let Some(sink) = &sink {
+        let (requests, bytes) = sink.taken();
+        let rate = |prefix: &str| {
+            results
+                .iter()
+                .find(|r| r.variant.starts_with(prefix))
+                .map(Figures::rate)
+        };
+        if let (Some(traced), Some(plain)) = (rate("h:"), rate("e:idempo-c16")) {
+            println!(
+                "\ntraced / untraced (h / e:idempo-c16): {:.3}× ({:+.1}%); the collector took {requests} requests, {:.1} MiB",
+                traced / plain,
+                (traced / plain - 1.0) * 100.0,
+                bytes as f64 / 1048576.0
+            );
+        }
+    }
     Ok(())
 }
 

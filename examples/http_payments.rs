@@ -156,12 +156,9 @@ async fn serve(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,sqlx=warn".into()),
-        )
-        .init();
+    // Logs, and traces over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    // (feature `otel`): each keyed request's span says its key's outcome.
+    let observability = services::observe("http_payments")?;
     let addr = env_or("HTTP_ADDR", "127.0.0.1:3000");
     let database_url = env_or(
         "DATABASE_URL",
@@ -245,5 +242,6 @@ async fn main() -> anyhow::Result<()> {
             "handlers still running after 30 s; their keys stay in progress until their leases run out"
         );
     }
+    observability.flush().await;
     Ok(())
 }

@@ -85,24 +85,9 @@ fn parse_delay(text: &str) -> anyhow::Result<Duration> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    use tracing_subscriber::Layer;
-    use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
-    // RUST_LOG filters the log lines only: the traces keep every INFO span.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| "info,sqlx=warn".into());
-    let logs =
-        tracing_subscriber::registry().with(tracing_subscriber::fmt::layer().with_filter(filter));
-    // Traces and metrics over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
-    // (feature `otel`); otherwise nothing is exported.
-    #[cfg(feature = "otel")]
-    let telemetry = idempo::otel::Telemetry::from_env("payments")?;
-    #[cfg(feature = "otel")]
-    let logs = logs.with(telemetry.as_ref().map(|t| {
-        t.layer()
-            .with_filter(tracing_subscriber::filter::LevelFilter::INFO)
-    }));
-    logs.init();
+    // Logs, and traces over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    // (feature `otel`).
+    let observability = services::observe("payments")?;
 
     let amqp_url = env_or("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
     let database_url = env_or(
@@ -209,9 +194,6 @@ async fn main() -> anyhow::Result<()> {
     consumer.run_until_signal().await?;
     tracing::info!("drained; bye");
     // What the exporter still holds leaves before the process does.
-    #[cfg(feature = "otel")]
-    if let Some(telemetry) = telemetry {
-        tokio::task::spawn_blocking(move || telemetry.shutdown()).await?;
-    }
+    observability.flush().await;
     Ok(())
 }

@@ -330,3 +330,89 @@ async fn a_slow_collector_costs_no_payment_and_no_throughput() {
     }
     assert!(slow.requests() > 0, "the slow collector was sent spans");
 }
+
+#[tokio::test]
+async fn each_keyed_request_span_says_whether_its_key_was_new_replayed_or_in_conflict() {
+    let receiver = Receiver::start(Duration::ZERO).await;
+    let db = Db::new().await;
+    let addr = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap()
+    };
+    /// Killed if the test fails while it runs.
+    struct Server(std::process::Child);
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut server = std::process::Command::new(support::example_binary("http_payments"))
+        .env("DATABASE_URL", &db.url)
+        .env("IDEMPOTENCY_STORE", "postgres")
+        .env("HTTP_ADDR", addr.to_string())
+        .env("RUST_LOG", "error")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint)
+        .env("OTEL_SERVICE_NAME", "http-payments")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .map(Server)
+        .expect("start the http_payments example");
+    let http = reqwest::Client::new();
+    let url = format!("http://{addr}/payments");
+    eventually("the example listens", Duration::from_secs(60), || async {
+        tokio::net::TcpStream::connect(addr).await.is_ok()
+    })
+    .await;
+    let post = |key: &'static str, cents: i64| {
+        http.post(&url)
+            .header("Idempotency-Key", key)
+            .header("X-User-Id", "otel-user")
+            .header("content-type", "application/json")
+            .body(format!(
+                r#"{{"account":"acc-otel","amount_cents":{cents}}}"#
+            ))
+            .send()
+    };
+    let first = post("otel-key-1", 5).await.unwrap();
+    let status = first.status();
+    assert!(
+        status.is_success(),
+        "{status}: {}",
+        first.text().await.unwrap()
+    );
+    let again = post("otel-key-1", 5).await.unwrap();
+    assert!(again.status().is_success());
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(post("otel-key-1", 6).await.unwrap().status(), 422);
+    drop(post);
+    drop(http);
+    // SIGTERM: the server drains, then flushes its spans.
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &server.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exited = tokio::time::timeout(Duration::from_secs(40), async {
+        loop {
+            if let Some(status) = server.0.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let Ok(status) = exited else {
+        panic!("the server did not exit within 40 s of SIGTERM");
+    };
+    assert!(status.success(), "SIGTERM exits 0");
+
+    let outcomes: Vec<String> = receiver
+        .spans()
+        .iter()
+        .filter(|s| s.service == "http-payments" && s.span.name == "idempotency_key")
+        .filter_map(|s| s.attr("idempo.key.outcome"))
+        .collect();
+    assert_eq!(outcomes, ["new", "replayed", "conflict"], "in order");
+}

@@ -66,3 +66,48 @@ pub fn hint_while_broker_unreachable(health: idempo::amqp::Health, amqp_url: &st
         }
     });
 }
+
+/// What the example reports: log lines on stdout (filtered by `RUST_LOG`)
+/// and, with feature `otel` and `OTEL_EXPORTER_OTLP_ENDPOINT` set, traces
+/// and metrics over OTLP (every INFO span, whatever `RUST_LOG` says).
+pub struct Observability {
+    #[cfg(feature = "otel")]
+    telemetry: Option<idempo::otel::Telemetry>,
+}
+
+/// Installs the process's subscriber: call once, first thing in `main`.
+pub fn observe(service: &str) -> anyhow::Result<Observability> {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "info,sqlx=warn".into());
+    let logs =
+        tracing_subscriber::registry().with(tracing_subscriber::fmt::layer().with_filter(filter));
+    #[cfg(feature = "otel")]
+    {
+        let telemetry = idempo::otel::Telemetry::from_env(service)?;
+        logs.with(telemetry.as_ref().map(|t| {
+            t.layer()
+                .with_filter(tracing_subscriber::filter::LevelFilter::INFO)
+        }))
+        .init();
+        Ok(Observability { telemetry })
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = service;
+        logs.init();
+        Ok(Observability {})
+    }
+}
+
+impl Observability {
+    /// Exports what is still buffered: after the drain, before exiting.
+    pub async fn flush(self) {
+        #[cfg(feature = "otel")]
+        if let Some(telemetry) = self.telemetry {
+            let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+        }
+    }
+}

@@ -28,7 +28,8 @@ impl Consumer {
     pub(crate) fn new(consumer: &str) -> Self {
         let meter = meter();
         Consumer {
-            group: KeyValue::new(GROUP, consumer.to_owned()),
+            // Shared, so that each record's copy is a reference count.
+            group: KeyValue::new(GROUP, std::sync::Arc::<str>::from(consumer)),
             consumed: meter
                 .u64_counter("messaging.client.consumed.messages")
                 .with_unit("{message}")

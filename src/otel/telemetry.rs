@@ -101,11 +101,29 @@ impl Telemetry {
 
     /// The `tracing` layer that turns spans into OpenTelemetry spans and
     /// hands them to the exporter: add it to your subscriber.
+    ///
+    /// Trimmed to what a trace backend shows of a message: no source
+    /// location, thread, target or busy/idle attributes, and no OpenTelemetry
+    /// context made current on every poll of a span's future (a delivery's
+    /// span is entered at each of its awaits). Each costs CPU per span; build
+    /// your own `tracing_opentelemetry::layer()` over [`tracer`](Self::tracer)
+    /// for them.
     pub fn layer<S>(&self) -> OpenTelemetryLayer<S, SdkTracer>
     where
         S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
     {
-        tracing_opentelemetry::layer().with_tracer(self.tracer.clone())
+        tracing_opentelemetry::layer()
+            .with_tracer(self.tracer.clone())
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_tracked_inactivity(false)
+            .with_context_activation(false)
+    }
+
+    /// The tracer the layer exports through.
+    pub fn tracer(&self) -> SdkTracer {
+        self.tracer.clone()
     }
 
     /// Exports what is buffered and stops, waiting up to 5 s for the
