@@ -386,7 +386,6 @@ async fn each_keyed_request_span_says_whether_its_key_was_new_replayed_or_in_con
     assert!(again.status().is_success());
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(post("otel-key-1", 6).await.unwrap().status(), 422);
-    drop(post);
     drop(http);
     // SIGTERM: the server drains, then flushes its spans.
     let status = std::process::Command::new("kill")
