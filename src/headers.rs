@@ -31,7 +31,7 @@ pub const TRACEPARENT_HEADER: &str = "traceparent";
 
 /// The trace id of a W3C `traceparent` (`vv-<32 hex>-<16 hex>-ff`, lower
 /// case, a version other than `ff`), when it has that shape.
-#[cfg_attr(not(any(feature = "otel", feature = "amqp")), allow(dead_code))]
+#[cfg_attr(not(any(feature = "otel", feature = "ops")), allow(dead_code))]
 pub(crate) fn trace_id(traceparent: &str) -> Option<&str> {
     let parts: Vec<&str> = traceparent.trim().split('-').collect();
     let hex = |s: &str, len: usize| {

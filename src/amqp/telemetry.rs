@@ -26,31 +26,17 @@ pub(crate) fn destination_name(exchange: &str, routing_key: &str, queue: Option<
 /// batch (then named after the queue, with the message count).
 pub(crate) fn process_span(consumer: &str, queue: &str, deliveries: &[Delivery]) -> Span {
     match deliveries {
-        [one] => tracing::info_span!(
-            "process",
-            otel.name = format!(
-                "process {}",
-                destination_name(one.exchange.as_str(), one.routing_key.as_str(), Some(queue))
-            ),
-            otel.kind = "consumer",
-            otel.status_code = field::Empty,
-            messaging.system = "rabbitmq",
-            messaging.operation.name = "process",
-            "messaging.operation.type" = "process",
-            messaging.destination.name =
-                destination_name(one.exchange.as_str(), one.routing_key.as_str(), Some(queue)),
-            messaging.consumer.group.name = consumer,
-            messaging.message.id = field::Empty,
-            messaging.message.body.size = one.data.len(),
-            messaging.rabbitmq.destination.routing_key = one.routing_key.as_str(),
-            messaging.rabbitmq.message.delivery_tag = one.delivery_tag,
-            idempo.redelivered = one.redelivered,
-            idempo.claim = field::Empty,
-            idempo.attempt = field::Empty,
-            idempo.settlement = field::Empty,
-            idempo.retry.delay_ms = field::Empty,
-            "error.type" = field::Empty,
-        ),
+        [one] => {
+            let span = one_span(consumer, one);
+            if !span.is_disabled() {
+                // Made only when the span is recorded.
+                let destination =
+                    destination_name(one.exchange.as_str(), one.routing_key.as_str(), Some(queue));
+                span.record("otel.name", format!("process {destination}"));
+                span.record("messaging.destination.name", destination);
+            }
+            span
+        }
         many => tracing::info_span!(
             "process",
             otel.name = format!("process {queue}"),
@@ -63,6 +49,31 @@ pub(crate) fn process_span(consumer: &str, queue: &str, deliveries: &[Delivery])
             messaging.batch.message_count = many.len(),
         ),
     }
+}
+
+/// The span of a single delivery, its destination's name left to record.
+fn one_span(consumer: &str, one: &Delivery) -> Span {
+    tracing::info_span!(
+        "process",
+        otel.name = field::Empty,
+        otel.kind = "consumer",
+        otel.status_code = field::Empty,
+        messaging.system = "rabbitmq",
+        messaging.operation.name = "process",
+        "messaging.operation.type" = "process",
+        messaging.destination.name = field::Empty,
+        messaging.consumer.group.name = consumer,
+        messaging.message.id = field::Empty,
+        messaging.message.body.size = one.data.len(),
+        messaging.rabbitmq.destination.routing_key = one.routing_key.as_str(),
+        messaging.rabbitmq.message.delivery_tag = one.delivery_tag,
+        idempo.redelivered = one.redelivered,
+        idempo.claim = field::Empty,
+        idempo.attempt = field::Empty,
+        idempo.settlement = field::Empty,
+        idempo.retry.delay_ms = field::Empty,
+        "error.type" = field::Empty,
+    )
 }
 
 #[cfg(test)]

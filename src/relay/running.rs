@@ -390,20 +390,9 @@ impl<'a> Running<'a> {
                     ),
                 }
             }
-            let spans: Vec<Vec<tracing::Span>> = envelopes
-                .iter()
-                .map(|e| e.messages.iter().map(send_span::open).collect())
-                .collect();
-            #[cfg(feature = "otel")]
-            let started = Instant::now();
+            let sends = send_span::Sends::open(&envelopes);
             let mut said = said::publish(self.relay, broker, &envelopes).await;
-            #[cfg(feature = "otel")]
-            crate::otel::metrics::Relay::get().published_in(started.elapsed());
-            for ((envelope, row), spans) in envelopes.iter().zip(&said).zip(spans) {
-                for ((message, said), span) in envelope.messages.iter().zip(row).zip(spans) {
-                    send_span::close(span, message, said);
-                }
-            }
+            sends.close(&envelopes, &said);
             let unknown = said
                 .iter()
                 .flatten()

@@ -4,36 +4,72 @@
 //! the message carries on unchanged, so that its consumer ties back to the
 //! code that staged it.
 
+use std::time::Instant;
+
 use tracing::{Span, field};
 
-use super::said::Said;
+use super::said::{Envelope, Said};
 use crate::amqp::telemetry::destination_name;
 use crate::outbox::packed::Staged;
 
-/// Opens the span of `message`, before it is sent.
-pub(super) fn open(message: &Staged) -> Span {
+/// The send spans of a batch's messages, open while it is published.
+pub(super) struct Sends {
+    spans: Vec<Vec<Span>>,
+    started: Instant,
+}
+
+impl Sends {
+    /// Opens a span for each message of `envelopes`, before they are sent.
+    pub(super) fn open(envelopes: &[Envelope]) -> Sends {
+        Sends {
+            spans: envelopes
+                .iter()
+                .map(|e| e.messages.iter().map(open).collect())
+                .collect(),
+            started: Instant::now(),
+        }
+    }
+
+    /// Closes each span with what the broker said of its message, and
+    /// records the batch's publish latency.
+    pub(super) fn close(self, envelopes: &[Envelope], said: &[Vec<Said>]) {
+        #[cfg(feature = "otel")]
+        crate::otel::metrics::Relay::get().published_in(self.started.elapsed());
+        #[cfg(not(feature = "otel"))]
+        let _ = self.started;
+        for ((envelope, row), spans) in envelopes.iter().zip(said).zip(self.spans) {
+            for ((message, said), span) in envelope.messages.iter().zip(row).zip(spans) {
+                close(span, message, said);
+            }
+        }
+    }
+}
+
+/// Opens the span of `message`: its destination's name is made only when
+/// the span is recorded.
+fn open(message: &Staged) -> Span {
     let span = tracing::info_span!(
         "send",
-        otel.name = format!(
-            "send {}",
-            destination_name(&message.exchange, &message.routing_key, None)
-        ),
+        otel.name = field::Empty,
         otel.kind = "producer",
         otel.status_code = field::Empty,
         messaging.system = "rabbitmq",
         messaging.operation.name = "send",
         "messaging.operation.type" = "send",
-        messaging.destination.name =
-            destination_name(&message.exchange, &message.routing_key, None),
+        messaging.destination.name = field::Empty,
         messaging.message.id = message.message_id.as_str(),
         messaging.message.body.size = message.body.len(),
         messaging.rabbitmq.destination.routing_key = message.routing_key.as_str(),
         "error.type" = field::Empty,
     );
+    if span.is_disabled() {
+        return span;
+    }
+    let destination = destination_name(&message.exchange, &message.routing_key, None);
+    span.record("otel.name", format!("send {destination}"));
+    span.record("messaging.destination.name", destination);
     #[cfg(feature = "otel")]
-    if !span.is_disabled()
-        && let Some(creation) = creation_context(message)
-    {
+    if let Some(creation) = creation_context(message) {
         use tracing_opentelemetry::OpenTelemetrySpanExt;
         // Without an OpenTelemetry layer there is nothing to parent.
         let _ = span.set_parent(crate::otel::context::remote_parent(creation));
@@ -42,7 +78,7 @@ pub(super) fn open(message: &Staged) -> Span {
 }
 
 /// Closes `span` with what the broker said of its message.
-pub(super) fn close(span: Span, message: &Staged, said: &Said) {
+fn close(span: Span, message: &Staged, said: &Said) {
     let error_type = match said {
         Said::Confirmed => {
             #[cfg(feature = "otel")]
