@@ -191,7 +191,7 @@ async fn a_payment_is_traced_from_its_producer_through_two_chained_consumers() {
             .collect();
         for f in &failed {
             assert_eq!(f.status(), ERROR, "{id}: a failed attempt is an error");
-            assert_eq!(f.attr("error.type").as_deref(), Some("transient"));
+            assert_eq!(f.attr("error.type").as_deref(), Some("handler_error"));
         }
         let last_attempt: u32 = done[0].attr("idempo.attempt").unwrap().parse().unwrap();
         assert_eq!(

@@ -28,7 +28,9 @@
 //! `retried`, `dead_lettered`, `abandoned`) and `idempo.retry.delay_ms`. A
 //! failure sets status ERROR with `error.type`: the dead letter's reason
 //! (`undecodable_body`, `payload_mismatch`, `permanent_error`,
-//! `attempts_exhausted`, ...) or `transient` for a delivery retried later.
+//! `attempts_exhausted`, ...) or, for a delivery retried later, its cause:
+//! `handler_error` (a transient error returned), `timeout`, `panic`,
+//! `database` (the claim or the commit failed) or `dedup_window`.
 //! Batch spans carry `messaging.batch.message_count` instead of the
 //! per-message attributes. The handler's own `tracing` spans are children of
 //! the process span.

@@ -31,12 +31,41 @@ pub(crate) enum Outcome {
     },
     /// Might succeed later: retry per the policy.
     Retry {
+        cause: RetryCause,
         error: String,
         requested_delay: Option<Duration>,
     },
     /// Shutdown came, or the channel closed, while the delivery waited: leave
     /// it unacked; it returns to the queue when the channel closes.
     Abandoned,
+}
+
+/// Why a delivery is retried: the `error.type` of its span.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RetryCause {
+    /// The handler returned a transient error.
+    Handler,
+    /// The handler ran past its timeout.
+    Timeout,
+    /// The handler panicked.
+    Panic,
+    /// The database failed the claim or the commit.
+    Database,
+    /// The dedup window could not decide yet.
+    Window,
+}
+
+impl RetryCause {
+    /// The cause as an OpenTelemetry `error.type`: a short identifier.
+    pub(crate) fn error_type(self) -> &'static str {
+        match self {
+            RetryCause::Handler => "handler_error",
+            RetryCause::Timeout => "timeout",
+            RetryCause::Panic => "panic",
+            RetryCause::Database => "database",
+            RetryCause::Window => "dedup_window",
+        }
+    }
 }
 
 /// How a delivery was settled: the `idempo.settlement` field of its span.
@@ -163,6 +192,7 @@ pub(crate) fn handler_failed(e: HandlerError) -> Outcome {
         }
     } else {
         Outcome::Retry {
+            cause: RetryCause::Handler,
             requested_delay: e.requested_delay(),
             error: format!("handler failed: {e}"),
         }
@@ -170,7 +200,11 @@ pub(crate) fn handler_failed(e: HandlerError) -> Outcome {
 }
 
 pub(crate) fn timed_out(timeout: Duration) -> Outcome {
-    retry("handler timed out after", format!("{timeout:?}"))
+    retry(
+        RetryCause::Timeout,
+        "handler timed out after",
+        format!("{timeout:?}"),
+    )
 }
 
 pub(crate) fn undecodable(e: &DecodeError) -> Outcome {
@@ -191,8 +225,9 @@ pub(crate) fn invalid_id(e: InvalidMessageId) -> Outcome {
     }
 }
 
-pub(crate) fn retry(context: &str, e: impl std::fmt::Display) -> Outcome {
+pub(crate) fn retry(cause: RetryCause, context: &str, e: impl std::fmt::Display) -> Outcome {
     Outcome::Retry {
+        cause,
         error: format!("{context}: {e}"),
         requested_delay: None,
     }

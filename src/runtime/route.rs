@@ -17,7 +17,7 @@ use crate::runtime::headers::{
 use crate::runtime::letters::{LetterStore, NewLetter, Stored};
 use crate::runtime::message::Message;
 use crate::runtime::message_id::MessageIdSource;
-use crate::runtime::outcome::{Abandon, Decide, Outcome, invalid_id};
+use crate::runtime::outcome::{Abandon, Decide, Outcome, RetryCause, invalid_id};
 use crate::runtime::redelivery::{Mode, RedeliveryPolicy, delay_queue};
 use crate::runtime::seal::{Keyring, claimed_id};
 use crate::runtime::transport::Letter;
@@ -44,11 +44,16 @@ pub(crate) enum Route {
     Delay {
         queue: String,
         delay: Duration,
+        cause: RetryCause,
         error: String,
         failures: Failures,
     },
     /// Hand the delivery back (nack with requeue) after `pause`.
-    Requeue { pause: Duration, error: String },
+    Requeue {
+        pause: Duration,
+        cause: RetryCause,
+        error: String,
+    },
     /// Leave it unacked: it returns when its channel closes.
     Abandon,
 }
@@ -169,6 +174,7 @@ impl Router {
                 failures: Failures::record(message),
             },
             Outcome::Retry {
+                cause,
                 error,
                 requested_delay,
             } => {
@@ -176,6 +182,7 @@ impl Router {
                 match &self.redelivery.mode {
                     Mode::Requeue(pause) => Route::Requeue {
                         pause: *pause,
+                        cause,
                         error,
                     },
                     Mode::Delayed(_) if failures.attempts >= self.redelivery.max_attempts => {
@@ -195,6 +202,7 @@ impl Router {
                         Route::Delay {
                             queue: delay_queue(&self.queue, delay),
                             delay,
+                            cause,
                             error,
                             failures,
                         }

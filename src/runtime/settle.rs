@@ -103,13 +103,14 @@ impl Settle<'_> {
                     delay,
                     error,
                     failures,
+                    ..
                 } => {
                     self.delay(
                         transport, &message, &receipt, &queue, delay, &error, failures, abandon,
                     )
                     .await
                 }
-                Route::Requeue { pause, error } => {
+                Route::Requeue { pause, error, .. } => {
                     tracing::warn!(%error, "transient failure; requeueing");
                     self.stats.incr(Counter::Retried);
                     transport.requeue(&message, &receipt, pause, &error).await;

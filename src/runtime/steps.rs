@@ -36,8 +36,8 @@ use crate::runtime::forwarding::Forwarding;
 use crate::runtime::handler::{Call, Prepare};
 use crate::runtime::message::Message;
 use crate::runtime::outcome::{
-    Abandon, Decide, HandlerRun, Outcome, guarded, handler_failed, mismatch, retry, timed_out,
-    undecodable,
+    Abandon, Decide, HandlerRun, Outcome, RetryCause, guarded, handler_failed, mismatch, retry,
+    timed_out, undecodable,
 };
 use crate::runtime::stats::{Counter, Stats};
 
@@ -255,6 +255,7 @@ impl InboxSteps {
             return Step::Failed(
                 unit,
                 retry(
+                    RetryCause::Handler,
                     "handler finished while a task it spawned still holds the transaction",
                     "rolled back",
                 ),
@@ -274,7 +275,7 @@ impl InboxSteps {
             }
             HandlerRun::Panicked(panic) => {
                 rollback(tx).await;
-                Step::Failed(unit, retry("handler panicked", panic))
+                Step::Failed(unit, retry(RetryCause::Panic, "handler panicked", panic))
             }
             HandlerRun::TimedOut => {
                 rollback(tx).await;
@@ -317,6 +318,7 @@ impl InboxSteps {
             Err(Error::ClaimLost { .. }) => Step::Failed(
                 unit,
                 retry(
+                    RetryCause::Handler,
                     "the handler ended the transaction itself",
                     "its writes and the claim are gone",
                 ),
@@ -324,13 +326,14 @@ impl InboxSteps {
             Err(e) if e.is_aborted_transaction() => Step::Failed(
                 unit,
                 retry(
+                    RetryCause::Handler,
                     "the handler left the transaction aborted (did it ignore a failed statement?)",
                     e,
                 ),
             ),
             Err(e) => {
                 self.stats.incr(Counter::CommitFailures);
-                Step::Failed(unit, retry("commit failed", e))
+                Step::Failed(unit, retry(RetryCause::Database, "commit failed", e))
             }
         }
     }
@@ -340,7 +343,11 @@ impl InboxSteps {
         if unit.passes >= MAX_DATABASE_PASSES {
             return Step::Failed(
                 unit,
-                retry("connection errors although the database answers", error),
+                retry(
+                    RetryCause::Database,
+                    "connection errors although the database answers",
+                    error,
+                ),
             );
         }
         self.gate.report_down(&error);
@@ -369,7 +376,7 @@ fn database_error(unit: Unit, context: &str, e: Error) -> Step {
     if e.is_unavailable() {
         Step::AwaitDatabase(unit, format!("{context}: {e}"))
     } else {
-        Step::Failed(unit, retry(context, e))
+        Step::Failed(unit, retry(RetryCause::Database, context, e))
     }
 }
 

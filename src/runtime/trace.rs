@@ -65,16 +65,10 @@ pub(crate) fn decided(span: &Span, message: &Message, route: &Route) {
     if let Some(claim) = claim(route) {
         span.record("idempo.claim", claim);
     }
-    let failure = match route {
-        Route::Ack { .. } | Route::Abandon => None,
-        Route::DeadLetter { reason, .. } => Some(reason.error_type()),
-        Route::Delay { delay, .. } => {
-            span.record("idempo.retry.delay_ms", delay.as_millis() as u64);
-            Some("transient")
-        }
-        Route::Requeue { .. } => Some("transient"),
-    };
-    if let Some(error_type) = failure {
+    if let Route::Delay { delay, .. } = route {
+        span.record("idempo.retry.delay_ms", delay.as_millis() as u64);
+    }
+    if let Some(error_type) = error_type(route) {
         span.record("error.type", error_type);
         span.record("otel.status_code", "ERROR");
     }
@@ -83,6 +77,16 @@ pub(crate) fn decided(span: &Span, message: &Message, route: &Route) {
 /// Records how the unit's one message was settled.
 pub(crate) fn settled(span: &Span, settled: Settled) {
     span.record("idempo.settlement", settled.as_str());
+}
+
+/// The class of a failed delivery's error: the dead letter's reason, or the
+/// cause of its retry.
+fn error_type(route: &Route) -> Option<&'static str> {
+    match route {
+        Route::Ack { .. } | Route::Abandon => None,
+        Route::DeadLetter { reason, .. } => Some(reason.error_type()),
+        Route::Delay { cause, .. } | Route::Requeue { cause, .. } => Some(cause.error_type()),
+    }
 }
 
 /// The claim's outcome a route implies: none when the message never reached
@@ -110,7 +114,10 @@ fn claim(route: &Route) -> Option<&'static str> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::runtime::outcome::RetryCause;
 
     #[test]
     fn the_claim_follows_the_route() {
@@ -135,5 +142,37 @@ mod tests {
             Some("fresh")
         );
         assert_eq!(claim(&Route::Abandon), None);
+    }
+
+    #[test]
+    fn a_failure_is_classed_by_its_reason_or_its_retry_cause() {
+        use crate::runtime::handler::HandlerError;
+        use crate::runtime::outcome::{Outcome, handler_failed, timed_out};
+
+        let cause = |outcome: Outcome| match outcome {
+            Outcome::Retry { cause, .. } => Route::Requeue {
+                pause: Duration::ZERO,
+                cause,
+                error: String::new(),
+            },
+            other => panic!("not a retry: {other:?}"),
+        };
+        let handler = cause(handler_failed(HandlerError::transient("busy")));
+        assert_eq!(error_type(&handler), Some("handler_error"));
+        let timeout = cause(timed_out(Duration::from_secs(1)));
+        assert_eq!(error_type(&timeout), Some("timeout"));
+        let delayed = Route::Delay {
+            queue: "q.retry.1s".into(),
+            delay: Duration::from_secs(1),
+            cause: RetryCause::Database,
+            error: String::new(),
+            failures: Failures {
+                attempts: 1,
+                first_failure: String::new(),
+                last_failure: String::new(),
+            },
+        };
+        assert_eq!(error_type(&delayed), Some("database"));
+        assert_eq!(error_type(&Route::Ack { duplicate: false }), None);
     }
 }

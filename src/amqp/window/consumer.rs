@@ -20,12 +20,12 @@ use crate::Result;
 use crate::amqp::ConsumerBuilder;
 use crate::amqp::builder::runnable;
 use crate::amqp::fields::string_header;
-use crate::amqp::mode::{Dispatch, IntoDispatch, NoHandler, Parts};
 use crate::runtime::handler::HandlerError;
 use crate::runtime::message::{DecodeError, FromMessage, Message, decode};
+use crate::runtime::mode::{Dispatch, IntoDispatch, NoHandler, Parts};
 use crate::runtime::outcome::{
-    Abandon, Decide, HandlerRun, Outcome, guarded, handler_failed, mismatch, retry, timed_out,
-    undecodable,
+    Abandon, Decide, HandlerRun, Outcome, RetryCause, guarded, handler_failed, mismatch, retry,
+    timed_out, undecodable,
 };
 use crate::runtime::stats::Stats;
 use crate::window::{DedupId, DedupWindow, Reservation, Scope, WindowStore};
@@ -349,7 +349,7 @@ impl WindowSteps {
         let deadline = tokio::time::Instant::now() + lease;
         let token = loop {
             match self.window.reserve(&key, lease).await {
-                Err(e) => return retry("the dedup window failed", e),
+                Err(e) => return retry(RetryCause::Window, "the dedup window failed", e),
                 Ok(Reservation::Seen(seen)) if seen == body_hash.as_str() => {
                     return Outcome::Duplicate;
                 }
@@ -362,7 +362,13 @@ impl WindowSteps {
                         () = abandon.wait() => return Outcome::Abandoned,
                     }
                 }
-                Ok(_) => return retry("the id stayed reserved by another copy", "in the window"),
+                Ok(_) => {
+                    return retry(
+                        RetryCause::Window,
+                        "the id stayed reserved by another copy",
+                        "in the window",
+                    );
+                }
             }
         };
         let run = guarded(call, self.handler_timeout, &self.stats).await;
@@ -385,7 +391,7 @@ impl WindowSteps {
                 Outcome::Processed
             }
             HandlerRun::Failed(e) => handler_failed(e),
-            HandlerRun::Panicked(panic) => retry("handler panicked", panic),
+            HandlerRun::Panicked(panic) => retry(RetryCause::Panic, "handler panicked", panic),
             HandlerRun::TimedOut => timed_out(self.handler_timeout),
         }
     }
