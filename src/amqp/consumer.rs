@@ -9,13 +9,14 @@ use sqlx::PgPool;
 
 use crate::amqp::config::Config;
 use crate::amqp::consumer_relay::RunningRelay;
-use crate::amqp::mode::Dispatch;
 use crate::amqp::session::Runtime;
+use crate::runtime::database_gate;
 use crate::runtime::forwarding::Forwarding;
 use crate::runtime::health::Health;
 use crate::runtime::heartbeat;
+use crate::runtime::mode::Dispatch;
 use crate::runtime::retention;
-use crate::runtime::shutdown::{ShutdownHandle, Signals};
+use crate::runtime::shutdown::{self, ShutdownHandle};
 use crate::runtime::stats::Stats;
 use crate::{Error, Result};
 
@@ -122,18 +123,7 @@ impl Consumer {
     /// As [`Consumer::run`].
     pub async fn run_until_signal(self) -> Result<()> {
         let handle = self.shutdown.clone();
-        let signals = tokio::spawn(async move {
-            let mut signals = Signals::new();
-            signals.recv().await;
-            tracing::info!("shutdown signal received; draining (a second signal stops at once)");
-            handle.shutdown();
-            signals.recv().await;
-            tracing::warn!("second signal: stopping without waiting for handlers in flight");
-            handle.shutdown_now();
-        });
-        let result = self.run().await;
-        signals.abort();
-        result
+        shutdown::until_signal(&handle, self.run()).await
     }
 
     /// Runs until `stop` completes (or the [`ShutdownHandle`] fires), then
@@ -156,13 +146,7 @@ impl Consumer {
     /// As [`Consumer::run`].
     pub async fn run_until(self, stop: impl Future<Output = ()> + Send + 'static) -> Result<()> {
         let handle = self.shutdown.clone();
-        let waiting = tokio::spawn(async move {
-            stop.await;
-            handle.shutdown();
-        });
-        let result = self.run().await;
-        waiting.abort();
-        result
+        shutdown::until(&handle, stop, self.run()).await
     }
 
     /// Connects, declares the topology (unless turned off), consumes and
@@ -200,7 +184,7 @@ impl Consumer {
         if let Some(refusal) = postgres_tls_refusal(&config.pool).await {
             return Err(refusal);
         }
-        if !schema_ready(&config, &shutdown).await? {
+        if !database_gate::schema_ready(&config.schema, &config.pool, &shutdown).await? {
             return Ok(());
         }
         if config.partitioning.is_some()
@@ -261,24 +245,6 @@ impl Consumer {
         )
         .await;
         result
-    }
-}
-
-/// Migrates or checks idempo's schema as configured; while the database is
-/// unreachable, waits for it (`false`: shutdown came first).
-async fn schema_ready(config: &Config, shutdown: &ShutdownHandle) -> Result<bool> {
-    let waited = crate::wait::until_database_answers(
-        "cannot reach PostgreSQL to check idempo's schema",
-        (Duration::from_millis(200), Duration::from_secs(10)),
-        shutdown.graceful_token().cancelled(),
-        || config.schema.apply(&config.pool),
-        Error::is_connection_error,
-    )
-    .await;
-    match waited {
-        crate::wait::Waited::Done(()) => Ok(true),
-        crate::wait::Waited::Failed(e) => Err(e),
-        crate::wait::Waited::Stopped => Ok(false),
     }
 }
 

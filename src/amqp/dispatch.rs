@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::amqp::delivery::Pipeline;
 use crate::amqp::fields::string_header;
-use crate::amqp::mode::Dispatch;
+use crate::runtime::mode::Dispatch;
 use crate::runtime::outcome::Settled;
 
 /// Batches processed at once in batch mode (each on its own connection).

@@ -123,3 +123,25 @@ async fn probe_write(pool: &PgPool) -> Result<(), sqlx::Error> {
     }
     Err(last.expect("the loop ran at least once"))
 }
+
+/// Migrates or checks idempo's schema as configured; while the database is
+/// unreachable, waits for it (`false`: shutdown came first).
+pub(crate) async fn schema_ready(
+    schema: &crate::Schema,
+    pool: &PgPool,
+    shutdown: &crate::runtime::shutdown::ShutdownHandle,
+) -> crate::Result<bool> {
+    let waited = crate::wait::until_database_answers(
+        "cannot reach PostgreSQL to check idempo's schema",
+        (Duration::from_millis(200), Duration::from_secs(10)),
+        shutdown.graceful_token().cancelled(),
+        || schema.apply(pool),
+        crate::Error::is_connection_error,
+    )
+    .await;
+    match waited {
+        crate::wait::Waited::Done(()) => Ok(true),
+        crate::wait::Waited::Failed(e) => Err(e),
+        crate::wait::Waited::Stopped => Ok(false),
+    }
+}

@@ -25,6 +25,7 @@ pub mod heartbeat;
 pub(crate) mod letters;
 pub(crate) mod message;
 pub(crate) mod message_id;
+pub(crate) mod mode;
 pub(crate) mod outcome;
 pub(crate) mod redelivery;
 pub(crate) mod retention;

@@ -1,6 +1,8 @@
 //! Stopping a consumer or a relay: [`ShutdownHandle`] (the signal) and the
 //! process signals that fire it.
 
+use std::future::Future;
+
 use tokio_util::sync::CancellationToken;
 
 /// Stops a running [`Consumer`](crate::amqp::Consumer) or
@@ -75,4 +77,38 @@ impl Signals {
         #[cfg(not(unix))]
         let _ = tokio::signal::ctrl_c().await;
     }
+}
+
+/// Runs `run` (a consumer's) while SIGTERM or SIGINT fires `handle`: the
+/// first signal drains, a second stops at once.
+pub(crate) async fn until_signal<F: Future>(handle: &ShutdownHandle, run: F) -> F::Output {
+    let handle = handle.clone();
+    let signals = tokio::spawn(async move {
+        let mut signals = Signals::new();
+        signals.recv().await;
+        tracing::info!("shutdown signal received; draining (a second signal stops at once)");
+        handle.shutdown();
+        signals.recv().await;
+        tracing::warn!("second signal: stopping without waiting for handlers in flight");
+        handle.shutdown_now();
+    });
+    let result = run.await;
+    signals.abort();
+    result
+}
+
+/// Runs `run` (a consumer's) until `stop` completes, which fires `handle`.
+pub(crate) async fn until<F: Future>(
+    handle: &ShutdownHandle,
+    stop: impl Future<Output = ()> + Send + 'static,
+    run: F,
+) -> F::Output {
+    let handle = handle.clone();
+    let waiting = tokio::spawn(async move {
+        stop.await;
+        handle.shutdown();
+    });
+    let result = run.await;
+    waiting.abort();
+    result
 }
