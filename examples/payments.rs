@@ -41,6 +41,11 @@
 //!   in PostgreSQL's `dead_letters` table instead of `$PAYMENTS_QUEUE.dlq`
 //!   (`idempo dlq list --queue $PAYMENTS_QUEUE` reads them, `idempo dlq
 //!   replay --queue $PAYMENTS_QUEUE --all` replays them exactly once)
+//! - `PAYMENTS_TRANSPORT` (default `amqp`): `nats` consumes the JetStream
+//!   stream `$PAYMENTS_QUEUE` (subject `$PAYMENTS_QUEUE`, created when
+//!   missing) on `NATS_URL` (default `nats://127.0.0.1:4222`) instead, with
+//!   the same handler; dead letters then go to the `dead_letters` table (build
+//!   with `--features nats`)
 //! - `METRICS_ADDR` (unset by default): serve Prometheus metrics on this
 //!   address, e.g. `127.0.0.1:9000` (then `curl 127.0.0.1:9000/metrics`)
 //!
@@ -128,6 +133,11 @@ async fn main() -> anyhow::Result<()> {
         Err(_) => RedeliveryPolicy::default(),
     }
     .max_attempts(env_parse("PAYMENTS_MAX_ATTEMPTS", 10)?);
+    let transport = env_or("PAYMENTS_TRANSPORT", "amqp");
+    anyhow::ensure!(
+        matches!(transport.as_str(), "amqp" | "nats"),
+        "PAYMENTS_TRANSPORT={transport:?} is invalid: amqp (RabbitMQ) or nats (JetStream)"
+    );
     let dead_letters = match env_or("PAYMENTS_DEAD_LETTERS", "queue").as_str() {
         "queue" => DeadLetters::Queue,
         "table" => DeadLetters::Table,
@@ -168,6 +178,30 @@ async fn main() -> anyhow::Result<()> {
         Schema::Check
     };
 
+    if transport == "nats" {
+        anyhow::ensure!(
+            std::env::var("PAYMENTS_DEAD_LETTERS").map_or(true, |d| d == "table"),
+            "PAYMENTS_DEAD_LETTERS=queue is not possible on NATS: JetStream has no dead-letter \
+             queue; dead letters go to the dead_letters table"
+        );
+        anyhow::ensure!(
+            forward_to.is_none(),
+            "PAYMENTS_FORWARD_TO is not available with PAYMENTS_TRANSPORT=nats yet"
+        );
+        let options = NatsOptions {
+            queue,
+            concurrency,
+            prefetch,
+            batch,
+            schema,
+            retry,
+        };
+        run_nats(pool, options, behaviour).await?;
+        tracing::info!("drained; bye");
+        observability.flush().await;
+        return Ok(());
+    }
+
     let mut consumer = Consumer::builder(amqp_url.clone(), pool)
         .broker(broker)
         .queue(queue)
@@ -196,4 +230,54 @@ async fn main() -> anyhow::Result<()> {
     // What the exporter still holds leaves before the process does.
     observability.flush().await;
     Ok(())
+}
+
+/// What the NATS variant takes from the environment.
+#[cfg_attr(not(feature = "nats"), allow(dead_code))]
+struct NatsOptions {
+    queue: String,
+    concurrency: u16,
+    prefetch: u16,
+    batch: usize,
+    schema: Schema,
+    retry: RedeliveryPolicy,
+}
+
+/// The same handler on the JetStream stream `$PAYMENTS_QUEUE`.
+#[cfg(feature = "nats")]
+async fn run_nats(
+    pool: sqlx::PgPool,
+    options: NatsOptions,
+    behaviour: payments::Behaviour,
+) -> anyhow::Result<()> {
+    let url = env_or("NATS_URL", "nats://127.0.0.1:4222");
+    let consumer = idempo::nats::Consumer::builder(url, pool)
+        .stream(options.queue)
+        .max_ack_pending(options.prefetch.max(options.concurrency))
+        .concurrency(usize::from(options.concurrency))
+        .schema(options.schema)
+        .redelivery(options.retry);
+    let consumer = if options.batch > 0 {
+        consumer
+            .batch_handler(move |tx, batch| payments::handle_batch(tx, batch, behaviour.clone()))
+            .batch(options.batch)
+            .build()?
+    } else {
+        consumer
+            .handler(move |tx, message| payments::handle(tx, message, behaviour.clone()))
+            .build()?
+    };
+    consumer.run_until_signal().await?;
+    Ok(())
+}
+
+#[cfg(not(feature = "nats"))]
+async fn run_nats(
+    _pool: sqlx::PgPool,
+    _options: NatsOptions,
+    _behaviour: payments::Behaviour,
+) -> anyhow::Result<()> {
+    anyhow::bail!(
+        "PAYMENTS_TRANSPORT=nats needs the feature: cargo run --release --features nats --example payments"
+    )
 }

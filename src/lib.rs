@@ -150,6 +150,10 @@ pub mod relay;
 #[cfg(all(feature = "amqp", feature = "outbox"))]
 pub(crate) mod dead_letters;
 
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub mod nats;
+
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;

@@ -1,0 +1,108 @@
+//! The NATS connection: made with backoff while the server is unreachable,
+//! refused at once when the server refuses it for good, reported in
+//! [`Health`] as the client loses and regains it (it reconnects by itself),
+//! and checked for JetStream before anything else.
+
+use std::time::Duration;
+
+use async_nats::jetstream::context::AccountErrorKind;
+use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event};
+
+use super::error::NatsError;
+use crate::backoff::Backoff;
+use crate::redact::redact_url;
+use crate::runtime::health::{Health, RuntimeState};
+use crate::runtime::shutdown::ShutdownHandle;
+
+/// How long one connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connected client, or `None` when shutdown came first.
+pub(crate) async fn client(
+    url: &str,
+    consumer: &str,
+    health: &Health,
+    shutdown: &ShutdownHandle,
+) -> Result<Option<Client>, NatsError> {
+    let shown = redact_url(url);
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+    loop {
+        let events = health.clone();
+        let options = ConnectOptions::new()
+            .name(format!(
+                "idempo:{consumer}:{}:{}",
+                crate::host::name(),
+                std::process::id()
+            ))
+            .connection_timeout(CONNECT_TIMEOUT)
+            // Reconnect forever: a consumer outlives its server's restarts.
+            .max_reconnects(None)
+            .event_callback(move |event| {
+                let health = events.clone();
+                async move { on_event(&health, event) }
+            });
+        let error = match options.connect(url).await {
+            Ok(client) => return Ok(Some(client)),
+            Err(e) => e,
+        };
+        if matches!(
+            error.kind(),
+            ConnectErrorKind::Authentication
+                | ConnectErrorKind::AuthorizationViolation
+                | ConnectErrorKind::Tls
+                | ConnectErrorKind::ServerParse
+        ) {
+            return Err(NatsError::Refused {
+                url: shown,
+                reason: error.to_string(),
+            });
+        }
+        let why = format!(
+            "cannot reach NATS at {shown}: {error}; retrying (start the server with: \
+             nats-server -js)"
+        );
+        tracing::warn!("{why}");
+        health.record_error(why);
+        tokio::select! {
+            () = shutdown.graceful_token().cancelled() => return Ok(None),
+            () = tokio::time::sleep(backoff.next_delay()) => {}
+        }
+    }
+}
+
+fn on_event(health: &Health, event: Event) {
+    match event {
+        Event::Disconnected => {
+            tracing::warn!("NATS connection lost; the client reconnects");
+            health.record_reconnect();
+            health.set_state(RuntimeState::Reconnecting);
+        }
+        Event::Connected => {
+            tracing::info!("NATS connection (re)established");
+            health.set_state(RuntimeState::Consuming);
+        }
+        other => tracing::debug!(event = %other, "NATS"),
+    }
+}
+
+/// Fails when the server has no JetStream (or not for this account).
+pub(crate) async fn check_jetstream(
+    context: &async_nats::jetstream::Context,
+    url: &str,
+) -> Result<(), NatsError> {
+    match context.query_account().await {
+        Ok(_) => Ok(()),
+        Err(e) => match e.kind() {
+            AccountErrorKind::JetStreamUnavailable | AccountErrorKind::JetStream(_) => {
+                Err(NatsError::NoJetStream {
+                    url: redact_url(url),
+                    reason: e.to_string(),
+                })
+            }
+            _ => Err(NatsError::Api {
+                action: "the account's JetStream information".into(),
+                reason: e.to_string(),
+            }),
+        },
+    }
+}

@@ -1,0 +1,44 @@
+//! The JetStream transport (feature `nats`): the same handlers, extractors,
+//! inbox and retry policy as on RabbitMQ ([`crate::amqp`]), on a NATS
+//! JetStream stream, through the runtime's transport seam.
+//!
+//! A [`Consumer`] reads one stream (created when missing) through a durable
+//! pull consumer named after the idempo consumer, so that competing
+//! processes share its deliveries. Each delivery's id comes from its
+//! `Nats-Msg-Id` header by default (the id JetStream deduplicates
+//! publishes on), or from another [`MessageIdSource`]; it is claimed in
+//! the handler's transaction, and the message is acknowledged only after
+//! the commit, with a confirmed ack (double ack).
+//!
+//! | What happens | On JetStream |
+//! |---|---|
+//! | processed, or a duplicate | `+ACK`, confirmed by the server |
+//! | transient failure | `-NAK` with the [`RedeliveryPolicy`]'s delay; the attempt is JetStream's delivery count |
+//! | last attempt failed, or poison | a row in the `dead_letters` table, then `+ACK` |
+//! | the handler runs long | `+WPI` (in progress) every third of the ack wait |
+//! | the process dies | JetStream redelivers after the ack wait; the claim decides |
+//!
+//! Dead letters go to the PostgreSQL table (JetStream has no dead-letter
+//! stream): `idempo dlq list|show|replay` work on them as on RabbitMQ's.
+//!
+//! # Example
+//! See [`Consumer`]; the `payments` example runs on NATS with
+//! `PAYMENTS_TRANSPORT=nats`.
+
+mod builder;
+mod connect;
+mod consumer;
+mod envelope;
+mod error;
+mod names;
+mod pipeline;
+mod telemetry;
+mod topology;
+
+pub use crate::runtime::message_id::MessageIdSource;
+pub use crate::runtime::redelivery::RedeliveryPolicy;
+pub use builder::ConsumerBuilder;
+pub use consumer::Consumer;
+pub use error::NatsError;
+
+pub use async_nats;
