@@ -8,8 +8,9 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use super::fields::amqp_value;
+use crate::amqp::message::Properties;
 use crate::runtime::headers::{HeaderValue, ORIGINAL_EXPIRATION_HEADER};
-use crate::runtime::message::Message;
+use crate::runtime::message::{HeaderRef, Message};
 
 /// The original properties with `headers` added, minus what must not follow a
 /// copy: `expiration` (it would expire in the delay queue or the DLQ),
@@ -30,6 +31,21 @@ pub(crate) fn copy_properties(
         headers
             .entry(ORIGINAL_EXPIRATION_HEADER.into())
             .or_insert_with(|| AMQPValue::LongString(expiration.as_str().into()));
+    }
+    if message.envelope::<Properties>().is_none() {
+        // Another transport's message (a JetStream delivery going into the
+        // dead-letter table): its headers and its id, as AMQP holds them.
+        for (name, value) in message.envelope_headers() {
+            let value = match value {
+                HeaderRef::Bytes(bytes) => AMQPValue::LongString(bytes.to_vec().into()),
+                HeaderRef::Integer(n) => match i64::try_from(n) {
+                    Ok(n) => AMQPValue::LongLongInt(n),
+                    Err(_) => AMQPValue::LongString(n.to_string().into()),
+                },
+                HeaderRef::Other => continue,
+            };
+            headers.insert(name.into(), value);
+        }
     }
     for (name, value) in extra {
         headers.insert(name.into(), amqp_value(value));
@@ -55,6 +71,8 @@ pub(crate) fn copy_properties(
     }
     if let Some(v) = original.message_id() {
         properties = properties.with_message_id(v.clone());
+    } else if let Some(id) = message.transport_id() {
+        properties = properties.with_message_id(id.into());
     }
     if let Some(v) = original.timestamp() {
         properties = properties.with_timestamp(*v);

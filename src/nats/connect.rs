@@ -5,8 +5,7 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::context::AccountErrorKind;
-use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event};
+use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event, RequestErrorKind};
 
 use super::error::NatsError;
 use crate::backoff::Backoff;
@@ -85,24 +84,35 @@ fn on_event(health: &Health, event: Event) {
     }
 }
 
-/// Fails when the server has no JetStream (or not for this account).
-pub(crate) async fn check_jetstream(
-    context: &async_nats::jetstream::Context,
-    url: &str,
-) -> Result<(), NatsError> {
-    match context.query_account().await {
-        Ok(_) => Ok(()),
-        Err(e) => match e.kind() {
-            AccountErrorKind::JetStreamUnavailable | AccountErrorKind::JetStream(_) => {
-                Err(NatsError::NoJetStream {
-                    url: redact_url(url),
-                    reason: e.to_string(),
-                })
-            }
-            _ => Err(NatsError::Api {
-                action: "the account's JetStream information".into(),
-                reason: e.to_string(),
-            }),
+/// Fails when the server has no JetStream (or not for this account). Asks
+/// `$JS.API.INFO` itself: async-nats's typed account query fails to parse
+/// some servers' answers (2.9's), which would hide the real cause.
+pub(crate) async fn check_jetstream(client: &Client, url: &str) -> Result<(), NatsError> {
+    let no_jetstream = |reason: String| NatsError::NoJetStream {
+        url: redact_url(url),
+        reason,
+    };
+    let answer = tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        client.request("$JS.API.INFO", Default::default()),
+    )
+    .await
+    .map_err(|_| no_jetstream("no answer to $JS.API.INFO".into()))?
+    .map_err(|e| match e.kind() {
+        RequestErrorKind::NoResponders => no_jetstream("no responders to $JS.API.INFO".into()),
+        _ => NatsError::Api {
+            action: "the account's JetStream information".into(),
+            reason: e.to_string(),
         },
+    })?;
+    let info: serde_json::Value = serde_json::from_slice(&answer.payload).unwrap_or_default();
+    match info.get("error") {
+        Some(error) => Err(no_jetstream(
+            error["description"]
+                .as_str()
+                .unwrap_or("refused")
+                .to_owned(),
+        )),
+        None => Ok(()),
     }
 }

@@ -186,8 +186,8 @@ impl Consumer {
         else {
             return Ok(());
         };
+        connect::check_jetstream(&client, &p.url).await?;
         let context = jetstream::new(client);
-        connect::check_jetstream(&context, &p.url).await?;
         let pull = p.topology.ensure(&context).await?;
         let stop = p.shutdown.graceful_token().clone();
         let letters = crate::dead_letters::TableStore {

@@ -33,6 +33,24 @@ impl Envelope for JetStreamEnvelope {
         let value = self.headers.as_ref()?.get(name)?;
         Some(HeaderRef::Bytes(value.as_str().as_bytes()))
     }
+
+    fn headers(&self) -> Vec<(&str, HeaderRef<'_>)> {
+        let Some(headers) = &self.headers else {
+            return Vec::new();
+        };
+        let mut all: Vec<(&str, HeaderRef<'_>)> = headers
+            .iter()
+            .flat_map(|(name, values)| {
+                // A repeated header keeps its last value, as `get` reads it.
+                values
+                    .last()
+                    .map(|v| (name.as_ref(), HeaderRef::Bytes(v.as_str().as_bytes())))
+            })
+            .collect();
+        // The map's order is random: sorted, a letter's headers are stable.
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        all
+    }
 }
 
 /// The runtime's message for a JetStream delivery: `subject` as its routing

@@ -38,6 +38,13 @@ pub(crate) trait Envelope: Any + Send + Sync {
 
     /// One application header.
     fn header(&self, name: &str) -> Option<HeaderRef<'_>>;
+
+    /// Every application header, in order, for a copy kept in another
+    /// transport's terms (the dead-letter table keeps AMQP's encoding).
+    /// The AMQP envelope is copied whole instead, and need not list them.
+    fn headers(&self) -> Vec<(&str, HeaderRef<'_>)> {
+        Vec::new()
+    }
 }
 
 /// One delivery as the handler sees it: body, headers and routing data.
@@ -83,6 +90,12 @@ impl Message {
             envelope,
         });
         Message { inner }
+    }
+
+    /// Every application header of the transport's envelope (see
+    /// [`Envelope::headers`]).
+    pub(crate) fn envelope_headers(&self) -> Vec<(&str, HeaderRef<'_>)> {
+        self.inner.envelope.headers()
     }
 
     /// The transport's envelope, when it is an `E`.

@@ -11,6 +11,8 @@ pub mod cli;
 pub mod cluster;
 pub mod consumer;
 pub mod example;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod otlp;
 pub mod pika;
 pub mod service_url;
@@ -1055,4 +1057,12 @@ pub fn hostile_ids() -> Vec<String> {
     assert_eq!(ids[ids.len() - 3].len(), 254);
     assert!(ids[ids.len() - 2..].iter().all(|id| id.len() == 255));
     ids
+}
+
+/// A TCP port nothing listens on right now (for a server of a test's own).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
 }
