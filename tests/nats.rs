@@ -419,3 +419,77 @@ async fn a_server_without_jetstream_is_refused_at_start() {
     );
     assert!(e.to_string().contains("-js"), "the error says how: {e}");
 }
+
+#[tokio::test]
+async fn competing_examples_sigkilled_while_draining_apply_every_payment_once() {
+    use support::example::{doubled_payments, signal, spawn_example};
+
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("kill");
+    nats.track(&stream);
+    const N: usize = 3000;
+    let url = support::nats::nats_url();
+    let env = [
+        ("PAYMENTS_TRANSPORT", "nats"),
+        ("NATS_URL", url.as_str()),
+        ("PAYMENTS_FAIL_RATE", "0.05"),
+    ];
+    let mut workers = [
+        spawn_example(&db.url, &stream, &env),
+        spawn_example(&db.url, &stream, &env),
+    ];
+    eventually("the example created the stream", WAIT, || async {
+        nats.js.get_stream(&stream).await.is_ok()
+    })
+    .await;
+    let mut expected: std::collections::BTreeMap<String, i64> = Default::default();
+    let mut acks = Vec::with_capacity(N);
+    for i in 0..N {
+        let account = format!("acct-{}", i % 7);
+        let cents = (i % 13) as i64 + 1;
+        *expected.entry(account.clone()).or_default() += cents;
+        let mut headers = idempo::nats::async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", format!("pay-{i}").as_str());
+        let ack = nats
+            .js
+            .publish_with_headers(
+                stream.clone(),
+                headers,
+                payment_body(&account, cents).into(),
+            )
+            .await
+            .expect("publish");
+        acks.push(ack);
+    }
+    for ack in acks {
+        ack.await.expect("PubAck");
+    }
+    // SIGKILL one worker or the other while they drain, and start it again.
+    for round in 0..6 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let victim = round % 2;
+        signal(&workers[victim], "-KILL");
+        workers[victim] = spawn_example(&db.url, &stream, &env);
+    }
+    eventually(
+        &format!("{N} payments applied"),
+        Duration::from_secs(180),
+        || async { db.payments().await as usize >= N },
+    )
+    .await;
+    // Whatever was in flight at a kill comes back after the ack wait: give
+    // it the time to be claimed (as a duplicate) before counting.
+    eventually(
+        "every message acknowledged",
+        Duration::from_secs(120),
+        || async { nats.unacknowledged(&stream, &stream).await == 0 },
+    )
+    .await;
+    assert_eq!(db.payments().await as usize, N, "each payment applied once");
+    assert_eq!(doubled_payments(&db).await, 0);
+    assert_eq!(db.balances().await, expected, "the ledger adds up");
+    drop(workers);
+    nats.cleanup().await;
+}
