@@ -284,6 +284,10 @@ async fn a_handler_longer_than_the_ack_wait_keeps_its_message() {
     nats.cleanup().await;
 }
 
+async fn doubled(db: &Db) -> i64 {
+    support::example::doubled_payments(db).await
+}
+
 fn nats_error(e: &idempo::Error) -> &NatsError {
     e.downcast_ref::<NatsError>()
         .unwrap_or_else(|| panic!("not a NatsError: {e}"))
@@ -492,4 +496,134 @@ async fn competing_examples_sigkilled_while_draining_apply_every_payment_once() 
     assert_eq!(db.balances().await, expected, "the ledger adds up");
     drop(workers);
     nats.cleanup().await;
+}
+
+/// A JetStream server of the test's own (its port, its store directory),
+/// so that it can be killed and started again.
+struct OwnServer {
+    port: u16,
+    store: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl OwnServer {
+    fn start() -> OwnServer {
+        let store = std::env::temp_dir().join(support::unique("nats-store"));
+        let mut server = OwnServer {
+            port: support::free_port(),
+            store,
+            child: None,
+        };
+        server.restart();
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn restart(&mut self) {
+        self.child = Some(
+            std::process::Command::new("nats-server")
+                .args([
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-js",
+                    "-sd",
+                ])
+                .arg(&self.store)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("nats-server (apt-get install nats-server)"),
+        );
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
+#[tokio::test]
+async fn the_consumer_carries_on_after_its_server_restarts() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut server = OwnServer::start();
+    let url = server.url();
+    eventually("the server listens", WAIT, || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", server.port))
+            .await
+            .is_ok()
+    })
+    .await;
+    let stream = stream_name("restart");
+    let consumer = Consumer::builder(url.clone(), db.pool.clone())
+        .stream(&stream)
+        .handler(recording(Arc::default(), false))
+        .build()
+        .unwrap();
+    let health = consumer.health();
+    let running = Running::start(consumer);
+    let nats = Nats::connect_to(&url).await;
+    eventually("the stream exists", WAIT, || async {
+        nats.js.get_stream(&stream).await.is_ok()
+    })
+    .await;
+    for i in 0..20 {
+        nats.publish(
+            &stream,
+            Some(&format!("before-{i}")),
+            &[],
+            &payment_body("eve", 1),
+        )
+        .await;
+    }
+    running.settled(20).await;
+    drop(nats);
+    server.kill();
+    eventually("the consumer saw the loss", WAIT, || async {
+        health.snapshot().reconnects > 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    server.restart();
+    eventually("the server listens again", WAIT, || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", server.port))
+            .await
+            .is_ok()
+    })
+    .await;
+    let nats = Nats::connect_to(&url).await;
+    for i in 0..20 {
+        nats.publish(
+            &stream,
+            Some(&format!("after-{i}")),
+            &[],
+            &payment_body("eve", 1),
+        )
+        .await;
+    }
+    // Acks the server had not written when it died come back as
+    // duplicates: wait for the payments, not for a count of settlements.
+    eventually("40 payments applied", WAIT, || async {
+        db.payments().await >= 40
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(db.payments().await, 40, "each payment applied once");
+    assert_eq!(doubled(&db).await, 0);
+    assert_eq!(db.balances().await["eve"], 40);
+    running.stop().await;
 }
