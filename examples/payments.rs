@@ -184,12 +184,9 @@ async fn main() -> anyhow::Result<()> {
             "PAYMENTS_DEAD_LETTERS=queue is not possible on NATS: JetStream has no dead-letter \
              queue; dead letters go to the dead_letters table"
         );
-        anyhow::ensure!(
-            forward_to.is_none(),
-            "PAYMENTS_FORWARD_TO is not available with PAYMENTS_TRANSPORT=nats yet"
-        );
         let options = NatsOptions {
             queue,
+            forward_to,
             concurrency,
             prefetch,
             batch,
@@ -236,6 +233,7 @@ async fn main() -> anyhow::Result<()> {
 #[cfg_attr(not(feature = "nats"), allow(dead_code))]
 struct NatsOptions {
     queue: String,
+    forward_to: Option<String>,
     concurrency: u16,
     prefetch: u16,
     batch: usize,
@@ -251,6 +249,14 @@ async fn run_nats(
     behaviour: payments::Behaviour,
 ) -> anyhow::Result<()> {
     let url = env_or("NATS_URL", "nats://127.0.0.1:4222");
+    // Forwarded payments are staged in the outbox by the handler and
+    // published to the stream $PAYMENTS_FORWARD_TO by a JetStream relay.
+    let relay = options.forward_to.as_ref().map(|to| {
+        tracing::info!(stream = %to, "forwarding applied payments through the outbox");
+        idempo::nats::Relay::new(url.clone(), pool.clone()).create_stream(to)
+    });
+    let relay_stop = relay.as_ref().map(idempo::nats::Relay::shutdown_handle);
+    let relay = relay.map(|relay| tokio::spawn(relay.run()));
     let consumer = idempo::nats::Consumer::builder(url, pool)
         .stream(options.queue)
         .max_ack_pending(options.prefetch.max(options.concurrency))
@@ -268,6 +274,12 @@ async fn run_nats(
             .build()?
     };
     consumer.run_until_signal().await?;
+    // After the drain, so that what the handlers staged is published.
+    if let (Some(stop), Some(relay)) = (relay_stop, relay) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.shutdown();
+        relay.await??;
+    }
     Ok(())
 }
 

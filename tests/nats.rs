@@ -627,3 +627,107 @@ async fn the_consumer_carries_on_after_its_server_restarts() {
     assert_eq!(db.balances().await["eve"], 40);
     running.stop().await;
 }
+
+#[tokio::test]
+async fn a_relay_that_dies_between_publish_and_mark_is_deduplicated_by_jetstream() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("relay");
+    nats.track(&stream);
+    const N: usize = 20;
+    let mut tx = db.pool.begin().await.unwrap();
+    for i in 0..N {
+        let message = idempo::outbox::OutboxMessage::new("", &stream, format!("ship-{i}"))
+            .message_id(format!("ship-{i}"));
+        idempo::outbox::stage(&mut *tx, message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    // The relay's first mark fails after the publish, as a relay killed
+    // between the two: its batch rolls back, the rows stay pending.
+    sqlx::raw_sql(
+        // A sequence: the exception does not roll its count back.
+        "CREATE SEQUENCE marks; \
+         CREATE FUNCTION fail_first_mark() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+           IF nextval('marks') = 1 THEN \
+             RAISE EXCEPTION 'the relay died before its mark'; \
+           END IF; \
+           RETURN OLD; \
+         END $$; \
+         CREATE TRIGGER fail_first_mark BEFORE DELETE ON outbox \
+           FOR EACH STATEMENT EXECUTE FUNCTION fail_first_mark();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let relay =
+        idempo::nats::Relay::new(support::nats::nats_url(), db.pool.clone()).create_stream(&stream);
+    let stop = relay.shutdown_handle();
+    let running = tokio::spawn(relay.run());
+    eventually("the outbox emptied", WAIT, || async {
+        db.count("SELECT count(*) FROM outbox").await == 0
+    })
+    .await;
+    let marks: i64 = sqlx::query_scalar("SELECT last_value FROM marks")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(marks >= 2, "the first mark failed, a later one succeeded");
+    let mut js_stream = nats.js.get_stream(&stream).await.unwrap();
+    let info = js_stream.info().await.unwrap();
+    assert_eq!(
+        info.state.messages, N as u64,
+        "JetStream holds each message once although the relay published the batch twice"
+    );
+    stop.shutdown();
+    running.await.unwrap().unwrap();
+    nats.cleanup().await;
+}
+
+#[tokio::test]
+async fn two_chained_examples_on_jetstream_keep_equal_ledgers() {
+    use support::example::{doubled_payments, spawn_example};
+
+    support::init_tracing();
+    let (a_db, b_db) = (Db::new().await, Db::new().await);
+    let mut nats = Nats::connect().await;
+    let (a, b) = (stream_name("chain_a"), stream_name("chain_b"));
+    nats.track(&a);
+    nats.track(&b);
+    let url = support::nats::nats_url();
+    let mut a_env = vec![
+        ("PAYMENTS_TRANSPORT", "nats"),
+        ("NATS_URL", url.as_str()),
+        ("PAYMENTS_FAIL_RATE", "0.1"),
+    ];
+    let b_env = a_env.clone();
+    a_env.push(("PAYMENTS_FORWARD_TO", b.as_str()));
+    let _a = spawn_example(&a_db.url, &a, &a_env);
+    let _b = spawn_example(&b_db.url, &b, &b_env);
+    eventually("both streams exist", WAIT, || async {
+        nats.js.get_stream(&a).await.is_ok() && nats.js.get_stream(&b).await.is_ok()
+    })
+    .await;
+    const N: usize = 200;
+    for i in 0..N {
+        nats.publish(
+            &a,
+            Some(&format!("chain-{i}")),
+            &[],
+            &payment_body(&format!("acct-{}", i % 5), 10 + i as i64),
+        )
+        .await;
+    }
+    eventually(
+        &format!("{N} payments in B's ledger"),
+        Duration::from_secs(120),
+        || async { b_db.payments().await as usize >= N },
+    )
+    .await;
+    assert_eq!(a_db.payments().await as usize, N);
+    assert_eq!(b_db.payments().await as usize, N);
+    assert_eq!(doubled_payments(&b_db).await, 0);
+    assert_eq!(a_db.balances().await, b_db.balances().await);
+    nats.cleanup().await;
+}

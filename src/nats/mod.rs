@@ -32,6 +32,7 @@ mod envelope;
 mod error;
 mod names;
 mod pipeline;
+mod relay;
 mod telemetry;
 mod topology;
 
@@ -40,5 +41,6 @@ pub use crate::runtime::redelivery::RedeliveryPolicy;
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
 pub use error::NatsError;
+pub use relay::Relay;
 
 pub use async_nats;

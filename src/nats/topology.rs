@@ -138,6 +138,29 @@ impl Topology {
         }
     }
 
+    /// Creates the stream `name`, taking the subject `name`, unless it
+    /// exists (the relay's streams).
+    pub(crate) async fn create_stream_if_missing(
+        context: &Context,
+        name: &str,
+    ) -> Result<(), NatsError> {
+        super::names::check_name("stream", name)?;
+        context
+            .get_or_create_stream(stream::Config {
+                name: name.to_owned(),
+                subjects: vec![name.to_owned()],
+                retention: RetentionPolicy::Limits,
+                storage: stream::StorageType::File,
+                ..stream::Config::default()
+            })
+            .await
+            .map(|_| ())
+            .map_err(|e| NatsError::Api {
+                action: format!("to create the stream {name:?}"),
+                reason: e.to_string(),
+            })
+    }
+
     fn stream_conflict(&self, reason: String) -> NatsError {
         NatsError::StreamConflict {
             stream: self.stream.clone(),
