@@ -2,7 +2,18 @@
 //! tests: a client that publishes with confirmation, and fresh stream
 //! names. A test that cannot reach it fails with the command that starts it.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempo::Tx;
+use idempo::amqp::{HandlerError, Message};
+use idempo::nats::Consumer;
+use tokio::task::JoinHandle;
+
+use super::{eventually, payments};
+
+pub const WAIT: Duration = Duration::from_secs(30);
 
 use idempo::nats::async_nats;
 use idempo::nats::async_nats::jetstream::{self, Context};
@@ -95,4 +106,121 @@ impl Nats {
 /// A stream (and subject) name no other test uses.
 pub fn stream_name(what: &str) -> String {
     super::unique(what).replace(['.', ' '], "_")
+}
+
+/// A consumer running in the background.
+pub struct Running {
+    pub shutdown: idempo::amqp::ShutdownHandle,
+    pub stats: idempo::amqp::Stats,
+    pub task: JoinHandle<idempo::Result<()>>,
+}
+
+impl Running {
+    pub fn start(consumer: Consumer) -> Running {
+        Running {
+            shutdown: consumer.shutdown_handle(),
+            stats: consumer.stats(),
+            task: tokio::spawn(consumer.run()),
+        }
+    }
+
+    pub async fn settled(&self, n: u64) {
+        eventually(&format!("{n} deliveries settled"), WAIT, || async {
+            let s = self.stats.snapshot();
+            s.processed + s.duplicates + s.dead_lettered >= n
+        })
+        .await;
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.shutdown();
+        self.task
+            .await
+            .expect("consumer task")
+            .expect("a graceful stop");
+    }
+}
+
+/// The payments example's handler, recording when each id's attempts ran.
+pub fn recording(
+    attempts: Arc<Mutex<HashMap<String, Vec<Instant>>>>,
+    fail_first: bool,
+) -> impl Fn(Tx, Message) -> futures::future::BoxFuture<'static, Result<(), HandlerError>>
++ Clone
++ Send
++ Sync
++ 'static {
+    move |tx: Tx, message: Message| {
+        let attempts = attempts.clone();
+        Box::pin(async move {
+            let payment: payments::Payment = message.json()?;
+            let n = {
+                let mut seen = attempts.lock().unwrap();
+                let list = seen.entry(message.id().to_owned()).or_default();
+                list.push(Instant::now());
+                list.len()
+            };
+            if fail_first && n == 1 {
+                return Err(HandlerError::transient("downstream unavailable"));
+            }
+            payments::apply(tx, message.id(), &payment, 0.0).await?;
+            Ok(())
+        })
+    }
+}
+
+pub struct OwnServer {
+    pub port: u16,
+    store: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl OwnServer {
+    pub fn start() -> OwnServer {
+        let store = std::env::temp_dir().join(super::unique("nats-store"));
+        let mut server = OwnServer {
+            port: super::free_port(),
+            store,
+            child: None,
+        };
+        server.restart();
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn restart(&mut self) {
+        self.child = Some(
+            std::process::Command::new("nats-server")
+                .args([
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-js",
+                    "-sd",
+                ])
+                .arg(&self.store)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("nats-server (apt-get install nats-server)"),
+        );
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
 }

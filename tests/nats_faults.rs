@@ -1,0 +1,268 @@
+//! The JetStream transport under faults: competing processes SIGKILLed
+//! while draining, the server killed and restarted, the relay dying between
+//! publish and mark, and two chained examples keeping equal ledgers.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempo::nats::Consumer;
+use support::nats::{Nats, OwnServer, Running, WAIT, recording, stream_name};
+use support::{Db, eventually, payment_body};
+
+async fn doubled(db: &Db) -> i64 {
+    support::example::doubled_payments(db).await
+}
+
+#[tokio::test]
+async fn competing_examples_sigkilled_while_draining_apply_every_payment_once() {
+    use support::example::{doubled_payments, signal, spawn_example};
+
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("kill");
+    nats.track(&stream);
+    const N: usize = 3000;
+    let url = support::nats::nats_url();
+    let env = [
+        ("PAYMENTS_TRANSPORT", "nats"),
+        ("NATS_URL", url.as_str()),
+        ("PAYMENTS_FAIL_RATE", "0.05"),
+    ];
+    let mut workers = [
+        spawn_example(&db.url, &stream, &env),
+        spawn_example(&db.url, &stream, &env),
+    ];
+    eventually("the example created the stream", WAIT, || async {
+        nats.js.get_stream(&stream).await.is_ok()
+    })
+    .await;
+    let mut expected: std::collections::BTreeMap<String, i64> = Default::default();
+    let mut acks = Vec::with_capacity(N);
+    for i in 0..N {
+        let account = format!("acct-{}", i % 7);
+        let cents = (i % 13) as i64 + 1;
+        *expected.entry(account.clone()).or_default() += cents;
+        let mut headers = idempo::nats::async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", format!("pay-{i}").as_str());
+        let ack = nats
+            .js
+            .publish_with_headers(
+                stream.clone(),
+                headers,
+                payment_body(&account, cents).into(),
+            )
+            .await
+            .expect("publish");
+        acks.push(ack);
+    }
+    for ack in acks {
+        ack.await.expect("PubAck");
+    }
+    // SIGKILL one worker or the other while they drain, and start it again.
+    for round in 0..6 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let victim = round % 2;
+        signal(&workers[victim], "-KILL");
+        workers[victim] = spawn_example(&db.url, &stream, &env);
+    }
+    eventually(
+        &format!("{N} payments applied"),
+        Duration::from_secs(180),
+        || async { db.payments().await as usize >= N },
+    )
+    .await;
+    // Whatever was in flight at a kill comes back after the ack wait: give
+    // it the time to be claimed (as a duplicate) before counting.
+    eventually(
+        "every message acknowledged",
+        Duration::from_secs(120),
+        || async { nats.unacknowledged(&stream, &stream).await == 0 },
+    )
+    .await;
+    assert_eq!(db.payments().await as usize, N, "each payment applied once");
+    assert_eq!(doubled_payments(&db).await, 0);
+    assert_eq!(db.balances().await, expected, "the ledger adds up");
+    drop(workers);
+    nats.cleanup().await;
+}
+
+/// A JetStream server of the test's own (its port, its store directory),
+/// so that it can be killed and started again.
+#[tokio::test]
+async fn the_consumer_carries_on_after_its_server_restarts() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut server = OwnServer::start();
+    let url = server.url();
+    eventually("the server listens", WAIT, || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", server.port))
+            .await
+            .is_ok()
+    })
+    .await;
+    let stream = stream_name("restart");
+    let consumer = Consumer::builder(url.clone(), db.pool.clone())
+        .stream(&stream)
+        .handler(recording(Arc::default(), false))
+        .build()
+        .unwrap();
+    let health = consumer.health();
+    let running = Running::start(consumer);
+    let nats = Nats::connect_to(&url).await;
+    eventually("the stream exists", WAIT, || async {
+        nats.js.get_stream(&stream).await.is_ok()
+    })
+    .await;
+    for i in 0..20 {
+        nats.publish(
+            &stream,
+            Some(&format!("before-{i}")),
+            &[],
+            &payment_body("eve", 1),
+        )
+        .await;
+    }
+    running.settled(20).await;
+    drop(nats);
+    server.kill();
+    eventually("the consumer saw the loss", WAIT, || async {
+        health.snapshot().reconnects > 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    server.restart();
+    eventually("the server listens again", WAIT, || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", server.port))
+            .await
+            .is_ok()
+    })
+    .await;
+    let nats = Nats::connect_to(&url).await;
+    for i in 0..20 {
+        nats.publish(
+            &stream,
+            Some(&format!("after-{i}")),
+            &[],
+            &payment_body("eve", 1),
+        )
+        .await;
+    }
+    // Acks the server had not written when it died come back as
+    // duplicates: wait for the payments, not for a count of settlements.
+    eventually("40 payments applied", WAIT, || async {
+        db.payments().await >= 40
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(db.payments().await, 40, "each payment applied once");
+    assert_eq!(doubled(&db).await, 0);
+    assert_eq!(db.balances().await["eve"], 40);
+    running.stop().await;
+}
+
+#[tokio::test]
+async fn a_relay_that_dies_between_publish_and_mark_is_deduplicated_by_jetstream() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("relay");
+    nats.track(&stream);
+    const N: usize = 20;
+    let mut tx = db.pool.begin().await.unwrap();
+    for i in 0..N {
+        let message = idempo::outbox::OutboxMessage::new("", &stream, format!("ship-{i}"))
+            .message_id(format!("ship-{i}"));
+        idempo::outbox::stage(&mut *tx, message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    // The relay's first mark fails after the publish, as a relay killed
+    // between the two: its batch rolls back, the rows stay pending.
+    sqlx::raw_sql(
+        // A sequence: the exception does not roll its count back.
+        "CREATE SEQUENCE marks; \
+         CREATE FUNCTION fail_first_mark() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+           IF nextval('marks') = 1 THEN \
+             RAISE EXCEPTION 'the relay died before its mark'; \
+           END IF; \
+           RETURN OLD; \
+         END $$; \
+         CREATE TRIGGER fail_first_mark BEFORE DELETE ON outbox \
+           FOR EACH STATEMENT EXECUTE FUNCTION fail_first_mark();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let relay =
+        idempo::nats::Relay::new(support::nats::nats_url(), db.pool.clone()).create_stream(&stream);
+    let stop = relay.shutdown_handle();
+    let running = tokio::spawn(relay.run());
+    eventually("the outbox emptied", WAIT, || async {
+        db.count("SELECT count(*) FROM outbox").await == 0
+    })
+    .await;
+    let marks: i64 = sqlx::query_scalar("SELECT last_value FROM marks")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(marks >= 2, "the first mark failed, a later one succeeded");
+    let mut js_stream = nats.js.get_stream(&stream).await.unwrap();
+    let info = js_stream.info().await.unwrap();
+    assert_eq!(
+        info.state.messages, N as u64,
+        "JetStream holds each message once although the relay published the batch twice"
+    );
+    stop.shutdown();
+    running.await.unwrap().unwrap();
+    nats.cleanup().await;
+}
+
+#[tokio::test]
+async fn two_chained_examples_on_jetstream_keep_equal_ledgers() {
+    use support::example::{doubled_payments, spawn_example};
+
+    support::init_tracing();
+    let (a_db, b_db) = (Db::new().await, Db::new().await);
+    let mut nats = Nats::connect().await;
+    let (a, b) = (stream_name("chain_a"), stream_name("chain_b"));
+    nats.track(&a);
+    nats.track(&b);
+    let url = support::nats::nats_url();
+    let mut a_env = vec![
+        ("PAYMENTS_TRANSPORT", "nats"),
+        ("NATS_URL", url.as_str()),
+        ("PAYMENTS_FAIL_RATE", "0.1"),
+    ];
+    let b_env = a_env.clone();
+    a_env.push(("PAYMENTS_FORWARD_TO", b.as_str()));
+    let _a = spawn_example(&a_db.url, &a, &a_env);
+    let _b = spawn_example(&b_db.url, &b, &b_env);
+    eventually("both streams exist", WAIT, || async {
+        nats.js.get_stream(&a).await.is_ok() && nats.js.get_stream(&b).await.is_ok()
+    })
+    .await;
+    const N: usize = 200;
+    for i in 0..N {
+        nats.publish(
+            &a,
+            Some(&format!("chain-{i}")),
+            &[],
+            &payment_body(&format!("acct-{}", i % 5), 10 + i as i64),
+        )
+        .await;
+    }
+    eventually(
+        &format!("{N} payments in B's ledger"),
+        Duration::from_secs(120),
+        || async { b_db.payments().await as usize >= N },
+    )
+    .await;
+    assert_eq!(a_db.payments().await as usize, N);
+    assert_eq!(b_db.payments().await as usize, N);
+    assert_eq!(doubled_payments(&b_db).await, 0);
+    assert_eq!(a_db.balances().await, b_db.balances().await);
+    nats.cleanup().await;
+}
