@@ -249,20 +249,18 @@ async fn run_nats(
     behaviour: payments::Behaviour,
 ) -> anyhow::Result<()> {
     let url = env_or("NATS_URL", "nats://127.0.0.1:4222");
-    // Forwarded payments are staged in the outbox by the handler and
-    // published to the stream $PAYMENTS_FORWARD_TO by a JetStream relay.
-    let relay = options.forward_to.as_ref().map(|to| {
-        tracing::info!(stream = %to, "forwarding applied payments through the outbox");
-        idempo::nats::Relay::new(url.clone(), pool.clone()).create_stream(to)
-    });
-    let relay_stop = relay.as_ref().map(idempo::nats::Relay::shutdown_handle);
-    let relay = relay.map(|relay| tokio::spawn(relay.run()));
-    let consumer = idempo::nats::Consumer::builder(url, pool)
+    let mut consumer = idempo::nats::Consumer::builder(url, pool)
         .stream(options.queue)
         .max_ack_pending(options.prefetch.max(options.concurrency))
         .concurrency(usize::from(options.concurrency))
         .schema(options.schema)
         .redelivery(options.retry);
+    // Forwarded payments are staged in the outbox by the handler and
+    // published to the stream $PAYMENTS_FORWARD_TO by the consumer's relay.
+    if let Some(to) = &options.forward_to {
+        tracing::info!(stream = %to, "forwarding applied payments through the outbox");
+        consumer = consumer.relay_stream(to);
+    }
     let consumer = if options.batch > 0 {
         consumer
             .batch_handler(move |tx, batch| payments::handle_batch(tx, batch, behaviour.clone()))
@@ -274,12 +272,6 @@ async fn run_nats(
             .build()?
     };
     consumer.run_until_signal().await?;
-    // After the drain, so that what the handlers staged is published.
-    if let (Some(stop), Some(relay)) = (relay_stop, relay) {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        stop.shutdown();
-        relay.await??;
-    }
     Ok(())
 }
 

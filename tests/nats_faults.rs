@@ -266,3 +266,86 @@ async fn two_chained_examples_on_jetstream_keep_equal_ledgers() {
     assert_eq!(a_db.balances().await, b_db.balances().await);
     nats.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_dead_letter_replayed_from_the_table_is_applied_once_with_its_headers_and_body() {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use idempo::Tx;
+    use idempo::amqp::{HandlerError, Message};
+
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("replay");
+    nats.track(&stream);
+    let open = Arc::new(AtomicBool::new(false));
+    // What each replayed delivery carried: its x-tenant header and body.
+    type Seen = Vec<(Option<String>, Vec<u8>)>;
+    let seen: Arc<Mutex<Seen>> = Arc::default();
+    let (gate, record) = (open.clone(), seen.clone());
+    let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
+        .stream(&stream)
+        .handler(move |tx: Tx, message: Message| {
+            let (gate, record) = (gate.clone(), record.clone());
+            async move {
+                if !gate.load(Ordering::SeqCst) {
+                    return Err(HandlerError::permanent("the account is frozen"));
+                }
+                let tenant = message.header_text("x-tenant");
+                record
+                    .lock()
+                    .unwrap()
+                    .push((tenant, message.body().to_vec()));
+                let payment: support::payments::Payment = message.json()?;
+                support::payments::apply(tx, message.id(), &payment, 0.0).await?;
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(consumer);
+    eventually("the stream exists", WAIT, || async {
+        nats.js.get_stream(&stream).await.is_ok()
+    })
+    .await;
+    let bodies: Vec<Vec<u8>> = (0..3).map(|i| payment_body("frida", 100 + i)).collect();
+    for (i, body) in bodies.iter().enumerate() {
+        nats.publish(
+            &stream,
+            Some(&format!("r-{i}")),
+            &[("x-tenant", "acme")],
+            body,
+        )
+        .await;
+    }
+    running.settled(3).await;
+    let live = || async {
+        db.count("SELECT count(*) FROM dead_letters WHERE state = 'live'")
+            .await
+    };
+    assert_eq!(live().await, 3, "three dead letters in the table");
+    open.store(true, Ordering::SeqCst);
+    // Within JetStream's duplicate window of the originals' Nats-Msg-Id.
+    let out = support::cli::run(&db, &["dlq", "replay", "--queue", &stream, "--all"]);
+    assert!(out.status.success(), "the replay ran");
+    eventually("the replayed payments applied", WAIT, || async {
+        db.payments().await == 3
+    })
+    .await;
+    assert_eq!(live().await, 0);
+    let again = support::cli::run(&db, &["dlq", "replay", "--queue", &stream, "--all"]);
+    assert!(again.status.success());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(db.payments().await, 3, "each letter applied once");
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort_by(|a, b| a.1.cmp(&b.1));
+    let expected: Vec<(Option<String>, Vec<u8>)> = bodies
+        .iter()
+        .map(|b| (Some("acme".to_owned()), b.clone()))
+        .collect();
+    assert_eq!(seen, expected, "each replay kept its header and its body");
+    running.stop().await;
+    nats.cleanup().await;
+}

@@ -40,7 +40,8 @@ const DEFAULT_LINGER: Duration = Duration::from_millis(5);
 /// - retries: [`RedeliveryPolicy::default`]'s delays, as NAKs with delay;
 ///   after its last attempt, the message goes to the `dead_letters` table;
 /// - `handler_timeout`: 5 min; `shutdown_timeout`: 30 s;
-/// - `retention` of `processed_messages` rows: 7 days, reaped every 5 min.
+/// - `retention` of `processed_messages` rows: 7 days, reaped every 5 min;
+/// - an outbox [`Relay`](super::Relay) to JetStream (see [`relay`](Self::relay)).
 #[must_use]
 pub struct ConsumerBuilder<Mode = NoHandler> {
     settings: Settings,
@@ -64,6 +65,8 @@ struct Settings {
     retention: Option<Duration>,
     retention_interval: Duration,
     schema: Schema,
+    relay: bool,
+    relay_streams: Vec<String>,
 }
 
 impl<Mode: fmt::Debug> fmt::Debug for ConsumerBuilder<Mode> {
@@ -100,6 +103,8 @@ impl Consumer {
                 retention: Some(Duration::from_secs(7 * 24 * 3600)),
                 retention_interval: Duration::from_secs(300),
                 schema: Schema::default(),
+                relay: true,
+                relay_streams: Vec::new(),
             },
             mode: NoHandler(()),
         }
@@ -255,6 +260,21 @@ impl<Mode> ConsumerBuilder<Mode> {
         self
     }
 
+    /// Whether the consumer runs an outbox [`Relay`](super::Relay) to
+    /// JetStream (default): it publishes what handlers stage and what
+    /// `idempo dlq replay` stages from the dead-letter table.
+    pub fn relay(mut self, relay: bool) -> Self {
+        self.settings.relay = relay;
+        self
+    }
+
+    /// A stream the consumer's relay publishes to (subject = name), created
+    /// at start when missing: where handlers forward.
+    pub fn relay_stream(mut self, name: impl Into<String>) -> Self {
+        self.settings.relay_streams.push(name.into());
+        self
+    }
+
     /// Migrate or check idempo's schema at start ([`Schema::default`]: neither).
     pub fn schema(mut self, schema: Schema) -> Self {
         self.settings.schema = schema;
@@ -291,6 +311,9 @@ fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Result<Consumer
     check_name("stream", &stream)?;
     check_subject(&subject)?;
     check_name("consumer", &consumer)?;
+    for stream in &s.relay_streams {
+        check_name("stream", stream)?;
+    }
     if s.concurrency == 0 || usize::from(s.max_ack_pending) < s.concurrency {
         return Err(Error::Config(format!(
             "concurrency ({}) must be at least 1 and at most max_ack_pending ({})",
@@ -341,6 +364,7 @@ fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Result<Consumer
         retention: s.retention,
         retention_interval: s.retention_interval,
         schema: s.schema,
+        relay: s.relay.then_some(s.relay_streams),
         dispatch,
         shutdown,
         stats,

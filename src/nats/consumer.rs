@@ -107,6 +107,8 @@ pub(crate) struct Parts {
     pub(crate) retention: Option<Duration>,
     pub(crate) retention_interval: Duration,
     pub(crate) schema: Schema,
+    /// The relay's streams to create, when the consumer runs a relay.
+    pub(crate) relay: Option<Vec<String>>,
     pub(crate) dispatch: Dispatch,
     pub(crate) shutdown: ShutdownHandle,
     pub(crate) stats: Stats,
@@ -169,8 +171,9 @@ impl Consumer {
 
     /// Connects (waiting while the server is unreachable), checks JetStream,
     /// the stream and the durable consumer, then consumes until the
-    /// [`ShutdownHandle`] fires. Also reaps old `processed_messages` rows
-    /// and writes the heartbeat `idempo status` reads.
+    /// [`ShutdownHandle`] fires. Also reaps old `processed_messages` rows,
+    /// writes the heartbeat `idempo status` reads and runs the outbox relay
+    /// to JetStream.
     ///
     /// # Errors
     /// A [`NatsError`](super::NatsError) before anything is consumed: the
@@ -190,6 +193,13 @@ impl Consumer {
         let context = jetstream::new(client);
         let pull = p.topology.ensure(&context).await?;
         let stop = p.shutdown.graceful_token().clone();
+        let relay = p.relay.as_ref().map(|streams| {
+            let relay = streams.iter().fold(
+                super::Relay::new(p.url.clone(), p.pool.clone()),
+                |relay, stream| relay.create_stream(stream),
+            );
+            (relay.shutdown_handle(), tokio::spawn(relay.run()))
+        });
         let letters = crate::dead_letters::TableStore {
             pool: p.pool.clone(),
         };
@@ -205,7 +215,7 @@ impl Consumer {
                 stop.clone(),
             ))
         });
-        let beating = heartbeat::Identity::new(&p.consumer, &p.topology.stream);
+        let beating = heartbeat::Identity::new(&p.consumer, &p.topology.stream).on("nats");
         let beats = tokio::spawn(heartbeat::beat_periodically(
             p.pool.clone(),
             beating.clone(),
@@ -245,6 +255,16 @@ impl Consumer {
         pump.run(pull, &context, &p.topology, &stop).await;
         p.health.set_state(RuntimeState::Stopping);
         pump.drain(p.shutdown_timeout, p.shutdown.now_token()).await;
+        if let Some((stop, running)) = relay {
+            // After the drain, so that what the handlers staged is published
+            // (or left pending for the next relay).
+            stop.shutdown();
+            match tokio::time::timeout(p.shutdown_timeout, running).await {
+                Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the outbox relay stopped"),
+                Ok(_) => {}
+                Err(_) => tracing::warn!("the outbox relay did not stop in time"),
+            }
+        }
         if let Some(reaper) = reaper {
             reaper.abort();
         }

@@ -15,14 +15,17 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, Context};
+use lapin::types::AMQPValue;
 use sqlx::PgPool;
 
 use super::connect;
+use super::envelope::MSG_ID_HEADER;
 use super::topology::Topology;
 use crate::Result;
 use crate::backoff::Backoff;
 use crate::outbox::batch::{Batch, Failures, RetrySchedule};
 use crate::outbox::packed::Staged;
+use crate::runtime::headers::REPLAY_HISTORY_HEADER;
 use crate::runtime::health::Health;
 use crate::runtime::shutdown::ShutdownHandle;
 
@@ -159,7 +162,7 @@ impl Relay {
             settled += messages.len();
             // A packed row is published whole again after any refusal: the
             // copies JetStream already took are dropped as duplicates.
-            match publish_all(context, &messages).await {
+            match publish_all(context, id, &messages).await {
                 Ok(()) => confirmed.push(id),
                 Err(error) => {
                     failures.push(&self.schedule, (id, attempts, &first_id), error, false);
@@ -173,8 +176,13 @@ impl Relay {
     }
 }
 
-/// Publishes every message and waits for each PubAck.
-async fn publish_all(context: &Context, messages: &[Staged]) -> std::result::Result<(), String> {
+/// Publishes every message of the outbox row `row` and waits for each
+/// PubAck.
+async fn publish_all(
+    context: &Context,
+    row: i64,
+    messages: &[Staged],
+) -> std::result::Result<(), String> {
     let mut acks = Vec::with_capacity(messages.len());
     for message in messages {
         if !message.exchange.is_empty() {
@@ -186,7 +194,7 @@ async fn publish_all(context: &Context, messages: &[Staged]) -> std::result::Res
         let ack = context
             .publish_with_headers(
                 message.routing_key.clone(),
-                headers(message),
+                headers(row, message),
                 message.body.clone().into(),
             )
             .await
@@ -205,22 +213,54 @@ async fn publish_all(context: &Context, messages: &[Staged]) -> std::result::Res
     Ok(())
 }
 
-/// The message's NATS headers: `Nats-Msg-Id` (its stable id), its content
-/// type, and the staged headers as text.
-fn headers(message: &Staged) -> HeaderMap {
+/// The message's NATS headers: its staged headers (or those of the exact
+/// properties it was staged with, a replayed letter's) as text, its content
+/// type, and `Nats-Msg-Id`: its stable id, or for a replay, that id and the
+/// outbox row, so that JetStream's window, which may still hold the
+/// original's id, does not drop the replay (the consumer claims the replay
+/// on the sealed id it carries).
+fn headers(row: i64, message: &Staged) -> HeaderMap {
+    let properties = crate::relay::frame::frame(message).properties;
     let mut map = HeaderMap::new();
-    map.insert(super::envelope::MSG_ID_HEADER, message.message_id.as_str());
-    if let Some(content_type) = &message.content_type {
-        map.insert("Content-Type", content_type.as_str());
-    }
-    if let Ok(serde_json::Value::Object(staged)) = serde_json::from_str(&message.headers) {
-        for (name, value) in staged {
-            let text = match value {
-                serde_json::Value::String(s) => s,
-                other => other.to_string(),
-            };
-            map.insert(name.as_str(), text.as_str());
+    let mut replay = false;
+    if let Some(table) = properties.headers() {
+        for (name, value) in table.inner() {
+            let Some(text) = text(value) else { continue };
+            replay |= name.as_str() == REPLAY_HISTORY_HEADER;
+            if name.as_str() != MSG_ID_HEADER {
+                map.insert(name.as_str(), text.as_str());
+            }
         }
     }
+    if let Some(content_type) = properties.content_type() {
+        map.insert("Content-Type", content_type.as_str());
+    }
+    let id = if replay {
+        format!("{}:replay:{row}", message.message_id)
+    } else {
+        message.message_id.clone()
+    };
+    map.insert(MSG_ID_HEADER, id.as_str());
     map
+}
+
+/// An AMQP header value as NATS header text: strings and numbers; a value
+/// NATS cannot carry in a header (a table, bytes with a line break) is left
+/// out.
+fn text(value: &AMQPValue) -> Option<String> {
+    let text = match value {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok()?,
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        AMQPValue::Timestamp(n) => n.to_string(),
+        _ => return None,
+    };
+    (!text.contains(['\r', '\n'])).then_some(text)
 }

@@ -46,6 +46,9 @@ pub struct Instance {
     pub relay: Option<String>,
     /// Its counters since it started.
     pub counters: StatsSnapshot,
+    /// The transport its queue is on: `amqp`, or `nats` (the queue is then
+    /// a JetStream stream).
+    pub transport: String,
 }
 
 impl Instance {
@@ -69,6 +72,7 @@ struct Row {
     state: String,
     relay: Option<String>,
     counters: serde_json::Value,
+    transport: String,
 }
 
 /// Who is beating.
@@ -77,6 +81,8 @@ pub(crate) struct Identity {
     pub(crate) instance: String,
     pub(crate) consumer: String,
     pub(crate) queue: String,
+    /// The transport its queue is on: `amqp` or `nats`.
+    pub(crate) transport: &'static str,
 }
 
 impl Identity {
@@ -86,7 +92,14 @@ impl Identity {
             instance: format!("{host}:{}:{:08x}", std::process::id(), fastrand::u32(..)),
             consumer: consumer.to_owned(),
             queue: queue.to_owned(),
+            transport: "amqp",
         }
+    }
+
+    /// The same, for a consumer of another transport.
+    pub(crate) fn on(mut self, transport: &'static str) -> Self {
+        self.transport = transport;
+        self
     }
 }
 
@@ -143,8 +156,8 @@ pub(crate) async fn write(
 ) {
     let written = sqlx::query(
         "INSERT INTO idempo_heartbeats \
-             (instance, consumer, queue, host, pid, state, relay, counters) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+             (instance, consumer, queue, host, pid, state, relay, counters, transport) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
          ON CONFLICT (instance) DO UPDATE SET seen_at = now(), state = EXCLUDED.state, \
              relay = EXCLUDED.relay, counters = EXCLUDED.counters",
     )
@@ -156,6 +169,7 @@ pub(crate) async fn write(
     .bind(state)
     .bind(relay)
     .bind(counters)
+    .bind(who.transport)
     .execute(pool)
     .await;
     if let Err(e) = written {
@@ -188,7 +202,8 @@ pub(crate) async fn instances(pool: &PgPool, within: Duration) -> Result<Vec<Ins
     let rows: Vec<Row> = sqlx::query_as(
         "SELECT instance, consumer, queue, host, pid, \
                 extract(epoch FROM now() - started_at)::float8 AS up_secs, \
-                extract(epoch FROM now() - seen_at)::float8 AS seen_secs_ago, state, relay, counters \
+                extract(epoch FROM now() - seen_at)::float8 AS seen_secs_ago, state, relay, counters, \
+                transport \
          FROM idempo_heartbeats WHERE seen_at > now() - make_interval(secs => $1) \
          ORDER BY consumer, started_at",
     )
@@ -208,6 +223,21 @@ pub(crate) async fn instances(pool: &PgPool, within: Duration) -> Result<Vec<Ins
             state: r.state,
             relay: r.relay,
             counters: serde_json::from_value(r.counters).unwrap_or_default(),
+            transport: r.transport,
         })
         .collect())
+}
+
+/// The queues that consumers of another transport than AMQP said they read
+/// (JetStream streams), so that no RabbitMQ queue is looked for under their
+/// names.
+#[cfg(feature = "ops")]
+pub(crate) async fn queues_not_on_amqp(pool: &PgPool) -> Result<Vec<String>> {
+    Ok(
+        sqlx::query_scalar(
+            "SELECT DISTINCT queue FROM idempo_heartbeats WHERE transport <> 'amqp'",
+        )
+        .fetch_all(pool)
+        .await?,
+    )
 }

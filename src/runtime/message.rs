@@ -165,8 +165,10 @@ impl Message {
         self.inner.envelope.header(name)
     }
 
-    /// One header as text ([`HeaderRef::text`]).
-    pub(crate) fn header_text(&self, name: &str) -> Option<String> {
+    /// One application header as text, whatever the transport: an AMQP
+    /// string or integer header, a JetStream header. `None` when it is
+    /// missing or not text (an AMQP table, bytes that are not UTF-8).
+    pub fn header_text(&self, name: &str) -> Option<String> {
         self.header_ref(name)?.text()
     }
 
@@ -175,7 +177,7 @@ impl Message {
         &self.inner.exchange
     }
 
-    /// The routing key it was published with.
+    /// The routing key it was published with (on JetStream: its subject).
     pub fn routing_key(&self) -> &str {
         &self.inner.routing_key
     }

@@ -37,6 +37,16 @@ impl TableSource {
             Some(to) => vec![to.clone()],
             None => sql::queues(&self.pool, filter).await?,
         };
+        // A JetStream consumer's stream is not a RabbitMQ queue: its relay
+        // publishes the replay (and creates nothing it was not told to).
+        let elsewhere = crate::runtime::heartbeat::queues_not_on_amqp(&self.pool).await?;
+        let targets: Vec<String> = targets
+            .into_iter()
+            .filter(|t| !elsewhere.contains(t))
+            .collect();
+        if targets.is_empty() {
+            return Ok(Vec::new());
+        }
         let connection = match services.broker().await {
             Ok(connection) => connection,
             Err(e) => {
