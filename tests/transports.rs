@@ -2,7 +2,8 @@
 //! transport the runtime settles through (Watermill's
 //! `pubsub/tests/test_pubsub.go` is the model: one list of checks, a
 //! `Features` value per transport saying what it can show). Today: the AMQP
-//! adapter on the real RabbitMQ, and `idempo::testing`'s harness.
+//! adapter on the real RabbitMQ, the JetStream adapter on the real NATS
+//! server (feature `nats`), and `idempo::testing`'s harness.
 //!
 //! Each check publishes payments whose body says how the handler behaves,
 //! and compares what became of each message (applied once, a duplicate, a
@@ -350,6 +351,138 @@ impl Transport for Testing {
     }
 }
 
+/// The JetStream adapter: a real consumer on the machine's NATS server.
+#[cfg(feature = "nats")]
+struct Nats {
+    db: Db,
+    nats: support::nats::Nats,
+    stream: String,
+    consumer: Option<support::nats::Running>,
+    attempts: Attempts,
+    published: u64,
+}
+
+#[cfg(feature = "nats")]
+impl Nats {
+    async fn new() -> Nats {
+        support::init_tracing();
+        let db = Db::new().await;
+        let mut nats = support::nats::Nats::connect().await;
+        let stream = support::nats::stream_name("kit");
+        nats.track(&stream);
+        let attempts = Attempts::default();
+        let consumer = idempo::nats::Consumer::builder(support::nats::nats_url(), db.pool.clone())
+            .stream(&stream)
+            // The kit's id in a header: its lost-ack copy is a second
+            // publish, which JetStream would drop under the same Nats-Msg-Id.
+            .message_id(idempo::nats::MessageIdSource::Header("kit-id".into()))
+            .redelivery(RedeliveryPolicy::delayed([DELAY]).max_attempts(3))
+            .handler(kit_handler(attempts.clone()))
+            .build()
+            .expect("valid configuration");
+        let consumer = Some(support::nats::Running::start(consumer));
+        let t = Nats {
+            db,
+            nats,
+            stream,
+            consumer,
+            attempts,
+            published: 0,
+        };
+        eventually("the stream exists", support::consumer::WAIT, || async {
+            t.nats.js.get_stream(&t.stream).await.is_ok()
+        })
+        .await;
+        t
+    }
+
+    async fn publish(&mut self, (id, kit): &(String, KitPayment)) {
+        let body = serde_json::to_vec(kit).unwrap();
+        self.nats
+            .publish(&self.stream, None, &[("kit-id", id.as_str())], &body)
+            .await;
+        self.published += 1;
+    }
+
+    async fn settled(&self) {
+        self.consumer
+            .as_ref()
+            .unwrap()
+            .settled(self.published)
+            .await;
+    }
+
+    fn stats(&self) -> idempo::amqp::StatsSnapshot {
+        self.consumer.as_ref().unwrap().stats.snapshot()
+    }
+}
+
+#[cfg(feature = "nats")]
+impl Transport for Nats {
+    fn name(&self) -> &'static str {
+        "nats"
+    }
+
+    fn features(&self) -> Features {
+        // Reconnects are tested on a server of the test's own
+        // (nats_faults.rs); JetStream has no message groups.
+        Features {
+            reconnect: false,
+            ordered_groups: false,
+        }
+    }
+
+    fn attempts(&self) -> Attempts {
+        self.attempts.clone()
+    }
+
+    async fn deliver(&mut self, messages: &[(String, KitPayment)]) -> Vec<Ended> {
+        for message in messages {
+            self.publish(message).await;
+        }
+        self.settled().await;
+        let mut ended = Vec::with_capacity(messages.len());
+        for (id, _) in messages {
+            let letter: Option<String> = sqlx::query_scalar(
+                "SELECT reason FROM dead_letters WHERE queue = $1 AND message_id = $2",
+            )
+            .bind(&self.stream)
+            .bind(id)
+            .fetch_optional(&self.db.pool)
+            .await
+            .unwrap();
+            ended.push(match letter {
+                Some(reason) => Ended::DeadLettered { reason },
+                None if self.db.payments_for(id).await > 0 => Ended::Applied,
+                None => Ended::DeadLettered {
+                    reason: "not applied".into(),
+                },
+            });
+        }
+        ended
+    }
+
+    async fn deliver_again(&mut self, message: &(String, KitPayment)) -> Ended {
+        self.deliver(std::slice::from_ref(message)).await;
+        let before = self.stats().duplicates;
+        self.publish(message).await;
+        self.settled().await;
+        if self.stats().duplicates == before + 1 {
+            Ended::Duplicate
+        } else {
+            Ended::Applied
+        }
+    }
+
+    async fn cut(&mut self) {
+        unreachable!("not a feature of this kit's NATS transport");
+    }
+
+    async fn applied(&self, id: &str) -> i64 {
+        self.db.payments_for(id).await
+    }
+}
+
 // ---------------------------------------------------------------- the checks
 
 /// A committed delivery is settled once, and its effect is there once.
@@ -485,4 +618,13 @@ async fn the_testing_harness_conforms() {
     let mut testing = Testing::new().await;
     conformance(&mut testing).await;
     testing.harness.close().await;
+}
+
+#[cfg(feature = "nats")]
+#[tokio::test]
+async fn the_jetstream_adapter_conforms() {
+    let mut nats = Nats::new().await;
+    conformance(&mut nats).await;
+    nats.consumer.take().unwrap().stop().await;
+    nats.nats.cleanup().await;
 }
