@@ -28,6 +28,8 @@
 mod builder;
 mod connect;
 mod consumer;
+#[cfg(feature = "ops")]
+pub(crate) mod depth;
 mod envelope;
 mod error;
 mod names;

@@ -146,6 +146,7 @@ mod tests {
             consumers: Some(0),
             dlq_ready,
             delay_queues: Vec::new(),
+            transport: "amqp".into(),
         };
         let status = |q: QueueStatus| Status {
             consumers: Vec::new(),

@@ -78,6 +78,8 @@ pub struct Services {
     connection_name: String,
     tls: ClientTls,
     max_connections: u32,
+    /// NATS, where the JetStream consumers' streams are (feature `nats`).
+    nats_url: Option<String>,
 }
 
 /// How long connecting to either service may take.
@@ -104,7 +106,21 @@ impl Services {
             connection_name: "idempo-ops".into(),
             tls: ClientTls::default(),
             max_connections: 2,
+            nats_url: None,
         }
+    }
+
+    /// NATS at `nats_url`, asked for the streams of the JetStream consumers
+    /// (feature `nats`; without it, their depths are unknown).
+    pub fn nats(mut self, nats_url: impl Into<String>) -> Self {
+        self.nats_url = Some(nats_url.into());
+        self
+    }
+
+    /// The NATS URL, if one was given.
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
+    pub(crate) fn nats_url(&self) -> Option<&str> {
+        self.nats_url.as_deref()
     }
 
     /// RabbitMQ at `amqp_url` and the database behind `pool` (for an

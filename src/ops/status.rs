@@ -127,6 +127,10 @@ pub struct QueueStatus {
     pub dlq_ready: Option<u32>,
     /// Its delay queues that exist.
     pub delay_queues: Vec<DelayQueueStatus>,
+    /// Where it is: `amqp` (a RabbitMQ queue), or `nats` (a JetStream
+    /// stream: `ready` counts what its idempo consumers have not been
+    /// delivered yet; it has no DLQ or delay queues).
+    pub transport: String,
 }
 
 /// One delay queue.
@@ -344,6 +348,25 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
             warnings.push(Warning::TableDeadLetters { queue, count });
         }
     }
+    // JetStream streams are asked of NATS, the rest of RabbitMQ.
+    let streams: Vec<(String, Vec<String>)> = instances
+        .iter()
+        .flatten()
+        .filter(|i| i.transport == "nats" && names.contains(&i.queue))
+        .fold(Vec::new(), |mut streams, i| {
+            match streams.iter_mut().find(|(s, _)| *s == i.queue) {
+                Some((_, durables)) if !durables.contains(&i.consumer) => {
+                    durables.push(i.consumer.clone());
+                }
+                Some(_) => {}
+                None => streams.push((i.queue.clone(), vec![i.consumer.clone()])),
+            }
+            streams
+        });
+    let names: Vec<String> = names
+        .into_iter()
+        .filter(|n| !streams.iter().any(|(s, _)| s == n))
+        .collect();
     let broker = async {
         let mut found = Vec::new();
         if names.is_empty() {
@@ -362,8 +385,9 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
         http_store.count_by_state(),
         window_store.count_by_state(),
     );
-    let (queues, queue_warnings) = inspected?;
+    let (mut queues, queue_warnings) = inspected?;
     warnings.extend(queue_warnings);
+    queues.extend(stream_statuses(services, &streams).await);
 
     let outbox = match outbox {
         Ok(outbox) => Some(outbox),
@@ -404,6 +428,52 @@ pub async fn status(services: &Services, options: &StatusOptions) -> Result<Stat
         instances,
         warnings,
     })
+}
+
+/// The JetStream streams of NATS consumers, asked of the server at the
+/// services' NATS URL; unknown depths without one (or without feature
+/// `nats`), and when the server cannot be asked (logged).
+async fn stream_statuses(
+    services: &Services,
+    streams: &[(String, Vec<String>)],
+) -> Vec<QueueStatus> {
+    let unknown = |stream: &String| QueueStatus {
+        queue: stream.clone(),
+        exists: true,
+        ready: None,
+        consumers: None,
+        dlq_ready: None,
+        delay_queues: Vec::new(),
+        transport: "nats".into(),
+    };
+    if streams.is_empty() {
+        return Vec::new();
+    }
+    #[cfg(feature = "nats")]
+    if let Some(url) = services.nats_url() {
+        match crate::nats::depth::stream_depths(url, streams).await {
+            Ok(depths) => {
+                return depths
+                    .into_iter()
+                    .map(|d| QueueStatus {
+                        queue: d.stream,
+                        exists: d.exists,
+                        ready: d
+                            .exists
+                            .then(|| u32::try_from(d.pending).unwrap_or(u32::MAX)),
+                        consumers: d.exists.then_some(d.consumers),
+                        dlq_ready: None,
+                        delay_queues: Vec::new(),
+                        transport: "nats".into(),
+                    })
+                    .collect();
+            }
+            Err(e) => tracing::warn!(error = %e, "status: cannot ask NATS about its streams"),
+        }
+    }
+    #[cfg(not(feature = "nats"))]
+    let _ = services;
+    streams.iter().map(|(s, _)| unknown(s)).collect()
 }
 
 /// The work queue, DLQ and delay queues of each of `names`.
@@ -450,6 +520,7 @@ async fn inspect(
             consumers: work.map(|w| w.consumers),
             dlq_ready: dlq.map(|d| d.ready),
             delay_queues,
+            transport: "amqp".into(),
         });
     }
     Ok(queues)

@@ -60,6 +60,15 @@ struct Cli {
         hide_env_values = true
     )]
     database_url: String,
+    /// NATS, where the JetStream consumers' streams are (for their depth).
+    #[arg(
+        long,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        global = true,
+        hide_env_values = true
+    )]
+    nats_url: String,
     /// CA certificates (PEM) to trust for amqps:// instead of the system's.
     #[arg(long, global = true, value_name = "FILE", env = AMQP_CA_FILE, value_parser = file())]
     amqp_ca_file: Option<PathBuf>,
@@ -179,6 +188,7 @@ fn main() -> ExitCode {
         operator: cli.operator,
         database_url: cli.database_url.clone(),
         services: Services::new(cli.amqp_url, cli.database_url)
+            .nats(cli.nats_url)
             .connection_name("idempo-cli")
             .broker_tls(tls),
     };

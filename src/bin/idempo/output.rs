@@ -80,8 +80,13 @@ pub(crate) fn status(s: &Status) {
                 .iter()
                 .map(|d| format!("{}={}", d.queue, d.ready))
                 .collect();
+            let name = if q.transport == "amqp" {
+                q.queue.clone()
+            } else {
+                format!("{} ({} stream)", q.queue, q.transport)
+            };
             queues.add_row(vec![
-                q.queue.clone(),
+                name,
                 or_dash(q.ready),
                 or_dash(q.consumers),
                 or_dash(q.dlq_ready),
