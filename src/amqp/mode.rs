@@ -64,4 +64,6 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(doc)]
+use super::ConsumerBuilder;
 pub use crate::runtime::mode::{Batched, NoHandler, PerMessage};
