@@ -356,3 +356,57 @@ async fn a_server_without_jetstream_is_refused_at_start() {
     );
     assert!(e.to_string().contains("-js"), "the error says how: {e}");
 }
+
+#[tokio::test]
+async fn batch_mode_applies_a_stream_in_batches_and_letters_the_poison_alone() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("batch");
+    nats.track(&stream);
+    let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
+        .stream(&stream)
+        .max_ack_pending(300)
+        .batch_handler(|tx, batch| {
+            payments::handle_batch(tx, batch, payments::Behaviour::default())
+        })
+        .batch(50)
+        .build()
+        .unwrap();
+    let running = Running::start(consumer);
+    eventually("the stream exists", WAIT, || async {
+        nats.js.get_stream(&stream).await.is_ok()
+    })
+    .await;
+    for i in 0..300 {
+        nats.publish(
+            &stream,
+            Some(&format!("b-{i}")),
+            &[],
+            &payment_body("ivy", 1),
+        )
+        .await;
+    }
+    // A payment the example refuses for good (a negative amount... or an
+    // empty account): the batch falls back to one at a time.
+    nats.publish(
+        &stream,
+        Some("b-poison"),
+        &[],
+        &serde_json::to_vec(&serde_json::json!({"account": "", "amount_cents": 5})).unwrap(),
+    )
+    .await;
+    running.settled(301).await;
+    assert_eq!(db.payments().await, 300);
+    assert_eq!(db.balances().await["ivy"], 300);
+    let reason: String = sqlx::query_scalar(
+        "SELECT reason FROM dead_letters WHERE queue = $1 AND message_id = 'b-poison'",
+    )
+    .bind(&stream)
+    .fetch_one(&db.pool)
+    .await
+    .expect("the poison's letter");
+    assert_eq!(reason, "permanent handler error");
+    running.stop().await;
+    nats.cleanup().await;
+}
