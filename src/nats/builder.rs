@@ -82,7 +82,8 @@ impl<Mode: fmt::Debug> fmt::Debug for ConsumerBuilder<Mode> {
 
 impl Consumer {
     /// Starts configuring a consumer of a JetStream stream on the NATS
-    /// server at `nats_url` (`nats://127.0.0.1:4222`) that runs its handler
+    /// server at `nats_url` (`nats://127.0.0.1:4222`; or several URLs
+    /// separated by commas, one per node of a cluster) that runs its handler
     /// in transactions on `pool` (size it to at least `concurrency`).
     pub fn builder(nats_url: impl Into<String>, pool: PgPool) -> ConsumerBuilder<NoHandler> {
         ConsumerBuilder {

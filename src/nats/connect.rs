@@ -40,7 +40,7 @@ pub(crate) async fn client(
                 let health = events.clone();
                 async move { on_event(&health, event) }
             });
-        let error = match options.connect(url).await {
+        let error = match options.connect(servers(url)).await {
             Ok(client) => return Ok(Some(client)),
             Err(e) => e,
         };
@@ -67,6 +67,15 @@ pub(crate) async fn client(
             () = tokio::time::sleep(backoff.next_delay()) => {}
         }
     }
+}
+
+/// The servers of `url`: one URL, or several separated by commas (one per
+/// node of a cluster; the client picks among them and fails over).
+pub(crate) fn servers(url: &str) -> Vec<&str> {
+    url.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect()
 }
 
 fn on_event(health: &Health, event: Event) {

@@ -29,7 +29,7 @@ pub(crate) async fn stream_depths(
     let client = async_nats::ConnectOptions::new()
         .name("idempo-ops")
         .connection_timeout(Duration::from_secs(5))
-        .connect(url)
+        .connect(super::connect::servers(url))
         .await
         .map_err(|e| NatsError::Refused {
             url: redact_url(url),

@@ -42,7 +42,7 @@ impl Nats {
     pub async fn connect_to(url: &str) -> Nats {
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(Duration::from_secs(5))
-            .connect(url)
+            .connect(url.split(',').collect::<Vec<_>>())
             .await
             .unwrap_or_else(|e| panic!("NATS is not reachable at {url}: {e}; {START_NATS}"));
         let js = jetstream::new(client.clone());
