@@ -24,6 +24,7 @@
 //! - [`failures`]: what happens on every failure; retries through delay
 //!   queues; dead letters (RabbitMQ queue or PostgreSQL table); errors at start.
 //! - [`batch`]: batch mode, one transaction for many deliveries.
+//! - [`nats`]: the same handlers on NATS JetStream, and what differs there.
 //! - [`outbox`]: messages a handler emits, published after the commit, exactly
 //!   once downstream.
 //! - [`http`]: the `Idempotency-Key` tower layer for axum.
@@ -64,6 +65,9 @@ pub mod failures {}
 
 #[doc = include_str!("batch.md")]
 pub mod batch {}
+
+#[doc = include_str!("nats.md")]
+pub mod nats {}
 
 #[doc = include_str!("outbox.md")]
 pub mod outbox {}

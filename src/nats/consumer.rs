@@ -302,7 +302,9 @@ impl Pump {
         loop {
             let messages = pull
                 .stream()
-                .max_messages_per_batch(topology.max_ack_pending as usize)
+                // Twice what may be unacknowledged: the request stays open
+                // while acks free room, instead of ending at each batch.
+                .max_messages_per_batch((topology.max_ack_pending as usize * 2).max(200))
                 .expires(PULL_EXPIRES)
                 .heartbeat(PULL_HEARTBEAT)
                 .messages()

@@ -52,6 +52,7 @@ pub(crate) enum RetryCause {
     /// The database failed the claim or the commit.
     Database,
     /// The dedup window could not decide yet.
+    #[cfg(feature = "window")]
     Window,
 }
 
@@ -63,6 +64,7 @@ impl RetryCause {
             RetryCause::Timeout => "timeout",
             RetryCause::Panic => "panic",
             RetryCause::Database => "database",
+            #[cfg(feature = "window")]
             RetryCause::Window => "dedup_window",
         }
     }
