@@ -410,3 +410,55 @@ async fn batch_mode_applies_a_stream_in_batches_and_letters_the_poison_alone() {
     running.stop().await;
     nats.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_graceful_shutdown_finishes_and_acknowledges_the_handlers_in_flight() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("drain");
+    nats.track(&stream);
+    let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = started.clone();
+    let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
+        .stream(&stream)
+        .handler(move |tx: Tx, message: Message| {
+            let started = counted.clone();
+            async move {
+                started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let payment: payments::Payment = message.json()?;
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                payments::apply(tx, message.id(), &payment, 0.0).await?;
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(consumer);
+    eventually("the stream exists", WAIT, || async {
+        nats.js.get_stream(&stream).await.is_ok()
+    })
+    .await;
+    for i in 0..4 {
+        nats.publish(
+            &stream,
+            Some(&format!("d-{i}")),
+            &[],
+            &payment_body("jo", 1),
+        )
+        .await;
+    }
+    eventually("four handlers running", WAIT, || async {
+        started.load(std::sync::atomic::Ordering::SeqCst) == 4
+    })
+    .await;
+    // Stop while all four sleep: the stop waits for them.
+    running.stop().await;
+    assert_eq!(db.payments().await, 4, "the handlers in flight finished");
+    assert_eq!(
+        nats.unacknowledged(&stream, &stream).await,
+        0,
+        "and their messages were acknowledged before run returned"
+    );
+    nats.cleanup().await;
+}
