@@ -32,7 +32,6 @@ mod hand;
 #[allow(dead_code)]
 mod payments;
 
-use std::collections::HashSet;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -334,40 +333,8 @@ async fn hand_batches(
                     .unwrap_or_default()
             })
             .collect();
-        let mut tx = pool.begin().await?;
-        let fresh: Vec<String> = sqlx::query_scalar(
-            "INSERT INTO processed_messages (consumer, message_id) SELECT 'hand', id FROM unnest($1::text[]) id ORDER BY id \
-             ON CONFLICT DO NOTHING RETURNING message_id",
-        )
-        .bind(&ids)
-        .fetch_all(&mut *tx)
-        .await?;
-        let fresh: HashSet<String> = fresh.into_iter().collect();
-        let (mut f_ids, mut accounts, mut amounts) = (Vec::new(), Vec::new(), Vec::new());
-        for (m, id) in batch.iter().zip(&ids) {
-            if fresh.contains(id) {
-                let p: payments::Payment = serde_json::from_slice(&m.payload)?;
-                f_ids.push(id.clone());
-                accounts.push(p.account);
-                amounts.push(p.amount_cents);
-            }
-        }
-        sqlx::query("INSERT INTO payments (message_id, account, amount_cents) SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])")
-            .bind(&f_ids)
-            .bind(&accounts)
-            .bind(&amounts)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO account_balances (account, balance_cents) SELECT account, sum(amount) \
-             FROM unnest($1::text[], $2::bigint[]) AS t(account, amount) GROUP BY account ORDER BY account \
-             ON CONFLICT (account) DO UPDATE SET balance_cents = account_balances.balance_cents + excluded.balance_cents",
-        )
-        .bind(&accounts)
-        .bind(&amounts)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
+        let decode = |i: usize| Ok(serde_json::from_slice(&batch[i].payload)?);
+        hand::apply_batch(&pool, &ids, decode, async {}).await?;
         let acks = batch.iter().map(|m| m.double_ack());
         for ack in futures::future::join_all(acks).await {
             ack.map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -848,43 +848,13 @@ async fn batch_loop(
             }
         }
         let ids: Vec<String> = batch.iter().map(hand::message_id).collect();
-        let mut tx = pool.begin().await?;
-        let fresh: Vec<String> = sqlx::query_scalar(
-            "INSERT INTO processed_messages (consumer, message_id) SELECT 'hand', id FROM unnest($1::text[]) id ORDER BY id \
-             ON CONFLICT DO NOTHING RETURNING message_id",
-        )
-        .bind(&ids)
-        .fetch_all(&mut *tx)
-        .await?;
-        let fresh: std::collections::HashSet<String> = fresh.into_iter().collect();
-        let (mut f_ids, mut accounts, mut amounts) = (Vec::new(), Vec::new(), Vec::new());
-        for (d, id) in batch.iter().zip(&ids) {
-            if fresh.contains(id) {
-                let p: payments::Payment = serde_json::from_slice(&d.data)?;
-                f_ids.push(id.clone());
-                accounts.push(p.account);
-                amounts.push(p.amount_cents);
+        let decode = |i: usize| Ok(serde_json::from_slice(&batch[i].data)?);
+        let written = async {
+            for r in &received {
+                Bench::record_latency(&latencies, *r).await;
             }
-        }
-        sqlx::query("INSERT INTO payments (message_id, account, amount_cents) SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])")
-            .bind(&f_ids)
-            .bind(&accounts)
-            .bind(&amounts)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO account_balances (account, balance_cents) SELECT account, sum(amount) \
-             FROM unnest($1::text[], $2::bigint[]) AS t(account, amount) GROUP BY account ORDER BY account \
-             ON CONFLICT (account) DO UPDATE SET balance_cents = account_balances.balance_cents + excluded.balance_cents",
-        )
-        .bind(&accounts)
-        .bind(&amounts)
-        .execute(&mut *tx)
-        .await?;
-        for r in &received {
-            Bench::record_latency(&latencies, *r).await;
-        }
-        tx.commit().await?;
+        };
+        hand::apply_batch(&pool, &ids, decode, written).await?;
         let last = batch.last().expect("a batch has a first delivery");
         last.acker.ack(BasicAckOptions { multiple: true }).await?;
         done.fetch_add(batch.len() as u64, Ordering::Relaxed);

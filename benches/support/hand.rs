@@ -63,6 +63,54 @@ pub async fn apply(
     Ok(fresh)
 }
 
+/// One batch: `BEGIN`, the claims with one `unnest … RETURNING` (as
+/// consumer `hand`), one bulk insert of the fresh payments, one grouped
+/// balance upsert, `written`, `COMMIT`. `payment(i)` decodes `ids[i]`'s
+/// payment; only the fresh ones are decoded.
+pub async fn apply_batch(
+    pool: &PgPool,
+    ids: &[String],
+    payment: impl Fn(usize) -> anyhow::Result<Payment>,
+    written: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let mut tx = pool.begin().await?;
+    let fresh: Vec<String> = sqlx::query_scalar(
+        "INSERT INTO processed_messages (consumer, message_id) SELECT 'hand', id FROM unnest($1::text[]) id ORDER BY id \
+         ON CONFLICT DO NOTHING RETURNING message_id",
+    )
+    .bind(ids)
+    .fetch_all(&mut *tx)
+    .await?;
+    let fresh: std::collections::HashSet<String> = fresh.into_iter().collect();
+    let (mut f_ids, mut accounts, mut amounts) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, id) in ids.iter().enumerate() {
+        if fresh.contains(id) {
+            let p = payment(i)?;
+            f_ids.push(id.clone());
+            accounts.push(p.account);
+            amounts.push(p.amount_cents);
+        }
+    }
+    sqlx::query("INSERT INTO payments (message_id, account, amount_cents) SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])")
+        .bind(&f_ids)
+        .bind(&accounts)
+        .bind(&amounts)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO account_balances (account, balance_cents) SELECT account, sum(amount) \
+         FROM unnest($1::text[], $2::bigint[]) AS t(account, amount) GROUP BY account ORDER BY account \
+         ON CONFLICT (account) DO UPDATE SET balance_cents = account_balances.balance_cents + excluded.balance_cents",
+    )
+    .bind(&accounts)
+    .bind(&amounts)
+    .execute(&mut *tx)
+    .await?;
+    written.await;
+    tx.commit().await?;
+    Ok(())
+}
+
 /// The payment's two writes: its row, and the delta on its account's balance.
 pub async fn write_payment(
     tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,

@@ -19,7 +19,7 @@ use std::time::Duration;
 use lapin::Acker;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, Span};
+use tracing::Instrument;
 
 use crate::amqp::acks::{AckTracker, Misplaced};
 use crate::amqp::publish::PublishError;
@@ -64,7 +64,7 @@ impl Pipeline {
     ) -> Vec<Settled> {
         let span = telemetry::process_span(&self.router.consumer, &self.router.queue, &deliveries);
         let mut receipts = Vec::with_capacity(deliveries.len());
-        let mut messages: Vec<Message> = deliveries
+        let messages: Vec<Message> = deliveries
             .into_iter()
             .map(|delivery| {
                 self.stats.incr(Counter::Deliveries);
@@ -86,27 +86,13 @@ impl Pipeline {
                     Box::new(move || acker.poisoned()) as crate::runtime::outcome::Gone
                 }),
             };
-            let outcomes = self.router.outcomes(&mut messages, &abandon).await;
-            let routes: Vec<_> = outcomes
-                .into_iter()
-                .zip(&messages)
-                .map(|(outcome, message)| self.router.route(message, outcome))
-                .collect();
-            if let ([message], [route]) = (messages.as_slice(), routes.as_slice()) {
-                trace::decided(&Span::current(), message, route);
-            }
-            let items = messages.into_iter().zip(receipts).collect();
             let settle = Settle {
                 router: &self.router,
                 health: &self.health,
                 stats: &self.stats,
                 log_limit: &self.log_limit,
             };
-            let settled = settle.unit(&*self, items, routes, &abandon).await;
-            if let [one] = settled.as_slice() {
-                trace::settled(&Span::current(), *one);
-            }
-            settled
+            settle.decide(&*self, messages, receipts, &abandon).await
         }
         .instrument(span)
         .await

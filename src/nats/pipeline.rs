@@ -19,7 +19,7 @@ use std::time::Duration;
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::message::Acker;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, Span};
+use tracing::Instrument;
 
 use super::envelope;
 use super::telemetry;
@@ -100,7 +100,7 @@ impl Pipeline {
 
     async fn decide_and_settle(
         self: Arc<Self>,
-        mut messages: Vec<Message>,
+        messages: Vec<Message>,
         receipts: Vec<Receipt>,
     ) -> Vec<Settled> {
         // A JetStream delivery stays valid across reconnects: only shutdown
@@ -109,27 +109,13 @@ impl Pipeline {
             shutdown: self.shutdown.clone(),
             gone: None,
         };
-        let outcomes = self.router.outcomes(&mut messages, &abandon).await;
-        let routes: Vec<_> = outcomes
-            .into_iter()
-            .zip(&messages)
-            .map(|(outcome, message)| self.router.route(message, outcome))
-            .collect();
-        if let ([message], [route]) = (messages.as_slice(), routes.as_slice()) {
-            trace::decided(&Span::current(), message, route);
-        }
-        let items = messages.into_iter().zip(receipts).collect();
         let settle = Settle {
             router: &self.router,
             health: &self.health,
             stats: &self.stats,
             log_limit: &self.log_limit,
         };
-        let settled = settle.unit(&*self, items, routes, &abandon).await;
-        if let [one] = settled.as_slice() {
-            trace::settled(&Span::current(), *one);
-        }
-        settled
+        settle.decide(&*self, messages, receipts, &abandon).await
     }
 }
 

@@ -24,6 +24,7 @@ use super::message::Message;
 use super::outcome::{Abandon, Settled};
 use super::route::{Route, Router};
 use super::stats::{Counter, Stats};
+use super::trace;
 use super::transport::{Finished, Later, Letter, Refused, Transport};
 
 /// How long the original waits before it is handed back when its copy
@@ -63,6 +64,34 @@ impl LogLimit {
 }
 
 impl Settle<'_> {
+    /// Decides a unit of `messages` (with their transport's `receipts`, in
+    /// order) and settles it through `transport`: the path every transport's
+    /// deliveries take once they are messages. Runs in the unit's process
+    /// span, which it records the decision on.
+    pub(crate) async fn decide<T: Transport>(
+        &self,
+        transport: &T,
+        mut messages: Vec<Message>,
+        receipts: Vec<T::Receipt>,
+        abandon: &Abandon,
+    ) -> Vec<Settled> {
+        let outcomes = self.router.outcomes(&mut messages, abandon).await;
+        let routes: Vec<_> = outcomes
+            .into_iter()
+            .zip(&messages)
+            .map(|(outcome, message)| self.router.route(message, outcome))
+            .collect();
+        if let ([message], [route]) = (messages.as_slice(), routes.as_slice()) {
+            trace::decided(&tracing::Span::current(), message, route);
+        }
+        let items = messages.into_iter().zip(receipts).collect();
+        let settled = self.unit(transport, items, routes, abandon).await;
+        if let [one] = settled.as_slice() {
+            trace::settled(&tracing::Span::current(), *one);
+        }
+        settled
+    }
+
     /// Settles a unit: one route per delivery, in order; `abandon` ends a
     /// wait for the dead-letter table.
     pub(crate) async fn unit<T: Transport>(
