@@ -393,3 +393,86 @@ async fn idempo_status_shows_a_jetstream_consumer_with_what_its_stream_holds() {
     assert_eq!(db.payments().await, 0);
     nats.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_message_delivered_far_past_its_attempts_is_dead_lettered_before_its_handler_runs() {
+    use futures::StreamExt;
+    use idempo::nats::RedeliveryPolicy;
+    use idempo::nats::async_nats::jetstream::{AckKind, consumer::pull};
+
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("crashing");
+    nats.track(&stream);
+    let js_stream = nats
+        .js
+        .create_stream(idempo::nats::async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![stream.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    nats.publish(&stream, Some("crash-1"), &[], &payment_body("kay", 1))
+        .await;
+    // Six deliveries that ended without an outcome, as if the process
+    // handling it had died each time (a hand-made client on the durable
+    // consumer idempo will use hands it back at once).
+    let durable: idempo::nats::async_nats::jetstream::consumer::PullConsumer = js_stream
+        .get_or_create_consumer(
+            &stream,
+            pull::Config {
+                durable_name: Some(stream.clone()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let mut delivered = 0;
+    while delivered < 6 {
+        let mut batch = durable
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_secs(2))
+            .messages()
+            .await
+            .unwrap();
+        if let Some(Ok(message)) = batch.next().await {
+            delivered = message.info().unwrap().delivered;
+            message.ack_with(AckKind::Nak(None)).await.unwrap();
+        }
+    }
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
+        .stream(&stream)
+        .redelivery(RedeliveryPolicy::delayed([Duration::from_millis(100)]).max_attempts(3))
+        .handler(move |_tx: idempo::Tx, _message: idempo::amqp::Message| {
+            let runs = counted.clone();
+            async move {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(consumer);
+    running.settled(1).await;
+    let (reason, error): (String, String) = sqlx::query_as(
+        "SELECT reason, error FROM dead_letters WHERE queue = $1 AND message_id = 'crash-1'",
+    )
+    .bind(&stream)
+    .fetch_one(&db.pool)
+    .await
+    .expect("its dead letter");
+    assert_eq!(reason, "max attempts exceeded");
+    assert!(error.contains("without an outcome"), "{error}");
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the handler did not run again"
+    );
+    running.stop().await;
+    nats.cleanup().await;
+}

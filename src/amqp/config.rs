@@ -61,6 +61,8 @@ impl Config {
             decide,
             redelivery: self.redelivery.clone(),
             letters: self.letter_store(),
+            // The attempts are idempo's failure header, not a delivery count.
+            counts_deliveries: false,
         }
     }
 

@@ -231,6 +231,8 @@ impl Consumer {
             decide: p.dispatch.decide.clone(),
             redelivery: p.redelivery.clone(),
             letters: Some(letters),
+            // JetStream counts deliveries, crashed ones included.
+            counts_deliveries: true,
         });
         let pipeline = Arc::new(Pipeline {
             router,

@@ -70,6 +70,10 @@ pub(crate) struct Router {
     /// The runtime's own dead-letter store, when letters go there instead of
     /// the transport's.
     pub(crate) letters: Option<Arc<dyn LetterStore>>,
+    /// Whether a message's attempts are its transport's delivery count
+    /// (JetStream), which grows also when a delivery ends without an
+    /// outcome: see [`Router::delivered_too_often`].
+    pub(crate) counts_deliveries: bool,
 }
 
 impl Router {
@@ -123,7 +127,10 @@ impl Router {
         let mut outcomes: Vec<Option<Outcome>> = vec![None; messages.len()];
         for (message, outcome) in messages.iter_mut().zip(&mut outcomes) {
             match self.identify(message, abandon).await {
-                Ok(id) => message.set_id(id),
+                Ok(id) => {
+                    message.set_id(id);
+                    *outcome = self.delivered_too_often(message);
+                }
                 Err(settle) => *outcome = Some(settle),
             }
         }
@@ -141,6 +148,30 @@ impl Router {
             .into_iter()
             .map(|o| o.unwrap_or(Outcome::Abandoned))
             .collect()
+    }
+
+    /// A delivery its transport delivered twice as often as the policy
+    /// allows attempts: each delivery before must have ended without an
+    /// outcome (the process died in the handler, every time). It is
+    /// dead-lettered before the handler runs again, so that one message
+    /// cannot take down every consumer in turn. Only where the attempts are
+    /// the transport's delivery count; a message processed whose every ack
+    /// was lost is dead-lettered too (its replay is refused as processed).
+    fn delivered_too_often(&self, message: &Message) -> Option<Outcome> {
+        if !self.counts_deliveries {
+            return None;
+        }
+        let previous = Failures::previous_attempts(message);
+        let limit = self.redelivery.max_attempts.saturating_mul(2);
+        (previous >= limit).then(|| Outcome::DeadLetter {
+            reason: DeadLetterReason::AttemptsExhausted,
+            error: format!(
+                "delivered {} times without an outcome (the process handling it may have died \
+                 each time); the policy allows {} attempts",
+                previous.saturating_add(1),
+                self.redelivery.max_attempts
+            ),
+        })
     }
 
     /// The id to deduplicate `message` on: the one an idempo copy carries
