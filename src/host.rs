@@ -15,6 +15,13 @@ pub(crate) fn name() -> String {
     }
 }
 
+/// The name a consumer's broker connection carries:
+/// `idempo:<consumer>:<host>:<pid>`, so that an operator finds its process.
+#[cfg(feature = "amqp")]
+pub(crate) fn connection_name(consumer: &str) -> String {
+    format!("idempo:{consumer}:{}:{}", name(), std::process::id())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -31,10 +31,7 @@ async fn payments_are_applied_once_and_a_republished_id_is_dropped_or_claimed_as
         .expect("valid configuration");
     let running = Running::start(consumer);
     // The stream is created by the consumer: wait until it is there.
-    eventually("the stream exists", WAIT, || async {
-        nats.js.get_stream(&stream).await.is_ok()
-    })
-    .await;
+    nats.wait_for_stream(&stream).await;
     for i in 0..50 {
         let id = format!("pay-{i}");
         let duplicate = nats
@@ -79,10 +76,7 @@ async fn a_copy_outside_the_duplicate_window_is_claimed_as_a_duplicate() {
         .build()
         .unwrap();
     let running = Running::start(consumer);
-    eventually("the stream exists", WAIT, || async {
-        nats.js.get_stream(&stream).await.is_ok()
-    })
-    .await;
+    nats.wait_for_stream(&stream).await;
     for copy in ["a", "b"] {
         nats.publish(
             &stream,
@@ -117,10 +111,7 @@ async fn a_transient_failure_waits_the_policys_delay_and_poison_goes_to_the_tabl
         .build()
         .unwrap();
     let running = Running::start(consumer);
-    eventually("the stream exists", WAIT, || async {
-        nats.js.get_stream(&stream).await.is_ok()
-    })
-    .await;
+    nats.wait_for_stream(&stream).await;
     nats.publish(&stream, Some("late-1"), &[], &payment_body("carol", 300))
         .await;
     nats.publish(
@@ -202,10 +193,7 @@ async fn a_handler_longer_than_the_ack_wait_keeps_its_message() {
         .build()
         .unwrap();
     let running = Running::start(consumer);
-    eventually("the stream exists", WAIT, || async {
-        nats.js.get_stream(&stream).await.is_ok()
-    })
-    .await;
+    nats.wait_for_stream(&stream).await;
     nats.publish(&stream, Some("slow-1"), &[], &payment_body("dan", 5))
         .await;
     running.settled(1).await;
@@ -374,10 +362,7 @@ async fn batch_mode_applies_a_stream_in_batches_and_letters_the_poison_alone() {
         .build()
         .unwrap();
     let running = Running::start(consumer);
-    eventually("the stream exists", WAIT, || async {
-        nats.js.get_stream(&stream).await.is_ok()
-    })
-    .await;
+    nats.wait_for_stream(&stream).await;
     for i in 0..300 {
         nats.publish(
             &stream,
@@ -435,10 +420,7 @@ async fn a_graceful_shutdown_finishes_and_acknowledges_the_handlers_in_flight() 
         .build()
         .unwrap();
     let running = Running::start(consumer);
-    eventually("the stream exists", WAIT, || async {
-        nats.js.get_stream(&stream).await.is_ok()
-    })
-    .await;
+    nats.wait_for_stream(&stream).await;
     for i in 0..4 {
         nats.publish(
             &stream,

@@ -35,10 +35,7 @@ async fn competing_examples_sigkilled_while_draining_apply_every_payment_once() 
         spawn_example(&db.url, &stream, &env),
         spawn_example(&db.url, &stream, &env),
     ];
-    eventually("the example created the stream", WAIT, || async {
-        nats.js.get_stream(&stream).await.is_ok()
-    })
-    .await;
+    nats.wait_for_stream(&stream).await;
     let mut expected: std::collections::BTreeMap<String, i64> = Default::default();
     let mut acks = Vec::with_capacity(N);
     for i in 0..N {
@@ -112,10 +109,7 @@ async fn the_consumer_carries_on_after_its_server_restarts() {
     let health = consumer.health();
     let running = Running::start(consumer);
     let nats = Nats::connect_to(&url).await;
-    eventually("the stream exists", WAIT, || async {
-        nats.js.get_stream(&stream).await.is_ok()
-    })
-    .await;
+    nats.wait_for_stream(&stream).await;
     for i in 0..20 {
         nats.publish(
             &stream,
@@ -306,10 +300,7 @@ async fn a_dead_letter_replayed_from_the_table_is_applied_once_with_its_headers_
         .build()
         .unwrap();
     let running = Running::start(consumer);
-    eventually("the stream exists", WAIT, || async {
-        nats.js.get_stream(&stream).await.is_ok()
-    })
-    .await;
+    nats.wait_for_stream(&stream).await;
     let bodies: Vec<Vec<u8>> = (0..3).map(|i| payment_body("frida", 100 + i)).collect();
     for (i, body) in bodies.iter().enumerate() {
         nats.publish(
@@ -363,10 +354,7 @@ async fn idempo_status_shows_a_jetstream_consumer_with_what_its_stream_holds() {
         .build()
         .unwrap();
     let running = Running::start(consumer);
-    eventually("the stream exists", WAIT, || async {
-        nats.js.get_stream(&stream).await.is_ok()
-    })
-    .await;
+    nats.wait_for_stream(&stream).await;
     // Stopped, it leaves its heartbeat (transport nats) and its durable
     // consumer: what is published now waits in the stream.
     running.stop().await;

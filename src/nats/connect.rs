@@ -28,11 +28,7 @@ pub(crate) async fn client(
     loop {
         let events = health.clone();
         let options = ConnectOptions::new()
-            .name(format!(
-                "idempo:{consumer}:{}:{}",
-                crate::host::name(),
-                std::process::id()
-            ))
+            .name(crate::host::connection_name(consumer))
             .connection_timeout(CONNECT_TIMEOUT)
             // Reconnect forever: a consumer outlives its server's restarts.
             .max_reconnects(None)

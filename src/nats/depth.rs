@@ -15,8 +15,6 @@ pub(crate) struct StreamDepth {
     pub(crate) exists: bool,
     /// Messages not yet delivered to the named durable consumers.
     pub(crate) pending: u64,
-    /// Messages delivered to them and not acknowledged yet.
-    pub(crate) unacked: u64,
     /// Consumers on the stream.
     pub(crate) consumers: u32,
 }
@@ -36,35 +34,27 @@ pub(crate) async fn stream_depths(
             reason: e.to_string(),
         })?;
     let context = jetstream::new(client);
-    let api = |action: String| {
-        move |e: &dyn std::fmt::Display| NatsError::Api {
-            action,
-            reason: e.to_string(),
-        }
-    };
     let mut depths = Vec::with_capacity(streams.len());
     for (name, durables) in streams {
         let mut depth = StreamDepth {
             stream: name.clone(),
             exists: false,
             pending: 0,
-            unacked: 0,
             consumers: 0,
         };
         let Ok(mut stream) = context.get_stream(name).await else {
             depths.push(depth);
             continue;
         };
-        let info = stream
-            .info()
-            .await
-            .map_err(|e| api(format!("the stream {name:?}"))(&e))?;
+        let info = stream.info().await.map_err(|e| NatsError::Api {
+            action: format!("the stream {name:?}"),
+            reason: e.to_string(),
+        })?;
         depth.exists = true;
         depth.consumers = u32::try_from(info.state.consumer_count).unwrap_or(u32::MAX);
         for durable in durables {
             if let Ok(consumer) = stream.consumer_info(durable).await {
                 depth.pending += consumer.num_pending;
-                depth.unacked += consumer.num_ack_pending as u64;
             }
         }
         depths.push(depth);

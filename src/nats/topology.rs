@@ -65,13 +65,7 @@ impl Topology {
                     ));
                 }
                 context
-                    .create_stream(stream::Config {
-                        name: self.stream.clone(),
-                        subjects: vec![self.subject.clone()],
-                        retention: RetentionPolicy::Limits,
-                        storage: stream::StorageType::File,
-                        ..stream::Config::default()
-                    })
+                    .create_stream(new_stream(&self.stream, &self.subject))
                     .await
                     .map_err(|e| NatsError::Api {
                         action: format!("to create the stream {:?}", self.stream),
@@ -146,13 +140,7 @@ impl Topology {
     ) -> Result<(), NatsError> {
         super::names::check_name("stream", name)?;
         context
-            .get_or_create_stream(stream::Config {
-                name: name.to_owned(),
-                subjects: vec![name.to_owned()],
-                retention: RetentionPolicy::Limits,
-                storage: stream::StorageType::File,
-                ..stream::Config::default()
-            })
+            .get_or_create_stream(new_stream(name, name))
             .await
             .map(|_| ())
             .map_err(|e| NatsError::Api {
@@ -174,6 +162,19 @@ impl Topology {
             consumer: self.durable.clone(),
             reason,
         }
+    }
+}
+
+/// A stream idempo creates: file storage, kept by limits (not by
+/// interest: a replay or a new consumer may still need a message), taking
+/// `subject`.
+fn new_stream(name: &str, subject: &str) -> stream::Config {
+    stream::Config {
+        name: name.to_owned(),
+        subjects: vec![subject.to_owned()],
+        retention: RetentionPolicy::Limits,
+        storage: stream::StorageType::File,
+        ..stream::Config::default()
     }
 }
 

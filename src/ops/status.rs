@@ -437,35 +437,15 @@ async fn stream_statuses(
     services: &Services,
     streams: &[(String, Vec<String>)],
 ) -> Vec<QueueStatus> {
-    let unknown = |stream: &String| QueueStatus {
-        queue: stream.clone(),
-        exists: true,
-        ready: None,
-        consumers: None,
-        dlq_ready: None,
-        delay_queues: Vec::new(),
-        transport: "nats".into(),
-    };
-    if streams.is_empty() {
-        return Vec::new();
-    }
+    // (exists, pending, consumers) per stream, when NATS answered.
+    let mut depths: Vec<Option<(bool, u64, u32)>> = vec![None; streams.len()];
     #[cfg(feature = "nats")]
-    if let Some(url) = services.nats_url() {
+    if let (Some(url), false) = (services.nats_url(), streams.is_empty()) {
         match crate::nats::depth::stream_depths(url, streams).await {
-            Ok(depths) => {
-                return depths
+            Ok(found) => {
+                depths = found
                     .into_iter()
-                    .map(|d| QueueStatus {
-                        queue: d.stream,
-                        exists: d.exists,
-                        ready: d
-                            .exists
-                            .then(|| u32::try_from(d.pending).unwrap_or(u32::MAX)),
-                        consumers: d.exists.then_some(d.consumers),
-                        dlq_ready: None,
-                        delay_queues: Vec::new(),
-                        transport: "nats".into(),
-                    })
+                    .map(|d| Some((d.exists, d.pending, d.consumers)))
                     .collect();
             }
             Err(e) => tracing::warn!(error = %e, "status: cannot ask NATS about its streams"),
@@ -473,7 +453,23 @@ async fn stream_statuses(
     }
     #[cfg(not(feature = "nats"))]
     let _ = services;
-    streams.iter().map(|(s, _)| unknown(s)).collect()
+    streams
+        .iter()
+        .zip(depths)
+        .map(|((stream, _), depth)| QueueStatus {
+            queue: stream.clone(),
+            exists: depth.is_none_or(|(exists, ..)| exists),
+            ready: depth
+                .filter(|(exists, ..)| *exists)
+                .map(|(_, pending, _)| u32::try_from(pending).unwrap_or(u32::MAX)),
+            consumers: depth
+                .filter(|(exists, ..)| *exists)
+                .map(|(.., consumers)| consumers),
+            dlq_ready: None,
+            delay_queues: Vec::new(),
+            transport: "nats".into(),
+        })
+        .collect()
 }
 
 /// The work queue, DLQ and delay queues of each of `names`.

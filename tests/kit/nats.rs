@@ -38,10 +38,7 @@ impl Nats {
             attempts,
             published: 0,
         };
-        eventually("the stream exists", support::consumer::WAIT, || async {
-            t.nats.js.get_stream(&t.stream).await.is_ok()
-        })
-        .await;
+        t.nats.wait_for_stream(&t.stream).await;
         t
     }
 

@@ -96,6 +96,14 @@ impl Nats {
         info.num_pending + info.num_ack_pending as u64
     }
 
+    /// Waits until `stream` exists (a consumer creates it at start).
+    pub async fn wait_for_stream(&self, stream: &str) {
+        eventually(&format!("the stream {stream} exists"), WAIT, || async {
+            self.js.get_stream(stream).await.is_ok()
+        })
+        .await;
+    }
+
     pub async fn cleanup(&self) {
         for stream in &self.streams {
             let _ = self.js.delete_stream(stream).await;

@@ -56,13 +56,9 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
         Some(broker) => broker,
         None => Broker::new(&s.amqp_url)?,
     };
-    let connection_name = s.connection_name.unwrap_or_else(|| {
-        format!(
-            "idempo:{consumer}:{}:{}",
-            crate::host::name(),
-            std::process::id()
-        )
-    });
+    let connection_name = s
+        .connection_name
+        .unwrap_or_else(|| crate::host::connection_name(&consumer));
     let stats = Stats::new(&consumer);
     let health = Health::default();
     let shutdown = ShutdownHandle::default();
