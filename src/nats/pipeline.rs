@@ -83,8 +83,13 @@ impl Pipeline {
             .decide_and_settle(messages, receipts)
             .instrument(span);
         tokio::pin!(work);
-        let mut ticks = tokio::time::interval(self.progress_every);
-        ticks.tick().await;
+        // The first tick a period from now. (`interval`'s first tick is due
+        // at once but still waits for the timer wheel's next millisecond:
+        // about a millisecond more for every unit, measured.)
+        let mut ticks = tokio::time::interval_at(
+            tokio::time::Instant::now() + self.progress_every,
+            self.progress_every,
+        );
         loop {
             tokio::select! {
                 settled = &mut work => return settled,
