@@ -110,6 +110,7 @@ mod host;
 pub mod inbox;
 #[cfg(any(feature = "http", feature = "retry"))]
 mod key;
+#[cfg(feature = "outbox")]
 mod literal;
 mod message_id;
 mod migrate;

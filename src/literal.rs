@@ -1,6 +1,6 @@
 //! Values written into SQL text as literals, for the statements idempo sends
-//! together in one simple-query message: `BEGIN` with the claim, the claim
-//! check with `COMMIT` (see ARCHITECTURE.md, "The wire shape of one
+//! together in one simple-query message: a consumer unit's deferred outbox
+//! rows, with its `COMMIT` (see ARCHITECTURE.md, "The wire shape of one
 //! delivery"). The simple-query protocol takes no parameters, so the values
 //! travel in the text.
 //!

@@ -9,6 +9,9 @@ pub(crate) const DIVISION_BY_ZERO: &str = "22012";
 /// `read_only_sql_transaction`: a standby, or a database set read-only.
 #[cfg(feature = "amqp")]
 pub(crate) const READ_ONLY: &str = "25006";
+/// `no_active_sql_transaction`: how a unit's commit finds the transaction
+/// its handler ended.
+pub(crate) const NO_ACTIVE_TRANSACTION: &str = "25P01";
 /// `in_failed_sql_transaction`.
 pub(crate) const IN_FAILED_TRANSACTION: &str = "25P02";
 /// `too_many_connections`.

@@ -12,7 +12,6 @@ use sqlx_core::transaction::TransactionManager;
 use super::partitioned::PartitionError;
 use super::{Claim, payload_sha256};
 use crate::error::{Error, Result};
-use crate::literal;
 use crate::message_id::validate_message_id;
 
 /// Claims `message_id` for `consumer` inside the caller's transaction.
@@ -144,54 +143,18 @@ pub(crate) enum Isolation {
 pub(crate) struct Sessions {
     /// They default to READ COMMITTED (PostgreSQL's own default).
     pub(crate) read_committed: bool,
-    /// How its commits travel.
-    pub(crate) commit: CommitShape,
 }
 
-/// A round trip at least this long makes the commit save one
-/// ([`CommitShape::OneTrip`]): beyond it, waiting costs more than
-/// PostgreSQL's parsing of a literal check (tens of µs, measured).
-#[cfg(feature = "amqp")]
-const FAR: std::time::Duration = std::time::Duration::from_micros(500);
-
-/// Asks one of `pool`'s connections for its default isolation level, and
-/// times three trivial round trips on it (the fastest counts: a scheduler's
-/// hiccup is not distance).
+/// Asks one of `pool`'s connections for its default isolation level.
 #[cfg(feature = "amqp")]
 pub(crate) async fn sessions(pool: &PgPool) -> Result<Sessions> {
-    let mut conn = pool.acquire().await?;
     let level: String =
         sqlx::query_scalar("SELECT current_setting('default_transaction_isolation')")
-            .fetch_one(&mut *conn)
+            .fetch_one(pool)
             .await?;
-    let mut fastest = std::time::Duration::MAX;
-    for _ in 0..3 {
-        let sent = std::time::Instant::now();
-        sqlx::raw_sql("").execute(&mut *conn).await?;
-        fastest = fastest.min(sent.elapsed());
-    }
     Ok(Sessions {
         read_committed: level == "read committed",
-        commit: if fastest >= FAR {
-            CommitShape::OneTrip
-        } else {
-            CommitShape::Prepared
-        },
     })
-}
-
-/// How [`commit_with`] sends the claim check and `COMMIT`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CommitShape {
-    /// The check as a prepared statement, then `COMMIT`: two round trips,
-    /// nothing parsed or planned again (a database close by).
-    Prepared,
-    /// The check with literals and `COMMIT AND CHAIN` in one simple query:
-    /// one round trip, parsed and planned each time (a database far away,
-    /// or staged outbox rows to send with them anyway).
-    // Only the consumer runtime measures its database's distance.
-    #[cfg(feature = "amqp")]
-    OneTrip,
 }
 
 /// Opens a claim's transaction on `pool`: READ COMMITTED whatever the
@@ -239,87 +202,92 @@ async fn stored_hashes<'e>(
 
 /// Commits a transaction in which `message_id` was claimed, after checking
 /// that the claim is still in it: the check, then `COMMIT` (see the
-/// [module docs](super#the-wire-shape)).
+/// [module docs](super#the-wire-shape)). `tx` may be a savepoint: then it
+/// is released.
 pub(crate) async fn commit(
-    tx: Transaction<'_, Postgres>,
-    consumer: &str,
-    message_id: &str,
-) -> Result<()> {
-    commit_with(tx, consumer, message_id, "", CommitShape::Prepared).await
-}
-
-/// The claim check: divides by zero when the claim is gone, so a simple
-/// query stops there and its `COMMIT` never runs. `processed_at = now()`:
-/// the claim was made in this transaction (its default is the
-/// transaction's start), and on a partitioned table PostgreSQL reads only
-/// the partition it went to instead of every one. [`literal_check`] is its
-/// twin for a simple query.
-const CHECK: &str = "SELECT 1 / count(*) FROM processed_messages \
-     WHERE consumer = $1 AND message_id = $2 AND processed_at = now()";
-
-/// [`CHECK`] with its values as literals, followed by `; `.
-fn literal_check(consumer: &str, message_id: &str) -> Result<String> {
-    Ok(format!(
-        "SELECT 1 / count(*) FROM processed_messages \
-         WHERE consumer = {} AND message_id = {} AND processed_at = now(); ",
-        literal::text("consumer", consumer)?,
-        literal::text("message id", message_id)?,
-    ))
-}
-
-/// [`commit`] with `statements` (SQL of idempo's own, literals only, each
-/// followed by `; `) run between the claim check and `COMMIT`, in the same
-/// round trip. The consumer's outbox writes a unit's forwarded messages this
-/// way, so forwarding costs no round trip of its own. Without statements,
-/// `shape` says whether the check and `COMMIT` travel apart or together.
-pub(crate) async fn commit_with(
     mut tx: Transaction<'_, Postgres>,
     consumer: &str,
     message_id: &str,
-    statements: &str,
-    shape: CommitShape,
 ) -> Result<()> {
     validate_message_id(message_id)?;
-    let claim_lost = |e: sqlx::Error| {
-        if crate::sqlstate::is(&e, crate::sqlstate::DIVISION_BY_ZERO) {
-            Error::ClaimLost {
-                message_id: message_id.to_owned(),
+    // Prepared once per connection: PostgreSQL neither parses nor plans it
+    // again, which costs more than the round trip it adds.
+    sqlx::query(CHECK)
+        .bind(consumer)
+        .bind(message_id)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| {
+            if crate::sqlstate::is(&e, crate::sqlstate::DIVISION_BY_ZERO) {
+                claim_lost(message_id)
+            } else {
+                Error::Database(e)
             }
+        })?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The claim check: divides by zero when the claim is gone, and fails in
+/// an aborted transaction. `processed_at = now()`: the claim was made in
+/// this transaction (its default is the transaction's start), and on a
+/// partitioned table PostgreSQL reads only the partition it went to
+/// instead of every one.
+const CHECK: &str = "SELECT 1 / count(*) FROM processed_messages \
+     WHERE consumer = $1 AND message_id = $2 AND processed_at = now()";
+
+/// The consumer runtime's commit of a unit it claimed itself (so every
+/// claim is in `tx` unless the handler ended the transaction), with
+/// `statements` (SQL of idempo's own, literals only, each followed by `; `)
+/// run just before `COMMIT`: one simple query, one round trip,
+/// `SELECT; <statements>COMMIT AND CHAIN`. Nothing in it reads a table or
+/// needs planning, so PostgreSQL's parse costs less than the round trip of
+/// [`commit`]'s prepared check. It commits nothing:
+/// - in an aborted transaction (the handler ignored a failed statement):
+///   `SELECT` fails (`25P02`), and a simple query stops at its first error;
+/// - when the handler ended the transaction itself: the statements run in
+///   an implicit transaction, where `COMMIT AND CHAIN` fails (`25P01`) and
+///   takes them with it; reported as [`Error::ClaimLost`].
+///
+/// `message_id` names the unit in that error. The empty transaction the
+/// chain opens is rolled back when `tx` is dropped, with the pool's check
+/// of the released connection: no round trip of its own.
+// Only the consumer runtime commits units.
+#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+pub(crate) async fn commit_unit(
+    mut tx: Transaction<'static, Postgres>,
+    message_id: &str,
+    statements: &str,
+) -> Result<()> {
+    if PgTransactionManager::get_transaction_depth(&tx) != 1 {
+        // Not a unit's transaction: a savepoint's release cannot chain.
+        return Err(sqlx::Error::Protocol("a unit commits its own transaction".into()).into());
+    }
+    let sent = if statements.is_empty() {
+        sqlx::raw_sql("SELECT; COMMIT AND CHAIN")
+            .execute(&mut *tx)
+            .await
+    } else {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "SELECT; {statements}COMMIT AND CHAIN"
+        )))
+        .execute(&mut *tx)
+        .await
+    };
+    sent.map_err(|e| {
+        if crate::sqlstate::is(&e, crate::sqlstate::NO_ACTIVE_TRANSACTION) {
+            claim_lost(message_id)
         } else {
             Error::Database(e)
         }
-    };
-    if PgTransactionManager::get_transaction_depth(&tx) == 1
-        && statements.is_empty()
-        && shape == CommitShape::Prepared
-    {
-        // Prepared once per connection: PostgreSQL neither parses nor plans
-        // it again, which costs more than the round trip it adds.
-        sqlx::query(CHECK)
-            .bind(consumer)
-            .bind(message_id)
-            .execute(&mut *tx)
-            .await
-            .map_err(claim_lost)?;
-        tx.commit().await?;
-        return Ok(());
-    }
-    let check = literal_check(consumer, message_id)?;
-    if PgTransactionManager::get_transaction_depth(&tx) == 1 {
-        let sql = format!("{check}{statements}COMMIT AND CHAIN");
-        sqlx::raw_sql(AssertSqlSafe(sql))
-            .execute(&mut *tx)
-            .await
-            .map_err(claim_lost)?;
-        // Dropped: its ROLLBACK ends the empty chained transaction.
-        return Ok(());
-    }
-    sqlx::raw_sql(AssertSqlSafe(format!("{check}{statements}")))
-        .execute(&mut *tx)
-        .await
-        .map_err(claim_lost)?;
-    tx.commit().await?;
+    })?;
     Ok(())
+}
+
+fn claim_lost(message_id: &str) -> Error {
+    Error::ClaimLost {
+        message_id: message_id.to_owned(),
+    }
 }
 
 /// What a [`claim`] of `message_id` by `consumer` with `body` would find

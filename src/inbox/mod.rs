@@ -39,15 +39,16 @@
 //! [`Inbox::claim`] does the same inside a transaction the caller opened.
 //!
 //! # The wire shape
-//! A fresh message costs four round trips of idempo's own around the
-//! caller's statements, one more than a careful hand-written loop (`BEGIN`,
-//! claim, ..., `COMMIT`), for the claim check:
+//! [`Inbox::begin`] and [`Inbox::commit`], for a fresh message, cost four
+//! round trips of idempo's own around the caller's statements, one more
+//! than a careful hand-written loop (`BEGIN`, claim, ..., `COMMIT`), for the
+//! claim check:
 //!
 //! 1. `BEGIN ISOLATION LEVEL READ COMMITTED` (plain `BEGIN` when the
 //!    consumer knows its sessions default to it).
-//! 2. `INSERT INTO processed_messages ... ON CONFLICT DO NOTHING RETURNING`,
-//!    a statement prepared once per connection: PostgreSQL does not parse
-//!    or plan it again. A duplicate raises nothing, so it writes no `ERROR`
+//! 2. `INSERT INTO processed_messages ... ON CONFLICT DO NOTHING`, a
+//!    statement prepared once per connection: PostgreSQL does not parse or
+//!    plan it again. A duplicate raises nothing, so it writes no `ERROR`
 //!    line to PostgreSQL's log and aborts no transaction: its stored body
 //!    hash is read (one more round trip) and the empty transaction is
 //!    dropped. (Sending `BEGIN` with a literal claim in one simple query
@@ -57,16 +58,21 @@
 //!    host, see BENCHMARKS.md.)
 //! 3. `SELECT 1 / count(*) FROM processed_messages WHERE <the claim>`,
 //!    prepared too: in an aborted transaction it fails (`25P02`), and when
-//!    the claim is gone (the caller rolled back) it divides by zero, so in
-//!    neither case is `COMMIT` sent.
+//!    the claim is gone (the caller rolled back, deleted it, or ignored a
+//!    [`Claim::Duplicate`]) it divides by zero, so in neither case is
+//!    `COMMIT` sent.
 //! 4. `COMMIT`.
 //!
-//! (The check and `COMMIT AND CHAIN` in one simple query save the fourth
-//! round trip but are parsed and planned for every message, and leave an
-//! empty chained transaction for a `ROLLBACK`: more CPU in PostgreSQL than
-//! the round trip, measured. The consumer still sends them together when
-//! the commit carries the handler's staged outbox rows, literal inserts
-//! that travel in that same query.)
+//! The consumer runtime sends one round trip fewer, the hand loop's count:
+//! it claimed the unit itself, so the only ways to lose its claims are an
+//! aborted transaction and one the handler ended, and neither needs the
+//! table to be seen. Its commit is `SELECT; COMMIT AND CHAIN` in one simple
+//! query (nothing to plan): `SELECT` fails in an aborted transaction and the
+//! query stops there; after the handler's own `ROLLBACK` or `COMMIT` the
+//! query runs in an implicit transaction, where `COMMIT AND CHAIN` is an
+//! error. The messages the handler deferred to the outbox travel in the
+//! same query, before `COMMIT AND CHAIN`. The chained empty transaction is
+//! rolled back with the pool's check of the released connection.
 
 use std::time::Duration;
 
@@ -85,7 +91,7 @@ mod reports;
 mod retention;
 
 #[cfg(feature = "amqp")]
-pub(crate) use claim::{CommitShape, Isolation, Sessions, sessions};
+pub(crate) use claim::{Isolation, Sessions, sessions};
 pub use reports::ConsumerClaims;
 #[cfg(feature = "ops")]
 pub(crate) use reports::consumers;

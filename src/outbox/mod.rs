@@ -18,7 +18,7 @@
 //! behind the idempotency layer, or your own `pool.begin()`. In a consumer's
 //! handler, stage through the handler's guard (`outbox::stage(&mut guard,
 //! m)` with `let mut guard = tx.try_lock()?`): the consumer then writes the
-//! message with the claim check before its `COMMIT`, at no extra round trip,
+//! message just before its `COMMIT`, in the same round trip,
 //! and wakes its relay right after the commit.
 //!
 //! ```no_run

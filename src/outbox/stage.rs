@@ -114,8 +114,8 @@ pub async fn stage_all(
         m.validate()?;
     }
     let (conn, unit) = conn.target();
-    // On a consumer unit's guard, unkeyed messages wait for the commit's
-    // claim check, which writes them: no round trip here.
+    // On a consumer unit's guard, unkeyed messages wait for the unit's
+    // commit, which writes them: no round trip here.
     if let Some(unit) = unit
         && unit.defer(&messages)
     {
@@ -154,28 +154,25 @@ pub async fn stage_all(
     Ok(staged(messages))
 }
 
-/// Commits a consumer unit's transaction with
-/// [`Inbox::commit`](crate::inbox::Inbox::commit), the messages its handler
-/// deferred written between the claim check and `COMMIT`, in the same round
-/// trip (see [`inbox::claim::commit_with`](crate::inbox::claim::commit_with)).
+/// Commits a consumer unit's transaction with the messages its handler
+/// deferred, written just before `COMMIT` in the same round trip (see
+/// [`inbox::claim::commit_unit`](crate::inbox::claim::commit_unit)).
 ///
 /// # Errors
-/// As [`Inbox::commit`](crate::inbox::Inbox::commit).
+/// As that function.
 #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) async fn commit_unit(
     unit: &UnitOutbox,
-    tx: Transaction<'_, Postgres>,
-    consumer: &str,
+    tx: Transaction<'static, Postgres>,
     message_id: &str,
-    shape: crate::inbox::claim::CommitShape,
 ) -> crate::Result<()> {
     let (deferred, quiet) = unit.take_deferred();
     let statements = deferred_rows(&deferred, quiet)?;
-    crate::inbox::claim::commit_with(tx, consumer, message_id, &statements, shape).await
+    crate::inbox::claim::commit_unit(tx, message_id, &statements).await
 }
 
 /// The statements that write a unit's deferred messages, as SQL text with
-/// literals (they travel in one simple query with the claim check and
+/// literals (they travel in one simple query with the unit's
 /// `COMMIT`): a row, or a packed row for several. Empty when none.
 fn deferred_rows(deferred: &[OutboxMessage], quiet: bool) -> crate::Result<String> {
     use crate::literal::{bytes, optional_text, text};

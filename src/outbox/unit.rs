@@ -17,7 +17,7 @@ pub struct UnitOutbox {
     quiet: bool,
     /// Something was staged (deferred or written at once).
     staged: AtomicBool,
-    /// Unkeyed messages, written by the commit's claim check.
+    /// Unkeyed messages, written by the unit's commit.
     deferred: Mutex<Vec<OutboxMessage>>,
 }
 

@@ -1,10 +1,9 @@
 //! Where the delivery runtime and the [outbox](crate::outbox) meet: each
 //! unit's [`Tx`] carries the unit's [`UnitOutbox`](crate::outbox::UnitOutbox)
 //! (staging through the handler's guard finds it there), the unit commits
-//! through it (its claim check writes the deferred messages), and the relay
-//! the consumer runs (if any) is woken after a commit that staged. Without
-//! feature `outbox` the same calls commit with
-//! [`Inbox::commit`](crate::inbox::Inbox::commit) and wake nothing.
+//! through it (its commit writes the deferred messages), and the relay the
+//! consumer runs (if any) is woken after a commit that staged. Without
+//! feature `outbox` the same calls commit the unit alone and wake nothing.
 
 use sqlx::{Postgres, Transaction};
 
@@ -50,17 +49,15 @@ mod imp {
             (Tx::with_extension(tx, unit.clone()), unit)
         }
 
-        /// Commits the unit (claim check, deferred messages), then wakes the
-        /// relay if the unit staged.
+        /// Commits the unit with its deferred messages, then wakes the relay
+        /// if the unit staged. `message_id` names the unit in an error.
         pub(crate) async fn commit(
             &self,
             unit: &Unit,
             tx: Transaction<'static, Postgres>,
-            consumer: &str,
             message_id: &str,
-            shape: crate::inbox::CommitShape,
         ) -> crate::Result<()> {
-            crate::outbox::commit_unit(unit, tx, consumer, message_id, shape).await?;
+            crate::outbox::commit_unit(unit, tx, message_id).await?;
             if unit.staged()
                 && let Some(relay) = &self.relay
             {
@@ -95,11 +92,9 @@ mod imp {
             &self,
             _unit: &Unit,
             tx: Transaction<'static, Postgres>,
-            consumer: &str,
             message_id: &str,
-            shape: crate::inbox::CommitShape,
         ) -> crate::Result<()> {
-            crate::inbox::claim::commit_with(tx, consumer, message_id, "", shape).await
+            crate::inbox::claim::commit_unit(tx, message_id, "").await
         }
     }
 }

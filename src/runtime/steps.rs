@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! Decode ─► Claim (BEGIN, then the claims) ─┬─ all Duplicate/Mismatch ─► decided (no transaction)
-//!    │                                        └─ Fresh ─► Handle ─┬─ Ok ─► Commit (claim check + COMMIT, one round trip) ─► Processed
+//!    │                                        └─ Fresh ─► Handle ─┬─ Ok ─► Commit (SELECT; COMMIT AND CHAIN, one round trip) ─► Processed
 //!    └─ undecodable ─► DeadLetter                                 └─ error / panic / timeout ─► ROLLBACK ─► Failed
 //!
 //! Failed         = one delivery: its outcome (Retry, or DeadLetter for a permanent error)
@@ -96,8 +96,8 @@ enum Step {
     Claim(Unit, Call),
     /// Run the handler over the unit, now only fresh messages.
     Handle(Unit, Call, Transaction<'static, Postgres>),
-    /// Check that the claims are still in the transaction, and COMMIT.
-    /// With what the handler staged in the outbox.
+    /// COMMIT, unless the transaction is aborted or the handler ended it;
+    /// with what the handler staged in the outbox.
     Commit(Unit, Transaction<'static, Postgres>, Staging),
     /// A connection-level database error: wait at the gate, then decode again.
     AwaitDatabase(Unit, String),
@@ -291,18 +291,10 @@ impl InboxSteps {
         staging: Staging,
         messages: &[Message],
     ) -> Step {
-        // One claim tells for the whole unit: a statement fails in an aborted
-        // transaction, and a ROLLBACK took every claim.
+        // The first id names the unit in an error: an aborted or ended
+        // transaction took every claim.
         let id = messages[unit.members[0]].id();
-        // Until the sessions are known, the shape any caller gets.
-        let shape = self
-            .sessions
-            .get()
-            .map_or(inbox::CommitShape::Prepared, |s| s.commit);
-        let committed = self
-            .forwarding
-            .commit(&staging, tx, &self.consumer, id, shape)
-            .await;
+        let committed = self.forwarding.commit(&staging, tx, id).await;
         match committed {
             Ok(()) => Step::Decided(unit, Outcome::Processed),
             Err(e) if e.is_connection_error() => {

@@ -235,42 +235,56 @@ async fn failing_handlers_commit_nothing_and_say_how_to_settle() {
     db.drop().await;
 }
 
-/// Both ways a commit travels (the prepared check then `COMMIT`, for a
-/// database close by; the literal check with `COMMIT AND CHAIN` in one
-/// round trip, for one far away) commit a fresh message once and refuse a
-/// transaction the handler aborted or ended.
+/// A unit's commit (`SELECT; <deferred rows>COMMIT AND CHAIN`, one round
+/// trip) commits a fresh message and what its handler deferred to the
+/// outbox once, refuses a transaction the handler aborted or ended (the
+/// deferred row with it), and leaves no connection in a transaction.
+#[cfg(feature = "outbox")]
 #[tokio::test]
-async fn both_commit_shapes_commit_once_and_refuse_aborted_or_ended_transactions() {
-    use crate::inbox::{CommitShape, Sessions};
+async fn a_unit_commits_once_and_refuses_aborted_or_ended_transactions() {
+    use crate::outbox::{OutboxMessage, stage};
     let db = TestDb::new().await;
-    for shape in [CommitShape::Prepared, CommitShape::OneTrip] {
-        let steps = steps(&db.pool, each());
-        steps
-            .sessions
-            .set(Sessions {
-                read_committed: true,
-                commit: shape,
-            })
-            .unwrap();
-        let id = format!("pay-{shape:?}");
-        let first = Message::for_test(&id, b"100");
-        assert_eq!(
-            decide(&steps, std::slice::from_ref(&first)).await,
-            ["processed"],
-            "{shape:?}"
-        );
-        assert_eq!(decide(&steps, &[first]).await, ["duplicate"], "{shape:?}");
-        for refused in ["swallow", "rollback"] {
-            let message = Message::for_test(&format!("{refused}-{shape:?}"), b"{}");
-            assert_eq!(decide(&steps, &[message]).await, ["retry"], "{shape:?}");
+    let forwarding = |tx: Tx, message: Message| async move {
+        {
+            let mut conn = tx.try_lock()?;
+            stage(&mut conn, OutboxMessage::new("", "next", b"{}".to_vec())).await?;
         }
-    }
+        effect(tx, message).await
+    };
+    let steps = steps(&db.pool, Arc::new(EachMessage::new(forwarding)));
+    let first = Message::for_test("pay-1", b"100");
     assert_eq!(
-        db.effects().await,
-        ["pay-OneTrip", "pay-Prepared"],
-        "one effect each, none of the refused"
+        decide(&steps, std::slice::from_ref(&first)).await,
+        ["processed"]
     );
-    assert_eq!(db.claims().await, 2);
+    assert_eq!(decide(&steps, &[first]).await, ["duplicate"]);
+    for refused in ["swallow-1", "rollback-1"] {
+        let message = Message::for_test(refused, b"{}");
+        assert_eq!(decide(&steps, &[message]).await, ["retry"], "{refused}");
+    }
+    assert_eq!(db.effects().await, ["pay-1"], "none of the refused");
+    assert_eq!(db.claims().await, 1);
+    let staged: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(staged, 1, "the processed message's deferred row only");
+    // Every connection of the pool at once: none is still in the chained
+    // transaction (its statements would share one start time).
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        conns.push(db.pool.acquire().await.unwrap());
+    }
+    for conn in &mut conns {
+        // A simple query: one statement, one implicit transaction.
+        let row = sqlx::raw_sql("SELECT now() = statement_timestamp()")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        let outside: bool = sqlx::Row::get(&row, 0);
+        assert!(outside, "a connection was left in a transaction");
+    }
+    drop(conns);
     db.drop().await;
 }
 
