@@ -158,7 +158,8 @@ pub(crate) async fn sessions(pool: &PgPool) -> Result<Sessions> {
 }
 
 /// Opens a claim's transaction on `pool`: READ COMMITTED whatever the
-/// session's default, unless that is known to be it.
+/// session's default, unless that is known to be it; then on an idle
+/// connection without the pool's checks when there is one.
 pub(crate) async fn begin(
     pool: &PgPool,
     isolation: Isolation,
@@ -166,7 +167,20 @@ pub(crate) async fn begin(
     let begin = match isolation {
         Isolation::Set => "BEGIN ISOLATION LEVEL READ COMMITTED",
         #[cfg(feature = "amqp")]
-        Isolation::Default => "BEGIN",
+        Isolation::Default => {
+            // An idle connection as it is: `try_begin` skips the pool's
+            // acquire-time ping (and its `before_acquire` hook), a round trip
+            // per message. A connection that died while idle only fails this
+            // `BEGIN`, which wrote nothing: the pool's checked path follows.
+            match pool.try_begin().await {
+                Ok(Some(tx)) => return Ok(tx),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "an idle connection failed BEGIN; taking another")
+                }
+            }
+            "BEGIN"
+        }
     };
     Ok(pool.begin_with(begin).await?)
 }

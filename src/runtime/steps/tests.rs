@@ -288,6 +288,56 @@ async fn a_unit_commits_once_and_refuses_aborted_or_ended_transactions() {
     db.drop().await;
 }
 
+/// A unit's transaction opens on an idle connection without the pool's
+/// ping; one that died while idle is replaced, not reported.
+#[tokio::test]
+async fn a_unit_begins_on_another_connection_when_an_idle_one_is_dead() {
+    let db = TestDb::new().await;
+    let mut conns = Vec::new();
+    let mut pids: Vec<i32> = Vec::new();
+    for _ in 0..3 {
+        let mut conn = db.pool.acquire().await.unwrap();
+        pids.push(
+            sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap(),
+        );
+        conns.push(conn);
+    }
+    drop(conns);
+    while db.pool.num_idle() < 3 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS t(pid)")
+        .bind(&pids)
+        .execute(&db.admin)
+        .await
+        .unwrap();
+    loop {
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)")
+                .bind(&pids)
+                .fetch_one(&db.admin)
+                .await
+                .unwrap();
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut tx = crate::inbox::claim::begin(&db.pool, Isolation::Default)
+        .await
+        .expect("a live connection in place of the dead ones");
+    let live: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(live, 1);
+    drop(tx);
+    db.drop().await;
+}
+
 /// A batch handler: writes an effect per message, then, when an id of
 /// the batch starts with `swallow`, ignores a failed statement (the
 /// transaction is aborted), and when one starts with `rollback`, ends the
