@@ -68,6 +68,7 @@ pub(crate) struct Settings {
     message_id: MessageIdSource,
     redelivery: RedeliveryPolicy,
     pub(crate) handler_timeout: Duration,
+    checked_acquire: bool,
     shutdown_timeout: Duration,
     retention: Option<Duration>,
     retention_interval: Duration,
@@ -133,6 +134,7 @@ impl ConsumerBuilder<NoHandler> {
                 message_id: MessageIdSource::default(),
                 redelivery: RedeliveryPolicy::default(),
                 handler_timeout: Duration::from_secs(300),
+                checked_acquire: false,
                 shutdown_timeout: Duration::from_secs(30),
                 retention: Some(Duration::from_secs(7 * 24 * 3600)),
                 retention_interval: Duration::from_secs(300),
@@ -423,6 +425,19 @@ impl<Mode> ConsumerBuilder<Mode> {
     /// How often the retention reaper runs (default: 5 min).
     pub fn retention_interval(mut self, interval: Duration) -> Self {
         self.settings.retention_interval = interval;
+        self
+    }
+
+    /// Whether each unit's connection goes through the pool's acquire-time
+    /// checks: sqlx's ping (`test_before_acquire`) and the pool's
+    /// `before_acquire` hook (default: no). Without them the consumer takes
+    /// an idle connection as it is (`Pool::try_begin`), a round trip less per
+    /// message; one that died while idle only fails its `BEGIN`, which wrote
+    /// nothing, and the unit begins again through the checked path. Turn
+    /// them on when the pool's `before_acquire` hook must run for the
+    /// consumer's connections.
+    pub fn checked_acquire(mut self, checked: bool) -> Self {
+        self.settings.checked_acquire = checked;
         self
     }
 

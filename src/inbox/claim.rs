@@ -158,11 +158,13 @@ pub(crate) async fn sessions(pool: &PgPool) -> Result<Sessions> {
 }
 
 /// Opens a claim's transaction on `pool`: READ COMMITTED whatever the
-/// session's default, unless that is known to be it; then on an idle
-/// connection without the pool's checks when there is one.
+/// session's default, unless that is known to be it; then, with
+/// `idle_first`, on an idle connection without the pool's checks when there
+/// is one.
 pub(crate) async fn begin(
     pool: &PgPool,
     isolation: Isolation,
+    idle_first: bool,
 ) -> Result<Transaction<'static, Postgres>> {
     let begin = match isolation {
         Isolation::Set => "BEGIN ISOLATION LEVEL READ COMMITTED",
@@ -172,11 +174,13 @@ pub(crate) async fn begin(
             // acquire-time ping (and its `before_acquire` hook), a round trip
             // per message. A connection that died while idle only fails this
             // `BEGIN`, which wrote nothing: the pool's checked path follows.
-            match pool.try_begin().await {
-                Ok(Some(tx)) => return Ok(tx),
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::debug!(error = %e, "an idle connection failed BEGIN; taking another")
+            if idle_first {
+                match pool.try_begin().await {
+                    Ok(Some(tx)) => return Ok(tx),
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "an idle connection failed BEGIN; taking another");
+                    }
                 }
             }
             "BEGIN"

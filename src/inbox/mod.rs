@@ -294,17 +294,19 @@ impl Inbox {
         pool: &PgPool,
         messages: &[(&str, &[u8])],
     ) -> Result<ClaimedBatch> {
-        self.begin_claims(pool, messages, claim::Isolation::Set)
+        self.begin_claims(pool, messages, claim::Isolation::Set, false)
             .await
     }
 
     /// [`begin_batch`](Inbox::begin_batch), with the isolation level set or
-    /// known to be the sessions' default.
+    /// known to be the sessions' default, and, with `idle_first`, on an idle
+    /// connection taken without the pool's checks ([`claim::begin`]).
     pub(crate) async fn begin_claims(
         &self,
         pool: &PgPool,
         messages: &[(&str, &[u8])],
         isolation: claim::Isolation,
+        idle_first: bool,
     ) -> Result<ClaimedBatch> {
         // An invalid id costs no round trip.
         for (id, _) in messages {
@@ -313,7 +315,7 @@ impl Inbox {
         // BEGIN, then the claims as an `INSERT ... ON CONFLICT DO NOTHING`
         // that reports what it inserted: a duplicate raises nothing (no
         // ERROR line in PostgreSQL's log, no aborted transaction).
-        let mut tx = claim::begin(pool, isolation).await?;
+        let mut tx = claim::begin(pool, isolation, idle_first).await?;
         let claims = match messages {
             [(id, body)] => vec![self.claim(&mut tx, id, body).await?],
             _ => self.claim_batch(&mut tx, messages).await?,

@@ -61,6 +61,7 @@ struct Settings {
     message_id: MessageIdSource,
     redelivery: RedeliveryPolicy,
     handler_timeout: Duration,
+    checked_acquire: bool,
     shutdown_timeout: Duration,
     retention: Option<Duration>,
     retention_interval: Duration,
@@ -100,6 +101,7 @@ impl Consumer {
                 message_id: MessageIdSource::default(),
                 redelivery: RedeliveryPolicy::default(),
                 handler_timeout: Duration::from_secs(300),
+                checked_acquire: false,
                 shutdown_timeout: Duration::from_secs(30),
                 retention: Some(Duration::from_secs(7 * 24 * 3600)),
                 retention_interval: Duration::from_secs(300),
@@ -242,6 +244,19 @@ impl<Mode> ConsumerBuilder<Mode> {
         self
     }
 
+    /// Whether each unit's connection goes through the pool's acquire-time
+    /// checks: sqlx's ping (`test_before_acquire`) and the pool's
+    /// `before_acquire` hook (default: no). Without them the consumer takes
+    /// an idle connection as it is (`Pool::try_begin`), a round trip less per
+    /// message; one that died while idle only fails its `BEGIN`, which wrote
+    /// nothing, and the unit begins again through the checked path. Turn
+    /// them on when the pool's `before_acquire` hook must run for the
+    /// consumer's connections.
+    pub fn checked_acquire(mut self, checked: bool) -> Self {
+        self.settings.checked_acquire = checked;
+        self
+    }
+
     /// How long a handler may run before it is abandoned and retried.
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.settings.handler_timeout = timeout;
@@ -345,6 +360,7 @@ fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Result<Consumer
         stats: &stats,
         forwarding: &forwarding,
         partitioned: false,
+        checked_acquire: s.checked_acquire,
     })?;
     Ok(Consumer::new(ConsumerParts {
         url: s.url,

@@ -66,6 +66,8 @@ pub(crate) struct Parts<'a> {
     pub(crate) forwarding: &'a Arc<Forwarding>,
     /// Claims in the partitioned `processed_messages`.
     pub(crate) partitioned: bool,
+    /// Every unit's connection through the pool's acquire-time checks.
+    pub(crate) checked_acquire: bool,
 }
 
 /// A mode, ready to run: how deliveries are decided and dispatched.
@@ -93,6 +95,7 @@ fn inbox(handler: Arc<dyn Prepare>, parts: &Parts<'_>) -> Arc<dyn Decide> {
         forwarding: parts.forwarding.clone(),
         sessions: tokio::sync::OnceCell::new(),
         inbox: crate::inbox::Inbox::new(parts.consumer).partitioned(parts.partitioned),
+        checked_acquire: parts.checked_acquire,
     })
 }
 

@@ -61,6 +61,9 @@ pub(crate) struct InboxSteps {
     pub(crate) sessions: tokio::sync::OnceCell<inbox::Sessions>,
     /// Where the claims go (plain or partitioned).
     pub(crate) inbox: Inbox,
+    /// Every unit's connection goes through the pool's acquire-time checks
+    /// (else an idle one is taken as it is).
+    pub(crate) checked_acquire: bool,
 }
 
 /// Deliveries that go through the steps together: indexes into the messages.
@@ -209,7 +212,10 @@ impl InboxSteps {
             Ok(sessions) if sessions.read_committed => Isolation::Default,
             _ => Isolation::Set,
         };
-        let claimed = self.inbox.begin_claims(&self.pool, &ids, isolation).await;
+        let claimed = self
+            .inbox
+            .begin_claims(&self.pool, &ids, isolation, !self.checked_acquire)
+            .await;
         let (claims, tx) = match claimed {
             Ok(claimed) => (claimed.claims, claimed.tx),
             Err(e) => return database_error(unit, "claim failed", e),

@@ -90,7 +90,10 @@ impl Harness {
     pub fn new(pool: PgPool, queue: impl Into<String>) -> HarnessBuilder<NoHandler> {
         HarnessBuilder {
             // Never dialled: the harness feeds deliveries itself.
-            consumer: Consumer::builder("amqp://harness.invalid", pool.clone()).queue(queue),
+            // Checked: a database outage is applied as connections are acquired.
+            consumer: Consumer::builder("amqp://harness.invalid", pool.clone())
+                .queue(queue)
+                .checked_acquire(true),
             admin: pool,
             setup: Vec::new(),
             hold_timeout: Duration::from_secs(5),

@@ -79,6 +79,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
         stats: &stats,
         forwarding: &forwarding,
         partitioned: s.partitioning.is_some(),
+        checked_acquire: s.checked_acquire,
     })?;
     Ok(Consumer {
         config: Config {

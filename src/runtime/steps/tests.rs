@@ -107,6 +107,7 @@ fn steps(pool: &PgPool, handler: Arc<dyn Prepare>) -> InboxSteps {
         forwarding: Arc::new(Forwarding::new(false)),
         sessions: tokio::sync::OnceCell::new(),
         inbox: crate::inbox::Inbox::new("unit"),
+        checked_acquire: false,
     }
 }
 
@@ -326,7 +327,7 @@ async fn a_unit_begins_on_another_connection_when_an_idle_one_is_dead() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let mut tx = crate::inbox::claim::begin(&db.pool, Isolation::Default)
+    let mut tx = crate::inbox::claim::begin(&db.pool, Isolation::Default, true)
         .await
         .expect("a live connection in place of the dead ones");
     let live: i32 = sqlx::query_scalar("SELECT 1")
