@@ -479,18 +479,15 @@ async fn a_batch_commit_whose_connection_dies_is_resolved_through_the_claims() {
     assert_eq!(broker.ready(&queue).await, 0);
 }
 
-/// Backends of `queue`'s consumer sleeping in [`sleep_at_first_commit`]'s
-/// trigger: their query (the claim check + COMMIT) holds the consumer's
-/// name as a literal (quoted, so that `q_1` does not match `q_12`).
-async fn sleeping_commits(db: &Db, queue: &str) -> i64 {
+/// Backends sleeping in [`sleep_at_first_commit`]'s trigger, in a unit's
+/// commit.
+async fn sleeping_commits(db: &Db) -> i64 {
     sqlx::query_scalar(
-        // A per-message commit is a plain COMMIT after the prepared check;
-        // a batch's check names the consumer in the COMMIT's query.
+        // A unit commits with `SELECT; COMMIT AND CHAIN` (per message and
+        // batch alike); only this test's trigger sleeps.
         "SELECT count(*) FROM pg_stat_activity \
-         WHERE wait_event = 'PgSleep' \
-           AND (query = 'COMMIT' OR strpos(query, quote_literal($1)) > 0)",
+         WHERE wait_event = 'PgSleep' AND query LIKE '%COMMIT AND CHAIN'",
     )
-    .bind(queue)
     .fetch_one(&db.pool)
     .await
     .unwrap()
@@ -561,7 +558,7 @@ async fn a_commit_whose_answer_is_lost_is_claimed_again_as_a_duplicate() {
             ),
         };
         eventually("a COMMIT held by the trigger", WAIT, || async {
-            sleeping_commits(&db, &queue).await == 1
+            sleeping_commits(&db).await == 1
         })
         .await;
         proxy.cut();
@@ -578,7 +575,7 @@ async fn a_commit_whose_answer_is_lost_is_claimed_again_as_a_duplicate() {
             1,
             "{batch:?}: the effect is durable while the client knows nothing"
         );
-        assert_eq!(sleeping_commits(&db, &queue).await, 0);
+        assert_eq!(sleeping_commits(&db).await, 0);
         proxy.restore();
         let stats = consumer.finish(messages.len() as u64).await;
 

@@ -256,9 +256,8 @@ async fn connections_to_postgres_over_tcp_send_without_delay() {
 
 // ------------------------------------------------ begin_claim and commit
 //
-// The two round trips of the consumer runtime (`inbox` module docs, "The
-// wire shape"): claims + BEGIN in one simple query, the claim check +
-// COMMIT in another.
+// `Inbox::begin` and `Inbox::commit` (`inbox` module docs, "The wire
+// shape"): BEGIN, then the claim; the claim check, then COMMIT.
 
 /// What a `begin_claim` found, without its transaction.
 fn found(begun: &Begun) -> Claim {

@@ -1221,7 +1221,7 @@ fn table_as_json(table: &lapin::types::FieldTable) -> serde_json::Map<String, se
 }
 
 /// Forwarded messages with hostile fields, staged through the handler's
-/// guard: written by the commit's claim check as SQL literals, one row
+/// guard: written by the unit's commit as SQL literals, one row
 /// (one message per unit) or a packed row (several). The relay publishes
 /// exactly the values staged, each message once, in per-message and in
 /// batch mode, also from sessions with `standard_conforming_strings` off.
