@@ -1,5 +1,5 @@
 //! [`Harness`]: a consumer's real delivery path (ids, decode, claim,
-//! handler, claim check, commit, route) fed in process instead of by lapin,
+//! handler, commit, route) fed in process instead of by lapin,
 //! on a PostgreSQL schema of its own.
 
 use std::future::IntoFuture;

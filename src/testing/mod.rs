@@ -5,7 +5,7 @@
 //! races on one id, and what it staged in the outbox.
 //!
 //! A [`Harness`] runs the consumer's **real** delivery path (id, decode,
-//! claim, handler, claim check, commit, and the routing of every outcome:
+//! claim, handler, commit, and the routing of every outcome:
 //! ack, retry with the policy's delay, dead letter) against a real
 //! PostgreSQL, fed in process instead of by RabbitMQ. It is built from the
 //! same [`ConsumerBuilder`](crate::amqp::ConsumerBuilder) configuration as
