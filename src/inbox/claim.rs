@@ -161,6 +161,8 @@ pub(crate) async fn sessions(pool: &PgPool) -> Result<Sessions> {
 /// session's default, unless that is known to be it; then, with
 /// `idle_first`, on an idle connection without the pool's checks when there
 /// is one.
+// Without the consumer runtime, every claim sets its level.
+#[cfg_attr(not(feature = "amqp"), allow(unused_variables))]
 pub(crate) async fn begin(
     pool: &PgPool,
     isolation: Isolation,
@@ -235,13 +237,7 @@ pub(crate) async fn commit(
         .bind(message_id)
         .execute(&mut *tx)
         .await
-        .map_err(|e| {
-            if crate::sqlstate::is(&e, crate::sqlstate::DIVISION_BY_ZERO) {
-                claim_lost(message_id)
-            } else {
-                Error::Database(e)
-            }
-        })?;
+        .map_err(lost_on(crate::sqlstate::DIVISION_BY_ZERO, message_id))?;
     tx.commit().await?;
     Ok(())
 }
@@ -281,30 +277,26 @@ pub(crate) async fn commit_unit(
         // Not a unit's transaction: a savepoint's release cannot chain.
         return Err(sqlx::Error::Protocol("a unit commits its own transaction".into()).into());
     }
-    let sent = if statements.is_empty() {
-        sqlx::raw_sql("SELECT; COMMIT AND CHAIN")
-            .execute(&mut *tx)
-            .await
-    } else {
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "SELECT; {statements}COMMIT AND CHAIN"
-        )))
-        .execute(&mut *tx)
-        .await
-    };
-    sent.map_err(|e| {
-        if crate::sqlstate::is(&e, crate::sqlstate::NO_ACTIVE_TRANSACTION) {
-            claim_lost(message_id)
-        } else {
-            Error::Database(e)
-        }
-    })?;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "SELECT; {statements}COMMIT AND CHAIN"
+    )))
+    .execute(&mut *tx)
+    .await
+    .map_err(lost_on(crate::sqlstate::NO_ACTIVE_TRANSACTION, message_id))?;
     Ok(())
 }
 
-fn claim_lost(message_id: &str) -> Error {
-    Error::ClaimLost {
-        message_id: message_id.to_owned(),
+/// A database error, read as [`Error::ClaimLost`] when its SQLSTATE is
+/// `code` (how that commit learns the claim is gone).
+fn lost_on<'a>(code: &'static str, message_id: &'a str) -> impl FnOnce(sqlx::Error) -> Error + 'a {
+    move |e| {
+        if crate::sqlstate::is(&e, code) {
+            Error::ClaimLost {
+                message_id: message_id.to_owned(),
+            }
+        } else {
+            Error::Database(e)
+        }
     }
 }
 
