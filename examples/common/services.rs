@@ -76,10 +76,18 @@ pub struct Observability {
 }
 
 /// Installs the process's subscriber: call once, first thing in `main`.
+///
+/// Without the `log` bridge (`SubscriberInitExt::init` would install
+/// tracing-log's `LogTracer`): sqlx reports through `tracing` anyway, and
+/// through the bridge each `log::log_enabled!` it asks (for every
+/// PostgreSQL notice) reaches the per-layer filter below without an event.
+/// When the filter says no (`sqlx=warn` and a NOTICE such as "relation
+/// already exists, skipping"), tracing-subscriber keeps that "disabled" for
+/// the thread and drops the thread's next event whose callsite is always
+/// enabled (tokio-rs/tracing#2519): the consumer's `consuming` line.
 pub fn observe(service: &str) -> anyhow::Result<Observability> {
     use tracing_subscriber::Layer;
     use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| "info,sqlx=warn".into());
     let logs =
@@ -87,17 +95,16 @@ pub fn observe(service: &str) -> anyhow::Result<Observability> {
     #[cfg(feature = "otel")]
     {
         let telemetry = idempo::otel::Telemetry::from_env(service)?;
-        logs.with(telemetry.as_ref().map(|t| {
+        tracing::subscriber::set_global_default(logs.with(telemetry.as_ref().map(|t| {
             t.layer()
                 .with_filter(tracing_subscriber::filter::LevelFilter::INFO)
-        }))
-        .init();
+        })))?;
         Ok(Observability { telemetry })
     }
     #[cfg(not(feature = "otel"))]
     {
         let _ = service;
-        logs.init();
+        tracing::subscriber::set_global_default(logs)?;
         Ok(Observability {})
     }
 }
