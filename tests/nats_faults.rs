@@ -168,7 +168,8 @@ async fn a_relay_that_dies_between_publish_and_mark_is_deduplicated_by_jetstream
     let mut tx = db.pool.begin().await.unwrap();
     for i in 0..N {
         let message = idempo::outbox::OutboxMessage::new("", &stream, format!("ship-{i}"))
-            .message_id(format!("ship-{i}"));
+            .message_id(format!("ship-{i}"))
+            .transport("nats");
         idempo::outbox::stage(&mut *tx, message).await.unwrap();
     }
     tx.commit().await.unwrap();

@@ -54,6 +54,7 @@ impl Config {
     /// The runtime's router for this consumer, deciding with `decide`.
     pub(crate) fn router(&self, decide: Arc<dyn Decide>) -> Router {
         Router {
+            transport: crate::amqp::TRANSPORT,
             consumer: self.consumer.clone(),
             queue: self.topology.queue.clone(),
             message_id: self.message_id.clone(),

@@ -54,6 +54,10 @@
 //! transiently ([`RedeliveryPolicy`]); *retry* is the outgoing side's word
 //! (`idempo::retry` for HTTP calls).
 
+/// The transport's name in the outbox, the dead-letter table and the
+/// heartbeats.
+pub(crate) const TRANSPORT: &str = "amqp";
+
 mod acks;
 pub(crate) mod broker;
 pub(crate) mod builder;

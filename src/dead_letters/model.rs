@@ -197,6 +197,9 @@ pub struct Letter {
     pub body_bytes: u64,
     /// Whether idempo did not dead-letter it (no `x-idempo-reason`).
     pub foreign: bool,
+    /// The transport it came from, where a replay sends it: `amqp` (always,
+    /// in a RabbitMQ DLQ) or `nats`.
+    pub transport: String,
 }
 
 /// One dead letter whole: [`Letter`], its routing, headers and body.

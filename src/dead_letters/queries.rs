@@ -23,7 +23,7 @@ fn letter_columns() -> String {
         "id, consumer, queue, routing_key, message_id, reason, error, fingerprint, attempts, \
          deliveries, {} AS first_failed_at, {} AS last_failed_at, state, replay_count, \
          {} AS replayed_at, replayed_by, replayed_to, {} AS discarded_at, discarded_by, \
-         length(body)::int8 AS body_bytes, headers ? 'x-idempo-reason' AS idempo",
+         length(body)::int8 AS body_bytes, headers ? 'x-idempo-reason' AS idempo, transport",
         micros("first_failed_at"),
         micros("last_failed_at"),
         micros("replayed_at"),
@@ -66,6 +66,7 @@ fn letter(row: &sqlx::postgres::PgRow) -> std::result::Result<Letter, sqlx::Erro
         discarded_by: row.try_get("discarded_by")?,
         body_bytes: u64::try_from(row.try_get::<i64, _>("body_bytes")?).unwrap_or_default(),
         foreign: !row.try_get::<Option<bool>, _>("idempo")?.unwrap_or(false),
+        transport: row.try_get("transport")?,
     })
 }
 
@@ -304,11 +305,11 @@ pub(crate) async fn purge(pool: &PgPool, filter: &Filter) -> Result<u64> {
     Ok(q.build().execute(pool).await?.rows_affected())
 }
 
-/// The work queues of the live letters `filter` selects.
+/// The work queues of the live letters of `transport` that `filter` selects.
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the query fails.
-pub(crate) async fn queues(pool: &PgPool, filter: &Filter) -> Result<Vec<String>> {
+pub(crate) async fn queues(pool: &PgPool, filter: &Filter, transport: &str) -> Result<Vec<String>> {
     let live = Filter {
         state: Some(LetterState::Live),
         any_state: false,
@@ -318,5 +319,6 @@ pub(crate) async fn queues(pool: &PgPool, filter: &Filter) -> Result<Vec<String>
     };
     let mut q = QueryBuilder::new("SELECT DISTINCT queue FROM dead_letters");
     push_filter(&mut q, &live);
+    q.push(" AND transport = ").push_bind(transport.to_owned());
     Ok(q.build_query_scalar().fetch_all(pool).await?)
 }

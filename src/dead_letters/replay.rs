@@ -60,7 +60,7 @@ pub(crate) async fn replay(
         }
         let mut tx = pool.begin().await?;
         let mut q = QueryBuilder::new(
-            "SELECT id, consumer, queue, message_id, properties, body FROM dead_letters",
+            "SELECT id, consumer, queue, message_id, properties, body, transport FROM dead_letters",
         );
         push_filter(&mut q, &live);
         q.push(" AND NOT (id = ANY(")
@@ -83,6 +83,7 @@ pub(crate) async fn replay(
             let message_id: Option<String> = row.try_get("message_id")?;
             let encoded: Vec<u8> = row.try_get("properties")?;
             let body: Vec<u8> = row.try_get("body")?;
+            let transport: String = row.try_get("transport")?;
             let refusal = match (&message_id, options.force) {
                 // In the batch's transaction: a second connection would
                 // deadlock a small pool under concurrent replays.
@@ -110,7 +111,7 @@ pub(crate) async fn replay(
                 continue;
             }
             let properties = properties.unwrap_or_default();
-            match replay_message(&properties, message_id.clone(), &to, body) {
+            match replay_message(&properties, message_id.clone(), &to, body, transport) {
                 Ok(message) => {
                     messages.push(message);
                     replayed.push((id, message_id, to));
@@ -171,17 +172,20 @@ pub(crate) async fn replay(
 /// property, every header with its AMQP type), its failure history moved
 /// into the replay headers (as [`DeadLetter::replay_properties`] writes
 /// them). The outbox row carries the letter's id (also when the consumer
-/// read it from a header, not the `message_id` property).
+/// read it from a header, not the `message_id` property), and goes to the
+/// relay of the letter's `transport`.
 fn replay_message(
     properties: &BasicProperties,
     message_id: Option<String>,
     to: &str,
     body: Vec<u8>,
+    transport: String,
 ) -> std::result::Result<OutboxMessage, Refusal> {
     let replayed = DeadLetter::new(properties).replay_properties();
     let mut message = OutboxMessage::new("", to, body)
         .amqp_properties(&replayed)
-        .map_err(|_| Refusal::Undecodable)?;
+        .map_err(|_| Refusal::Undecodable)?
+        .transport(transport);
     if let (None, Some(id)) = (message.id(), message_id) {
         message = message.row_id(id);
     }

@@ -33,6 +33,8 @@ fn jsonb_text(value: &serde_json::Value) -> String {
 /// properties, whoever built them (the runtime's copy, a DLQ's import, the
 /// quarantine's mended properties).
 pub(crate) struct Row<'a> {
+    /// The transport the message came from, where a replay sends it.
+    pub(crate) transport: &'a str,
     pub(crate) consumer: &'a str,
     pub(crate) queue: &'a str,
     pub(crate) message_id: &'a str,
@@ -79,9 +81,10 @@ pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
     sqlx::query(
         "INSERT INTO dead_letters (consumer, queue, message_id, payload_sha256, exchange, \
              routing_key, properties, headers, body, body_json, reason, error, fingerprint, \
-             attempts, first_failed_at, last_failed_at) \
+             attempts, first_failed_at, last_failed_at, transport) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9, $10::text::jsonb, $11, $12, \
-             $13, $14, coalesce($15::text::timestamptz, now()), coalesce($16::text::timestamptz, now())) \
+             $13, $14, coalesce($15::text::timestamptz, now()), coalesce($16::text::timestamptz, now()), \
+             $17) \
          ON CONFLICT (consumer, queue, message_id, payload_sha256) WHERE state = 'live' \
          DO UPDATE SET deliveries = dead_letters.deliveries + 1, \
              attempts = greatest(dead_letters.attempts, excluded.attempts), \
@@ -106,6 +109,7 @@ pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
     .bind(i32::try_from(letter.attempts).unwrap_or(i32::MAX))
     .bind((!letter.first_failed_at.is_empty()).then_some(letter.first_failed_at))
     .bind((!letter.last_failed_at.is_empty()).then_some(letter.last_failed_at))
+    .bind(letter.transport)
     .execute(pool)
     .await?;
     Ok(())
@@ -166,6 +170,7 @@ impl LetterStore for TableStore {
             let message = letter.message;
             let properties = copy_properties(message, letter.headers.iter().cloned());
             let row = Row {
+                transport: letter.transport,
                 consumer: letter.consumer,
                 queue: letter.queue,
                 message_id: message.id(),

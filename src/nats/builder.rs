@@ -349,7 +349,7 @@ fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Result<Consumer
         stats.clone(),
         shutdown.graceful_token().clone(),
     );
-    let forwarding = Arc::new(Forwarding::new(false));
+    let forwarding = Arc::new(Forwarding::new(false, super::TRANSPORT));
     let dispatch = mode.into_dispatch(&Parts {
         consumer: &consumer,
         queue: &subject,

@@ -215,7 +215,8 @@ impl Consumer {
                 stop.clone(),
             ))
         });
-        let beating = heartbeat::Identity::new(&p.consumer, &p.topology.stream).on("nats");
+        let beating =
+            heartbeat::Identity::new(&p.consumer, &p.topology.stream).on(super::TRANSPORT);
         let beats = tokio::spawn(heartbeat::beat_periodically(
             p.pool.clone(),
             beating.clone(),
@@ -224,6 +225,7 @@ impl Consumer {
             stop.clone(),
         ));
         let router = Arc::new(Router {
+            transport: super::TRANSPORT,
             consumer: p.consumer.clone(),
             queue: p.topology.stream.clone(),
             message_id: p.message_id.clone(),

@@ -25,6 +25,10 @@
 //! See [`Consumer`]; the `payments` example runs on NATS with
 //! `PAYMENTS_TRANSPORT=nats`.
 
+/// The transport's name in the outbox, the dead-letter table and the
+/// heartbeats.
+pub(crate) const TRANSPORT: &str = "nats";
+
 mod builder;
 mod connect;
 mod consumer;

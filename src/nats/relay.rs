@@ -33,7 +33,9 @@ use crate::runtime::shutdown::ShutdownHandle;
 const IDLE: Duration = Duration::from_millis(100);
 
 /// The outbox relay to JetStream: the staged message's routing key is the
-/// subject it is published on.
+/// subject it is published on. It publishes the messages staged for the
+/// `nats` transport: those a JetStream consumer's handlers stage, and those
+/// staged elsewhere with [`OutboxMessage::transport`](crate::outbox::OutboxMessage::transport)`("nats")`.
 ///
 /// ```no_run
 /// # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
@@ -140,7 +142,9 @@ impl Relay {
     /// PubAcks, delete the published rows and record the refusals.
     async fn batch(&self, context: &Context) -> std::result::Result<usize, sqlx::Error> {
         let mut batch = Batch::begin(&self.pool, self.takeover_after).await?;
-        let rows = batch.lock_due(self.batch_size, &[]).await?;
+        let rows = batch
+            .lock_due(super::TRANSPORT, self.batch_size, &[])
+            .await?;
         if rows.is_empty() {
             batch.rollback().await?;
             return Ok(0);

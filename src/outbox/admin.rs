@@ -24,6 +24,8 @@ pub struct OutboxStatus {
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 #[non_exhaustive]
 pub struct PendingGroup {
+    /// The transport whose relay publishes them (`amqp`, `nats`).
+    pub transport: String,
     /// The exchange (empty: the default exchange, or rows packed together).
     pub exchange: String,
     /// The routing key (empty for rows packed together).
@@ -42,6 +44,8 @@ pub struct PendingGroup {
 pub struct FailedMessage {
     /// The row's id.
     pub id: i64,
+    /// The transport whose relay gave up (`amqp`, `nats`).
+    pub transport: String,
     /// The AMQP message id.
     pub message_id: String,
     /// Where it was to go.
@@ -85,10 +89,12 @@ impl PendingGroup {
     /// The query failed.
     pub async fn list(pool: &PgPool, limit: i64) -> Result<Vec<PendingGroup>, sqlx::Error> {
         sqlx::query_as(
-            "SELECT exchange, routing_key, ordering_key, sum(messages)::int8 AS messages, \
+            "SELECT transport, exchange, routing_key, ordering_key, \
+                    sum(messages)::int8 AS messages, \
                     extract(epoch FROM now() - min(created_at))::float8 AS oldest_secs \
              FROM outbox WHERE state = 'pending' \
-             GROUP BY exchange, routing_key, ordering_key ORDER BY min(created_at) LIMIT $1",
+             GROUP BY transport, exchange, routing_key, ordering_key \
+             ORDER BY min(created_at) LIMIT $1",
         )
         .bind(limit)
         .fetch_all(pool)
@@ -103,7 +109,8 @@ impl FailedMessage {
     /// The query failed.
     pub async fn list(pool: &PgPool, limit: i64) -> Result<Vec<FailedMessage>, sqlx::Error> {
         sqlx::query_as(
-            "SELECT id, message_id, exchange, routing_key, ordering_key, attempts, last_error \
+            "SELECT id, transport, message_id, exchange, routing_key, ordering_key, attempts, \
+                    last_error \
              FROM outbox WHERE state = 'failed' ORDER BY id LIMIT $1",
         )
         .bind(limit)

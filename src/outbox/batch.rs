@@ -50,25 +50,27 @@ impl Batch {
         Ok(Batch { tx })
     }
 
-    /// Locks up to `limit` due pending rows, lowest id first, skipping rows
-    /// other relays hold and the keys in `parked`.
+    /// Locks up to `limit` due pending rows of `transport`, lowest id
+    /// first, skipping rows other relays hold and the keys in `parked`.
     pub(crate) async fn lock_due(
         &mut self,
+        transport: &str,
         limit: usize,
         parked: &[String],
     ) -> Result<Vec<Row>, sqlx::Error> {
         sqlx::query_as(
             "SELECT id, exchange, routing_key, message_id, body, content_type, correlation_id, \
                     persistent, headers::text AS headers, ordering_key, attempts, packed, messages, \
-                    properties \
+                    properties, transport \
              FROM outbox \
-             WHERE state = 'pending' AND next_attempt_at <= now() \
+             WHERE state = 'pending' AND transport = $3 AND next_attempt_at <= now() \
                AND (ordering_key IS NULL OR NOT (ordering_key = ANY($2::text[]))) \
              ORDER BY id LIMIT $1 \
              FOR UPDATE SKIP LOCKED",
         )
         .bind(limit as i64)
         .bind(parked)
+        .bind(transport)
         .fetch_all(&mut *self.tx)
         .await
     }
@@ -91,17 +93,20 @@ impl Batch {
         keys.sort_unstable();
         keys.dedup();
         let last = rows.last().map_or(0, |r| r.id);
+        // Rows of one batch share their transport: keys are per transport.
+        let transport = rows.first().map_or("", |r| r.transport.as_str());
         // A plain read: it sees rows that other relays hold locked.
         let pending: Vec<(String, i64, Option<f64>)> = sqlx::query_as(
             "SELECT ordering_key, id, \
                     CASE WHEN next_attempt_at > now() \
                          THEN extract(epoch FROM next_attempt_at - now())::float8 END \
              FROM outbox \
-             WHERE state = 'pending' AND ordering_key = ANY($1) AND id <= $2 \
+             WHERE state = 'pending' AND transport = $3 AND ordering_key = ANY($1) AND id <= $2 \
              ORDER BY ordering_key, id",
         )
         .bind(&keys)
         .bind(last)
+        .bind(transport)
         .fetch_all(&mut *self.tx)
         .await?;
         let mut mine: HashMap<&str, Vec<i64>> = HashMap::new();
@@ -189,11 +194,15 @@ impl Batch {
     }
 }
 
-/// Whether any row is pending: a dormant relay's reason to start.
-pub(crate) async fn any_pending(pool: &PgPool) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox WHERE state = 'pending')")
-        .fetch_one(pool)
-        .await
+/// Whether any row of `transport` is pending: a dormant relay's reason to
+/// start.
+pub(crate) async fn any_pending(pool: &PgPool, transport: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM outbox WHERE state = 'pending' AND transport = $1)",
+    )
+    .bind(transport)
+    .fetch_one(pool)
+    .await
 }
 
 /// Vacuums the outbox when the server's autovacuum is off (deleted rows
@@ -227,13 +236,14 @@ pub(crate) struct Row {
     pub(crate) packed: Option<Vec<u8>>,
     pub(crate) messages: i32,
     pub(crate) properties: Option<Vec<u8>>,
+    pub(crate) transport: String,
 }
 
 impl Row {
     /// The messages the row carries: itself, or its packed ones.
     pub(crate) fn unpack(self) -> std::result::Result<Vec<Staged>, String> {
         match self.packed {
-            Some(packed) => packed::decode(&packed),
+            Some(packed) => packed::decode(&packed, &self.transport),
             None => Ok(vec![Staged {
                 exchange: self.exchange,
                 routing_key: self.routing_key,
@@ -244,6 +254,7 @@ impl Row {
                 headers: self.headers,
                 body: self.body,
                 properties: self.properties,
+                transport: self.transport,
             }]),
         }
     }
@@ -325,10 +336,10 @@ impl Failures {
         sqlx::query(
             "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
                                  correlation_id, persistent, headers, attempts, last_error, \
-                                 state, next_attempt_at, created_at, properties) \
+                                 state, next_attempt_at, created_at, properties, transport) \
              SELECT e, r, i, b, c, k, p, h::jsonb, o.attempts + 1, err, \
                     CASE WHEN g THEN 'failed' ELSE 'pending' END, \
-                    now() + make_interval(secs => d), o.created_at, pr \
+                    now() + make_interval(secs => d), o.created_at, pr, o.transport \
              FROM outbox AS o, \
                   unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
                          $7::text[], $8::bool[], $9::text[], $10::text[], $11::bool[], \

@@ -55,7 +55,15 @@ pub struct OutboxMessage {
     pub(crate) max_body_size: usize,
     /// The exact AMQP properties, encoded (see `amqp_properties`).
     pub(crate) properties: Option<Vec<u8>>,
+    /// The transport whose relay publishes it; `None`: the staging
+    /// consumer's, or [`DEFAULT_TRANSPORT`] outside a consumer.
+    pub(crate) transport: Option<String>,
 }
+
+/// The transport of a message staged outside a consumer without naming one,
+/// and of every row staged before rows named theirs: RabbitMQ's, the first
+/// transport (the migration's default too).
+pub(crate) const DEFAULT_TRANSPORT: &str = "amqp";
 
 impl OutboxMessage {
     /// A message with this body for `exchange` (`""`: the default exchange,
@@ -77,6 +85,7 @@ impl OutboxMessage {
             ordering_key: None,
             max_body_size: DEFAULT_MAX_BODY_SIZE,
             properties: None,
+            transport: None,
         }
     }
 
@@ -130,6 +139,27 @@ impl OutboxMessage {
     pub fn header(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
         self.headers.insert(name.into(), value.into());
         self
+    }
+
+    /// The transport whose relay publishes the message: `"amqp"` (RabbitMQ;
+    /// the routing key is a queue or binding key) or `"nats"` (JetStream;
+    /// the routing key is the subject, the exchange must be empty), or the
+    /// name of another transport. Each relay publishes only its own
+    /// transport's messages, so services on different brokers can share one
+    /// database.
+    ///
+    /// # Default
+    /// Staged through a consumer handler's guard, the consumer's transport
+    /// (a forward goes out on the broker the message came from); anywhere
+    /// else, `"amqp"`.
+    pub fn transport(mut self, transport: impl Into<String>) -> Self {
+        self.transport = Some(transport.into());
+        self
+    }
+
+    /// The transport named with [`transport`](Self::transport), if any.
+    pub fn transport_value(&self) -> Option<&str> {
+        self.transport.as_deref()
     }
 
     /// The id the outbox keeps for the row when exact properties publish
@@ -299,6 +329,7 @@ impl OutboxMessage {
             ordering_key,
             max_body_size: DEFAULT_MAX_BODY_SIZE,
             properties: staged.properties,
+            transport: Some(staged.transport),
         }
     }
 
@@ -315,7 +346,13 @@ impl OutboxMessage {
             headers: self.headers_text(),
             body: self.body.clone(),
             properties: self.properties.clone(),
+            transport: self.transport_or_default().to_owned(),
         }
+    }
+
+    /// The transport the row is written for.
+    pub(crate) fn transport_or_default(&self) -> &str {
+        self.transport.as_deref().unwrap_or(DEFAULT_TRANSPORT)
     }
 
     /// The headers as JSON text (an object), as the outbox stores them
@@ -372,6 +409,19 @@ impl OutboxMessage {
         if let Some(id) = &self.message_id {
             validate_message_id(id)?;
         }
+        if let Some(transport) = &self.transport
+            && (transport.is_empty()
+                || !transport.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_'
+                }))
+        {
+            return Err(OutboxError::InvalidField {
+                field: "transport",
+                reason: format!(
+                    "{transport:?}: a transport's name is lowercase letters, digits, - and _ (\"amqp\", \"nats\")"
+                ),
+            });
+        }
         short_string("exchange", &self.exchange)?;
         short_string("routing key", &self.routing_key)?;
         for (name, value) in &self.headers {
@@ -390,6 +440,7 @@ impl OutboxMessage {
             ("content type", self.content_type.as_deref()),
             ("correlation id", self.correlation_id.as_deref()),
             ("ordering key", self.ordering_key.as_deref()),
+            ("transport", self.transport.as_deref()),
         ] {
             if let Some(value) = value {
                 short_string(field, value)?;

@@ -24,6 +24,9 @@ pub(crate) struct Staged {
     pub(crate) body: Vec<u8>,
     /// The exact AMQP properties, encoded, when staged with them.
     pub(crate) properties: Option<Vec<u8>>,
+    /// The transport whose relay publishes it (a packed row's messages
+    /// share the row's).
+    pub(crate) transport: String,
 }
 
 /// Encodes validated messages (ids assigned): per message, length-prefixed
@@ -59,7 +62,7 @@ pub(crate) fn encode(messages: &[OutboxMessage]) -> Vec<u8> {
 }
 
 /// Decodes what [`encode`] wrote.
-pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<Staged>, String> {
+pub(crate) fn decode(bytes: &[u8], transport: &str) -> Result<Vec<Staged>, String> {
     let mut input = Reader { bytes, at: 0 };
     let version = input.take(1)?[0];
     if !(1..=VERSION).contains(&version) {
@@ -88,6 +91,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<Staged>, String> {
             headers,
             body,
             properties,
+            transport: transport.to_owned(),
         });
     }
     Ok(messages)
@@ -136,7 +140,7 @@ mod tests {
                 .correlation_id("c")
                 .transient(),
         ];
-        let decoded = decode(&encode(&messages)).unwrap();
+        let decoded = decode(&encode(&messages), "amqp").unwrap();
         assert_eq!(decoded.len(), 2);
         assert_eq!(decoded[0].exchange, "x");
         assert_eq!(decoded[0].headers, r#"{"h":5}"#);
@@ -151,7 +155,7 @@ mod tests {
     fn truncated_input_is_an_error_not_a_panic() {
         let bytes = encode(&[OutboxMessage::new("", "q", b"x".to_vec()).message_id("1")]);
         for n in 0..bytes.len() {
-            assert!(decode(&bytes[..n]).is_err());
+            assert!(decode(&bytes[..n], "amqp").is_err());
         }
     }
 }

@@ -114,6 +114,14 @@ pub async fn stage_all(
         m.validate()?;
     }
     let (conn, unit) = conn.target();
+    // Through a consumer's guard, a message goes out on the consumer's
+    // transport unless it names another.
+    if let Some(unit) = unit {
+        for m in &mut messages {
+            m.transport
+                .get_or_insert_with(|| unit.transport().to_owned());
+        }
+    }
     // On a consumer unit's guard, unkeyed messages wait for the unit's
     // commit, which writes them: no round trip here.
     if let Some(unit) = unit
@@ -126,7 +134,10 @@ pub async fn stage_all(
         .iter()
         .filter_map(|m| m.ordering_key.as_deref())
         .collect();
-    if keys.is_empty() && messages.len() > 1 {
+    let one_transport = messages
+        .iter()
+        .all(|m| m.transport_or_default() == messages[0].transport_or_default());
+    if keys.is_empty() && messages.len() > 1 && one_transport {
         // One row for the lot: a fraction of the writes of a row each.
         insert_packed(conn, &messages, quiet).await?;
         return Ok(staged(messages));
@@ -183,42 +194,49 @@ fn deferred_rows(deferred: &[OutboxMessage], quiet: bool) -> crate::Result<Strin
     if quiet {
         sql.push_str("SELECT set_config('idempo.outbox_notify', 'off', true); ");
     }
-    match deferred {
-        [m] => {
-            sql.push_str(
-                "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                                     correlation_id, persistent, headers, properties) VALUES (",
-            );
-            let values = [
-                text("exchange", &m.exchange)?,
-                text("routing key", &m.routing_key)?,
-                optional_text("message id", m.message_id.as_deref())?,
-                bytes(&m.body),
-                optional_text("content type", m.content_type.as_deref())?,
-                optional_text("correlation id", m.correlation_id.as_deref())?,
-                m.persistent.to_string(),
-                format!("{}::jsonb", text("headers", &m.headers_text())?),
-                m.properties
-                    .as_deref()
-                    .map_or_else(|| "NULL".to_owned(), bytes),
-            ];
-            sql.push_str(&values.join(", "));
+    // A row (or a packed row) per run of messages of one transport: a
+    // packed row's messages share its transport.
+    for run in deferred.chunk_by(|a, b| a.transport_or_default() == b.transport_or_default()) {
+        match run {
+            [m] => {
+                sql.push_str(
+                    "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
+                                         correlation_id, persistent, headers, properties, \
+                                         transport) VALUES (",
+                );
+                let values = [
+                    text("exchange", &m.exchange)?,
+                    text("routing key", &m.routing_key)?,
+                    optional_text("message id", m.message_id.as_deref())?,
+                    bytes(&m.body),
+                    optional_text("content type", m.content_type.as_deref())?,
+                    optional_text("correlation id", m.correlation_id.as_deref())?,
+                    m.persistent.to_string(),
+                    format!("{}::jsonb", text("headers", &m.headers_text())?),
+                    m.properties
+                        .as_deref()
+                        .map_or_else(|| "NULL".to_owned(), bytes),
+                    text("transport", m.transport_or_default())?,
+                ];
+                sql.push_str(&values.join(", "));
+            }
+            many => {
+                sql.push_str(
+                    "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, \
+                                         messages, transport) VALUES ('', '', ",
+                );
+                sql.push_str(&text(
+                    "message id",
+                    many[0].message_id.as_deref().unwrap_or_default(),
+                )?);
+                sql.push_str(", ''::bytea, ");
+                sql.push_str(&bytes(&packed::encode(many)));
+                sql.push_str(&format!(", {}, ", many.len()));
+                sql.push_str(&text("transport", many[0].transport_or_default())?);
+            }
         }
-        many => {
-            sql.push_str(
-                "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
-                 VALUES ('', '', ",
-            );
-            sql.push_str(&text(
-                "message id",
-                many[0].message_id.as_deref().unwrap_or_default(),
-            )?);
-            sql.push_str(", ''::bytea, ");
-            sql.push_str(&bytes(&packed::encode(many)));
-            sql.push_str(&format!(", {}", many.len()));
-        }
+        sql.push_str("); ");
     }
-    sql.push_str("); ");
     Ok(sql)
 }
 
@@ -239,8 +257,9 @@ async fn insert_one(
 ) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(
         "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                             correlation_id, persistent, headers, ordering_key, properties) \
-         SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9, $11 \
+                             correlation_id, persistent, headers, ordering_key, properties, \
+                             transport) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9, $11, $12 \
          FROM (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify",
     )
     .bind(&m.exchange)
@@ -254,6 +273,7 @@ async fn insert_one(
     .bind(&m.ordering_key)
     .bind(notify_setting(quiet))
     .bind(&m.properties)
+    .bind(m.transport_or_default())
     .execute(conn)
     .await?;
     Ok(done.rows_affected())
@@ -266,14 +286,16 @@ async fn insert_packed(
     quiet: bool,
 ) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(
-        "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages) \
-         SELECT '', '', $1, ''::bytea, $2, $3 \
+        "INSERT INTO outbox (exchange, routing_key, message_id, body, packed, messages, \
+                             transport) \
+         SELECT '', '', $1, ''::bytea, $2, $3, $5 \
          FROM (SELECT set_config('idempo.outbox_notify', $4, true)) AS notify",
     )
     .bind(messages[0].message_id.as_deref().unwrap_or_default())
     .bind(packed::encode(messages))
     .bind(messages.len() as i32)
     .bind(notify_setting(quiet))
+    .bind(messages[0].transport_or_default())
     .execute(conn)
     .await?;
     Ok(done.rows_affected())
@@ -294,11 +316,12 @@ async fn insert_rows(
     let headers: Vec<String> = messages.iter().map(OutboxMessage::headers_text).collect();
     let done = sqlx::query(
         "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                             correlation_id, persistent, headers, ordering_key, properties) \
-         SELECT e, r, i, b, c, k, p, h::jsonb, o, pr \
+                             correlation_id, persistent, headers, ordering_key, properties, \
+                             transport) \
+         SELECT e, r, i, b, c, k, p, h::jsonb, o, pr, tr \
          FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], \
-                     $6::text[], $7::bool[], $8::text[], $9::text[], $11::bytea[]) \
-              WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, o, pr, n), \
+                     $6::text[], $7::bool[], $8::text[], $9::text[], $11::bytea[], $12::text[]) \
+              WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, o, pr, tr, n), \
               (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify \
          ORDER BY n",
     )
@@ -318,6 +341,7 @@ async fn insert_rows(
             .map(|m| m.properties.as_deref())
             .collect::<Vec<_>>(),
     )
+    .bind(column(|m| Some(m.transport_or_default())))
     .execute(conn)
     .await?;
     Ok(done.rows_affected())

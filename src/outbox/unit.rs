@@ -15,6 +15,9 @@ pub struct UnitOutbox {
     /// The consumer's relay publishes in this process: it is woken after
     /// the commit, so the staging trigger need not NOTIFY.
     quiet: bool,
+    /// The consumer's transport: what its handler stages goes out there
+    /// unless a message names another.
+    transport: &'static str,
     /// Something was staged (deferred or written at once).
     staged: AtomicBool,
     /// Unkeyed messages, written by the unit's commit.
@@ -24,12 +27,18 @@ pub struct UnitOutbox {
 // Only the consumer runtime creates units.
 #[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 impl UnitOutbox {
-    pub(crate) fn new(quiet: bool) -> Self {
+    pub(crate) fn new(quiet: bool, transport: &'static str) -> Self {
         UnitOutbox {
             quiet,
+            transport,
             staged: AtomicBool::new(false),
             deferred: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The consumer's transport.
+    pub(crate) fn transport(&self) -> &'static str {
+        self.transport
     }
 
     /// Keeps `messages` for the commit, unless one has an ordering key

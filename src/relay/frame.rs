@@ -115,6 +115,7 @@ mod tests {
             headers: m.headers_text(),
             body: m.body.clone(),
             properties: m.properties.clone(),
+            transport: "amqp".into(),
         };
         let bare = OutboxMessage::new("", "q", b"x".to_vec())
             .message_id("id-1")
@@ -214,7 +215,8 @@ mod tests {
         let staged = m.to_staged();
         assert_eq!(frame(&staged).properties, properties);
         // Through a packed row too.
-        let packed = crate::outbox::packed::decode(&crate::outbox::packed::encode(&[m])).unwrap();
+        let packed =
+            crate::outbox::packed::decode(&crate::outbox::packed::encode(&[m]), "amqp").unwrap();
         assert_eq!(frame(&packed[0]).properties, properties);
     }
 

@@ -135,7 +135,7 @@ impl<'a> Running<'a> {
         let stop = self.relay.shutdown.graceful_token();
         loop {
             let staged = self.relay.link.woken();
-            match batch::any_pending(&self.relay.pool).await {
+            match batch::any_pending(&self.relay.pool, crate::amqp::TRANSPORT).await {
                 Ok(true) => return true,
                 Ok(false) => {}
                 // No outbox table (migrations not run) or no database yet.
@@ -332,7 +332,9 @@ impl<'a> Running<'a> {
             parked.keys().cloned().collect()
         };
         let mut batch = Batch::begin(&relay.pool, relay.takeover_after).await?;
-        let mut rows: Vec<Row> = batch.lock_due(relay.batch_size, &parked).await?;
+        let mut rows: Vec<Row> = batch
+            .lock_due(crate::amqp::TRANSPORT, relay.batch_size, &parked)
+            .await?;
         // More rows may be due when the query filled its limit.
         let full = rows.len() == relay.batch_size;
         // At most batch_size messages (packed rows carry several), at least one row.

@@ -25,12 +25,15 @@ mod imp {
     #[derive(Debug)]
     pub(crate) struct Forwarding {
         relay: Option<RelayLink>,
+        /// The consumer's transport: where its handlers' messages go.
+        transport: &'static str,
     }
 
     impl Forwarding {
-        pub(crate) fn new(relay: bool) -> Self {
+        pub(crate) fn new(relay: bool, transport: &'static str) -> Self {
             Forwarding {
                 relay: relay.then(RelayLink::default),
+                transport,
             }
         }
 
@@ -45,7 +48,7 @@ mod imp {
             // With our relay publishing, it is woken after the commit, so
             // staging skips NOTIFY (a notifying commit holds a global lock).
             let quiet = self.relay.as_ref().is_some_and(RelayLink::is_publishing);
-            let unit = Arc::new(UnitOutbox::new(quiet));
+            let unit = Arc::new(UnitOutbox::new(quiet, self.transport));
             (Tx::with_extension(tx, unit.clone()), unit)
         }
 
@@ -80,7 +83,7 @@ mod imp {
     pub(crate) struct Forwarding;
 
     impl Forwarding {
-        pub(crate) fn new(_relay: bool) -> Self {
+        pub(crate) fn new(_relay: bool, _transport: &'static str) -> Self {
             Forwarding
         }
 

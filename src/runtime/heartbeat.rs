@@ -228,17 +228,3 @@ pub(crate) async fn instances(pool: &PgPool, within: Duration) -> Result<Vec<Ins
         })
         .collect())
 }
-
-/// The queues that consumers of another transport than AMQP said they read
-/// (JetStream streams), so that no RabbitMQ queue is looked for under their
-/// names.
-#[cfg(feature = "ops")]
-pub(crate) async fn queues_not_on_amqp(pool: &PgPool) -> Result<Vec<String>> {
-    Ok(
-        sqlx::query_scalar(
-            "SELECT DISTINCT queue FROM idempo_heartbeats WHERE transport <> 'amqp'",
-        )
-        .fetch_all(pool)
-        .await?,
-    )
-}

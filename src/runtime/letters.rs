@@ -15,6 +15,8 @@ use crate::Result;
 // Read by the stores (the table store is feature `outbox`).
 #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
 pub(crate) struct NewLetter<'a> {
+    /// The transport the message came from: where its replay goes.
+    pub(crate) transport: &'static str,
     pub(crate) consumer: &'a str,
     pub(crate) queue: &'a str,
     /// The original, as delivered (its id, body, exchange, envelope).

@@ -60,6 +60,8 @@ pub(crate) enum Route {
 
 /// The transport-free part of a consumer's delivery path (one per consumer).
 pub(crate) struct Router {
+    /// The transport's name (its dead letters are replayed there).
+    pub(crate) transport: &'static str,
     pub(crate) consumer: String,
     pub(crate) queue: String,
     pub(crate) message_id: MessageIdSource,
@@ -91,6 +93,7 @@ impl Router {
         let (reason, error) = (letter.reason, letter.error);
         let routing_key = original_routing_key(message);
         let letter = NewLetter {
+            transport: self.transport,
             consumer: &self.consumer,
             queue: &self.queue,
             message,

@@ -20,7 +20,9 @@ impl Harness {
     /// [`Error::Database`] when the outbox cannot be read.
     pub async fn outbox(&self) -> Result<Vec<OutboxMessage>> {
         let mut batch = Batch::begin(self.pool(), Duration::from_secs(60)).await?;
-        let rows = batch.lock_due(i32::MAX as usize, &[]).await?;
+        let rows = batch
+            .lock_due(crate::amqp::TRANSPORT, i32::MAX as usize, &[])
+            .await?;
         batch.rollback().await?;
         unpack(rows)
     }
@@ -36,7 +38,7 @@ impl Harness {
         let mut published = Vec::new();
         loop {
             let mut batch = Batch::begin(self.pool(), Duration::from_secs(60)).await?;
-            let rows = batch.lock_due(100, &[]).await?;
+            let rows = batch.lock_due(crate::amqp::TRANSPORT, 100, &[]).await?;
             if rows.is_empty() {
                 batch.rollback().await?;
                 return Ok(published);
@@ -65,7 +67,7 @@ impl Harness {
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT o.id, o.exchange, o.routing_key, o.message_id, o.body, o.content_type, \
                     o.correlation_id, o.persistent, o.headers::text AS headers, o.ordering_key, \
-                    o.attempts, o.packed, o.messages, o.properties \
+                    o.attempts, o.packed, o.messages, o.properties, o.transport \
              FROM outbox o, processed_messages p \
              WHERE p.consumer = $1 AND p.message_id = $2 AND o.xmin::text = p.xmin::text \
              ORDER BY o.id",

@@ -68,7 +68,7 @@ pub(crate) fn finish<Mode: IntoDispatch>(builder: ConsumerBuilder<Mode>) -> Resu
         stats.clone(),
         shutdown.graceful_token().clone(),
     );
-    let forwarding = Arc::new(Forwarding::new(s.relay));
+    let forwarding = Arc::new(Forwarding::new(s.relay, crate::amqp::TRANSPORT));
     let dispatch = mode.into_dispatch(&Parts {
         consumer: &consumer,
         queue: &queue,

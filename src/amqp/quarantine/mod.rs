@@ -165,6 +165,7 @@ async fn store(
         .unwrap_or_default();
     let routing_key = String::from_utf8_lossy(&got.routing_key);
     let letter = crate::dead_letters::Row {
+        transport: crate::amqp::TRANSPORT,
         consumer: target.consumer,
         queue: target.queue,
         message_id: &message_id,

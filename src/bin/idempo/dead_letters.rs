@@ -28,19 +28,21 @@ pub(crate) fn letters(as_json: bool, location: &str, letters: &[Letter]) {
             "ROW",
             "MESSAGE ID",
             "REASON",
+            "TRANSPORT",
             "ATT",
             "LAST FAILED",
             "SIZE",
             "FINGERPRINT",
             "ERROR",
         ],
-        &[3, 5],
+        &[4, 6],
     );
     for l in letters {
         rows.add_row(vec![
             l.id.map_or_else(|| "-".into(), |id| id.to_string()),
             one_line(l.message_id.as_deref().unwrap_or("-"), 25),
             l.reason.clone(),
+            l.transport.clone(),
             l.attempts.map_or_else(|| "-".into(), |n| n.to_string()),
             time(l.last_failed_at),
             l.body_bytes.to_string(),

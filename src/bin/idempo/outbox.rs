@@ -62,7 +62,8 @@ pub(crate) async fn exec(ctx: &Ctx, command: OutboxCommand) -> anyhow::Result<u8
             if ctx.json {
                 for f in &failed {
                     output::json(&json!({
-                        "id": f.id, "message_id": f.message_id, "exchange": f.exchange,
+                        "id": f.id, "transport": f.transport, "message_id": f.message_id,
+                        "exchange": f.exchange,
                         "routing_key": f.routing_key, "ordering_key": f.ordering_key,
                         "attempts": f.attempts, "last_error": f.last_error,
                     }));
@@ -76,9 +77,9 @@ pub(crate) async fn exec(ctx: &Ctx, command: OutboxCommand) -> anyhow::Result<u8
                 );
                 for f in &failed {
                     let destination = if f.exchange.is_empty() {
-                        format!("queue {}", f.routing_key)
+                        format!("{} {}", f.transport, f.routing_key)
                     } else {
-                        format!("{} / {}", f.exchange, f.routing_key)
+                        format!("{} {} / {}", f.transport, f.exchange, f.routing_key)
                     };
                     table.add_row(vec![
                         f.id.to_string(),

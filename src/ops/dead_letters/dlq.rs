@@ -56,6 +56,7 @@ pub(super) fn letter_of(delivery: &Delivery) -> Letter {
         discarded_by: None,
         body_bytes: delivery.data.len() as u64,
         foreign: dead.is_foreign(),
+        transport: crate::amqp::TRANSPORT.to_owned(),
     }
 }
 

@@ -62,6 +62,7 @@ pub async fn import(
             let last = dead.header(LAST_FAILURE_HEADER).unwrap_or_default();
             let exchange = delivery.exchange.to_string();
             let letter = crate::dead_letters::Row {
+                transport: crate::amqp::TRANSPORT,
                 consumer: &consumer,
                 queue: &letter_queue,
                 message_id: &message_id,

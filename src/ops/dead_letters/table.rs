@@ -26,24 +26,21 @@ impl TableSource {
         }
     }
 
-    /// The queues a replay of `filter` would publish to that do not exist
-    /// (none known without a broker, or when it cannot be asked: the relay
-    /// then marks such a message failed, and `idempo outbox failed` shows it).
+    /// The RabbitMQ queues a replay of `filter` would publish to that do
+    /// not exist (none known without a broker, or when it cannot be asked:
+    /// the relay then marks such a message failed, and `idempo outbox
+    /// failed` shows it). Letters of another transport go back to it; its
+    /// relay publishes them (and creates nothing it was not told to).
     async fn missing(&self, filter: &Filter, options: &ReplayOptions) -> Result<Vec<String>> {
         let Some(services) = &self.broker else {
             return Ok(Vec::new());
         };
+        let queues = sql::queues(&self.pool, filter, crate::amqp::TRANSPORT).await?;
         let targets = match &options.to {
-            Some(to) => vec![to.clone()],
-            None => sql::queues(&self.pool, filter).await?,
+            Some(to) if !queues.is_empty() => vec![to.clone()],
+            Some(_) => Vec::new(),
+            None => queues,
         };
-        // A JetStream consumer's stream is not a RabbitMQ queue: its relay
-        // publishes the replay (and creates nothing it was not told to).
-        let elsewhere = crate::runtime::heartbeat::queues_not_on_amqp(&self.pool).await?;
-        let targets: Vec<String> = targets
-            .into_iter()
-            .filter(|t| !elsewhere.contains(t))
-            .collect();
         if targets.is_empty() {
             return Ok(Vec::new());
         }

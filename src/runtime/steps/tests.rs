@@ -104,7 +104,7 @@ fn steps(pool: &PgPool, handler: Arc<dyn Prepare>) -> InboxSteps {
         handler_timeout: Duration::from_secs(5),
         gate,
         stats,
-        forwarding: Arc::new(Forwarding::new(false)),
+        forwarding: Arc::new(Forwarding::new(false, "test")),
         sessions: tokio::sync::OnceCell::new(),
         inbox: crate::inbox::Inbox::new("unit"),
         checked_acquire: false,

@@ -108,13 +108,15 @@ pub(crate) fn group(
         }
         table {
             tr {
-                th { "row" } th { "message id" } th { "attempts" } th { "last failed" } th { "error" }
+                th { "row" } th { "message id" } th { "transport" } th { "attempts" }
+                th { "last failed" } th { "error" }
             }
             @for l in letters {
                 @let id = or_dash(l.id);
                 tr {
                     td { a href={ "/dead-letters/" (id) } { (id) } }
                     td { (untrusted(l.message_id.as_deref().unwrap_or("-"))) }
+                    td { (untrusted(&l.transport)) }
                     td { (or_dash(l.attempts)) }
                     td { (time(l.last_failed_at)) }
                     td class="error" { (untrusted(l.error.as_deref().unwrap_or("-"))) }
@@ -137,11 +139,12 @@ pub(crate) fn outbox(
         h2 { "Pending by destination" }
         table {
             tr {
-                th { "exchange" } th { "routing key" } th { "ordering key" } th { "messages" }
-                th { "oldest" }
+                th { "transport" } th { "exchange" } th { "routing key" } th { "ordering key" }
+                th { "messages" } th { "oldest" }
             }
             @for p in pending {
                 tr {
+                    td { (untrusted(&p.transport)) }
                     td {
                         @if p.exchange.is_empty() && p.routing_key.is_empty() {
                             "(packed rows)"
@@ -171,7 +174,10 @@ pub(crate) fn outbox(
                 tr class="red" {
                     td { (f.id) }
                     td { (untrusted(&f.message_id)) }
-                    td { (untrusted(&f.exchange)) " / " (untrusted(&f.routing_key)) }
+                    td {
+                        (untrusted(&f.transport)) " " (untrusted(&f.exchange)) " / "
+                        (untrusted(&f.routing_key))
+                    }
                     td { (f.attempts) }
                     td class="error" { (untrusted(f.last_error.as_deref().unwrap_or("-"))) }
                     td {
@@ -244,6 +250,7 @@ pub(crate) fn letter(detail: &LetterDetail, csrf: Option<&str>, trace_url: Optio
             dt { "message id" } dd { (untrusted(l.message_id.as_deref().unwrap_or("-"))) }
             dt { "queue" } dd { (untrusted(l.queue.as_deref().unwrap_or("-"))) }
             dt { "consumer" } dd { (untrusted(l.consumer.as_deref().unwrap_or("-"))) }
+            dt { "transport" } dd { (untrusted(&l.transport)) }
             dt { "state" } dd { (l.state.as_str()) " (replayed " (l.replay_count) " time(s))" }
             dt { "reason" } dd { (untrusted(&l.reason)) }
             dt { "error" } dd class="error" { (untrusted(l.error.as_deref().unwrap_or("-"))) }
