@@ -230,7 +230,7 @@ async fn run(js: &jetstream::Context, variant: &str, n: usize) -> anyhow::Result
 
 enum Worker {
     Idempo(
-        idempo::amqp::ShutdownHandle,
+        idempo::consumer::ShutdownHandle,
         tokio::task::JoinHandle<idempo::Result<()>>,
     ),
     Hand(tokio::task::JoinHandle<anyhow::Result<()>>),

@@ -37,7 +37,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
-use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy};
+use idempo::amqp::{Consumer, QueueType};
+use idempo::consumer::RedeliveryPolicy;
 use idempo::outbox::{self, OutboxMessage};
 use idempo::relay::{Relay, RelayState};
 use lapin::options::{

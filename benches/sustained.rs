@@ -58,7 +58,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy};
+use idempo::amqp::{Consumer, QueueType};
+use idempo::consumer::RedeliveryPolicy;
 use idempo::inbox::partitioned::Partitioning;
 use idempo::inbox::{self, Begun};
 use lapin::options::{

@@ -57,7 +57,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
-use idempo::amqp::{Consumer, QueueType, RedeliveryPolicy};
+use idempo::amqp::{Consumer, QueueType};
+use idempo::consumer::RedeliveryPolicy;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -587,8 +588,8 @@ async fn run_idempo(
                 .batch_handler(
                     move |tx,
                           batch: Vec<(
-                        idempo::amqp::JsonBody<payments::Payment>,
-                        idempo::amqp::Message,
+                        idempo::consumer::JsonBody<payments::Payment>,
+                        idempo::consumer::Message,
                     )>| {
                         let latencies = latencies.clone();
                         async move {
@@ -608,8 +609,8 @@ async fn run_idempo(
                 .handler(
                     move |tx,
                           (payment, message): (
-                        idempo::amqp::JsonBody<payments::Payment>,
-                        idempo::amqp::Message,
+                        idempo::consumer::JsonBody<payments::Payment>,
+                        idempo::consumer::Message,
                     )| {
                         let latencies = latencies.clone();
                         async move {

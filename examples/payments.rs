@@ -61,8 +61,9 @@ use std::time::Duration;
 use anyhow::Context;
 use idempo::ClientTls;
 use idempo::Schema;
-use idempo::amqp::DeadLetters;
-use idempo::amqp::{Broker, Consumer, RedeliveryPolicy};
+use idempo::amqp::{Broker, Consumer};
+use idempo::consumer::DeadLetters;
+use idempo::consumer::RedeliveryPolicy;
 use sqlx::postgres::PgPoolOptions;
 
 fn env_or(name: &str, default: &str) -> String {

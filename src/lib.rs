@@ -28,7 +28,7 @@
 //! ## Hello, consumer
 //! ```no_run
 //! use idempo::Tx;
-//! use idempo::amqp::{Consumer, JsonBody};
+//! use idempo::amqp::Consumer, idempo::consumer::JsonBody;
 //!
 //! #[derive(serde::Deserialize)]
 //! struct Payment { account: String, amount_cents: i64 }
@@ -139,6 +139,10 @@ mod wire_size;
 
 #[cfg(feature = "amqp")]
 mod runtime;
+
+#[cfg(feature = "amqp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+pub mod consumer;
 
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]

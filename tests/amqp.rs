@@ -8,7 +8,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use idempo::Tx;
-use idempo::amqp::{Consumer, HandlerError, Message, MessageIdSource, QueueType};
+use idempo::amqp::{Consumer, QueueType};
+use idempo::consumer::{HandlerError, Message, MessageIdSource};
 use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, ExchangeKind};
@@ -352,7 +353,7 @@ async fn hostile_message_ids_are_processed_once_and_stored_as_they_came() {
         let pool = support::pool_with_settings(&db, 4, settings).await;
         let consumer = Consumer::builder(support::amqp_url(), pool)
             .queue(&queue)
-            .redelivery(idempo::amqp::RedeliveryPolicy::delayed([
+            .redelivery(idempo::consumer::RedeliveryPolicy::delayed([
                 support::RETRY_DELAY,
             ]));
         let ids = support::hostile_ids();
@@ -574,7 +575,7 @@ async fn an_impossible_configuration_is_refused_with_a_clear_error() {
     );
 
     // Without a handler there is no `build` at all: see the compile_fail
-    // examples in `idempo::amqp::mode`.
+    // examples in `idempo::consumer::mode`.
 
     let prefetch = payments_consumer(&db, "q")
         .prefetch(4)
@@ -889,7 +890,7 @@ async fn a_failing_batch_falls_back_to_one_message_at_a_time() {
     let consumer = Running::start(
         consumer_for(&db, &queue)
             .batch_handler(
-                move |tx, batch: Vec<(idempo::amqp::JsonBody<payments::Payment>, Message)>| {
+                move |tx, batch: Vec<(idempo::consumer::JsonBody<payments::Payment>, Message)>| {
                     let count = count.clone();
                     async move {
                         let has_flaky = batch.iter().any(|(_, m)| m.id() == "pay-7");

@@ -6,7 +6,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use idempo::amqp::{HandlerError, Message, RedeliveryPolicy};
+use idempo::consumer::{HandlerError, Message, RedeliveryPolicy};
 use idempo::outbox::{self, OutboxMessage};
 use idempo::relay::{Relay, RelayState};
 use support::consumer::{Running, consumer_for};

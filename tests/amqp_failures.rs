@@ -5,7 +5,8 @@ mod support;
 
 use std::time::Duration;
 
-use idempo::amqp::{Consumer, RedeliveryPolicy, RuntimeState};
+use idempo::amqp::Consumer;
+use idempo::consumer::{RedeliveryPolicy, RuntimeState};
 use support::consumer::{
     Running, WAIT, consumer_for, counting_payments, payments_consumer, payments_then,
 };
@@ -47,13 +48,13 @@ async fn after_max_attempts_the_delivery_is_dead_lettered_with_its_history() {
     let (seen, handler) = counting_payments(usize::MAX, None);
     // An id derived from a property that copies drop (the expiration) must
     // stay the original's on every retry.
-    let id_of = |m: &idempo::amqp::Message| {
+    let id_of = |m: &idempo::consumer::Message| {
         let expiration = m.properties().expiration().as_ref().map(|e| e.to_string());
         Some(format!("{}/{}", m.message_id_property()?, expiration?))
     };
     let consumer = Running::start(
         consumer_for(&db, &queue)
-            .message_id(idempo::amqp::MessageIdSource::custom(id_of))
+            .message_id(idempo::consumer::MessageIdSource::custom(id_of))
             .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(3))
             .handler(handler),
     );
@@ -748,7 +749,7 @@ async fn every_state_of_a_database_that_cannot_write_now_waits_at_the_gate() {
                 .await;
         }
         let seen = Arc::new(Mutex::new(HashMap::<String, usize>::new()));
-        let handler = move |tx: idempo::Tx, message: idempo::amqp::Message| {
+        let handler = move |tx: idempo::Tx, message: idempo::consumer::Message| {
             let seen = seen.clone();
             async move {
                 let passes = {
@@ -800,7 +801,7 @@ async fn deterministic_database_errors_are_dead_lettered_at_once_and_timeouts_re
         broker.publish_payment(&queue, id, "una", 1).await;
     }
     let timeouts = std::sync::Arc::new(AtomicUsize::new(0));
-    let handler = move |tx: idempo::Tx, message: idempo::amqp::Message| {
+    let handler = move |tx: idempo::Tx, message: idempo::consumer::Message| {
         let timeouts = timeouts.clone();
         async move {
             let mut conn = tx.try_lock()?;
@@ -821,7 +822,7 @@ async fn deterministic_database_errors_are_dead_lettered_at_once_and_timeouts_re
                     sqlx::query("SELECT 1 / 0")
                         .execute(&mut *conn)
                         .await
-                        .map_err(idempo::amqp::HandlerError::transient)?;
+                        .map_err(idempo::consumer::HandlerError::transient)?;
                 }
                 _ => {}
             }

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use idempo::Tx;
-use idempo::amqp::DeadLetters;
-use idempo::amqp::{HandlerError, JsonBody, Message, RedeliveryPolicy};
+use idempo::consumer::DeadLetters;
+use idempo::consumer::{HandlerError, JsonBody, Message, RedeliveryPolicy};
 use idempo::ops::dead_letters::{
     DeadLetterStore, Filter, LetterRef, LetterState, ReplayOptions, Store,
 };

@@ -11,8 +11,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempo::Tx;
-use idempo::amqp::Message;
-use idempo::nats::{Consumer, MessageIdSource, NatsError, RedeliveryPolicy};
+use idempo::consumer::Message;
+use idempo::consumer::{MessageIdSource, RedeliveryPolicy};
+use idempo::nats::{Consumer, NatsError};
 use support::nats::{Nats, Running, WAIT, recording, stream_name};
 use support::{Db, eventually, payment_body, payments};
 

@@ -268,7 +268,7 @@ async fn a_dead_letter_replayed_from_the_table_is_applied_once_with_its_headers_
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use idempo::Tx;
-    use idempo::amqp::{HandlerError, Message};
+    use idempo::consumer::{HandlerError, Message};
 
     support::init_tracing();
     let db = Db::new().await;
@@ -386,7 +386,7 @@ async fn idempo_status_shows_a_jetstream_consumer_with_what_its_stream_holds() {
 #[tokio::test]
 async fn a_message_delivered_far_past_its_attempts_is_dead_lettered_before_its_handler_runs() {
     use futures::StreamExt;
-    use idempo::nats::RedeliveryPolicy;
+    use idempo::consumer::RedeliveryPolicy;
     use idempo::nats::async_nats::jetstream::{AckKind, consumer::pull};
 
     support::init_tracing();
@@ -437,13 +437,15 @@ async fn a_message_delivered_far_past_its_attempts_is_dead_lettered_before_its_h
     let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
         .stream(&stream)
         .redelivery(RedeliveryPolicy::delayed([Duration::from_millis(100)]).max_attempts(3))
-        .handler(move |_tx: idempo::Tx, _message: idempo::amqp::Message| {
-            let runs = counted.clone();
-            async move {
-                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                Ok(())
-            }
-        })
+        .handler(
+            move |_tx: idempo::Tx, _message: idempo::consumer::Message| {
+                let runs = counted.clone();
+                async move {
+                    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    Ok(())
+                }
+            },
+        )
         .build()
         .unwrap();
     let running = Running::start(consumer);

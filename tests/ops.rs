@@ -7,9 +7,10 @@ mod support;
 
 use std::time::{Duration, SystemTime};
 
+use idempo::amqp::dead_letter_queue;
 use idempo::amqp::lapin::options::BasicGetOptions;
 use idempo::amqp::lapin::types::AMQPValue;
-use idempo::amqp::{DeadLetterReason, RedeliveryPolicy, dead_letter_queue};
+use idempo::consumer::{DeadLetterReason, RedeliveryPolicy};
 use idempo::ops::dead_letters::{
     DeadLetterStore, Filter, LetterRef, ReplayEvent, ReplayOptions, Store,
 };

@@ -13,7 +13,8 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use idempo::Tx;
-use idempo::amqp::{Consumer, HandlerError, JsonBody, Message};
+use idempo::amqp::Consumer;
+use idempo::consumer::{HandlerError, JsonBody, Message};
 use idempo::http::{IdempotencyLayer, PostgresStore};
 use idempo::outbox::{self, OutboxError, OutboxMessage};
 use idempo::relay::{Relay, RelayState};
@@ -33,7 +34,7 @@ fn relay(pool: &PgPool) -> Relay {
 
 /// Runs `relay` in a task; the handle stops it gracefully.
 struct Running {
-    stop: idempo::amqp::ShutdownHandle,
+    stop: idempo::consumer::ShutdownHandle,
     task: tokio::task::JoinHandle<idempo::Result<()>>,
 }
 
@@ -135,7 +136,9 @@ async fn a_handler_that_fails_emits_nothing_and_one_that_commits_emits_once_with
     let target = receipts.clone();
     let consumer = Consumer::builder(amqp_url(), db.pool.clone())
         .queue(&queue)
-        .redelivery(idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1))
+        .redelivery(
+            idempo::consumer::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1),
+        )
         .handler(
             move |tx: Tx, (JsonBody(p), m): (JsonBody<Payment>, Message)| {
                 let target = target.clone();
@@ -202,7 +205,9 @@ async fn staging_through_the_handlers_guard_is_written_by_the_commits_claim_chec
     let seen = counted.clone();
     let consumer = Consumer::builder(amqp_url(), db.pool.clone())
         .queue(&queue)
-        .redelivery(idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1))
+        .redelivery(
+            idempo::consumer::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1),
+        )
         .handler(
             move |tx: Tx, (JsonBody(p), m): (JsonBody<Payment>, Message)| {
                 let (target, seen) = (target.clone(), seen.clone());
@@ -469,7 +474,7 @@ fn downstream(
     db: &Db,
     queue: &str,
 ) -> (
-    idempo::amqp::ShutdownHandle,
+    idempo::consumer::ShutdownHandle,
     tokio::task::JoinHandle<idempo::Result<()>>,
 ) {
     let consumer = Consumer::builder(amqp_url(), db.pool.clone())
@@ -1268,7 +1273,7 @@ async fn hostile_fields_of_forwarded_messages_are_published_exactly_as_staged() 
         let base = Consumer::builder(amqp_url(), pool.clone())
             .queue(&queue)
             .redelivery(
-                idempo::amqp::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1),
+                idempo::consumer::RedeliveryPolicy::delayed([support::RETRY_DELAY]).max_attempts(1),
             );
         let consumer = match batch {
             None => base.handler(handler).build(),

@@ -413,7 +413,7 @@ async fn claims_made_before_the_switch_still_deduplicate_after_it() {
 #[tokio::test]
 async fn the_consumer_in_partitioned_mode_applies_each_payment_once() {
     use idempo::Tx;
-    use idempo::amqp::{JsonBody, Message};
+    use idempo::consumer::{JsonBody, Message};
     use idempo::testing::Harness;
     use support::payments::{self, Behaviour, Payment};
 

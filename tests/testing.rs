@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use idempo::Tx;
-use idempo::amqp::{DeadLetterReason, HandlerError, JsonBody, Message, RedeliveryPolicy};
+use idempo::consumer::{DeadLetterReason, HandlerError, JsonBody, Message, RedeliveryPolicy};
 use idempo::testing::{Delivered, Fault, Harness};
 use sqlx::postgres::PgPoolOptions;
 use support::payments::{self, Behaviour, Payment};

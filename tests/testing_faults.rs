@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use idempo::Tx;
-use idempo::amqp::{DeadLetterReason, HandlerError, JsonBody, Message};
+use idempo::consumer::{DeadLetterReason, HandlerError, JsonBody, Message};
 use idempo::testing::{Fault, Harness};
 use sqlx::postgres::PgPoolOptions;
 use support::payments::{self, Behaviour, Payment};

@@ -10,8 +10,9 @@ mod support;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use idempo::amqp::mode::PerMessage;
-use idempo::amqp::{Broker, Consumer, ConsumerBuilder, RedeliveryPolicy};
+use idempo::amqp::{Broker, Consumer, ConsumerBuilder};
+use idempo::consumer::RedeliveryPolicy;
+use idempo::consumer::mode::PerMessage;
 use idempo::window::{DedupId, DedupWindow, RedisWindow, Scope};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use support::consumer::{Running, payments_consumer};

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use idempo::Tx;
-use idempo::amqp::{HandlerError, Message, RedeliveryPolicy};
+use idempo::consumer::{HandlerError, Message, RedeliveryPolicy};
 use idempo::testing::{Delivered, Harness};
 use serde::{Deserialize, Serialize};
 use support::consumer::{Running, consumer_for};
@@ -416,7 +416,7 @@ async fn a_dead_letter_carries_its_reason<T: Transport>(t: &mut T) {
     assert_eq!(
         ended,
         [Ended::DeadLettered {
-            reason: idempo::amqp::DeadLetterReason::PermanentError
+            reason: idempo::consumer::DeadLetterReason::PermanentError
                 .as_str()
                 .into()
         }],

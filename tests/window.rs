@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempo::Tx;
+use idempo::amqp::Consumer;
 use idempo::amqp::lapin::BasicProperties;
 use idempo::amqp::window::{DedupPublisher, Outgoing};
-use idempo::amqp::{Consumer, Message, RedeliveryPolicy};
+use idempo::consumer::{Message, RedeliveryPolicy};
 use idempo::window::{
     DedupId, DedupWindow, Insertion, InvalidDedupId, MAX_KEY_LEN, MAX_WINDOW, MemoryWindow,
     PostgresWindow, RedisWindow, Reservation, Scope, WindowStore,
@@ -574,7 +575,7 @@ async fn processing_order(groups: bool) -> (Vec<(String, i64)>, usize) {
     let (now, peak) = (running_now.clone(), most.clone());
     let mut builder = Consumer::builder(amqp_url(), db.pool.clone())
         .queue(&queue)
-        .message_id(idempo::amqp::MessageIdSource::ContentHash)
+        .message_id(idempo::consumer::MessageIdSource::ContentHash)
         .concurrency(16)
         .prefetch(100)
         .redelivery(RedeliveryPolicy::delayed([support::RETRY_DELAY]))
@@ -670,7 +671,9 @@ async fn a_consumer_with_a_window_runs_each_id_once_within_the_window() {
                 };
                 // "flaky" fails its first attempt: the failure must not hide the retry.
                 if id == "flaky" && attempt == 1 {
-                    return Err(idempo::amqp::HandlerError::transient("first attempt fails"));
+                    return Err(idempo::consumer::HandlerError::transient(
+                        "first attempt fails",
+                    ));
                 }
                 Ok(())
             }
@@ -901,7 +904,7 @@ async fn a_lease_that_does_not_outlast_the_confirm_timeout_is_refused() {
 #[tokio::test]
 async fn a_window_handler_can_be_a_type_of_its_own_or_an_async_fn() {
     use idempo::amqp::window::WindowHandler;
-    use idempo::amqp::{HandlerError, JsonBody};
+    use idempo::consumer::{HandlerError, JsonBody};
     use std::sync::Mutex;
 
     #[derive(serde::Deserialize)]

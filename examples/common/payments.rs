@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use idempo::Tx;
-use idempo::amqp::{HandlerError, JsonBody, Message};
+use idempo::consumer::{HandlerError, JsonBody, Message};
 use idempo::outbox::{self, OutboxMessage};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;

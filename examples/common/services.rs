@@ -47,7 +47,7 @@ pub async fn connect_postgres(options: PgPoolOptions, url: &str) -> anyhow::Resu
 /// Once the consumer's first attempt to reach RabbitMQ fails (before it
 /// ever consumed), says how to start it, once; the consumer keeps trying.
 #[allow(dead_code)]
-pub fn hint_while_broker_unreachable(health: idempo::amqp::Health, amqp_url: &str) {
+pub fn hint_while_broker_unreachable(health: idempo::consumer::Health, amqp_url: &str) {
     let at = idempo::redact_url(amqp_url);
     tokio::spawn(async move {
         let first = health

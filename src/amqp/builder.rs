@@ -1,5 +1,5 @@
 //! [`ConsumerBuilder`]: every option of a [`Consumer`] and its default;
-//! the mode (see [`mode`](crate::amqp::mode)) is the builder's type.
+//! the mode (see [`mode`](crate::consumer::mode)) is the builder's type.
 
 use std::fmt;
 use std::sync::Arc;
@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::{MessageIdSource, RedeliveryPolicy};
 use crate::amqp::broker::Broker;
 use crate::amqp::config::Config;
 use crate::amqp::consumer::Consumer;
 use crate::amqp::topology::{QueueType, Topology, check_name, dead_letter_queue};
+use crate::consumer::{MessageIdSource, RedeliveryPolicy};
 use crate::runtime::database_gate::DatabaseGate;
 use crate::runtime::forwarding::Forwarding;
 use crate::runtime::handler::{EachMessage, Handler, WholeBatch};
@@ -25,7 +25,7 @@ use crate::{Error, Result, Schema};
 
 /// Configures a [`Consumer`]. Created by [`Consumer::builder`].
 ///
-/// The type parameter is the consumer's [mode](crate::amqp::mode): a handler
+/// The type parameter is the consumer's [mode](crate::consumer::mode): a handler
 /// method moves the builder from [`NoHandler`] into [`PerMessage`] or
 /// [`Batched`] (or, with feature `window`, a windowed mode), and `build` /
 /// `run` exist only once there is a handler.
@@ -184,7 +184,7 @@ impl ConsumerBuilder<NoHandler> {
     /// # Example
     /// ```no_run
     /// # use idempo::Tx;
-    /// # use idempo::amqp::{Consumer, JsonBody, Message};
+    /// # use idempo::amqp::Consumer, idempo::consumer::{JsonBody, Message};
     /// # #[derive(serde::Deserialize)] struct Payment { account: String, amount_cents: i64 }
     /// # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
     /// Consumer::builder("amqp://127.0.0.1", pool)
@@ -278,9 +278,9 @@ impl ConsumerBuilder<Batched> {
 
 impl<Mode> ConsumerBuilder<Mode> {
     /// Where dead letters go (feature `outbox`): the RabbitMQ queue
-    /// `<queue>.dlq` ([`DeadLetters::Queue`](crate::amqp::DeadLetters::Queue), the
+    /// `<queue>.dlq` ([`DeadLetters::Queue`](crate::consumer::DeadLetters::Queue), the
     /// default), or the `dead_letters` table
-    /// ([`DeadLetters::Table`](crate::amqp::DeadLetters::Table)): queryable,
+    /// ([`DeadLetters::Table`](crate::consumer::DeadLetters::Table)): queryable,
     /// grouped by cause, replayed exactly once through the outbox (see
     /// `idempo::ops::dead_letters`). With the table, each dead
     /// letter is inserted in a transaction of its own and acked only after

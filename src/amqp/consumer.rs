@@ -30,7 +30,7 @@ use crate::{Error, Result};
 /// # Example
 /// ```no_run
 /// use idempo::Tx;
-/// use idempo::amqp::{Consumer, JsonBody};
+/// use idempo::amqp::Consumer, idempo::consumer::JsonBody;
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Payment { account: String, amount_cents: i64 }

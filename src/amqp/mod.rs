@@ -71,7 +71,6 @@ mod error;
 pub(crate) mod fields;
 pub(crate) mod fit;
 mod message;
-pub mod mode;
 pub(crate) mod publish;
 mod quarantine;
 pub(crate) mod reconnect;
@@ -84,20 +83,8 @@ pub(crate) mod urls;
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
 pub mod window;
 
-#[cfg(feature = "outbox")]
-#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
-pub use crate::dead_letters::DeadLetters;
-pub use crate::runtime::dead_letter::DeadLetterReason;
-pub use crate::runtime::handler::{ErrorKind, Handler, HandlerError, ResultExt};
-pub use crate::runtime::health::{Health, HealthSnapshot, RuntimeState};
-pub use crate::runtime::message::{DecodeError, FromMessage, JsonBody, Message};
-pub use crate::runtime::message_id::MessageIdSource;
-pub use crate::runtime::redelivery::RedeliveryPolicy;
 #[cfg(feature = "ops")]
 pub(crate) use crate::runtime::seal::consumers_with_keys;
-pub use crate::runtime::shutdown::ShutdownHandle;
-pub use crate::runtime::stats::{Stats, StatsSnapshot};
-pub use crate::runtime::watched::Watched;
 pub use broker::{
     AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE, Broker, DEFAULT_CONNECTION_TIMEOUT,
 };
@@ -106,7 +93,5 @@ pub use consumer::Consumer;
 pub use error::{AmqpError, NodeFailure};
 pub use publish::PublishError;
 pub use topology::{QueueType, dead_letter_queue, work_queue};
-
-pub use crate::runtime::heartbeat;
 
 pub use lapin;

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use lapin::{BasicProperties, Connection};
 
-use super::Message;
 use super::copy::copy_properties;
 use crate::amqp::fit;
 use crate::amqp::publish::{ConfirmChannel, PublishError};
+use crate::consumer::Message;
 use crate::runtime::headers::HeaderValue;
 
 /// How long a copy may wait for its confirm before the original is handed back.

@@ -1,6 +1,6 @@
 //! [`ConsumerBuilder`]: every option of a JetStream [`Consumer`] and its
 //! default; the mode (per message or batched) is the builder's type, as on
-//! AMQP ([`crate::amqp::mode`]).
+//! AMQP ([`crate::consumer::mode`]).
 
 use std::fmt;
 use std::sync::Arc;
@@ -116,8 +116,8 @@ impl Consumer {
 
 impl ConsumerBuilder<NoHandler> {
     /// Per-message mode with this handler: the same [`Handler`]s as on AMQP
-    /// (`(Tx, M)` with `M` a [`JsonBody`](crate::amqp::JsonBody), a
-    /// [`Message`](crate::amqp::Message) or another [`FromMessage`]), run in
+    /// (`(Tx, M)` with `M` a [`JsonBody`](crate::consumer::JsonBody), a
+    /// [`Message`](crate::consumer::Message) or another [`FromMessage`]), run in
     /// the transaction that claimed the message id.
     pub fn handler<M, H>(self, handler: H) -> ConsumerBuilder<PerMessage>
     where

@@ -48,7 +48,7 @@ const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
 /// # Example
 /// ```no_run
 /// use idempo::Tx;
-/// use idempo::amqp::JsonBody;
+/// use idempo::consumer::JsonBody;
 /// use idempo::nats::Consumer;
 ///
 /// #[derive(serde::Deserialize)]

@@ -8,7 +8,7 @@ use crate::runtime::headers::ATTEMPTS_HEADER;
 use crate::runtime::message::{Envelope, HeaderRef, Message};
 
 /// The header JetStream deduplicates publishes on, and the id a
-/// [`MessageIdSource::Property`](crate::amqp::MessageIdSource::Property)
+/// [`MessageIdSource::Property`](crate::consumer::MessageIdSource::Property)
 /// reads on NATS.
 pub(crate) const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 

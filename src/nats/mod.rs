@@ -42,8 +42,6 @@ mod relay;
 mod telemetry;
 mod topology;
 
-pub use crate::runtime::message_id::MessageIdSource;
-pub use crate::runtime::redelivery::RedeliveryPolicy;
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
 pub use error::NatsError;

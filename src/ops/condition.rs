@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::{QueueStatus, Status};
-use crate::amqp::heartbeat::Instance;
+use crate::consumer::heartbeat::Instance;
 use crate::dead_letters::model::LetterCount;
 use crate::outbox::OutboxStatus;
 

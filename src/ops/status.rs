@@ -9,8 +9,9 @@ use serde::{Serialize, Serializer};
 use super::{
     OpsError, Result, Services, close, missing_table, queue_depth, short_duration, undefined_table,
 };
-use crate::amqp::{RedeliveryPolicy, dead_letter_queue};
+use crate::amqp::dead_letter_queue;
 use crate::cleanup::StateCount;
+use crate::consumer::RedeliveryPolicy;
 use crate::outbox::OutboxStatus;
 use crate::runtime::redelivery::delay_queue;
 

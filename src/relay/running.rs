@@ -23,9 +23,9 @@ use crate::{Error, Result};
 use tokio_util::sync::CancellationToken;
 
 impl Relay {
-    /// Publishes until the [`ShutdownHandle`](crate::amqp::ShutdownHandle) fires. A graceful shutdown
+    /// Publishes until the [`ShutdownHandle`](crate::consumer::ShutdownHandle) fires. A graceful shutdown
     /// finishes the batch in flight and what is pending, then returns; a
-    /// [`shutdown_now`](crate::amqp::ShutdownHandle::shutdown_now) drops the batch in
+    /// [`shutdown_now`](crate::consumer::ShutdownHandle::shutdown_now) drops the batch in
     /// flight (its transaction rolls back: those rows are published again
     /// later, with the same ids). Broker and database losses are retried,
     /// not returned.

@@ -31,7 +31,7 @@ type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// # Example
 /// ```
 /// use idempo::Tx;
-/// use idempo::amqp::{Handler, HandlerError, JsonBody};
+/// use idempo::consumer::{Handler, HandlerError, JsonBody};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Payment { account: String, amount_cents: i64 }
@@ -63,7 +63,7 @@ type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// expected to take 2 arguments, but it takes 1 argument":
 ///
 /// ```compile_fail,E0593
-/// use idempo::amqp::{ConsumerBuilder, HandlerError, Message, mode::NoHandler};
+/// use idempo::amqp::ConsumerBuilder, idempo::consumer::{HandlerError, Message, mode::NoHandler};
 ///
 /// fn build(builder: ConsumerBuilder<NoHandler>) {
 ///     builder.handler(|m: Message| async move { Ok::<(), HandlerError>(()) });
@@ -77,7 +77,7 @@ type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 ///
 /// ```compile_fail,E0277
 /// use idempo::Tx;
-/// use idempo::amqp::{ConsumerBuilder, Handler, HandlerError, JsonBody, mode::NoHandler};
+/// use idempo::amqp::ConsumerBuilder, idempo::consumer::{Handler, HandlerError, JsonBody, mode::NoHandler};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Payment { account: String }
@@ -203,7 +203,7 @@ impl ErrorKind {
 /// ```
 /// use anyhow::Context;
 /// use idempo::Tx;
-/// use idempo::amqp::{HandlerError, Message, ResultExt};
+/// use idempo::consumer::{HandlerError, Message, ResultExt};
 ///
 /// // Helpers of the application, written with anyhow.
 /// fn parse_cents(raw: &str) -> anyhow::Result<i64> {
@@ -354,7 +354,7 @@ fn into_source<E: Into<BoxError> + 'static>(error: E) -> BoxError {
 /// Marks the error of a `Result` as transient or permanent, for `?`.
 ///
 /// ```
-/// use idempo::amqp::{HandlerError, ResultExt};
+/// use idempo::consumer::{HandlerError, ResultExt};
 /// fn parse_amount(raw: &str) -> Result<i64, HandlerError> {
 ///     raw.parse::<i64>().permanent()   // retrying will not make it a number
 /// }

@@ -142,7 +142,7 @@ impl Message {
     }
 
     /// The id idempo deduplicated this message on (from the configured
-    /// [`MessageIdSource`](crate::amqp::MessageIdSource)): use it as the
+    /// [`MessageIdSource`](crate::consumer::MessageIdSource)): use it as the
     /// identity of the business operation. Empty only before the runtime
     /// extracted it, so never inside a handler.
     pub fn id(&self) -> &str {
@@ -205,7 +205,7 @@ impl Message {
     /// [`DecodeError`] when the body is not valid JSON for `T`. Inside a
     /// handler, `msg.json::<T>()?` dead-letters such a message with reason
     /// `undecodable body`: the runtime recognizes a [`DecodeError`] whatever
-    /// its [`ErrorKind`](crate::amqp::ErrorKind).
+    /// its [`ErrorKind`](crate::consumer::ErrorKind).
     pub fn json<T: DeserializeOwned>(&self) -> Result<T, DecodeError> {
         serde_json::from_slice(self.body()).map_err(|e| DecodeError(e.to_string()))
     }
@@ -267,7 +267,7 @@ impl FromMessage for Message {
 /// # Example
 /// ```
 /// use idempo::Tx;
-/// use idempo::amqp::{HandlerError, JsonBody};
+/// use idempo::consumer::{HandlerError, JsonBody};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Payment { account: String, amount_cents: i64 }

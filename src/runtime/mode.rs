@@ -1,6 +1,6 @@
 //! A consumer's modes, as the state of its builder: per message or batched.
 //! Each transport's builder moves between them (the AMQP builder's
-//! documentation, with what does not compile, is at [`crate::amqp::mode`]);
+//! documentation, with what does not compile, is at [`crate::consumer::mode`]);
 //! a mode becomes a [`Dispatch`]: how its deliveries are decided.
 
 use std::fmt;

@@ -17,7 +17,7 @@ use std::time::Duration;
 /// dead-lettered with reason `max attempts exceeded`.
 ///
 /// A handler can ask for a delay with
-/// [`HandlerError::retry_after`](crate::amqp::HandlerError::retry_after): the
+/// [`HandlerError::retry_after`](crate::consumer::HandlerError::retry_after): the
 /// smallest configured delay that is at least as long is used (the longest if
 /// none is), since delay queues are per tier, not per message.
 ///

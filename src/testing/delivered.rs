@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::amqp::{DeadLetterReason, Message};
+use crate::consumer::{DeadLetterReason, Message};
 use crate::outbox::OutboxMessage;
 
 /// How one delivery ended, as the runtime would have settled it: readable in
@@ -31,7 +31,7 @@ pub enum Delivered {
     /// A transient failure: the runtime republishes `copy` to a delay queue
     /// (or hands the delivery back, with a requeue policy) and acks.
     Retried {
-        /// The delay the [`RedeliveryPolicy`](crate::amqp::RedeliveryPolicy)
+        /// The delay the [`RedeliveryPolicy`](crate::consumer::RedeliveryPolicy)
         /// chose (the requeue pause with a requeue policy).
         delay: Duration,
         /// Failed attempts so far, this one included (0 with a requeue

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::amqp::{DecodeError, HandlerError, Message};
+use crate::consumer::{DecodeError, HandlerError, Message};
 use crate::runtime::handler::{Call, Prepare};
 use crate::{Result, Tx};
 

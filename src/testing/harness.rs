@@ -18,7 +18,8 @@ use super::fault::{Fault, Faulty, Outage, Plan};
 use super::schema::{drop_schema, isolate};
 use super::transport::Recorder;
 use crate::amqp::builder::finish;
-use crate::amqp::{Consumer, ConsumerBuilder, FromMessage, Handler, Message};
+use crate::amqp::{Consumer, ConsumerBuilder};
+use crate::consumer::{FromMessage, Handler, Message};
 use crate::outbox::OutboxMessage;
 use crate::runtime::mode::{Batched, NoHandler, PerMessage};
 use crate::runtime::outcome::Abandon;
@@ -259,7 +260,7 @@ impl Harness {
     }
 
     /// The consumer's counters, as the runtime keeps them.
-    pub fn stats(&self) -> crate::amqp::Stats {
+    pub fn stats(&self) -> crate::consumer::Stats {
         self.consumer.stats()
     }
 

@@ -14,7 +14,7 @@
 //!
 //! ```no_run
 //! use idempo::Tx;
-//! use idempo::amqp::{HandlerError, JsonBody, Message};
+//! use idempo::consumer::{HandlerError, JsonBody, Message};
 //! use idempo::testing::{Fault, Harness};
 //!
 //! #[derive(serde::Serialize, serde::Deserialize)]
@@ -49,7 +49,7 @@
 //!
 //! What a harness gives:
 //! - **Outcomes** ([`Delivered`]): acked, duplicate, mismatch, retried (the
-//!   delay the [`RedeliveryPolicy`](crate::amqp::RedeliveryPolicy) chose, the
+//!   delay the [`RedeliveryPolicy`](crate::consumer::RedeliveryPolicy) chose, the
 //!   attempt, and the copy to deliver next), dead-lettered (the reason and
 //!   the dead letter), held at the database gate.
 //! - **Faults** ([`Fault`], [`Harness::deliver_with`], one message of a

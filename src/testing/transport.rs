@@ -6,8 +6,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::delivered::Delivered;
-use crate::amqp::DeadLetterReason;
 use crate::amqp::copy::copy_properties;
+use crate::consumer::DeadLetterReason;
 use crate::runtime::headers::HeaderValue;
 use crate::runtime::message::Message;
 use crate::runtime::transport::{Finished, Later, Letter, Refused, Transport};

@@ -24,7 +24,7 @@ impl Nats {
             .stream(&stream)
             // The kit's id in a header: its lost-ack copy is a second
             // publish, which JetStream would drop under the same Nats-Msg-Id.
-            .message_id(idempo::nats::MessageIdSource::Header("kit-id".into()))
+            .message_id(idempo::consumer::MessageIdSource::Header("kit-id".into()))
             .redelivery(RedeliveryPolicy::delayed([DELAY]).max_attempts(3))
             .handler(kit_handler(attempts.clone()))
             .build()
@@ -58,7 +58,7 @@ impl Nats {
             .await;
     }
 
-    fn stats(&self) -> idempo::amqp::StatsSnapshot {
+    fn stats(&self) -> idempo::consumer::StatsSnapshot {
         self.consumer.as_ref().unwrap().stats.snapshot()
     }
 }

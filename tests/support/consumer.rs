@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use idempo::Tx;
-use idempo::amqp::mode::{Batched, NoHandler, PerMessage};
-use idempo::amqp::{
-    Consumer, ConsumerBuilder, HandlerError, Health, Message, RedeliveryPolicy, ShutdownHandle,
-    Stats, StatsSnapshot,
+use idempo::amqp::{Consumer, ConsumerBuilder};
+use idempo::consumer::mode::{Batched, NoHandler, PerMessage};
+use idempo::consumer::{
+    HandlerError, Health, Message, RedeliveryPolicy, ShutdownHandle, Stats, StatsSnapshot,
 };
 use tokio::task::JoinHandle;
 

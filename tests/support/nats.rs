@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempo::Tx;
-use idempo::amqp::{HandlerError, Message};
+use idempo::consumer::{HandlerError, Message};
 use idempo::nats::Consumer;
 use tokio::task::JoinHandle;
 
@@ -118,8 +118,8 @@ pub fn stream_name(what: &str) -> String {
 
 /// A consumer running in the background.
 pub struct Running {
-    pub shutdown: idempo::amqp::ShutdownHandle,
-    pub stats: idempo::amqp::Stats,
+    pub shutdown: idempo::consumer::ShutdownHandle,
+    pub stats: idempo::consumer::Stats,
     pub task: JoinHandle<idempo::Result<()>>,
 }
 

@@ -1,6 +1,7 @@
 use super::*;
 use crate::Tx;
-use crate::amqp::{Consumer, HandlerError, Message};
+use crate::amqp::Consumer;
+use crate::consumer::{HandlerError, Message};
 
 async fn noop(_tx: Tx, _m: Message) -> std::result::Result<(), HandlerError> {
     Ok(())

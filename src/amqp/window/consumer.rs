@@ -108,13 +108,13 @@ impl ConsumerBuilder<WindowNoHandler> {
 }
 
 /// What a consumer with a [`dedup_window`](ConsumerBuilder::dedup_window)
-/// calls for each fresh message: the [`Handler`](crate::amqp::Handler) of
+/// calls for each fresh message: the [`Handler`](crate::consumer::Handler) of
 /// window mode, without a transaction (the window, not the inbox, keeps the
 /// copies out).
 ///
 /// Closures and async fns `Fn(M) -> impl Future<Output = Result<(),
 /// HandlerError>>` implement it, where `M` is any
-/// [`FromMessage`](crate::amqp::FromMessage) type: [`JsonBody<T>`](crate::amqp::JsonBody),
+/// [`FromMessage`](crate::consumer::FromMessage) type: [`JsonBody<T>`](crate::consumer::JsonBody),
 /// [`Message`], or a pair such as `(JsonBody<T>, Message)` (annotate the
 /// closure's argument: `|msg: Message|`). Implement it by hand for a handler
 /// type that carries its own state. The runtime keeps one handler behind an
@@ -124,7 +124,7 @@ impl ConsumerBuilder<WindowNoHandler> {
 /// ```
 /// use std::sync::Arc;
 /// use std::sync::atomic::{AtomicU64, Ordering};
-/// use idempo::amqp::{HandlerError, JsonBody};
+/// use idempo::consumer::{HandlerError, JsonBody};
 /// use idempo::amqp::window::WindowHandler;
 ///
 /// #[derive(serde::Deserialize)]
@@ -157,7 +157,7 @@ impl ConsumerBuilder<WindowNoHandler> {
 ///
 /// ```compile_fail,E0277
 /// use idempo::Tx;
-/// use idempo::amqp::{ConsumerBuilder, Handler, HandlerError, Message};
+/// use idempo::amqp::ConsumerBuilder, idempo::consumer::{Handler, HandlerError, Message};
 /// use idempo::amqp::window::WindowNoHandler;
 ///
 /// struct Credit;

@@ -1,5 +1,5 @@
 //! Dead letters, one API whichever store keeps them: the `dead_letters`
-//! table (a consumer with [`DeadLetters::Table`](crate::amqp::DeadLetters),
+//! table (a consumer with [`DeadLetters::Table`](crate::consumer::DeadLetters),
 //! or [`import`]ed) or the work queue's RabbitMQ DLQ (`<queue>.dlq`).
 //!
 //! [`DeadLetterStore::open`] picks the store ([`Store::Auto`]: the table

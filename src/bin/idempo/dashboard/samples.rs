@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idempo::amqp::StatsSnapshot;
+use idempo::consumer::StatsSnapshot;
 use idempo::ops::management::{ManagedQueue, Management};
 use idempo::ops::{Services, Status, StatusOptions};
 

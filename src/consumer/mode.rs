@@ -9,7 +9,7 @@
 //! | [`Batched`] | [`batch_handler`](ConsumerBuilder::batch_handler), or `.handler(h).batch(n)` | [`batch`](ConsumerBuilder::batch), [`batch_linger`](ConsumerBuilder::batch_linger) |
 //! | `Windowed` (features `amqp` + `window`) | `dedup_window(w).window_handler(h)` | `message_groups` |
 //!
-//! [`ConsumerBuilder`]: super::ConsumerBuilder
+//! [`ConsumerBuilder`]: crate::amqp::ConsumerBuilder
 //!
 //! # What does not compile
 //! No handler, no `build`:
@@ -20,7 +20,7 @@
 //! ```
 //! One handler per consumer:
 //! ```compile_fail
-//! # use idempo::{Tx, amqp::{Consumer, HandlerError, Message}};
+//! # use idempo::{Tx, amqp::Consumer, consumer::{HandlerError, Message}};
 //! # async fn h(_: Tx, _: Message) -> Result<(), HandlerError> { Ok(()) }
 //! # async fn b(_: Tx, _: Vec<Message>) -> Result<(), HandlerError> { Ok(()) }
 //! # async fn doc(pool: sqlx::PgPool) {
@@ -29,7 +29,7 @@
 //! ```
 //! Message groups need per-message mode:
 //! ```compile_fail
-//! # use idempo::{Tx, amqp::{Consumer, HandlerError, Message}};
+//! # use idempo::{Tx, amqp::Consumer, consumer::{HandlerError, Message}};
 //! # async fn h(_: Tx, _: Message) -> Result<(), HandlerError> { Ok(()) }
 //! # async fn doc(pool: sqlx::PgPool) {
 //! Consumer::builder("amqp://127.0.0.1", pool).handler(h).batch(10).message_groups();
@@ -37,7 +37,7 @@
 //! ```
 //! A dedup window takes a handler without a transaction:
 //! ```compile_fail
-//! # use idempo::{Tx, amqp::{Consumer, HandlerError, Message}};
+//! # use idempo::{Tx, amqp::Consumer, consumer::{HandlerError, Message}};
 //! # use idempo::window::{DedupWindow, MemoryWindow};
 //! # async fn h(_: Tx, _: Message) -> Result<(), HandlerError> { Ok(()) }
 //! # async fn doc(pool: sqlx::PgPool) {
@@ -48,7 +48,7 @@
 //! ```
 //! And the same calls in a valid order compile:
 //! ```
-//! # use idempo::{Tx, amqp::{Consumer, HandlerError, Message}};
+//! # use idempo::{Tx, amqp::Consumer, consumer::{HandlerError, Message}};
 //! # async fn h(_: Tx, _: Message) -> Result<(), HandlerError> { Ok(()) }
 //! # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
 //! let per_message = Consumer::builder("amqp://127.0.0.1", pool.clone())
@@ -65,5 +65,5 @@
 //! ```
 
 #[cfg(doc)]
-use super::ConsumerBuilder;
+use crate::amqp::ConsumerBuilder;
 pub use crate::runtime::mode::{Batched, NoHandler, PerMessage};
