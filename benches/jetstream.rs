@@ -157,13 +157,13 @@ async fn run(js: &jetstream::Context, variant: &str, n: usize) -> anyhow::Result
             .relay(false);
             let consumer = if variant == "idempo-c16" {
                 builder
-                    .max_ack_pending(100)
+                    .prefetch(100)
                     .concurrency(16)
                     .handler(|tx, m| payments::handle(tx, m, payments::Behaviour::default()))
                     .build()?
             } else {
                 builder
-                    .max_ack_pending(300)
+                    .prefetch(300)
                     .batch_handler(|tx, b| {
                         payments::handle_batch(tx, b, payments::Behaviour::default())
                     })

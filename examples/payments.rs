@@ -252,7 +252,7 @@ async fn run_nats(
     let url = env_or("NATS_URL", "nats://127.0.0.1:4222");
     let mut consumer = idempo::nats::Consumer::builder(url, pool)
         .stream(options.queue)
-        .max_ack_pending(options.prefetch.max(options.concurrency))
+        .prefetch(options.prefetch.max(options.concurrency))
         .concurrency(usize::from(options.concurrency))
         .schema(options.schema)
         .redelivery(options.retry);

@@ -54,6 +54,8 @@
 #[cfg(feature = "outbox")]
 #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
 pub use crate::dead_letters::DeadLetters;
+pub use crate::runtime::builder::ConsumerBuilder;
+pub use crate::runtime::consumer::Consumer;
 pub use crate::runtime::dead_letter::DeadLetterReason;
 pub use crate::runtime::handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use crate::runtime::health::{Health, HealthSnapshot, RuntimeState};
@@ -64,5 +66,9 @@ pub use crate::runtime::redelivery::RedeliveryPolicy;
 pub use crate::runtime::shutdown::ShutdownHandle;
 pub use crate::runtime::stats::{Stats, StatsSnapshot};
 pub use crate::runtime::watched::Watched;
+#[cfg(feature = "window")]
+#[cfg_attr(docsrs, doc(cfg(feature = "window")))]
+pub use crate::runtime::window_mode::WindowHandler;
 
 pub mod mode;
+pub mod transport;

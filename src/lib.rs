@@ -6,14 +6,17 @@
 //! - [`inbox`]: claim a `(consumer, message_id)` in `processed_messages` inside
 //!   your own sqlx PostgreSQL transaction; the primary key is the lock. Works
 //!   from any worker loop.
-//! - [`amqp`] (feature `amqp`, on by default): a RabbitMQ consumer runtime on
-//!   lapin and tokio. The claim, your handler's writes and the commit share one
-//!   transaction; the delivery is acknowledged only after the commit. Around
-//!   that: broker-owned delayed retries ([`amqp::RedeliveryPolicy`]), confirmed
-//!   dead letters with their reason, reconnects, a gate that holds deliveries
-//!   while PostgreSQL is down, retention of old claims, [`amqp::Health`] and
-//!   `metrics` counters, graceful shutdown, and a batch mode for throughput
-//!   ([`amqp::ConsumerBuilder::batch_handler`]).
+//! - [`consumer`]: the consumer, written once for every transport. The
+//!   claim, your handler's writes and the commit share one transaction; the
+//!   delivery is settled only after the commit. Around that: delayed retries
+//!   ([`consumer::RedeliveryPolicy`]), dead letters with their reason,
+//!   reconnects, a gate that holds deliveries while PostgreSQL is down,
+//!   retention of old claims, [`consumer::Health`] and `metrics` counters,
+//!   graceful shutdown, and a batch mode for throughput
+//!   ([`consumer::ConsumerBuilder::batch_handler`]).
+//! - Its transports: [`amqp`] (feature `amqp`, on by default: RabbitMQ on
+//!   lapin, with delay queues and a DLQ), `nats` (feature `nats`: JetStream
+//!   on async-nats), and `testing` (feature `testing`: in memory, no broker).
 //!
 //! - [`outbox`] (feature `outbox`, on by default): messages a transaction
 //!   emits, staged as rows in it and published after the commit by
@@ -28,7 +31,8 @@
 //! ## Hello, consumer
 //! ```no_run
 //! use idempo::Tx;
-//! use idempo::amqp::Consumer, idempo::consumer::JsonBody;
+//! use idempo::amqp::Consumer;
+//! use idempo::consumer::JsonBody;
 //!
 //! #[derive(serde::Deserialize)]
 //! struct Payment { account: String, amount_cents: i64 }

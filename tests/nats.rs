@@ -355,7 +355,7 @@ async fn batch_mode_applies_a_stream_in_batches_and_letters_the_poison_alone() {
     nats.track(&stream);
     let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
         .stream(&stream)
-        .max_ack_pending(300)
+        .prefetch(300)
         .batch_handler(|tx, batch| {
             payments::handle_batch(tx, batch, payments::Behaviour::default())
         })

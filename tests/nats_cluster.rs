@@ -76,7 +76,7 @@ async fn stopping_the_stream_leaders_node_stalls_the_drain_for_under_10_s_and_lo
             Running::start(
                 Consumer::builder(urls.clone(), db.pool.clone())
                     .stream(&name)
-                    .max_ack_pending(50)
+                    .prefetch(50)
                     .concurrency(4)
                     .ack_wait(Duration::from_secs(5))
                     .handler(recording(Arc::default(), false))

@@ -903,7 +903,7 @@ async fn a_lease_that_does_not_outlast_the_confirm_timeout_is_refused() {
 /// async fn, as well as a closure; `?` on anyhow works in it as in `handler`.
 #[tokio::test]
 async fn a_window_handler_can_be_a_type_of_its_own_or_an_async_fn() {
-    use idempo::amqp::window::WindowHandler;
+    use idempo::consumer::WindowHandler;
     use idempo::consumer::{HandlerError, JsonBody};
     use std::sync::Mutex;
 

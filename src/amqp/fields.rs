@@ -25,11 +25,6 @@ pub(crate) fn header_ref(value: &AMQPValue) -> HeaderRef<'_> {
     }
 }
 
-/// A header value as text: a string, UTF-8 bytes, or an integer.
-pub(crate) fn header_text(value: &AMQPValue) -> Option<String> {
-    header_ref(value).text()
-}
-
 /// One of idempo's header values as the AMQP type it has always had on the
 /// wire (a copy's headers are read back by older builds too).
 pub(crate) fn amqp_value(value: HeaderValue) -> AMQPValue {
@@ -37,21 +32,6 @@ pub(crate) fn amqp_value(value: HeaderValue) -> AMQPValue {
         HeaderValue::Text(text) => AMQPValue::LongString(text.into()),
         HeaderValue::Integer(n) => AMQPValue::LongLongInt(n),
     }
-}
-
-/// The header `name` as text ([`header_text`]); other values are ignored
-/// with a warning.
-pub(crate) fn string_header(headers: Option<&FieldTable>, name: &str) -> Option<String> {
-    let value = headers?.inner().get(name)?;
-    let text = header_text(value);
-    if text.is_none() {
-        tracing::warn!(
-            header = name,
-            ?value,
-            "a header that is neither text nor a number is ignored"
-        );
-    }
-    text
 }
 
 /// An AMQP table as JSON, the inverse of the relay's mapping of staged JSON
@@ -104,14 +84,16 @@ mod tests {
     #[test]
     fn integer_and_string_headers_become_ids() {
         assert_eq!(
-            header_text(&AMQPValue::LongLongInt(42)).as_deref(),
+            header_ref(&AMQPValue::LongLongInt(42)).text().as_deref(),
             Some("42")
         );
         assert_eq!(
-            header_text(&AMQPValue::LongString("pay-1".into())).as_deref(),
+            header_ref(&AMQPValue::LongString("pay-1".into()))
+                .text()
+                .as_deref(),
             Some("pay-1")
         );
-        assert_eq!(header_text(&AMQPValue::Boolean(true)), None);
+        assert_eq!(header_ref(&AMQPValue::Boolean(true)).text(), None);
     }
 
     #[test]

@@ -1,76 +1,78 @@
-//! The RabbitMQ consumer runtime (feature `amqp`).
+//! RabbitMQ, on lapin (feature `amqp`): the consumer's transport
+//! ([`Amqp`]), its options (the methods of [`ConsumerBuilder`]), the broker's
+//! addresses and TLS ([`Broker`]), and the topology idempo declares.
 //!
-//! A [`Consumer`] takes each delivery through one PostgreSQL transaction:
-//! claim the message id in the [inbox](crate::inbox), run the handler on the
-//! same transaction, commit, and only then acknowledge. RabbitMQ delivers at
-//! least once; the committed claim makes every further copy a no-op, so the
-//! handler's *database writes* happen exactly once. Effects outside the
-//! transaction (an HTTP call, an e-mail) stay at-least-once unless they carry
-//! a key derived from the message id.
+//! A [`Consumer`] is the runtime's [`consumer::Consumer`](crate::consumer::Consumer)
+//! on RabbitMQ: each delivery is claimed, handled and committed in one
+//! PostgreSQL transaction, then acknowledged (see [`crate::consumer`] for
+//! the guarantee and what happens on each failure). What RabbitMQ adds:
 //!
-//! What happens on each failure:
-//!
-//! | failure | outcome |
+//! | what happens | on RabbitMQ |
 //! |---|---|
-//! | handler returns a transient error, panics or times out | rollback; republished to a delay queue per the [`RedeliveryPolicy`], then acked |
-//! | transient failures use up `max_attempts` | dead-lettered with reason `max attempts exceeded` |
-//! | handler returns a permanent error | rollback; published to the DLQ with header `x-idempo-reason`, then acked |
-//! | undecodable body, missing/empty/over-255-byte id | published to the DLQ with its reason, then acked |
-//! | same id, different body | handler not run; DLQ with reason "message id reused with a different payload" |
-//! | commit fails | not acked; retried |
-//! | database unreachable, backend killed | rollback; the delivery waits until the database answers, then runs again |
-//! | broker connection lost, consumer cancelled | reconnect with backoff; the redelivery is deduplicated |
-//! | crash after commit, before ack | redelivered, claimed as duplicate, acked |
+//! | processed, or a duplicate | `basic.ack` (batch mode: one multiple ack) |
+//! | transient failure | a confirmed copy to the delay queue `<queue>.retry.<delay>`, whose TTL dead-letters it back into the queue, then ack |
+//! | last attempt failed, or poison | a confirmed copy to `<queue>.dlq` with `x-idempo-reason` (or a row of the `dead_letters` table), then ack |
+//! | a copy the broker will not take | the original is nacked and comes back after a pause |
+//! | properties the client cannot parse | moved to the DLQ by a client of idempo's own (the quarantine) |
+//! | connection or channel lost, consumer cancelled | reconnect with backoff to the next node, declare again |
 //!
-//! # Batch mode
+//! ```no_run
+//! use idempo::Tx;
+//! use idempo::amqp::Consumer;
+//! use idempo::consumer::JsonBody;
 //!
-//! Per-message mode ([`ConsumerBuilder::handler`]) runs one transaction per
-//! delivery: the lowest latency. Batch mode ([`ConsumerBuilder::batch_handler`],
-//! or `.handler(h).batch(n)`) trades a few milliseconds for throughput: up to
-//! `size` deliveries (or those that arrived within
-//! [`batch_linger`](ConsumerBuilder::batch_linger), 5 ms by default) share one
-//! transaction. Both go through the same steps (`src/amqp/delivery.rs`): a
-//! batch is one *unit*, a delivery on its own is a unit of one. All their ids are claimed in one statement, sorted so that
-//! concurrent batches cannot deadlock; the handler runs once (a
-//! [`batch_handler`](ConsumerBuilder::batch_handler) gets all fresh messages,
-//! so it can write them with bulk statements) or once per fresh message (a
-//! per-message [`handler`](ConsumerBuilder::handler)); one commit; then the
-//! acks. Duplicates are acked without running the handler; poison and reused
-//! ids are dead-lettered as in per-message mode. There are no savepoints on
-//! the happy path: if the batch fails, it rolls back and each of its
-//! deliveries is processed on its own, so only the failing one is retried or
-//! dead-lettered. Two batches are in flight at once, each on its own
-//! database connection, so the next batch is collected and claimed while the
-//! previous one commits.
+//! #[derive(serde::Deserialize)]
+//! struct Payment { account: String, amount_cents: i64 }
+//!
+//! # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/postgres").await?;
+//! idempo::migrate(&pool).await?;
+//! Consumer::builder("amqp://guest:guest@127.0.0.1:5672/%2f", pool)
+//!     .queue("payments")
+//!     .prefetch(100)
+//!     .concurrency(16)
+//!     .handler(|tx: Tx, JsonBody(p): JsonBody<Payment>| async move {
+//!         let mut tx = tx.try_lock()?;
+//!         sqlx::query("UPDATE balances SET cents = cents + $2 WHERE account = $1")
+//!             .bind(&p.account)
+//!             .bind(p.amount_cents)
+//!             .execute(&mut *tx)
+//!             .await?;
+//!         Ok(())
+//!     })
+//!     .run_until_signal()
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! [`Consumer::run`](crate::consumer::Consumer::run) returns
+//! [`AmqpError::TopologyConflict`] when a queue exists with other arguments
+//! than the runtime declares (unless
+//! [`wait_for_topology`](ConsumerBuilder::wait_for_topology)), [`Error::Tls`](crate::Error::Tls)
+//! when every node refuses the TLS handshake at start,
+//! [`AmqpError::BrokerRefused`] when, before any connection worked, every
+//! node refuses the credentials, the vhost or the scheme, and
+//! [`AmqpError::AccessRefused`] when, before consuming ever worked, the
+//! broker refuses to declare or consume. After a good start the same
+//! refusals are retried with backoff, reported in the consumer's health and
+//! counted in `idempo_broker_refusals_total`.
 //!
 //! See <https://www.rabbitmq.com/docs/confirms> for RabbitMQ's acknowledgement semantics.
-//!
-//! ## Words
-//!
-//! A *dead letter* is a delivery put aside for good; it goes to the **DLQ**
-//! (`<queue>.dlq`, the RabbitMQ queue that holds a consumer's dead letters)
-//! or to the `dead_letters` table (`idempo::ops::dead_letters` reads it, feature `ops`).
-//! A *redelivery* is a consumer's second try of a delivery that failed
-//! transiently ([`RedeliveryPolicy`]); *retry* is the outgoing side's word
-//! (`idempo::retry` for HTTP calls).
 
 /// The transport's name in the outbox, the dead-letter table and the
 /// heartbeats.
-pub(crate) const TRANSPORT: &str = "amqp";
+pub(crate) const TRANSPORT: &str = <Amqp as crate::runtime::transport::Transport>::NAME;
 
 mod acks;
 pub(crate) mod broker;
-pub(crate) mod builder;
-pub(crate) mod config;
-mod consumer;
-mod consumer_relay;
 pub(crate) mod copy;
-pub(crate) mod delivery;
-mod dispatch;
+mod delivery;
 mod error;
+mod feed;
 pub(crate) mod fields;
 pub(crate) mod fit;
 mod message;
+mod options;
 pub(crate) mod publish;
 mod quarantine;
 pub(crate) mod reconnect;
@@ -78,6 +80,7 @@ pub(crate) mod republish;
 mod session;
 pub(crate) mod telemetry;
 pub(crate) mod topology;
+mod transport;
 pub(crate) mod urls;
 #[cfg(feature = "window")]
 #[cfg_attr(docsrs, doc(cfg(feature = "window")))]
@@ -88,8 +91,17 @@ pub(crate) use crate::runtime::seal::consumers_with_keys;
 pub use broker::{
     AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE, Broker, DEFAULT_CONNECTION_TIMEOUT,
 };
-pub use builder::ConsumerBuilder;
-pub use consumer::Consumer;
+pub use delivery::Receipt;
+pub use options::AmqpOptions;
+pub use transport::Amqp;
+
+/// A consumer of a RabbitMQ queue: the runtime's consumer on [`Amqp`].
+pub type Consumer = crate::runtime::consumer::Consumer<Amqp>;
+
+/// Configures a RabbitMQ [`Consumer`]: the runtime's builder on [`Amqp`],
+/// with the options of every transport and RabbitMQ's own ([`AmqpOptions`]).
+pub type ConsumerBuilder<Mode = crate::runtime::mode::NoHandler> =
+    crate::runtime::builder::ConsumerBuilder<Amqp, Mode>;
 pub use error::{AmqpError, NodeFailure};
 pub use publish::PublishError;
 pub use topology::{QueueType, dead_letter_queue, work_queue};

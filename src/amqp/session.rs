@@ -1,7 +1,7 @@
-//! The consumer's broker sessions: connect, declare, subscribe, dispatch
-//! until shutdown or loss, close; between sessions, the reconnect loop
-//! ([`reconnect::run`]) and, after a delivery the client cannot parse, the
-//! quarantine.
+//! The consumer's broker sessions: connect, declare, subscribe, hand the
+//! deliveries to the runtime until shutdown or loss, close; between
+//! sessions, the reconnect loop ([`reconnect::run`]) and, after a delivery
+//! the client cannot parse, the quarantine.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,21 +11,19 @@ use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
+use super::acks::AckTracker;
+use super::delivery::SessionLink;
+use super::feed::AmqpFeed;
+use super::quarantine;
+use super::reconnect::{self, Loss, Reconnect, Session, Sessions};
+use super::republish::Republisher;
+use super::topology::{Topology, dead_letter_queue};
+use super::transport::Amqp;
 use crate::amqp::AmqpError;
-use crate::amqp::acks::AckTracker;
-use crate::amqp::config::Config;
-use crate::amqp::delivery::Pipeline;
-use crate::amqp::dispatch::{Dispatcher, Feed, FeedEnd};
-use crate::amqp::quarantine;
-use crate::amqp::reconnect::{self, Loss, Reconnect, Session, Sessions};
-use crate::amqp::republish::Republisher;
-use crate::amqp::topology::{Topology, dead_letter_queue};
 use crate::runtime::dead_letter::DeadLetterReason;
-use crate::runtime::health::{Health, RuntimeState};
-use crate::runtime::mode::Dispatch;
-use crate::runtime::route::Router;
-use crate::runtime::shutdown::ShutdownHandle;
-use crate::runtime::stats::{Counter, Stats};
+use crate::runtime::dispatch::{Deliveries, FeedEnd};
+use crate::runtime::health::RuntimeState;
+use crate::runtime::stats::Counter;
 use crate::{Error, Result};
 
 /// How many confirm-mode channels publish retries and dead letters side by side.
@@ -39,18 +37,34 @@ const STABLE_SESSION: Duration = Duration::from_secs(30);
 const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The state that outlives broker sessions: handlers in flight keep running
-/// across a reconnect (their ack may fail; the redelivery is deduplicated).
-pub(crate) struct Runtime {
-    pub(crate) config: Config,
-    pub(crate) dispatch: Dispatch,
-    pub(crate) shutdown: ShutdownHandle,
-    pub(crate) stats: Stats,
-    pub(crate) health: Health,
-    dispatcher: Dispatcher,
-    /// Ids, decisions and routes of every session's deliveries; it holds
-    /// the consumer's key for the ids its copies carry (loaded on first use).
-    pub(crate) router: Arc<Router>,
+/// Receives the queue's deliveries, session after session, until shutdown
+/// or a configuration error (returned).
+pub(crate) async fn consume(amqp: Arc<Amqp>, deliveries: &mut Deliveries<Amqp>) -> Result<()> {
+    let mut link = Reconnect::new(
+        amqp.broker.clone(),
+        amqp.connection_name.clone(),
+        Duration::from_secs(30),
+    );
+    let stop = deliveries.shutdown().graceful_token().clone();
+    let mut sessions = AmqpSessions {
+        amqp,
+        deliveries,
+        wedged: 0,
+        unresponsive: false,
+        unparseable: false,
+        node: None,
+        consumed: false,
+    };
+    match reconnect::run(&mut sessions, &mut link, &stop).await {
+        Some(fatal) => Err(fatal),
+        None => Ok(()),
+    }
+}
+
+/// The state that outlives broker sessions.
+struct AmqpSessions<'d> {
+    amqp: Arc<Amqp>,
+    deliveries: &'d mut Deliveries<Amqp>,
     /// Sessions in a row ended by a delivery that could not be moved away.
     wedged: u32,
     /// The broker left a round trip of this session's shutdown unanswered.
@@ -64,55 +78,7 @@ pub(crate) struct Runtime {
     consumed: bool,
 }
 
-impl Runtime {
-    pub(crate) fn new(
-        config: Config,
-        dispatch: Dispatch,
-        shutdown: ShutdownHandle,
-        stats: Stats,
-        health: Health,
-    ) -> Self {
-        Runtime {
-            dispatcher: Dispatcher::new(&dispatch, config.concurrency),
-            router: Arc::new(config.router(dispatch.decide.clone())),
-            wedged: 0,
-            unresponsive: false,
-            unparseable: false,
-            node: None,
-            consumed: false,
-            config,
-            dispatch,
-            shutdown,
-            stats,
-            health,
-        }
-    }
-
-    /// Runs sessions until shutdown or a configuration error (returned),
-    /// then lets the handlers of lost sessions finish.
-    pub(crate) async fn run(&mut self) -> Result<()> {
-        let mut link = Reconnect::new(
-            self.config.broker.clone(),
-            self.config.connection_name.clone(),
-            Duration::from_secs(30),
-        );
-        let stop = self.shutdown.graceful_token().clone();
-        let fatal = reconnect::run(self, &mut link, &stop).await;
-        if let Some(error) = &fatal {
-            tracing::error!(%error, "cannot run; stopping");
-            self.health.record_error(error.to_string());
-        }
-        // Handlers of lost sessions may still run: they can no longer ack, but
-        // let them end their transactions (a no-op after a drained session).
-        self.health.set_state(RuntimeState::Stopping);
-        self.dispatcher
-            .drain(self.config.shutdown_timeout, self.shutdown.now_token())
-            .await;
-        self.health.set_state(RuntimeState::Stopped);
-        tracing::info!(consumer = %self.config.consumer, "stopped");
-        fatal.map_or(Ok(()), Err)
-    }
-
+impl AmqpSessions<'_> {
     /// One connection's life: connect, declare, subscribe, dispatch until
     /// shutdown or loss.
     async fn session_on(&mut self, link: &mut Reconnect) -> Session<Error> {
@@ -122,6 +88,7 @@ impl Runtime {
             error,
             lasted: Duration::ZERO,
         };
+        let stop = self.deliveries.shutdown().graceful_token().clone();
         let connection = tokio::select! {
             connected = link.connect() => match connected {
                 // Shared with the republisher, which reopens channels on it.
@@ -131,22 +98,22 @@ impl Runtime {
                 Err(e) if refusal(&e) && !link.has_connected() => return Session::Fatal(e),
                 Err(e) => {
                     if refusal(&e) {
-                        self.stats.incr(Counter::BrokerRefusals);
+                        self.deliveries.stats().incr(Counter::BrokerRefusals);
                     }
                     return lost(e.to_string());
                 }
             },
-            () = self.shutdown.graceful_token().cancelled() => return Session::Stopped,
+            () = stop.cancelled() => return Session::Stopped,
         };
         let subscribed = tokio::time::timeout(SETUP_TIMEOUT, self.subscribe(&connection)).await;
         let end = match subscribed {
-            Ok(Ok((channel, deliveries, pipeline))) => {
-                self.consume(&connection, channel, deliveries, pipeline)
+            Ok(Ok((channel, deliveries, session))) => {
+                self.consume(&connection, channel, deliveries, session)
                     .await
             }
             Ok(Err(e))
                 if is(&e, |a| matches!(a, AmqpError::TopologyConflict { .. }))
-                    && !self.config.wait_for_topology =>
+                    && !self.amqp.wait_for_topology =>
             {
                 Session::Fatal(e)
             }
@@ -158,7 +125,7 @@ impl Runtime {
                 Session::Fatal(e)
             }
             Ok(Err(e)) if is(&e, |a| matches!(a, AmqpError::AccessRefused { .. })) => {
-                self.stats.incr(Counter::BrokerRefusals);
+                self.deliveries.stats().incr(Counter::BrokerRefusals);
                 lost(format!("cannot set up the subscription: {e}"))
             }
             Ok(Err(e)) => lost(format!("cannot set up the subscription: {e}")),
@@ -180,7 +147,7 @@ impl Runtime {
     /// the broker left one unanswered in this session (in a resource alarm it
     /// answers none, and each would only add to the shutdown's length).
     async fn bounded<F: Future>(&mut self, call: F) -> Option<F::Output> {
-        let now = self.shutdown.now_token().clone();
+        let now = self.deliveries.shutdown().now_token().clone();
         if now.is_cancelled() || self.unresponsive {
             return None;
         }
@@ -195,20 +162,19 @@ impl Runtime {
     async fn subscribe(
         &self,
         connection: &Arc<Connection>,
-    ) -> Result<(lapin::Channel, lapin::Consumer, Arc<Pipeline>)> {
-        let config = &self.config;
+    ) -> Result<(lapin::Channel, lapin::Consumer, Arc<SessionLink>)> {
+        let amqp = &self.amqp;
         let channel = connection.create_channel().await?;
-        if config.declare {
-            config
-                .topology
+        if amqp.declare {
+            amqp.topology
                 .declare(&channel)
                 .await
-                .map_err(|e| topology_error(&config.topology.queue, e))?;
-            for queue in &config.also_declare {
+                .map_err(|e| topology_error(&amqp.topology.queue, e))?;
+            for queue in &amqp.also_declare {
                 let like_ours = Topology {
                     queue: queue.clone(),
                     dead_letter_queue: dead_letter_queue(queue),
-                    queue_type: config.topology.queue_type,
+                    queue_type: amqp.topology.queue_type,
                     bindings: Vec::new(),
                     retry_delays: Vec::new(),
                 };
@@ -220,11 +186,11 @@ impl Runtime {
         }
         let republisher = Republisher::open(connection, REPUBLISH_CHANNELS).await?;
         channel
-            .basic_qos(config.prefetch, BasicQosOptions::default())
+            .basic_qos(amqp.prefetch, BasicQosOptions::default())
             .await?;
         let deliveries = channel
             .basic_consume(
-                config.topology.queue.as_str().into(),
+                amqp.topology.queue.as_str().into(),
                 "".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -232,24 +198,21 @@ impl Runtime {
             .await
             .map_err(|e| {
                 access_refused(
-                    format!("consume from queue {:?}", config.topology.queue),
+                    format!("consume from queue {:?}", amqp.topology.queue),
                     e.into(),
                 )
             })?;
-        let pipeline = Arc::new(Pipeline {
-            router: self.router.clone(),
-            dead_letter_queue: config.topology.dead_letter_queue.clone(),
-            declare: config.declare,
+        let session = Arc::new(SessionLink {
+            queue: amqp.topology.queue.clone(),
+            dead_letter_queue: amqp.topology.dead_letter_queue.clone(),
+            declare: amqp.declare,
             republisher,
             // Batch mode acks processed deliveries with multiple acks.
-            coalesced: self.dispatch.batch.map(|_| AckTracker::new()),
+            coalesced: amqp.batched.then(AckTracker::new),
             broken: CancellationToken::new(),
-            shutdown: self.shutdown.graceful_token().clone(),
-            health: self.health.clone(),
-            stats: self.stats.clone(),
-            log_limit: Default::default(),
+            health: self.deliveries.health().clone(),
         });
-        Ok((channel, deliveries, pipeline))
+        Ok((channel, deliveries, session))
     }
 
     /// Dispatches the subscription's deliveries until shutdown or loss; on
@@ -259,32 +222,29 @@ impl Runtime {
         connection: &Connection,
         channel: lapin::Channel,
         mut deliveries: lapin::Consumer,
-        pipeline: Arc<Pipeline>,
+        session: Arc<SessionLink>,
     ) -> Session<Error> {
-        let config = &self.config;
         self.consumed = true;
-        self.health.set_state(RuntimeState::Consuming);
+        let health = self.deliveries.health().clone();
+        health.set_state(RuntimeState::Consuming);
         tracing::info!(
-            consumer = %config.consumer,
-            queue = %config.topology.queue,
-            prefetch = config.prefetch,
-            concurrency = config.concurrency,
-            batch = self.dispatch.batch.map(|(size, _)| size),
+            consumer = %self.deliveries.consumer(),
+            queue = %self.amqp.topology.queue,
+            prefetch = self.amqp.prefetch,
+            batch = self.deliveries.batch().map(|(size, _)| size),
             "consuming"
         );
-        let broken = pipeline.broken.clone();
-        let shutdown = self.shutdown.graceful_token().clone();
-        let feed = Feed {
+        let mut feed = AmqpFeed {
             deliveries: &mut deliveries,
             channel: &channel,
             connection,
-            broken: &broken,
-            shutdown: &shutdown,
-            queue: &config.topology.queue,
+            session: session.clone(),
+            unparseable: false,
         };
-        let (end, lasted) = self.dispatcher.run(feed, pipeline.clone()).await;
-        if let FeedEnd::Shutdown = end {
-            self.health.set_state(RuntimeState::Stopping);
+        let end = self.deliveries.dispatch(&mut feed).await;
+        let unparseable = feed.unparseable;
+        if let FeedEnd::Stopped = end {
+            health.set_state(RuntimeState::Stopping);
             // Stop new deliveries first, so that nothing arrives while we
             // drain. Bounded: a broker in a resource alarm stops reading a
             // connection that published, and would never answer.
@@ -296,9 +256,8 @@ impl Runtime {
                     None => tracing::warn!("basic.cancel unanswered; draining anyway"),
                 }
             }
-            self.dispatcher
-                .drain(self.config.shutdown_timeout, self.shutdown.now_token())
-                .await;
+            // Before the channel closes: the drained units' acks go out on it.
+            self.deliveries.drain().await;
         }
         if channel.status().connected() {
             let close = channel.close(200, "idempo consumer stopped".into());
@@ -306,13 +265,13 @@ impl Runtime {
         }
         // Closed here rather than when the last task drops them: a channel
         // dropped while the connection closes makes lapin log an ERROR.
-        let _ = self.bounded(pipeline.republisher.close()).await;
+        let _ = self.bounded(session.republisher.close()).await;
         match end {
-            FeedEnd::Shutdown => Session::Stopped,
-            FeedEnd::Lost { error, unparseable } => {
+            FeedEnd::Lost { error, lasted } => {
                 self.unparseable = unparseable;
                 Session::Lost { error, lasted }
             }
+            _ => Session::Stopped,
         }
     }
 
@@ -320,31 +279,31 @@ impl Runtime {
     /// next one: move such deliveries at the head of the queue to the DLQ
     /// with a client of our own (see `quarantine`).
     async fn quarantine(&mut self, node: usize) {
-        let config = &self.config;
+        let amqp = &self.amqp;
         let target = quarantine::Target {
-            broker: &config.broker,
+            broker: &amqp.broker,
             node,
-            queue: &config.topology.queue,
-            dead_letter_queue: &config.topology.dead_letter_queue,
-            consumer: &config.consumer,
-            limit: usize::from(config.prefetch) + 1,
-            table: config.dead_letter_retention().map(|_| &config.pool),
+            queue: &amqp.topology.queue,
+            dead_letter_queue: &amqp.topology.dead_letter_queue,
+            consumer: &amqp.consumer,
+            limit: usize::from(amqp.prefetch) + 1,
+            table: amqp.letters_table.as_ref(),
         };
         let moved = tokio::select! {
             moved = quarantine::run(&target) => moved,
-            () = self.shutdown.graceful_token().cancelled() => return,
+            () = self.deliveries.stopping() => return,
         };
+        let (stats, health) = (self.deliveries.stats(), self.deliveries.health());
         match moved {
             Ok(n) if n > 0 => {
                 for _ in 0..n {
-                    self.stats.incr(Counter::PoisonFrames);
-                    self.stats
-                        .dead_lettered(DeadLetterReason::UndecodableProperties);
+                    stats.incr(Counter::PoisonFrames);
+                    stats.dead_lettered(DeadLetterReason::UndecodableProperties);
                 }
                 self.wedged = 0;
-                self.health.record_error(format!(
+                health.record_error(format!(
                     "moved {n} delivery(ies) whose properties are not valid UTF-8 to {:?}",
-                    config.topology.dead_letter_queue
+                    amqp.topology.dead_letter_queue
                 ));
             }
             outcome => {
@@ -358,21 +317,21 @@ impl Runtime {
                     self.wedged
                 );
                 tracing::error!(%error);
-                self.health.record_error(error);
+                health.record_error(error);
             }
         }
-        self.health.set_wedged_sessions(self.wedged);
+        health.set_wedged_sessions(self.wedged);
     }
 }
 
-impl Sessions for Runtime {
+impl Sessions for AmqpSessions<'_> {
     type Fatal = Error;
 
     async fn session(&mut self, link: &mut Reconnect) -> Session<Error> {
-        self.health.set_state(RuntimeState::Connecting);
+        self.deliveries.health().set_state(RuntimeState::Connecting);
         let end = self.session_on(link).await;
         if !matches!(end, Session::Stopped) {
-            self.stats.incr(Counter::SessionFailures);
+            self.deliveries.stats().incr(Counter::SessionFailures);
         }
         self.node = link.node();
         end
@@ -390,20 +349,21 @@ impl Sessions for Runtime {
             ),
             (false, _) => tracing::debug!(%error, ?pause, in_row = loss.in_row, "reconnecting"),
         }
-        self.health.record_error(error.clone());
+        let health = self.deliveries.health().clone();
+        health.record_error(error.clone());
         // After the loss is recorded, so that what the quarantine found is
         // the last word in Health.
         if self.unparseable {
             self.quarantine(self.node.unwrap_or(0)).await;
         } else if lasted >= STABLE_SESSION {
             self.wedged = 0;
-            self.health.set_wedged_sessions(0);
+            health.set_wedged_sessions(0);
         }
         if !lasted.is_zero() {
-            self.health.record_reconnect();
-            self.stats.incr(Counter::Reconnects);
+            health.record_reconnect();
+            self.deliveries.stats().incr(Counter::Reconnects);
         }
-        self.health.set_state(RuntimeState::Reconnecting);
+        health.set_state(RuntimeState::Reconnecting);
     }
 }
 

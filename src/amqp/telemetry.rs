@@ -2,8 +2,9 @@
 //! destination a span names, and the process span a unit of deliveries runs
 //! in (the runtime records the rest of its fields: `runtime/trace.rs`).
 
-use lapin::message::Delivery;
 use tracing::{Span, field};
+
+use crate::runtime::message::Message;
 
 /// `messaging.destination.name` for RabbitMQ: `{exchange}:{routing key}` for
 /// a send, with `:{queue}` for a receive; empty parts are left out, and a
@@ -24,14 +25,13 @@ pub(crate) fn destination_name(exchange: &str, routing_key: &str, queue: Option<
 
 /// The CONSUMER span `process <destination>` of a unit: one delivery, or a
 /// batch (then named after the queue, with the message count).
-pub(crate) fn process_span(consumer: &str, queue: &str, deliveries: &[Delivery]) -> Span {
-    match deliveries {
+pub(crate) fn process_span(consumer: &str, queue: &str, messages: &[Message]) -> Span {
+    match messages {
         [one] => {
             let span = one_span(consumer, one);
             if !span.is_disabled() {
                 // Made only when the span is recorded.
-                let destination =
-                    destination_name(one.exchange.as_str(), one.routing_key.as_str(), Some(queue));
+                let destination = destination_name(one.exchange(), one.routing_key(), Some(queue));
                 span.record("otel.name", format!("process {destination}"));
                 span.record("messaging.destination.name", destination);
             }
@@ -52,7 +52,7 @@ pub(crate) fn process_span(consumer: &str, queue: &str, deliveries: &[Delivery])
 }
 
 /// The span of a single delivery, its destination's name left to record.
-fn one_span(consumer: &str, one: &Delivery) -> Span {
+fn one_span(consumer: &str, one: &Message) -> Span {
     tracing::info_span!(
         "process",
         otel.name = field::Empty,
@@ -64,10 +64,10 @@ fn one_span(consumer: &str, one: &Delivery) -> Span {
         messaging.destination.name = field::Empty,
         messaging.consumer.group.name = consumer,
         messaging.message.id = field::Empty,
-        messaging.message.body.size = one.data.len(),
-        messaging.rabbitmq.destination.routing_key = one.routing_key.as_str(),
-        messaging.rabbitmq.message.delivery_tag = one.delivery_tag,
-        idempo.redelivered = one.redelivered,
+        messaging.message.body.size = one.body().len(),
+        messaging.rabbitmq.destination.routing_key = one.routing_key(),
+        messaging.rabbitmq.message.delivery_tag = one.delivery_tag(),
+        idempo.redelivered = one.redelivered(),
         idempo.claim = field::Empty,
         idempo.attempt = field::Empty,
         idempo.settlement = field::Empty,

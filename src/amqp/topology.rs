@@ -7,7 +7,6 @@ use lapin::options::{QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::Result;
-use crate::runtime::redelivery::delay_queue;
 
 /// The kind of RabbitMQ queue to declare.
 ///
@@ -195,9 +194,32 @@ fn queue_type_value(t: QueueType) -> AMQPValue {
     AMQPValue::LongString(t.as_str().into())
 }
 
+/// The delay queue a consumer of `queue` declares for `delay`:
+/// `<queue>.retry.<delay>`, the delay written exactly and short (`1s`, `2m`,
+/// `250ms`, `1h`). For tools that inspect the topology (the `idempo` command's
+/// `status`).
+pub(crate) fn delay_queue(queue: &str, delay: Duration) -> String {
+    format!("{queue}.retry.{}", crate::duration::exact_label(delay))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    #[test]
+    fn delay_queue_names_are_short_and_exact() {
+        assert_eq!(delay_queue("payments", secs(30)), "payments.retry.30s");
+        assert_eq!(delay_queue("payments", secs(120)), "payments.retry.2m");
+        assert_eq!(delay_queue("p", secs(7200)), "p.retry.2h");
+        assert_eq!(
+            delay_queue("p", Duration::from_millis(1500)),
+            "p.retry.1500ms"
+        );
+    }
 
     #[test]
     fn the_dead_letter_queue_is_the_queue_name_with_a_dlq_suffix() {

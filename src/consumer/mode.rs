@@ -7,9 +7,9 @@
 //! |---|---|---|
 //! | [`PerMessage`] | [`handler`](ConsumerBuilder::handler) | [`message_groups`](ConsumerBuilder::message_groups), [`batch`](ConsumerBuilder::batch) (→ [`Batched`]) |
 //! | [`Batched`] | [`batch_handler`](ConsumerBuilder::batch_handler), or `.handler(h).batch(n)` | [`batch`](ConsumerBuilder::batch), [`batch_linger`](ConsumerBuilder::batch_linger) |
-//! | `Windowed` (features `amqp` + `window`) | `dedup_window(w).window_handler(h)` | `message_groups` |
+//! | [`Windowed`] (feature `window`) | `dedup_window(w).window_handler(h)` | `message_groups` |
 //!
-//! [`ConsumerBuilder`]: crate::amqp::ConsumerBuilder
+//! [`ConsumerBuilder`]: crate::consumer::ConsumerBuilder
 //!
 //! # What does not compile
 //! No handler, no `build`:
@@ -65,5 +65,8 @@
 //! ```
 
 #[cfg(doc)]
-use crate::amqp::ConsumerBuilder;
+use crate::consumer::ConsumerBuilder;
 pub use crate::runtime::mode::{Batched, NoHandler, PerMessage};
+#[cfg(feature = "window")]
+#[cfg_attr(docsrs, doc(cfg(feature = "window")))]
+pub use crate::runtime::window_mode::{WindowNoHandler, Windowed};

@@ -9,7 +9,7 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable};
 use serde::{Deserialize, Serialize};
 
-use crate::amqp::fields::header_text;
+use crate::amqp::fields::header_ref;
 use crate::runtime::headers::REPLAY_HISTORY_HEADER;
 use crate::runtime::headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
@@ -91,7 +91,7 @@ impl<'a> DeadLetter<'a> {
     /// The header `name` as text: a UTF-8 string or an integer, `None` when
     /// absent or anything else.
     pub(crate) fn header(&self, name: &str) -> Option<String> {
-        header_text(self.properties.headers().as_ref()?.inner().get(name)?)
+        header_ref(self.properties.headers().as_ref()?.inner().get(name)?).text()
     }
 
     /// The id idempo deduplicated the original on ([`MESSAGE_ID_HEADER`]),

@@ -6,14 +6,15 @@
 //! pull consumer named after the idempo consumer, so that competing
 //! processes share its deliveries. Each delivery's id comes from its
 //! `Nats-Msg-Id` header by default (the id JetStream deduplicates
-//! publishes on), or from another [`MessageIdSource`]; it is claimed in
+//! publishes on), or from another
+//! [`MessageIdSource`](crate::consumer::MessageIdSource); it is claimed in
 //! the handler's transaction, and the message is acknowledged only after
 //! the commit, with a confirmed ack (double ack).
 //!
 //! | What happens | On JetStream |
 //! |---|---|
 //! | processed, or a duplicate | `+ACK`, confirmed by the server |
-//! | transient failure | `-NAK` with the [`RedeliveryPolicy`]'s delay; the attempt is JetStream's delivery count |
+//! | transient failure | `-NAK` with the [`RedeliveryPolicy`](crate::consumer::RedeliveryPolicy)'s delay; the attempt is JetStream's delivery count |
 //! | last attempt failed, or poison | a row in the `dead_letters` table, then `+ACK` |
 //! | the handler runs long | `+WPI` (in progress) every third of the ack wait |
 //! | the process dies | JetStream redelivers after the ack wait; the claim decides |
@@ -27,9 +28,8 @@
 
 /// The transport's name in the outbox, the dead-letter table and the
 /// heartbeats.
-pub(crate) const TRANSPORT: &str = "nats";
+pub(crate) const TRANSPORT: &str = <Nats as crate::runtime::transport::Transport>::NAME;
 
-mod builder;
 mod connect;
 mod consumer;
 #[cfg(feature = "ops")]
@@ -37,14 +37,25 @@ pub(crate) mod depth;
 mod envelope;
 mod error;
 mod names;
+mod options;
 mod pipeline;
 mod relay;
 mod telemetry;
 mod topology;
+mod transport;
 
-pub use builder::ConsumerBuilder;
-pub use consumer::Consumer;
 pub use error::NatsError;
+pub use options::NatsOptions;
+pub use pipeline::Receipt;
 pub use relay::Relay;
+pub use transport::Nats;
+
+/// A consumer of a JetStream stream: the runtime's consumer on [`Nats`].
+pub type Consumer = crate::runtime::consumer::Consumer<Nats>;
+
+/// Configures a JetStream [`Consumer`]: the runtime's builder on [`Nats`],
+/// with the options of every transport and JetStream's own ([`NatsOptions`]).
+pub type ConsumerBuilder<Mode = crate::runtime::mode::NoHandler> =
+    crate::runtime::builder::ConsumerBuilder<Nats, Mode>;
 
 pub use async_nats;

@@ -25,6 +25,7 @@ use crate::Result;
 use crate::backoff::Backoff;
 use crate::outbox::batch::{Batch, Failures, RetrySchedule};
 use crate::outbox::packed::Staged;
+use crate::outbox::{Publishing, RelayLink};
 use crate::runtime::headers::REPLAY_HISTORY_HEADER;
 use crate::runtime::health::Health;
 use crate::runtime::shutdown::ShutdownHandle;
@@ -53,6 +54,9 @@ pub struct Relay {
     streams: Vec<String>,
     schedule: RetrySchedule,
     takeover_after: Duration,
+    duplicate_window: Option<Duration>,
+    /// The consumer's link: woken after its commits that staged.
+    link: Option<RelayLink>,
     shutdown: ShutdownHandle,
     health: Health,
 }
@@ -71,6 +75,8 @@ impl Relay {
                 max: Duration::from_secs(300),
             },
             takeover_after: Duration::from_secs(15),
+            duplicate_window: None,
+            link: None,
             shutdown: ShutdownHandle::default(),
             health: Health::default(),
         }
@@ -89,6 +95,20 @@ impl Relay {
         self
     }
 
+    /// The duplicate window of the streams it creates (JetStream's default,
+    /// 2 minutes, when unset): keep it longer than a relay takes to restart.
+    pub fn duplicate_window(mut self, window: Duration) -> Self {
+        self.duplicate_window = Some(window);
+        self
+    }
+
+    /// The relay a consumer runs: woken through `link` after a commit that
+    /// staged, instead of at its next look.
+    pub(crate) fn woken_by(mut self, link: RelayLink) -> Self {
+        self.link = Some(link);
+        self
+    }
+
     /// Attempts before a message JetStream refuses is given up (marked
     /// failed in the outbox): 10.
     pub fn max_attempts(mut self, attempts: u32) -> Self {
@@ -101,7 +121,8 @@ impl Relay {
         self.shutdown.clone()
     }
 
-    /// Publishes until the [`ShutdownHandle`] fires.
+    /// Publishes until the [`ShutdownHandle`] fires; a graceful shutdown
+    /// publishes what is pending first.
     ///
     /// # Errors
     /// A [`NatsError`](super::NatsError) at start: the server refuses the
@@ -115,9 +136,10 @@ impl Relay {
         connect::check_jetstream(&client, &self.url).await?;
         let context = jetstream::new(client);
         for stream in &self.streams {
-            Topology::create_stream_if_missing(&context, stream).await?;
+            Topology::create_stream_if_missing(&context, stream, self.duplicate_window).await?;
         }
         let stop = self.shutdown.graceful_token().clone();
+        let _publishing = self.link.as_ref().map(Publishing::start);
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
         loop {
             let wait = match self.batch(&context).await {
@@ -131,9 +153,23 @@ impl Relay {
                     backoff.next_delay()
                 }
             };
+            // A graceful stop publishes what is pending first (the
+            // drained handlers' last forwards): it returns once a batch
+            // found nothing, or failed.
+            if stop.is_cancelled() || self.shutdown.now_token().is_cancelled() {
+                return Ok(());
+            }
+            let woken = async {
+                match &self.link {
+                    Some(link) => link.woken().await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
-                () = stop.cancelled() => return Ok(()),
+                () = stop.cancelled() => {}
                 () = tokio::time::sleep(wait) => {}
+                // The consumer committed what its handlers staged.
+                () = woken => {}
             }
         }
     }

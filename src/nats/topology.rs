@@ -24,6 +24,9 @@ pub(crate) struct Topology {
     pub(crate) ack_wait: Duration,
     /// JetStream's `max_ack_pending`: deliveries in the client at once.
     pub(crate) max_ack_pending: i64,
+    /// The duplicate window of a stream idempo creates (JetStream's default
+    /// when unset).
+    pub(crate) duplicate_window: Option<Duration>,
 }
 
 impl Topology {
@@ -65,7 +68,11 @@ impl Topology {
                     ));
                 }
                 context
-                    .create_stream(new_stream(&self.stream, &self.subject))
+                    .create_stream(new_stream(
+                        &self.stream,
+                        &self.subject,
+                        self.duplicate_window,
+                    ))
                     .await
                     .map_err(|e| NatsError::Api {
                         action: format!("to create the stream {:?}", self.stream),
@@ -137,10 +144,11 @@ impl Topology {
     pub(crate) async fn create_stream_if_missing(
         context: &Context,
         name: &str,
+        duplicate_window: Option<Duration>,
     ) -> Result<(), NatsError> {
         super::names::check_name("stream", name)?;
         context
-            .get_or_create_stream(new_stream(name, name))
+            .get_or_create_stream(new_stream(name, name, duplicate_window))
             .await
             .map(|_| ())
             .map_err(|e| NatsError::Api {
@@ -167,13 +175,14 @@ impl Topology {
 
 /// A stream idempo creates: file storage, kept by limits (not by
 /// interest: a replay or a new consumer may still need a message), taking
-/// `subject`.
-fn new_stream(name: &str, subject: &str) -> stream::Config {
+/// `subject`, with `duplicate_window` when set.
+fn new_stream(name: &str, subject: &str, duplicate_window: Option<Duration>) -> stream::Config {
     stream::Config {
         name: name.to_owned(),
         subjects: vec![subject.to_owned()],
         retention: RetentionPolicy::Limits,
         storage: stream::StorageType::File,
+        duplicate_window: duplicate_window.unwrap_or_default(),
         ..stream::Config::default()
     }
 }

@@ -10,10 +10,10 @@ use super::{
     OpsError, Result, Services, close, missing_table, queue_depth, short_duration, undefined_table,
 };
 use crate::amqp::dead_letter_queue;
+use crate::amqp::topology::delay_queue;
 use crate::cleanup::StateCount;
 use crate::consumer::RedeliveryPolicy;
 use crate::outbox::OutboxStatus;
-use crate::runtime::redelivery::delay_queue;
 
 /// What [`status()`] looks at.
 ///

@@ -63,7 +63,8 @@ type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// expected to take 2 arguments, but it takes 1 argument":
 ///
 /// ```compile_fail,E0593
-/// use idempo::amqp::ConsumerBuilder, idempo::consumer::{HandlerError, Message, mode::NoHandler};
+/// use idempo::amqp::ConsumerBuilder;
+/// use idempo::consumer::{HandlerError, Message, mode::NoHandler};
 ///
 /// fn build(builder: ConsumerBuilder<NoHandler>) {
 ///     builder.handler(|m: Message| async move { Ok::<(), HandlerError>(()) });
@@ -77,7 +78,8 @@ type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 ///
 /// ```compile_fail,E0277
 /// use idempo::Tx;
-/// use idempo::amqp::ConsumerBuilder, idempo::consumer::{Handler, HandlerError, JsonBody, mode::NoHandler};
+/// use idempo::amqp::ConsumerBuilder;
+/// use idempo::consumer::{Handler, HandlerError, JsonBody, mode::NoHandler};
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Payment { account: String }

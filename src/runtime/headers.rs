@@ -50,11 +50,15 @@ pub(crate) const LAST_FAILURE_HEADER: &str = "x-idempo-last-failure";
 /// the replay (`dead_letters/view.rs`), which reads it too.
 pub(crate) const REPLAY_HISTORY_HEADER: &str = "x-idempo-replay-history";
 
-/// A header value idempo writes on a copy; each transport writes it in its
-/// own type (AMQP: a long string, a long-long integer).
+/// A header value idempo writes on a copy (its failure history); each
+/// transport writes it in its own type (AMQP: a long string, a long-long
+/// integer; JetStream: text).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum HeaderValue {
+#[non_exhaustive]
+pub enum HeaderValue {
+    /// Text.
     Text(String),
+    /// A whole number (the attempts).
     Integer(i64),
 }
 

@@ -15,8 +15,11 @@
 //! its own types. The AMQP transport (connections, sessions, topology,
 //! confirms, reconnects, the AMQP copy) lives in [`crate::amqp`].
 
+pub(crate) mod builder;
+pub(crate) mod consumer;
 pub(crate) mod database_gate;
 pub(crate) mod dead_letter;
+pub(crate) mod dispatch;
 pub(crate) mod forwarding;
 pub(crate) mod handler;
 pub(crate) mod headers;
@@ -28,6 +31,8 @@ pub(crate) mod message_id;
 pub(crate) mod mode;
 pub(crate) mod outcome;
 pub(crate) mod redelivery;
+#[cfg(feature = "outbox")]
+pub(crate) mod relay_task;
 pub(crate) mod retention;
 pub(crate) mod route;
 pub(crate) mod seal;
@@ -37,4 +42,7 @@ pub(crate) mod stats;
 pub(crate) mod steps;
 pub(crate) mod trace;
 pub(crate) mod transport;
+pub(crate) mod units;
 pub(crate) mod watched;
+#[cfg(feature = "window")]
+pub(crate) mod window_mode;

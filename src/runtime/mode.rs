@@ -82,6 +82,11 @@ pub(crate) struct Dispatch {
 /// Turns a mode into its [`Dispatch`], checking what only it can check.
 pub(crate) trait IntoDispatch {
     fn into_dispatch(self, parts: &Parts<'_>) -> Result<Dispatch>;
+
+    /// Batch mode's batch size, which the transport may check its limits against.
+    fn batch_size(&self) -> Option<usize> {
+        None
+    }
 }
 
 fn inbox(handler: Arc<dyn Prepare>, parts: &Parts<'_>) -> Arc<dyn Decide> {
@@ -110,6 +115,10 @@ impl IntoDispatch for PerMessage {
 }
 
 impl IntoDispatch for Batched {
+    fn batch_size(&self) -> Option<usize> {
+        Some(self.size)
+    }
+
     fn into_dispatch(self, parts: &Parts<'_>) -> Result<Dispatch> {
         if self.size == 0 {
             return Err(crate::Error::Config(

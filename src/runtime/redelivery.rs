@@ -140,14 +140,6 @@ impl RedeliveryPolicy {
     }
 }
 
-/// The delay queue a consumer of `queue` declares for `delay`:
-/// `<queue>.retry.<delay>`, the delay written exactly and short (`1s`, `2m`,
-/// `250ms`, `1h`). For tools that inspect the topology (the `idempo` command's
-/// `status`).
-pub(crate) fn delay_queue(queue: &str, delay: Duration) -> String {
-    format!("{queue}.retry.{}", crate::duration::exact_label(delay))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,17 +174,6 @@ mod tests {
         assert_eq!(
             RedeliveryPolicy::requeue(secs(1)).total_delay(),
             Duration::ZERO
-        );
-    }
-
-    #[test]
-    fn delay_queue_names_are_short_and_exact() {
-        assert_eq!(delay_queue("payments", secs(30)), "payments.retry.30s");
-        assert_eq!(delay_queue("payments", secs(120)), "payments.retry.2m");
-        assert_eq!(delay_queue("p", secs(7200)), "p.retry.2h");
-        assert_eq!(
-            delay_queue("p", Duration::from_millis(1500)),
-            "p.retry.1500ms"
         );
     }
 

@@ -18,7 +18,7 @@ use crate::runtime::letters::{LetterStore, NewLetter, Stored};
 use crate::runtime::message::Message;
 use crate::runtime::message_id::MessageIdSource;
 use crate::runtime::outcome::{Abandon, Decide, Outcome, RetryCause, invalid_id};
-use crate::runtime::redelivery::{Mode, RedeliveryPolicy, delay_queue};
+use crate::runtime::redelivery::{Mode, RedeliveryPolicy};
 use crate::runtime::seal::{Keyring, claimed_id};
 use crate::runtime::transport::Letter;
 use crate::wait::Waited;
@@ -40,9 +40,8 @@ pub(crate) enum Route {
         error: String,
         failures: Failures,
     },
-    /// Publish a copy to the delay queue `queue`, then ack.
+    /// Deliver again after `delay` (AMQP: a copy to the delay queue, then ack).
     Delay {
-        queue: String,
         delay: Duration,
         cause: RetryCause,
         error: String,
@@ -234,7 +233,6 @@ impl Router {
                             .redelivery
                             .delay_for(failures.attempts, requested_delay);
                         Route::Delay {
-                            queue: delay_queue(&self.queue, delay),
                             delay,
                             cause,
                             error,

@@ -67,14 +67,15 @@ impl Settle<'_> {
     /// Decides a unit of `messages` (with their transport's `receipts`, in
     /// order) and settles it through `transport`: the path every transport's
     /// deliveries take once they are messages. Runs in the unit's process
-    /// span, which it records the decision on.
+    /// span, which it records the decision on. How each was settled, with
+    /// the id it was deduplicated on.
     pub(crate) async fn decide<T: Transport>(
         &self,
         transport: &T,
         mut messages: Vec<Message>,
         receipts: Vec<T::Receipt>,
         abandon: &Abandon,
-    ) -> Vec<Settled> {
+    ) -> Vec<(Settled, String)> {
         let outcomes = self.router.outcomes(&mut messages, abandon).await;
         let routes: Vec<_> = outcomes
             .into_iter()
@@ -84,12 +85,13 @@ impl Settle<'_> {
         if let ([message], [route]) = (messages.as_slice(), routes.as_slice()) {
             trace::decided(&tracing::Span::current(), message, route);
         }
+        let ids: Vec<String> = messages.iter().map(|m| m.id().to_owned()).collect();
         let items = messages.into_iter().zip(receipts).collect();
         let settled = self.unit(transport, items, routes, abandon).await;
         if let [one] = settled.as_slice() {
             trace::settled(&tracing::Span::current(), *one);
         }
-        settled
+        settled.into_iter().zip(ids).collect()
     }
 
     /// Settles a unit: one route per delivery, in order; `abandon` ends a
@@ -128,14 +130,13 @@ impl Settle<'_> {
                     .await
                 }
                 Route::Delay {
-                    queue,
                     delay,
                     error,
                     failures,
                     ..
                 } => {
                     self.delay(
-                        transport, &message, &receipt, &queue, delay, &error, failures, abandon,
+                        transport, &message, &receipt, delay, &error, failures, abandon,
                     )
                     .await
                 }
@@ -164,7 +165,6 @@ impl Settle<'_> {
         transport: &T,
         message: &Message,
         receipt: &T::Receipt,
-        queue: &str,
         delay: Duration,
         error: &str,
         failures: Failures,
@@ -172,7 +172,6 @@ impl Settle<'_> {
     ) -> Settled {
         let headers = self.router.failure_headers(message, error, &failures).await;
         let later = Later {
-            queue,
             delay,
             attempts: failures.attempts,
             error,
@@ -194,7 +193,7 @@ impl Settle<'_> {
                 .await;
             }
             Err(Refused::Failed(why)) => {
-                let error = format!("cannot publish the retry to {queue:?}: {why}");
+                let error = format!("cannot send the retry: {why}");
                 self.copy_failed(transport, message, receipt, error).await;
             }
         }

@@ -162,7 +162,6 @@ mod tests {
         let timeout = cause(timed_out(Duration::from_secs(1)));
         assert_eq!(error_type(&timeout), Some("timeout"));
         let delayed = Route::Delay {
-            queue: "q.retry.1s".into(),
             delay: Duration::from_secs(1),
             cause: RetryCause::Database,
             error: String::new(),

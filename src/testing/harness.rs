@@ -16,16 +16,15 @@ use tokio_util::sync::CancellationToken;
 use super::delivered::Delivered;
 use super::fault::{Fault, Faulty, Outage, Plan};
 use super::schema::{drop_schema, isolate};
-use super::transport::Recorder;
-use crate::amqp::builder::finish;
-use crate::amqp::{Consumer, ConsumerBuilder};
+use super::transport::{Memory, MemoryOptions, Recording};
 use crate::consumer::{FromMessage, Handler, Message};
 use crate::outbox::OutboxMessage;
+use crate::runtime::builder::{ConsumerBuilder, finish};
+use crate::runtime::consumer::Consumer;
 use crate::runtime::mode::{Batched, NoHandler, PerMessage};
-use crate::runtime::outcome::Abandon;
 use crate::runtime::route::Router;
-use crate::runtime::settle::{LogLimit, Settle};
-use crate::runtime::stats::Counter;
+use crate::runtime::settle::LogLimit;
+use crate::runtime::units::Units;
 use crate::{Error, Result};
 
 /// A consumer's delivery path without a broker: deliver messages, read how
@@ -41,11 +40,10 @@ use crate::{Error, Result};
 pub struct Harness {
     router: Arc<Router>,
     /// Keeps the decision's parts (database gate, stats) alive.
-    consumer: Consumer,
+    consumer: Consumer<Memory>,
     pool: PgPool,
     admin: PgPool,
     schema: String,
-    dead_letter_queue: String,
     plan: Arc<Plan>,
     outage: Arc<Outage>,
     tags: AtomicU64,
@@ -69,7 +67,7 @@ impl std::fmt::Debug for Harness {
 /// ever contacted) and the harness's own options. Give it a handler, then
 /// `.await` it.
 pub struct HarnessBuilder<Mode = NoHandler> {
-    consumer: ConsumerBuilder<Mode>,
+    consumer: ConsumerBuilder<Memory, Mode>,
     admin: PgPool,
     setup: Vec<String>,
     hold_timeout: Duration,
@@ -90,11 +88,14 @@ impl Harness {
     #[allow(clippy::new_ret_no_self)]
     pub fn new(pool: PgPool, queue: impl Into<String>) -> HarnessBuilder<NoHandler> {
         HarnessBuilder {
-            // Never dialled: the harness feeds deliveries itself.
             // Checked: a database outage is applied as connections are acquired.
-            consumer: Consumer::builder("amqp://harness.invalid", pool.clone())
-                .queue(queue)
-                .checked_acquire(true),
+            consumer: ConsumerBuilder::with_options(
+                pool.clone(),
+                MemoryOptions {
+                    queue: queue.into(),
+                },
+            )
+            .checked_acquire(true),
             admin: pool,
             setup: Vec::new(),
             hold_timeout: Duration::from_secs(5),
@@ -128,7 +129,7 @@ impl HarnessBuilder<NoHandler> {
 impl<Mode> HarnessBuilder<Mode> {
     fn into_mode<Next>(
         self,
-        f: impl FnOnce(ConsumerBuilder<Mode>) -> ConsumerBuilder<Next>,
+        f: impl FnOnce(ConsumerBuilder<Memory, Mode>) -> ConsumerBuilder<Memory, Next>,
     ) -> HarnessBuilder<Next> {
         HarnessBuilder {
             consumer: f(self.consumer),
@@ -138,10 +139,12 @@ impl<Mode> HarnessBuilder<Mode> {
         }
     }
 
-    /// Configures the consumer as in production: `.configure(|c|
-    /// c.redelivery(policy).handler_timeout(d).message_id(source))`. Its broker
-    /// options have no effect here.
-    pub fn configure(self, f: impl FnOnce(ConsumerBuilder<Mode>) -> ConsumerBuilder<Mode>) -> Self {
+    /// Configures the consumer as in production, with the options every
+    /// transport has: `.configure(|c| c.redelivery(policy).handler_timeout(d).message_id(source))`.
+    pub fn configure(
+        self,
+        f: impl FnOnce(ConsumerBuilder<Memory, Mode>) -> ConsumerBuilder<Memory, Mode>,
+    ) -> Self {
         self.into_mode(f)
     }
 
@@ -220,16 +223,15 @@ awaitable!(Batched);
 
 impl Harness {
     fn assemble(
-        consumer: Consumer,
+        consumer: Consumer<Memory>,
         pool: PgPool,
         admin: PgPool,
         schema: String,
         (plan, outage): (Arc<Plan>, Arc<Outage>),
         (hold_timeout, handler_timeout): (Duration, Duration),
     ) -> Self {
-        let router = Arc::new(consumer.config.router(consumer.dispatch.decide.clone()));
+        let router = Arc::new(consumer.router(consumer.dispatch.decide.clone()));
         Harness {
-            dead_letter_queue: consumer.config.topology.dead_letter_queue.clone(),
             router,
             consumer,
             pool,
@@ -450,15 +452,13 @@ impl Harness {
         self.tags.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// One unit through the router and the runtime's settling, the
-    /// transport recording each settlement as a value; the handler faults
-    /// planned for its deliveries while it lasts.
+    /// One unit through the runtime's units (the decision and the
+    /// settling of production), the transport recording each settlement as
+    /// a value; the handler faults planned for its deliveries while it lasts.
     async fn unit(&self, messages: Vec<(Message, Option<Fault>)>) -> Result<Vec<Delivered>> {
-        let stats = &self.consumer.stats;
         let mut unit: Vec<Message> = Vec::with_capacity(messages.len());
         let mut faulted = Vec::new();
         for (m, fault) in messages {
-            stats.incr(Counter::Deliveries);
             let delivery = m.delivered_again(m.redelivered(), self.next_tag());
             if let Some(fault) = fault {
                 self.plan.set(delivery.delivery_tag(), fault);
@@ -477,33 +477,22 @@ impl Harness {
                 give_up.cancel();
             }
         });
-        let abandon = Abandon {
+        let units = Arc::new(Units {
+            transport: self.consumer.transport.clone(),
+            router: self.router.clone(),
             shutdown: give_up,
-            gone: None,
-        };
-        let outcomes = self.router.outcomes(&mut unit, &abandon).await;
-        let ids: Vec<String> = unit.iter().map(|m| m.id().to_owned()).collect();
-        let routes = unit
-            .iter()
-            .zip(outcomes)
-            .map(|(message, outcome)| self.router.route(message, outcome))
-            .collect();
-        let recorder = Recorder::new(&self.dead_letter_queue, unit.len());
-        let items = unit.into_iter().enumerate().map(|(i, m)| (m, i)).collect();
-        let log_limit = LogLimit::default();
-        let settle = Settle {
-            router: &self.router,
-            health: &self.consumer.health,
-            stats,
-            log_limit: &log_limit,
-        };
-        settle.unit(&recorder, items, routes, &abandon).await;
+            health: self.consumer.health.clone(),
+            stats: self.consumer.stats.clone(),
+            log_limit: LogLimit::default(),
+        });
+        let (recording, slots) = Recording::new(unit.len());
+        let decided = units.decide(unit.into_iter().zip(slots).collect()).await;
         timer.abort();
         for tag in faulted {
             self.plan.clear(tag);
         }
-        let mut delivered = recorder.into_delivered();
-        for (d, id) in delivered.iter_mut().zip(&ids) {
+        let mut delivered = recording.delivered();
+        for (d, (_, id)) in delivered.iter_mut().zip(&decided) {
             if let Delivered::Acked { staged } = d {
                 *staged = self.staged_by(id).await?;
             }

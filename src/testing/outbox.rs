@@ -21,7 +21,11 @@ impl Harness {
     pub async fn outbox(&self) -> Result<Vec<OutboxMessage>> {
         let mut batch = Batch::begin(self.pool(), Duration::from_secs(60)).await?;
         let rows = batch
-            .lock_due(crate::amqp::TRANSPORT, i32::MAX as usize, &[])
+            .lock_due(
+                <super::transport::Memory as crate::runtime::transport::Transport>::NAME,
+                i32::MAX as usize,
+                &[],
+            )
             .await?;
         batch.rollback().await?;
         unpack(rows)
@@ -38,7 +42,13 @@ impl Harness {
         let mut published = Vec::new();
         loop {
             let mut batch = Batch::begin(self.pool(), Duration::from_secs(60)).await?;
-            let rows = batch.lock_due(crate::amqp::TRANSPORT, 100, &[]).await?;
+            let rows = batch
+                .lock_due(
+                    <super::transport::Memory as crate::runtime::transport::Transport>::NAME,
+                    100,
+                    &[],
+                )
+                .await?;
             if rows.is_empty() {
                 batch.rollback().await?;
                 return Ok(published);

@@ -1,38 +1,72 @@
-//! The harness as a transport: the runtime settles each delivery through the
-//! same seam the AMQP adapter implements, and this transport writes down
-//! what it was asked to do as a [`Delivered`] value instead of acking.
+//! [`Memory`]: the harness's transport, on the same seam as RabbitMQ's and
+//! JetStream's. The harness hands it each unit of deliveries itself; each
+//! settlement the runtime asks for is written down as a [`Delivered`] value
+//! instead of being sent to a broker.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::delivered::Delivered;
+use crate::Result;
 use crate::amqp::copy::copy_properties;
-use crate::consumer::DeadLetterReason;
+use crate::runtime::dead_letter::DeadLetterReason;
+use crate::runtime::dispatch::Deliveries;
 use crate::runtime::headers::HeaderValue;
 use crate::runtime::message::Message;
-use crate::runtime::transport::{Finished, Later, Letter, Refused, Transport};
+use crate::runtime::transport::{Finished, Later, Letter, Refused, Setup, Transport};
+
+/// The harness's transport: no broker, every settlement recorded (see
+/// [`Harness`](super::Harness)). Its messages are delivered by the harness,
+/// not received.
+#[derive(Debug)]
+pub struct Memory {
+    queue: String,
+    dead_letter_queue: String,
+}
+
+/// The queue a [`Memory`] consumer reads, named by the harness.
+#[derive(Debug)]
+pub struct MemoryOptions {
+    pub(crate) queue: String,
+}
+
+/// One delivery of a unit the harness fed: its place in the unit, and
+/// where the unit's settlements are written down.
+#[derive(Debug)]
+pub struct Slot {
+    position: usize,
+    recording: Arc<Recording>,
+}
 
 /// One unit's settlements, by the position of each delivery in the unit.
-pub(crate) struct Recorder<'a> {
-    dead_letter_queue: &'a str,
+#[derive(Debug)]
+pub(crate) struct Recording {
     delivered: Mutex<Vec<Option<Delivered>>>,
 }
 
-impl<'a> Recorder<'a> {
-    pub(crate) fn new(dead_letter_queue: &'a str, deliveries: usize) -> Self {
-        Recorder {
-            dead_letter_queue,
+impl Recording {
+    /// A recording of `deliveries` settlements, and a slot for each.
+    pub(crate) fn new(deliveries: usize) -> (Arc<Recording>, Vec<Slot>) {
+        let recording = Arc::new(Recording {
             delivered: Mutex::new(vec![None; deliveries]),
-        }
+        });
+        let slots = (0..deliveries)
+            .map(|position| Slot {
+                position,
+                recording: recording.clone(),
+            })
+            .collect();
+        (recording, slots)
     }
 
-    /// How each delivery ended, in order.
-    pub(crate) fn into_delivered(self) -> Vec<Delivered> {
+    /// How each delivery ended, in order; one the runtime left unsettled
+    /// (it waited at the gate past the hold timeout) is [`Delivered::Held`].
+    pub(crate) fn delivered(&self) -> Vec<Delivered> {
         self.delivered
-            .into_inner()
+            .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .into_iter()
-            .map(|d| d.unwrap_or(Delivered::Held))
+            .iter()
+            .map(|d| d.clone().unwrap_or(Delivered::Held))
             .collect()
     }
 
@@ -40,10 +74,12 @@ impl<'a> Recorder<'a> {
         let mut all = self.delivered.lock().unwrap_or_else(|p| p.into_inner());
         all[position] = Some(delivered);
     }
+}
 
+impl Memory {
     fn letter(&self, message: &Message, letter: Letter<'_>) -> Delivered {
         let error = letter.error.to_owned();
-        let copy = copy(message, letter.headers, self.dead_letter_queue);
+        let copy = copy(message, letter.headers, &self.dead_letter_queue);
         if letter.reason == DeadLetterReason::PayloadMismatch {
             return Delivered::Mismatch { error, copy };
         }
@@ -55,7 +91,7 @@ impl<'a> Recorder<'a> {
     }
 }
 
-/// The copy the broker would deliver from `queue`.
+/// The copy a broker would deliver from `queue`.
 fn copy(message: &Message, headers: Vec<(&'static str, HeaderValue)>, queue: &str) -> Message {
     Message::with_properties(
         message.body().to_vec(),
@@ -67,64 +103,98 @@ fn copy(message: &Message, headers: Vec<(&'static str, HeaderValue)>, queue: &st
     )
 }
 
-impl Transport for Recorder<'_> {
-    type Receipt = usize;
+impl Transport for Memory {
+    type Options = MemoryOptions;
+    type Receipt = Slot;
+    const NAME: &'static str = "memory";
+    const OWN_DEAD_LETTERS: bool = true;
+
+    fn build(options: MemoryOptions, _setup: &Setup<'_>) -> Result<Self> {
+        let queue = options.queue;
+        Ok(Memory {
+            dead_letter_queue: crate::amqp::dead_letter_queue(&queue),
+            queue,
+        })
+    }
+
+    fn source(&self) -> &str {
+        &self.queue
+    }
+
+    /// The harness feeds the units itself: nothing to receive.
+    async fn consume(self: Arc<Self>, deliveries: &mut Deliveries<Self>) -> Result<()> {
+        deliveries.stopping().await;
+        Ok(())
+    }
+
+    fn span(&self, _consumer: &str, _messages: &[Message]) -> tracing::Span {
+        tracing::Span::none()
+    }
 
     async fn retry_later(
         &self,
         message: &Message,
-        position: &usize,
+        slot: &Slot,
         later: Later<'_>,
-    ) -> Result<(), Refused> {
+    ) -> std::result::Result<(), Refused> {
+        let queue = format!("{}.retry", self.queue);
         let delivered = Delivered::Retried {
             delay: later.delay,
             attempt: later.attempts,
             error: later.error.to_owned(),
-            copy: copy(message, later.headers, later.queue),
+            copy: copy(message, later.headers, &queue),
         };
-        self.record(*position, delivered);
+        slot.recording.record(slot.position, delivered);
         Ok(())
     }
 
     async fn dead_letter(
         &self,
         message: &Message,
-        position: &usize,
+        slot: &Slot,
         letter: Letter<'_>,
-    ) -> Result<Vec<(String, usize)>, Refused> {
-        self.record(*position, self.letter(message, letter));
+    ) -> std::result::Result<Vec<(String, usize)>, Refused> {
+        slot.recording
+            .record(slot.position, self.letter(message, letter));
         Ok(Vec::new())
     }
 
-    async fn letter_stored(&self, message: &Message, position: &usize, letter: Letter<'_>) {
-        self.record(*position, self.letter(message, letter));
+    async fn letter_stored(&self, message: &Message, slot: &Slot, letter: Letter<'_>) {
+        slot.recording
+            .record(slot.position, self.letter(message, letter));
     }
 
-    async fn requeue(&self, message: &Message, position: &usize, pause: Duration, error: &str) {
+    async fn requeue(&self, message: &Message, slot: &Slot, pause: Duration, error: &str) {
         let delivered = Delivered::Retried {
             delay: pause,
             attempt: 0,
             error: error.to_owned(),
             copy: message.delivered_again(true, 0),
         };
-        self.record(*position, delivered);
+        slot.recording.record(slot.position, delivered);
     }
 
-    async fn reject(&self, _position: &usize) {}
+    async fn reject(&self, _slot: &Slot) {}
 
-    async fn finish(&self, unit: Vec<Finished<usize>>) {
+    async fn finish(&self, unit: Vec<Finished<Slot>>) {
         for finished in unit {
             match finished {
                 Finished::Ack {
                     receipt,
                     duplicate: false,
-                } => self.record(receipt, Delivered::Acked { staged: Vec::new() }),
+                } => receipt
+                    .recording
+                    .record(receipt.position, Delivered::Acked { staged: Vec::new() }),
                 Finished::Ack {
                     receipt,
                     duplicate: true,
-                } => self.record(receipt, Delivered::Duplicate),
-                Finished::Abandoned(receipt) => self.record(receipt, Delivered::Held),
-                Finished::Settled(_) => {}
+                } => receipt
+                    .recording
+                    .record(receipt.position, Delivered::Duplicate),
+                Finished::Abandoned(receipt) => {
+                    receipt.recording.record(receipt.position, Delivered::Held)
+                }
+                _ => {}
             }
         }
     }

@@ -44,9 +44,9 @@ impl Build for ConsumerBuilder<Batched> {
 }
 
 #[cfg(feature = "window")]
-impl Build for ConsumerBuilder<idempo::amqp::window::Windowed> {
+impl Build for ConsumerBuilder<idempo::consumer::mode::Windowed> {
     fn build(self) -> idempo::Result<Consumer> {
-        ConsumerBuilder::<idempo::amqp::window::Windowed>::build(self)
+        ConsumerBuilder::<idempo::consumer::mode::Windowed>::build(self)
     }
 }
 

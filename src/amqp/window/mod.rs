@@ -1,10 +1,9 @@
-//! Where the consumer runtime and the [dedup window](crate::window) meet
-//! (features `amqp` and `window`): the [`DedupPublisher`], and a consumer
-//! mode that deduplicates on a window instead of the inbox
-//! ([`ConsumerBuilder::dedup_window`](crate::amqp::ConsumerBuilder::dedup_window)).
+//! The deduplicating publisher (features `amqp` and `window`): RabbitMQ
+//! publishes deduplicated on a [dedup window](crate::window), so that a
+//! producer's retry of a publish it could not confirm goes out once. (The
+//! consumer's window mode, a window instead of the inbox, is the runtime's:
+//! [`ConsumerBuilder::dedup_window`](crate::consumer::ConsumerBuilder::dedup_window).)
 
-mod consumer;
 mod publisher;
 
-pub use consumer::{WindowHandler, WindowNoHandler, Windowed};
 pub use publisher::{DedupPublisher, DedupPublisherBuilder, Outgoing, Published};

@@ -17,9 +17,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 
 use crate::Result;
-use crate::amqp::ConsumerBuilder;
-use crate::amqp::builder::runnable;
-use crate::amqp::fields::string_header;
+use crate::runtime::builder::{ConsumerBuilder, runnable};
 use crate::runtime::handler::HandlerError;
 use crate::runtime::message::{DecodeError, FromMessage, Message, decode};
 use crate::runtime::mode::{Dispatch, IntoDispatch, NoHandler, Parts};
@@ -28,6 +26,7 @@ use crate::runtime::outcome::{
     timed_out, undecodable,
 };
 use crate::runtime::stats::Stats;
+use crate::runtime::transport::Transport;
 use crate::window::{DedupId, DedupWindow, Reservation, Scope, WindowStore};
 
 /// The builder's state after [`dedup_window`](ConsumerBuilder::dedup_window):
@@ -57,9 +56,9 @@ impl fmt::Debug for Windowed {
     }
 }
 
-impl ConsumerBuilder<NoHandler> {
+impl<T: Transport> ConsumerBuilder<T, NoHandler> {
     /// Deduplicates with a [`DedupWindow`] instead of the PostgreSQL inbox
-    /// (features `amqp` and `window`), for handlers that touch no database;
+    /// (feature `window`), for handlers that touch no database;
     /// set the handler with [`window_handler`](ConsumerBuilder::window_handler).
     ///
     /// The guarantee is weaker, and only this: a copy of a message id that
@@ -74,7 +73,7 @@ impl ConsumerBuilder<NoHandler> {
     /// the inbox. A store that fails is a transient failure: the delivery is
     /// retried through the delay queues and uses an attempt (unlike a
     /// database outage with the inbox, which waits at the gate).
-    pub fn dedup_window<S>(self, window: DedupWindow<S>) -> ConsumerBuilder<WindowNoHandler>
+    pub fn dedup_window<S>(self, window: DedupWindow<S>) -> ConsumerBuilder<T, WindowNoHandler>
     where
         S: WindowStore,
     {
@@ -84,13 +83,13 @@ impl ConsumerBuilder<NoHandler> {
     }
 }
 
-impl ConsumerBuilder<WindowNoHandler> {
+impl<T: Transport> ConsumerBuilder<T, WindowNoHandler> {
     /// The handler of a consumer with a [`dedup_window`](ConsumerBuilder::dedup_window):
     /// a [`WindowHandler`], such as a closure or async fn
     /// `Fn(M) -> impl Future<Output = Result<(), HandlerError>>`, with no
     /// transaction. Errors, retries and dead letters work as with
     /// [`handler`](ConsumerBuilder::handler).
-    pub fn window_handler<M, H>(self, handler: H) -> ConsumerBuilder<Windowed>
+    pub fn window_handler<M, H>(self, handler: H) -> ConsumerBuilder<T, Windowed>
     where
         M: FromMessage,
         H: WindowHandler<M>,
@@ -125,7 +124,7 @@ impl ConsumerBuilder<WindowNoHandler> {
 /// use std::sync::Arc;
 /// use std::sync::atomic::{AtomicU64, Ordering};
 /// use idempo::consumer::{HandlerError, JsonBody};
-/// use idempo::amqp::window::WindowHandler;
+/// use idempo::consumer::WindowHandler;
 ///
 /// #[derive(serde::Deserialize)]
 /// struct Ping { from: String }
@@ -157,8 +156,9 @@ impl ConsumerBuilder<WindowNoHandler> {
 ///
 /// ```compile_fail,E0277
 /// use idempo::Tx;
-/// use idempo::amqp::ConsumerBuilder, idempo::consumer::{Handler, HandlerError, Message};
-/// use idempo::amqp::window::WindowNoHandler;
+/// use idempo::amqp::ConsumerBuilder;
+/// use idempo::consumer::{Handler, HandlerError, Message};
+/// use idempo::consumer::mode::WindowNoHandler;
 ///
 /// struct Credit;
 ///
@@ -202,7 +202,7 @@ where
     }
 }
 
-impl ConsumerBuilder<Windowed> {
+impl<T: Transport> ConsumerBuilder<T, Windowed> {
     /// Message groups, as in per-message mode
     /// ([`message_groups`](ConsumerBuilder::message_groups)); ids count per group.
     pub fn message_groups(self) -> Self {
@@ -329,10 +329,7 @@ impl WindowSteps {
             Ok(call) => call,
             Err(e) => return undecodable(&e),
         };
-        let group = self
-            .groups
-            .as_deref()
-            .and_then(|h| string_header(message.headers(), h));
+        let group = self.groups.as_deref().and_then(|h| message.header_text(h));
         let scope = match group {
             Some(group) => Scope::group(&self.queue, &group),
             None => Scope::queue(&self.queue),
