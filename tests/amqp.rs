@@ -756,7 +756,7 @@ async fn a_custom_function_can_derive_the_message_id() {
             .publish_with_headers(&queue, &[("order", order), ("line", line)], &body)
             .await;
     }
-    let header = |m: &Message, name: &str| match m.header(name)? {
+    let header = |m: &Message, name: &str| match m.amqp()?.header(name)? {
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
         _ => None,
     };
@@ -968,7 +968,7 @@ async fn a_panicking_message_id_function_dead_letters_the_message() {
     broker.publish_payment(&queue, "fine", "pat", 2).await;
     let consumer = Running::start(payments_consumer(&db, &queue).concurrency(1).message_id(
         MessageIdSource::custom(|m| {
-            let id = m.message_id_property()?;
+            let id = m.amqp()?.message_id()?;
             assert_ne!(id, "boom", "a bug in the id function");
             Some(id.to_owned())
         }),

@@ -49,8 +49,13 @@ async fn after_max_attempts_the_delivery_is_dead_lettered_with_its_history() {
     // An id derived from a property that copies drop (the expiration) must
     // stay the original's on every retry.
     let id_of = |m: &idempo::consumer::Message| {
-        let expiration = m.properties().expiration().as_ref().map(|e| e.to_string());
-        Some(format!("{}/{}", m.message_id_property()?, expiration?))
+        let expiration = m
+            .amqp()?
+            .properties()
+            .expiration()
+            .as_ref()
+            .map(|e| e.to_string());
+        Some(format!("{}/{}", m.amqp()?.message_id()?, expiration?))
     };
     let consumer = Running::start(
         consumer_for(&db, &queue)

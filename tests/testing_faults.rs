@@ -154,14 +154,14 @@ async fn a_mismatch_is_a_dead_letter_with_its_copy_and_ids_are_readable() {
         Some(DeadLetterReason::PayloadMismatch)
     );
     let copy = other.dead_letter().expect("a mismatch has its dead letter");
-    let reason = copy
-        .headers()
-        .and_then(|h| h.inner().get("x-idempo-reason").cloned());
     assert_eq!(
-        reason,
-        Some(lapin::types::AMQPValue::LongString(
-            DeadLetterReason::PayloadMismatch.as_str().into()
-        ))
+        copy.header_text("x-idempo-reason").as_deref(),
+        Some(DeadLetterReason::PayloadMismatch.as_str())
+    );
+    assert_eq!(
+        copy.id(),
+        "m-1",
+        "a copy's id is the id it was deduplicated on"
     );
     // Counters print as numbers.
     let stats = format!("{:?}", h.stats());

@@ -969,7 +969,7 @@ async fn a_window_handler_can_be_a_type_of_its_own_or_an_async_fn() {
             Ok(())
         }
         // A retry through the delay queue carries its attempt count.
-        downstream(message.header("x-idempo-attempts").is_some())?;
+        downstream(message.header_text("x-idempo-attempts").is_some())?;
         Ok(())
     }
     let queue = unique("window-fn");

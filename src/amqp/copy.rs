@@ -8,7 +8,6 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use super::fields::amqp_value;
-use crate::amqp::message::Properties;
 use crate::runtime::headers::{HeaderValue, ORIGINAL_EXPIRATION_HEADER};
 use crate::runtime::message::{HeaderRef, Message};
 
@@ -20,9 +19,11 @@ pub(crate) fn copy_properties(
     message: &Message,
     extra: impl IntoIterator<Item = (&'static str, HeaderValue)>,
 ) -> BasicProperties {
-    let original = message.properties();
-    let mut headers: BTreeMap<ShortString, AMQPValue> = message
+    let none = BasicProperties::default();
+    let original = message.amqp().map_or(&none, |amqp| amqp.properties());
+    let mut headers: BTreeMap<ShortString, AMQPValue> = original
         .headers()
+        .as_ref()
         .map(|h| h.inner().clone())
         .unwrap_or_default();
     headers.remove("CC");
@@ -32,7 +33,7 @@ pub(crate) fn copy_properties(
             .entry(ORIGINAL_EXPIRATION_HEADER.into())
             .or_insert_with(|| AMQPValue::LongString(expiration.as_str().into()));
     }
-    if message.envelope::<Properties>().is_none() {
+    if message.amqp().is_none() {
         // Another transport's message (a JetStream delivery going into the
         // dead-letter table): its headers and its id, as AMQP holds them.
         for (name, value) in message.envelope_headers() {

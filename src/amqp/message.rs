@@ -1,7 +1,7 @@
 //! A delivery's AMQP side: the envelope the adapter puts in each
-//! [`Message`] (its properties), and the AMQP accessors handlers use.
-
-use std::sync::LazyLock;
+//! [`Message`] ([`AmqpDelivery`]: its properties, exchange, routing key and
+//! delivery tag), and [`Message::amqp`], the accessor that says it is
+//! RabbitMQ's.
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
@@ -9,28 +9,82 @@ use lapin::types::{AMQPValue, FieldTable};
 use super::fields::header_ref;
 use crate::runtime::message::{Envelope, HeaderRef, Message};
 
-/// The AMQP properties of a delivery, as the runtime carries them.
-pub(crate) struct Properties(pub(crate) BasicProperties);
+/// What RabbitMQ said of a delivery beyond what every transport has: its
+/// AMQP properties, the exchange and routing key it was published with, its
+/// delivery tag. Read it with [`Message::amqp`].
+#[derive(Debug)]
+pub struct AmqpDelivery {
+    properties: BasicProperties,
+    exchange: String,
+    routing_key: String,
+    delivery_tag: u64,
+}
 
-impl Envelope for Properties {
-    fn message_id(&self) -> Option<&str> {
-        self.0.message_id().as_ref().map(|s| s.as_str())
+impl AmqpDelivery {
+    /// The AMQP properties (message id, content type, timestamp, headers, ...).
+    pub fn properties(&self) -> &BasicProperties {
+        &self.properties
     }
 
-    fn header(&self, name: &str) -> Option<HeaderRef<'_>> {
-        self.0.headers().as_ref()?.inner().get(name).map(header_ref)
+    /// The AMQP `message_id` property, if set.
+    pub fn message_id(&self) -> Option<&str> {
+        self.properties.message_id().as_ref().map(|s| s.as_str())
+    }
+
+    /// The application headers, if any, with their AMQP types.
+    pub fn headers(&self) -> Option<&FieldTable> {
+        self.properties.headers().as_ref()
+    }
+
+    /// One application header, with its AMQP type.
+    pub fn header(&self, name: &str) -> Option<&AMQPValue> {
+        self.headers()?.inner().get(name)
+    }
+
+    /// The exchange the message was published to (empty for the default exchange).
+    pub fn exchange(&self) -> &str {
+        &self.exchange
+    }
+
+    /// The routing key it was published with (a copy idempo republished
+    /// carries the queue it went through; the original's is in
+    /// `x-idempo-original-routing-key`).
+    pub fn routing_key(&self) -> &str {
+        &self.routing_key
+    }
+
+    /// The delivery tag on the consuming channel.
+    pub fn delivery_tag(&self) -> u64 {
+        self.delivery_tag
     }
 }
 
-/// What a message that no AMQP broker delivered reports as its properties.
-static NO_PROPERTIES: LazyLock<BasicProperties> = LazyLock::new(BasicProperties::default);
+impl Envelope for AmqpDelivery {
+    fn message_id(&self) -> Option<&str> {
+        AmqpDelivery::message_id(self)
+    }
+
+    fn header(&self, name: &str) -> Option<HeaderRef<'_>> {
+        self.headers()?.inner().get(name).map(header_ref)
+    }
+
+    fn content_type(&self) -> Option<&str> {
+        self.properties.content_type().as_ref().map(|s| s.as_str())
+    }
+}
 
 impl Message {
+    /// RabbitMQ's side of this delivery (its properties, exchange, routing
+    /// key, delivery tag); `None` when another transport delivered it.
+    pub fn amqp(&self) -> Option<&AmqpDelivery> {
+        self.envelope::<AmqpDelivery>()
+    }
+
     /// A delivery as lapin hands it over, its id not yet extracted.
     pub(crate) fn from_delivery(delivery: lapin::message::Delivery) -> Self {
-        Message::incoming(
+        Message::with_properties(
             delivery.data,
-            Properties(delivery.properties),
+            delivery.properties,
             delivery.exchange.as_str(),
             delivery.routing_key.as_str(),
             delivery.redelivered,
@@ -40,7 +94,6 @@ impl Message {
 
     /// A delivery with these AMQP properties that did not come through
     /// lapin (the test harness's feed), its id not yet extracted.
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) fn with_properties(
         body: Vec<u8>,
         properties: BasicProperties,
@@ -49,50 +102,31 @@ impl Message {
         redelivered: bool,
         delivery_tag: u64,
     ) -> Self {
-        let envelope = Properties(properties);
-        Message::incoming(
-            body,
-            envelope,
-            exchange,
-            routing_key,
-            redelivered,
+        let envelope = AmqpDelivery {
+            properties,
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
             delivery_tag,
-        )
+        };
+        Message::incoming(body, envelope, routing_key, redelivered, delivery_tag)
     }
 
     /// This message as the broker would deliver it again: same body,
     /// properties and routing, a new delivery tag, the id not yet extracted.
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     pub(crate) fn delivered_again(&self, redelivered: bool, delivery_tag: u64) -> Self {
+        let (properties, exchange) = match self.amqp() {
+            Some(amqp) => (amqp.properties.clone(), amqp.exchange.as_str()),
+            None => (BasicProperties::default(), ""),
+        };
         Message::with_properties(
             self.body().to_vec(),
-            self.properties().clone(),
-            self.exchange(),
+            properties,
+            exchange,
             self.routing_key(),
             redelivered,
             delivery_tag,
         )
-    }
-
-    /// The AMQP properties (message id, content type, timestamp, ...).
-    pub fn properties(&self) -> &BasicProperties {
-        self.envelope::<Properties>()
-            .map_or(&*NO_PROPERTIES, |p| &p.0)
-    }
-
-    /// The AMQP `message_id` property, if set.
-    pub fn message_id_property(&self) -> Option<&str> {
-        self.properties().message_id().as_ref().map(|s| s.as_str())
-    }
-
-    /// The application headers, if any.
-    pub fn headers(&self) -> Option<&FieldTable> {
-        self.properties().headers().as_ref()
-    }
-
-    /// One application header.
-    pub fn header(&self, name: &str) -> Option<&AMQPValue> {
-        self.headers()?.inner().get(name)
     }
 }
 
@@ -108,15 +142,20 @@ mod tests {
         headers.insert("b".into(), AMQPValue::Boolean(true));
         let properties = BasicProperties::default()
             .with_message_id("m-1".into())
+            .with_content_type("application/json".into())
             .with_headers(headers);
-        let message = Message::with_properties(b"{}".to_vec(), properties, "", "q", false, 1);
+        let message = Message::with_properties(b"{}".to_vec(), properties, "x", "q", false, 1);
         assert_eq!(message.transport_id(), Some("m-1"));
         assert_eq!(message.header_text("n").as_deref(), Some("7"));
         assert_eq!(message.header_text("t").as_deref(), Some("pay-1"));
         assert_eq!(message.header_ref("b"), Some(HeaderRef::Other));
         assert_eq!(message.header_text("missing"), None);
-        // The AMQP accessors see the same properties.
-        assert_eq!(message.message_id_property(), Some("m-1"));
-        assert_eq!(message.header("n"), Some(&AMQPValue::ShortUInt(7)));
+        assert_eq!(message.content_type(), Some("application/json"));
+        // RabbitMQ's side says so.
+        let amqp = message.amqp().expect("an AMQP delivery");
+        assert_eq!(amqp.message_id(), Some("m-1"));
+        assert_eq!(amqp.header("n"), Some(&AMQPValue::ShortUInt(7)));
+        assert_eq!((amqp.exchange(), amqp.routing_key()), ("x", "q"));
+        assert_eq!(amqp.delivery_tag(), 1);
     }
 }

@@ -103,6 +103,7 @@ pub type Consumer = crate::runtime::consumer::Consumer<Amqp>;
 pub type ConsumerBuilder<Mode = crate::runtime::mode::NoHandler> =
     crate::runtime::builder::ConsumerBuilder<Amqp, Mode>;
 pub use error::{AmqpError, NodeFailure};
+pub use message::AmqpDelivery;
 pub use publish::PublishError;
 pub use topology::{QueueType, dead_letter_queue, work_queue};
 

@@ -31,7 +31,7 @@ pub(crate) fn process_span(consumer: &str, queue: &str, messages: &[Message]) ->
             let span = one_span(consumer, one);
             if !span.is_disabled() {
                 // Made only when the span is recorded.
-                let destination = destination_name(one.exchange(), one.routing_key(), Some(queue));
+                let destination = destination_name(exchange(one), one.routing_key(), Some(queue));
                 span.record("otel.name", format!("process {destination}"));
                 span.record("messaging.destination.name", destination);
             }
@@ -49,6 +49,11 @@ pub(crate) fn process_span(consumer: &str, queue: &str, messages: &[Message]) ->
             messaging.batch.message_count = many.len(),
         ),
     }
+}
+
+/// The exchange an AMQP delivery was published to.
+fn exchange(message: &Message) -> &str {
+    message.amqp().map_or("", |amqp| amqp.exchange())
 }
 
 /// The span of a single delivery, its destination's name left to record.

@@ -174,7 +174,7 @@ impl LetterStore for TableStore {
                 consumer: letter.consumer,
                 queue: letter.queue,
                 message_id: message.id(),
-                exchange: message.exchange(),
+                exchange: message.amqp().map_or("", |amqp| amqp.exchange()),
                 routing_key: letter.routing_key,
                 properties: &properties,
                 body: message.body(),

@@ -1,6 +1,7 @@
 //! A JetStream delivery as the runtime's [`Message`]: its headers, its
 //! `Nats-Msg-Id` (the transport's own id) and, from its metadata, how many
-//! times it was delivered before.
+//! times it was delivered before; and [`Message::jetstream`], the accessor
+//! that says it is JetStream's.
 
 use async_nats::HeaderMap;
 
@@ -12,14 +13,51 @@ use crate::runtime::message::{Envelope, HeaderRef, Message};
 /// reads on NATS.
 pub(crate) const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 
-/// What the runtime reads of a JetStream delivery besides its body.
-pub(crate) struct JetStreamEnvelope {
+/// What JetStream said of a delivery beyond what every transport has: its
+/// subject, headers, stream sequence and delivery count. Read it with
+/// [`Message::jetstream`].
+#[derive(Debug)]
+pub struct JetStreamDelivery {
+    subject: String,
     headers: Option<HeaderMap>,
     /// Deliveries before this one, as JetStream counts them.
     previous: i128,
+    stream_sequence: u64,
 }
 
-impl Envelope for JetStreamEnvelope {
+impl JetStreamDelivery {
+    /// The subject it was published on.
+    pub fn subject(&self) -> &str {
+        &self.subject
+    }
+
+    /// Its NATS headers, as they arrived.
+    pub fn headers(&self) -> Option<&HeaderMap> {
+        self.headers.as_ref()
+    }
+
+    /// Its sequence number in the stream.
+    pub fn stream_sequence(&self) -> u64 {
+        self.stream_sequence
+    }
+
+    /// How many times JetStream delivered it, this time included.
+    pub fn delivered(&self) -> i64 {
+        i64::try_from(self.previous)
+            .unwrap_or(i64::MAX)
+            .saturating_add(1)
+    }
+}
+
+impl Message {
+    /// JetStream's side of this delivery (its subject, headers, stream
+    /// sequence); `None` when another transport delivered it.
+    pub fn jetstream(&self) -> Option<&JetStreamDelivery> {
+        self.envelope::<JetStreamDelivery>()
+    }
+}
+
+impl Envelope for JetStreamDelivery {
     fn message_id(&self) -> Option<&str> {
         Some(self.headers.as_ref()?.get(MSG_ID_HEADER)?.as_str())
     }
@@ -32,6 +70,10 @@ impl Envelope for JetStreamEnvelope {
         }
         let value = self.headers.as_ref()?.get(name)?;
         Some(HeaderRef::Bytes(value.as_str().as_bytes()))
+    }
+
+    fn content_type(&self) -> Option<&str> {
+        Some(self.headers.as_ref()?.get("Content-Type")?.as_str())
     }
 
     fn headers(&self) -> Vec<(&str, HeaderRef<'_>)> {
@@ -64,8 +106,13 @@ pub(crate) fn message(
     stream_sequence: u64,
 ) -> Message {
     let previous = i128::from(delivered.saturating_sub(1).max(0));
-    let envelope = JetStreamEnvelope { headers, previous };
-    Message::incoming(body, envelope, "", subject, previous > 0, stream_sequence)
+    let envelope = JetStreamDelivery {
+        subject: subject.to_owned(),
+        headers,
+        previous,
+        stream_sequence,
+    };
+    Message::incoming(body, envelope, subject, previous > 0, stream_sequence)
 }
 
 #[cfg(test)]
@@ -85,9 +132,19 @@ mod tests {
         assert!(!first.redelivered());
         let third = message("payments", b"{}".to_vec(), Some(headers), 3, 7);
         assert_eq!(Failures::previous_attempts(&third), 2);
+        assert_eq!(third.attempt(), 3);
         assert!(third.redelivered());
+        let js = third.jetstream().expect("a JetStream delivery");
+        assert_eq!(
+            (js.subject(), js.stream_sequence(), js.delivered()),
+            ("payments", 7, 3)
+        );
+        assert!(
+            third.amqp().is_none(),
+            "no AMQP side on a JetStream delivery"
+        );
         let bare = message("payments", Vec::new(), None, 1, 8);
         assert_eq!(bare.transport_id(), None);
-        assert_eq!(bare.routing_key(), "payments");
+        assert_eq!(bare.jetstream().map(|js| js.subject()), Some("payments"));
     }
 }

@@ -44,6 +44,7 @@ mod telemetry;
 mod topology;
 mod transport;
 
+pub use envelope::JetStreamDelivery;
 pub use error::NatsError;
 pub use options::NatsOptions;
 pub use pipeline::Receipt;

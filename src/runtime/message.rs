@@ -45,10 +45,19 @@ pub(crate) trait Envelope: Any + Send + Sync {
     fn headers(&self) -> Vec<(&str, HeaderRef<'_>)> {
         Vec::new()
     }
+
+    /// The body's content type, when the transport carries one.
+    fn content_type(&self) -> Option<&str> {
+        None
+    }
 }
 
-/// One delivery as the handler sees it: body, headers and routing data.
-/// Cheap to clone (the data is shared).
+/// One delivery as the handler sees it, whatever the transport: its id,
+/// body, headers, content type, attempt and whether it was redelivered. What
+/// only one broker says sits behind an accessor named after it
+/// ([`amqp`](Message::amqp): the AMQP properties, exchange and routing key;
+/// [`jetstream`](Message::jetstream): the subject and stream sequence), which
+/// is `None` on another transport. Cheap to clone (the data is shared).
 ///
 /// Its `Debug` output leaves the body out, so payloads never end up in logs.
 #[derive(Clone)]
@@ -61,7 +70,6 @@ pub struct Message {
 struct Inner<E: ?Sized> {
     id: String,
     body: Vec<u8>,
-    exchange: String,
     routing_key: String,
     redelivered: bool,
     delivery_tag: u64,
@@ -74,7 +82,6 @@ impl Message {
     pub(crate) fn incoming<E: Envelope>(
         body: Vec<u8>,
         envelope: E,
-        exchange: &str,
         routing_key: &str,
         redelivered: bool,
         delivery_tag: u64,
@@ -82,7 +89,6 @@ impl Message {
         let inner: Arc<Inner<dyn Envelope>> = Arc::new(Inner {
             id: String::new(),
             body,
-            exchange: exchange.to_owned(),
             routing_key: routing_key.to_owned(),
             redelivered,
             delivery_tag,
@@ -130,7 +136,7 @@ impl Message {
             .iter()
             .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
             .collect();
-        Message::incoming(body.to_vec(), Headers(headers), "", "test", false, 1)
+        Message::incoming(body.to_vec(), Headers(headers), "test", false, 1)
     }
 
     /// Records the id the runtime deduplicates on; called before the message
@@ -142,9 +148,10 @@ impl Message {
     }
 
     /// The id idempo deduplicated this message on (from the configured
-    /// [`MessageIdSource`](crate::consumer::MessageIdSource)): use it as the
-    /// identity of the business operation. Empty only before the runtime
-    /// extracted it, so never inside a handler.
+    /// [`MessageIdSource`](crate::consumer::MessageIdSource), or the sealed
+    /// id an idempo copy carries): use it as the identity of the business
+    /// operation. The same on every transport, and on the copies the test
+    /// harness reports; empty only when the delivery had no usable id.
     pub fn id(&self) -> &str {
         &self.inner.id
     }
@@ -172,13 +179,8 @@ impl Message {
         self.header_ref(name)?.text()
     }
 
-    /// The exchange the message was published to (empty for the default exchange).
-    pub fn exchange(&self) -> &str {
-        &self.inner.exchange
-    }
-
-    /// The routing key it was published with (on JetStream: its subject).
-    pub fn routing_key(&self) -> &str {
+    /// The routing key (JetStream: the subject) it was delivered with.
+    pub(crate) fn routing_key(&self) -> &str {
         &self.inner.routing_key
     }
 
@@ -188,9 +190,23 @@ impl Message {
         self.inner.redelivered
     }
 
-    /// The delivery tag on the consuming channel.
-    pub fn delivery_tag(&self) -> u64 {
+    /// The transport's number for this delivery (AMQP: the delivery tag;
+    /// JetStream: the stream sequence).
+    pub(crate) fn delivery_tag(&self) -> u64 {
         self.inner.delivery_tag
+    }
+
+    /// The body's content type (AMQP: the `content_type` property;
+    /// JetStream: the `Content-Type` header), if the producer set one.
+    pub fn content_type(&self) -> Option<&str> {
+        self.inner.envelope.content_type()
+    }
+
+    /// Which attempt this delivery is: 1 for a first delivery, `n + 1` after
+    /// `n` failed attempts (idempo's `x-idempo-attempts` on a copy, or
+    /// JetStream's delivery count).
+    pub fn attempt(&self) -> u32 {
+        crate::runtime::headers::Failures::previous_attempts(self).saturating_add(1)
     }
 
     /// When the runtime received the delivery from the broker: for latency

@@ -14,13 +14,15 @@ pub(crate) type IdFn = Arc<dyn Fn(&Message) -> Option<String> + Send + Sync>;
 /// How the runtime finds the id it deduplicates on.
 ///
 /// # Default
-/// [`MessageIdSource::Property`]: the AMQP `message_id` property, which
-/// publishers should set to the id of the *business* operation (a payment id),
-/// not a fresh id per publish attempt.
+/// [`MessageIdSource::Property`]: the transport's own id field (RabbitMQ:
+/// the AMQP `message_id` property; JetStream: the `Nats-Msg-Id` header),
+/// which publishers should set to the id of the *business* operation (a
+/// payment id), not a fresh id per publish attempt.
 #[derive(Clone, Default)]
 #[non_exhaustive]
 pub enum MessageIdSource {
-    /// The AMQP `message_id` property.
+    /// The transport's own id field: RabbitMQ's `message_id` property,
+    /// JetStream's `Nats-Msg-Id` header.
     #[default]
     Property,
     /// An application header with this name (string or integer value).

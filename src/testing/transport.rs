@@ -91,16 +91,19 @@ impl Memory {
     }
 }
 
-/// The copy a broker would deliver from `queue`.
+/// The copy a broker would deliver from `queue`, its id the one the
+/// original was deduplicated on (which the copy carries, sealed).
 fn copy(message: &Message, headers: Vec<(&'static str, HeaderValue)>, queue: &str) -> Message {
-    Message::with_properties(
+    let mut copy = Message::with_properties(
         message.body().to_vec(),
         copy_properties(message, headers),
         "",
         queue,
         false,
         0,
-    )
+    );
+    copy.set_id(message.id().to_owned());
+    copy
 }
 
 impl Transport for Memory {
@@ -169,7 +172,11 @@ impl Transport for Memory {
             delay: pause,
             attempt: 0,
             error: error.to_owned(),
-            copy: message.delivered_again(true, 0),
+            copy: {
+                let mut again = message.delivered_again(true, 0);
+                again.set_id(message.id().to_owned());
+                again
+            },
         };
         slot.recording.record(slot.position, delivered);
     }

@@ -188,7 +188,7 @@ pub fn counting_payments(
     let handler = move |tx: Tx, message: Message| {
         {
             let mut seen = record.lock().unwrap();
-            let header = message.header("x-idempo-attempts");
+            let header = message.amqp().and_then(|m| m.header("x-idempo-attempts"));
             seen.headers.push(match header {
                 Some(lapin::types::AMQPValue::LongLongInt(n)) => Some(*n),
                 _ => None,
