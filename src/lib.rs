@@ -119,6 +119,8 @@ mod literal;
 mod message_id;
 mod migrate;
 pub mod probe;
+#[cfg(any(feature = "amqp", feature = "outbox"))]
+mod properties;
 #[cfg_attr(
     not(any(
         feature = "retry",

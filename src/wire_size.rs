@@ -57,3 +57,47 @@ fn json_value(value: &Value) -> usize {
         Value::Object(object) => json_table(object),
     }
 }
+
+/// The encoded size of properties kept in idempo's encoding as AMQP's
+/// property list (flags included), the way the AMQP client writes them.
+#[cfg(feature = "outbox")]
+pub(crate) fn properties(p: &crate::properties::Properties) -> usize {
+    use crate::properties::Value;
+    let fields: usize = p
+        .fields
+        .iter()
+        .map(|(_, value)| match value {
+            Value::U8(_) => 1,
+            Value::Timestamp(_) => 8,
+            other => 1 + other.text().map_or(0, |t| t.len()),
+        })
+        .sum();
+    PROPERTY_FLAGS + fields + p.headers.as_deref().map_or(0, table)
+}
+
+/// The encoded size of a field table of idempo's values.
+#[cfg(feature = "outbox")]
+fn table(entries: &[(String, crate::properties::Value)]) -> usize {
+    4 + entries
+        .iter()
+        .map(|(name, value)| 1 + name.len() + field_value(value))
+        .sum::<usize>()
+}
+
+/// The encoded size of one field value, type byte included.
+#[cfg(feature = "outbox")]
+fn field_value(value: &crate::properties::Value) -> usize {
+    use crate::properties::Value;
+    1 + match value {
+        Value::Void => 0,
+        Value::Bool(_) | Value::I8(_) | Value::U8(_) => 1,
+        Value::I16(_) | Value::U16(_) => 2,
+        Value::I32(_) | Value::U32(_) | Value::F32(_) => 4,
+        Value::I64(_) | Value::F64(_) | Value::Timestamp(_) => 8,
+        Value::Decimal { .. } => 5,
+        Value::ShortText(s) => 1 + s.len(),
+        Value::Text(b) | Value::Bytes(b) => 4 + b.len(),
+        Value::Array(items) => 4 + items.iter().map(field_value).sum::<usize>(),
+        Value::Table(entries) => table(entries),
+    }
+}

@@ -9,7 +9,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use super::fields::amqp_value;
 use crate::runtime::headers::{HeaderValue, ORIGINAL_EXPIRATION_HEADER};
-use crate::runtime::message::{HeaderRef, Message};
+use crate::runtime::message::Message;
 
 /// The original properties with `headers` added, minus what must not follow a
 /// copy: `expiration` (it would expire in the delay queue or the DLQ),
@@ -21,6 +21,20 @@ pub(crate) fn copy_properties(
 ) -> BasicProperties {
     let none = BasicProperties::default();
     let original = message.amqp().map_or(&none, |amqp| amqp.properties());
+    let mut copy = copied(original, extra);
+    if original.message_id().is_none()
+        && let Some(id) = message.transport_id()
+    {
+        copy = copy.with_message_id(id.into());
+    }
+    copy
+}
+
+/// [`copy_properties`] of AMQP properties.
+pub(crate) fn copied(
+    original: &BasicProperties,
+    extra: impl IntoIterator<Item = (&'static str, HeaderValue)>,
+) -> BasicProperties {
     let mut headers: BTreeMap<ShortString, AMQPValue> = original
         .headers()
         .as_ref()
@@ -32,21 +46,6 @@ pub(crate) fn copy_properties(
         headers
             .entry(ORIGINAL_EXPIRATION_HEADER.into())
             .or_insert_with(|| AMQPValue::LongString(expiration.as_str().into()));
-    }
-    if message.amqp().is_none() {
-        // Another transport's message (a JetStream delivery going into the
-        // dead-letter table): its headers and its id, as AMQP holds them.
-        for (name, value) in message.envelope_headers() {
-            let value = match value {
-                HeaderRef::Bytes(bytes) => AMQPValue::LongString(bytes.to_vec().into()),
-                HeaderRef::Integer(n) => match i64::try_from(n) {
-                    Ok(n) => AMQPValue::LongLongInt(n),
-                    Err(_) => AMQPValue::LongString(n.to_string().into()),
-                },
-                HeaderRef::Other => continue,
-            };
-            headers.insert(name.into(), value);
-        }
     }
     for (name, value) in extra {
         headers.insert(name.into(), amqp_value(value));
@@ -72,8 +71,6 @@ pub(crate) fn copy_properties(
     }
     if let Some(v) = original.message_id() {
         properties = properties.with_message_id(v.clone());
-    } else if let Some(id) = message.transport_id() {
-        properties = properties.with_message_id(id.into());
     }
     if let Some(v) = original.timestamp() {
         properties = properties.with_timestamp(*v);

@@ -2,7 +2,7 @@
 //! the runtime's [`HeaderRef`] and as text, idempo's own header values as
 //! AMQP types, and AMQP tables as JSON.
 
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::AMQPValue;
 
 use crate::runtime::headers::HeaderValue;
 use crate::runtime::message::HeaderRef;
@@ -31,49 +31,6 @@ pub(crate) fn amqp_value(value: HeaderValue) -> AMQPValue {
     match value {
         HeaderValue::Text(text) => AMQPValue::LongString(text.into()),
         HeaderValue::Integer(n) => AMQPValue::LongLongInt(n),
-    }
-}
-
-/// An AMQP table as JSON, the inverse of the relay's mapping of staged JSON
-/// headers (`relay/frame.rs`): the readable copy the outbox and the
-/// dead-letter table keep beside exact properties, and how headers are
-/// shown. Byte arrays and text that is not UTF-8 become lossy text;
-/// timestamps and decimals numbers.
-#[cfg(feature = "outbox")]
-pub(crate) fn json_headers(table: &FieldTable) -> serde_json::Map<String, serde_json::Value> {
-    table
-        .inner()
-        .iter()
-        .map(|(name, value)| (name.to_string(), json_value(value)))
-        .collect()
-}
-
-#[cfg(feature = "outbox")]
-fn json_value(value: &AMQPValue) -> serde_json::Value {
-    use serde_json::Value;
-    match value {
-        AMQPValue::Boolean(b) => Value::Bool(*b),
-        AMQPValue::ShortShortInt(i) => Value::from(*i),
-        AMQPValue::ShortShortUInt(i) => Value::from(*i),
-        AMQPValue::ShortInt(i) => Value::from(*i),
-        AMQPValue::ShortUInt(i) => Value::from(*i),
-        AMQPValue::LongInt(i) => Value::from(*i),
-        AMQPValue::LongUInt(i) => Value::from(*i),
-        AMQPValue::LongLongInt(i) => Value::from(*i),
-        AMQPValue::Timestamp(t) => Value::from(*t),
-        AMQPValue::Float(f) => Value::from(f64::from(*f)),
-        AMQPValue::Double(f) => Value::from(*f),
-        AMQPValue::ShortString(s) => Value::String(s.to_string()),
-        AMQPValue::LongString(s) => Value::String(String::from_utf8_lossy(s.as_bytes()).into()),
-        AMQPValue::ByteArray(b) => Value::String(String::from_utf8_lossy(b.as_slice()).into()),
-        AMQPValue::FieldArray(items) => {
-            Value::Array(items.as_slice().iter().map(json_value).collect())
-        }
-        AMQPValue::FieldTable(table) => Value::Object(json_headers(table)),
-        AMQPValue::DecimalValue(d) => {
-            Value::from(f64::from(d.value) / 10f64.powi(i32::from(d.scale)))
-        }
-        AMQPValue::Void => Value::Null,
     }
 }
 

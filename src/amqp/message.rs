@@ -71,6 +71,16 @@ impl Envelope for AmqpDelivery {
     fn content_type(&self) -> Option<&str> {
         self.properties.content_type().as_ref().map(|s| s.as_str())
     }
+
+    fn exchange(&self) -> &str {
+        &self.exchange
+    }
+
+    /// The AMQP copy of the delivery (see `copy.rs`), every property and
+    /// header type kept.
+    fn stored(&self) -> crate::properties::Properties {
+        super::stored::to_stored(&super::copy::copied(&self.properties, []))
+    }
 }
 
 impl Message {

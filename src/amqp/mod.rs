@@ -78,6 +78,7 @@ mod quarantine;
 pub(crate) mod reconnect;
 pub(crate) mod republish;
 mod session;
+pub(crate) mod stored;
 pub(crate) mod telemetry;
 pub(crate) mod topology;
 mod transport;

@@ -212,8 +212,9 @@ pub struct LetterDetail {
     pub exchange: String,
     /// Its headers, idempo's failure headers included, as JSON.
     pub headers: serde_json::Value,
-    /// Its AMQP properties.
-    pub properties: lapin::BasicProperties,
+    /// Its properties (`message_id`, `content_type`, and the transport's
+    /// others), as JSON.
+    pub properties: serde_json::Value,
     /// The body.
     pub body: Vec<u8>,
 }

@@ -3,13 +3,12 @@
 
 use std::time::SystemTime;
 
-use lapin::BasicProperties;
-use lapin::protocol::basic::parse_properties;
 use sqlx::{PgPool, Postgres, QueryBuilder, Row};
 
 use super::model::{Filter, Group, Letter, LetterCount, LetterDetail, LetterState, from_micros};
 use super::table::text;
 use crate::Result;
+use crate::properties::Properties;
 
 /// A timestamp column as microseconds since the epoch (a [`SystemTime`]
 /// once read: no time formatting in SQL).
@@ -250,7 +249,7 @@ pub(crate) async fn groups(pool: &PgPool, filter: &Filter) -> Result<Vec<Group>>
 /// [`Error::Database`] when the query fails.
 pub(crate) async fn show(pool: &PgPool, id: i64) -> Result<Option<LetterDetail>> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {}, exchange, headers::text AS headers_json, properties, body \
+        "SELECT {}, exchange, headers::text AS headers_json, envelope, properties, body \
          FROM dead_letters WHERE id = $1",
         letter_columns()
     )))
@@ -261,18 +260,41 @@ pub(crate) async fn show(pool: &PgPool, id: i64) -> Result<Option<LetterDetail>>
         return Ok(None);
     };
     let headers: String = row.try_get("headers_json")?;
-    let encoded: Vec<u8> = row.try_get("properties")?;
+    let properties = stored(row.try_get("envelope")?, row.try_get("properties")?);
     Ok(Some(LetterDetail {
         letter: letter(&row)?,
         exchange: row.try_get("exchange")?,
         headers: serde_json::from_str(&headers).unwrap_or_default(),
-        properties: decode_properties(&encoded).unwrap_or_default(),
+        properties: serde_json::Value::Object(
+            properties.map(|p| p.fields_json()).unwrap_or_default(),
+        ),
         body: row.try_get("body")?,
     }))
 }
 
-pub(super) fn decode_properties(encoded: &[u8]) -> Option<BasicProperties> {
-    parse_properties(encoded).ok().map(|(_, p)| p)
+/// A letter's properties and headers: from `envelope` (idempo's encoding),
+/// or from `properties` (AMQP's, letters stored before); `None` when
+/// neither reads.
+pub(super) fn stored(envelope: Option<Vec<u8>>, amqp: Option<Vec<u8>>) -> Option<Properties> {
+    match (envelope, amqp) {
+        (Some(envelope), _) => Properties::decode(&envelope).ok(),
+        (None, Some(amqp)) => legacy(&amqp),
+        (None, None) => None,
+    }
+}
+
+/// AMQP's encoding of a letter's properties, stored before `envelope`.
+#[cfg(feature = "amqp")]
+fn legacy(amqp: &[u8]) -> Option<Properties> {
+    let (_, properties) = lapin::protocol::basic::parse_properties(amqp).ok()?;
+    Some(crate::amqp::stored::to_stored(&properties))
+}
+
+/// Without the AMQP client, a letter stored in AMQP's encoding is read from
+/// its readable columns only.
+#[cfg(not(feature = "amqp"))]
+fn legacy(_amqp: &[u8]) -> Option<Properties> {
+    None
 }
 
 /// Marks the live letters of `filter` discarded by `who` (kept for audit

@@ -1,14 +1,14 @@
 //! A replay from the `dead_letters` table: through the outbox, exactly once.
 
-use lapin::BasicProperties;
 use sqlx::{PgPool, QueryBuilder, Row};
 
 use super::model::{Filter, LetterState, Refusal, ReplayEvent, ReplayOptions, ReplayReport};
-use super::queries::{count, decode_properties, push_filter};
+use super::queries::{count, push_filter, stored};
 use super::table::text;
 use super::view::DeadLetter;
 use crate::inbox::{self, Claim};
 use crate::outbox::{self, OutboxError, OutboxMessage};
+use crate::properties::Properties;
 use crate::{Error, Result};
 
 /// Letters per transaction (one with a throttle).
@@ -60,7 +60,8 @@ pub(crate) async fn replay(
         }
         let mut tx = pool.begin().await?;
         let mut q = QueryBuilder::new(
-            "SELECT id, consumer, queue, message_id, properties, body, transport FROM dead_letters",
+            "SELECT id, consumer, queue, message_id, envelope, properties, body, transport \
+             FROM dead_letters",
         );
         push_filter(&mut q, &live);
         q.push(" AND NOT (id = ANY(")
@@ -81,7 +82,7 @@ pub(crate) async fn replay(
             let consumer: String = row.try_get("consumer")?;
             let queue: String = row.try_get("queue")?;
             let message_id: Option<String> = row.try_get("message_id")?;
-            let encoded: Vec<u8> = row.try_get("properties")?;
+            let properties = stored(row.try_get("envelope")?, row.try_get("properties")?);
             let body: Vec<u8> = row.try_get("body")?;
             let transport: String = row.try_get("transport")?;
             let refusal = match (&message_id, options.force) {
@@ -97,7 +98,6 @@ pub(crate) async fn replay(
                 },
                 _ => None,
             };
-            let properties = decode_properties(&encoded);
             let refusal = refusal.or(properties.is_none().then_some(Refusal::Undecodable));
             if let Some(refusal) = refusal {
                 skipped_ids.push(id);
@@ -175,7 +175,7 @@ pub(crate) async fn replay(
 /// read it from a header, not the `message_id` property), and goes to the
 /// relay of the letter's `transport`.
 fn replay_message(
-    properties: &BasicProperties,
+    properties: &Properties,
     message_id: Option<String>,
     to: &str,
     body: Vec<u8>,
@@ -183,8 +183,7 @@ fn replay_message(
 ) -> std::result::Result<OutboxMessage, Refusal> {
     let replayed = DeadLetter::new(properties).replay_properties();
     let mut message = OutboxMessage::new("", to, body)
-        .amqp_properties(&replayed)
-        .map_err(|_| Refusal::Undecodable)?
+        .with_exact(replayed)
         .transport(transport);
     if let (None, Some(id)) = (message.id(), message_id) {
         message = message.row_id(id);

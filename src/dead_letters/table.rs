@@ -4,18 +4,15 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use lapin::BasicProperties;
-use lapin::protocol::basic::gen_properties;
 use sqlx::PgPool;
 
 use super::fingerprint::fingerprint;
-use crate::amqp::copy::copy_properties;
-use crate::amqp::fields::json_headers;
 use crate::inbox;
+use crate::properties::Properties;
 use crate::runtime::letters::{LetterStore, NewLetter};
 use crate::{Error, Result};
 
-/// PostgreSQL text cannot hold NUL: the lossless copy is in `properties`.
+/// PostgreSQL text cannot hold NUL: the lossless copy is in `envelope`.
 pub(super) fn text(s: &str) -> Cow<'_, str> {
     if s.contains('\0') {
         Cow::Owned(s.replace('\0', "\u{fffd}"))
@@ -29,9 +26,9 @@ fn jsonb_text(value: &serde_json::Value) -> String {
     value.to_string().replace("\\u0000", "\\ufffd")
 }
 
-/// A row of `dead_letters` as it is inserted: the letter's final AMQP
-/// properties, whoever built them (the runtime's copy, a DLQ's import, the
-/// quarantine's mended properties).
+/// A row of `dead_letters` as it is inserted: the letter's final
+/// properties and headers, in idempo's encoding, whoever built them (the
+/// runtime's copy, a DLQ's import, the quarantine's mended properties).
 pub(crate) struct Row<'a> {
     /// The transport the message came from, where a replay sends it.
     pub(crate) transport: &'a str,
@@ -40,7 +37,7 @@ pub(crate) struct Row<'a> {
     pub(crate) message_id: &'a str,
     pub(crate) exchange: &'a str,
     pub(crate) routing_key: &'a str,
-    pub(crate) properties: &'a BasicProperties,
+    pub(crate) properties: &'a Properties,
     pub(crate) body: &'a [u8],
     pub(crate) reason: &'a str,
     pub(crate) error: &'a str,
@@ -57,20 +54,8 @@ pub(crate) struct Row<'a> {
 /// # Errors
 /// [`Error::Database`] when PostgreSQL refuses or cannot be reached.
 pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
-    let properties = match gen_properties(letter.properties)(Vec::new().into()) {
-        Ok(written) => written.write,
-        Err(e) => {
-            return Err(Error::Config(format!(
-                "cannot encode the dead letter's properties: {e}"
-            )));
-        }
-    };
-    let headers = letter
-        .properties
-        .headers()
-        .as_ref()
-        .map(|h| serde_json::Value::Object(json_headers(h)))
-        .unwrap_or_else(|| serde_json::json!({}));
+    let envelope = letter.properties.encode();
+    let headers = serde_json::Value::Object(letter.properties.headers_json());
     let body_json = serde_json::from_slice::<serde_json::Value>(letter.body)
         .ok()
         .filter(|v| v.is_object() || v.is_array())
@@ -80,7 +65,7 @@ pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
         .then_some(letter.message_id);
     sqlx::query(
         "INSERT INTO dead_letters (consumer, queue, message_id, payload_sha256, exchange, \
-             routing_key, properties, headers, body, body_json, reason, error, fingerprint, \
+             routing_key, envelope, headers, body, body_json, reason, error, fingerprint, \
              attempts, first_failed_at, last_failed_at, transport) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9, $10::text::jsonb, $11, $12, \
              $13, $14, coalesce($15::text::timestamptz, now()), coalesce($16::text::timestamptz, now()), \
@@ -90,8 +75,8 @@ pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
              attempts = greatest(dead_letters.attempts, excluded.attempts), \
              last_failed_at = greatest(dead_letters.last_failed_at, excluded.last_failed_at), \
              reason = excluded.reason, error = excluded.error, \
-             fingerprint = excluded.fingerprint, properties = excluded.properties, \
-             headers = excluded.headers",
+             fingerprint = excluded.fingerprint, envelope = excluded.envelope, \
+             properties = NULL, headers = excluded.headers",
     )
     .bind(text(letter.consumer).as_ref())
     .bind(text(letter.queue).as_ref())
@@ -99,7 +84,7 @@ pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
     .bind(inbox::payload_sha256(letter.body).to_vec())
     .bind(text(letter.exchange).as_ref())
     .bind(text(letter.routing_key).as_ref())
-    .bind(properties)
+    .bind(envelope)
     .bind(jsonb_text(&headers))
     .bind(letter.body)
     .bind(body_json)
@@ -166,15 +151,15 @@ impl LetterStore for TableStore {
         letter: &'a NewLetter<'a>,
     ) -> futures::future::BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            // The letter is the AMQP copy of the original with idempo's headers.
+            // The letter is the original's copy, with idempo's headers.
             let message = letter.message;
-            let properties = copy_properties(message, letter.headers.iter().cloned());
+            let properties = message.stored_properties(letter.headers);
             let row = Row {
                 transport: letter.transport,
                 consumer: letter.consumer,
                 queue: letter.queue,
                 message_id: message.id(),
-                exchange: message.amqp().map_or("", |amqp| amqp.exchange()),
+                exchange: message.exchange(),
                 routing_key: letter.routing_key,
                 properties: &properties,
                 body: message.body(),

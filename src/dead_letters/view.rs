@@ -4,12 +4,9 @@
 
 use std::time::SystemTime;
 
-use lapin::BasicProperties;
-use lapin::message::Delivery;
-use lapin::types::{AMQPValue, FieldTable};
 use serde::{Deserialize, Serialize};
 
-use crate::amqp::fields::header_ref;
+use crate::properties::{Properties, Value};
 use crate::runtime::headers::REPLAY_HISTORY_HEADER;
 use crate::runtime::headers::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
@@ -45,15 +42,16 @@ const RESET_ON_REPLAY: [&str; 5] = [
 /// the failed attempts, the consumer, the queue and routing key it came
 /// from, and when its first and last attempts failed (see the
 /// [`REASON_HEADER`](crate::runtime::headers::REASON_HEADER) family of constants). This view
-/// reads them from a delivery's [`BasicProperties`]: text headers must be
-/// UTF-8 (a value that is not reads as absent, as it does for the runtime).
+/// reads them from the letter's properties in idempo's encoding (a DLQ
+/// delivery's are converted first): text headers must be UTF-8 (a value
+/// that is not reads as absent, as it does for the runtime).
 ///
 /// A message without [`QUEUE_HEADER`](crate::runtime::headers::QUEUE_HEADER) was not
 /// dead-lettered by idempo ([`is_foreign`](Self::is_foreign)): put into the
 /// DLQ by hand, or by the broker's own dead-lettering.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DeadLetter<'a> {
-    properties: &'a BasicProperties,
+    properties: &'a Properties,
 }
 
 /// What a dead letter looked like before one replay: an element of the
@@ -79,30 +77,21 @@ pub(crate) struct ReplayRecord {
 
 impl<'a> DeadLetter<'a> {
     /// The view of a message with these properties.
-    pub(crate) fn new(properties: &'a BasicProperties) -> Self {
+    pub(crate) fn new(properties: &'a Properties) -> Self {
         DeadLetter { properties }
-    }
-
-    /// The view of a delivery (from a consumer or `basic.get`).
-    pub(crate) fn from_delivery(delivery: &'a Delivery) -> Self {
-        DeadLetter::new(&delivery.properties)
     }
 
     /// The header `name` as text: a UTF-8 string or an integer, `None` when
     /// absent or anything else.
     pub(crate) fn header(&self, name: &str) -> Option<String> {
-        header_ref(self.properties.headers().as_ref()?.inner().get(name)?).text()
+        self.properties.header_text(name)
     }
 
     /// The id idempo deduplicated the original on ([`MESSAGE_ID_HEADER`]),
     /// or else the `message_id` property.
     pub(crate) fn message_id(&self) -> Option<String> {
-        self.header(MESSAGE_ID_HEADER).or_else(|| {
-            self.properties
-                .message_id()
-                .as_ref()
-                .map(|id| id.as_str().to_owned())
-        })
+        self.header(MESSAGE_ID_HEADER)
+            .or_else(|| self.properties.message_id())
     }
 
     /// Why it was dead-lettered: the text of a
@@ -187,11 +176,11 @@ impl<'a> DeadLetter<'a> {
     /// replay; the last [`MAX_REPLAY_HISTORY`] records are kept, and the
     /// [`REPLAY_COUNT_HEADER`] counts them all). The consumer then gets its
     /// full number of attempts again.
-    pub(crate) fn replay_properties(&self) -> BasicProperties {
+    pub(crate) fn replay_properties(&self) -> Properties {
         self.replay_properties_at(SystemTime::now())
     }
 
-    fn replay_properties_at(&self, now: SystemTime) -> BasicProperties {
+    fn replay_properties_at(&self, now: SystemTime) -> Properties {
         // Earlier entries are kept as they are, whatever their shape.
         let mut history: Vec<serde_json::Value> = self
             .header(REPLAY_HISTORY_HEADER)
@@ -211,27 +200,19 @@ impl<'a> DeadLetter<'a> {
         history.push(serde_json::to_value(record).expect("a record serialises"));
         let excess = history.len().saturating_sub(MAX_REPLAY_HISTORY);
         history.drain(..excess);
-        let mut headers = FieldTable::default();
-        if let Some(old) = self.properties.headers() {
-            for (name, value) in old.inner() {
-                let name_str = name.as_str();
-                if !RESET_ON_REPLAY.contains(&name_str)
-                    && name_str != REPLAY_HISTORY_HEADER
-                    && name_str != REPLAY_COUNT_HEADER
-                {
-                    headers.insert(name.clone(), value.clone());
-                }
-            }
+        let mut replayed = self.properties.clone();
+        for name in RESET_ON_REPLAY {
+            replayed.remove_header(name);
         }
-        headers.insert(
-            REPLAY_HISTORY_HEADER.into(),
-            AMQPValue::LongString(serde_json::Value::Array(history).to_string().into()),
+        replayed.set_header(
+            REPLAY_HISTORY_HEADER,
+            Value::Text(serde_json::Value::Array(history).to_string().into_bytes()),
         );
-        headers.insert(
-            REPLAY_COUNT_HEADER.into(),
-            AMQPValue::LongLongInt(i64::try_from(count).unwrap_or(i64::MAX)),
+        replayed.set_header(
+            REPLAY_COUNT_HEADER,
+            Value::I64(i64::try_from(count).unwrap_or(i64::MAX)),
         );
-        self.properties.clone().with_headers(headers)
+        replayed
     }
 }
 
@@ -241,26 +222,28 @@ mod tests {
 
     use super::*;
 
-    fn properties(headers: &[(&str, AMQPValue)]) -> BasicProperties {
-        let mut table = FieldTable::default();
-        for (name, value) in headers {
-            table.insert((*name).into(), value.clone());
+    fn properties(headers: &[(&str, Value)]) -> Properties {
+        Properties {
+            fields: vec![("message_id".into(), Value::ShortText("property-id".into()))],
+            headers: Some(
+                headers
+                    .iter()
+                    .map(|(name, value)| ((*name).to_owned(), value.clone()))
+                    .collect(),
+            ),
         }
-        BasicProperties::default()
-            .with_message_id("property-id".into())
-            .with_headers(table)
     }
 
-    fn text(s: &str) -> AMQPValue {
-        AMQPValue::LongString(s.into())
+    fn text(s: &str) -> Value {
+        Value::Text(s.as_bytes().to_vec())
     }
 
-    fn dead_letter_as_the_runtime_writes_it() -> BasicProperties {
+    fn dead_letter_as_the_runtime_writes_it() -> Properties {
         properties(&[
             (MESSAGE_ID_HEADER, text("pay-1")),
             (REASON_HEADER, text("max attempts exceeded")),
             (ERROR_HEADER, text("timeout")),
-            (ATTEMPTS_HEADER, AMQPValue::LongLongInt(3)),
+            (ATTEMPTS_HEADER, Value::I64(3)),
             (CONSUMER_HEADER, text("billing")),
             (QUEUE_HEADER, text("payments")),
             (ROUTING_KEY_HEADER, text("pay.eu")),
@@ -305,13 +288,10 @@ mod tests {
     #[test]
     fn text_must_be_utf8_and_only_the_display_is_lossy() {
         let p = properties(&[
-            (
-                ERROR_HEADER,
-                AMQPValue::LongString(b"bad \xff byte"[..].into()),
-            ),
+            (ERROR_HEADER, Value::Text(b"bad \xff byte".to_vec())),
             (ATTEMPTS_HEADER, text("2")),
             (LAST_FAILURE_HEADER, text("yesterday")),
-            ("x-flag", AMQPValue::Boolean(true)),
+            ("x-flag", Value::Bool(true)),
         ]);
         let dead = DeadLetter::new(&p);
         assert_eq!(dead.error(), None, "the one reader is strict");
@@ -341,9 +321,8 @@ mod tests {
         );
 
         // Dead-lettered again, then replayed again: two entries, oldest first.
-        let mut again = once.headers().clone().unwrap_or_default();
-        again.insert(REASON_HEADER.into(), text("permanent handler error"));
-        let again = once.clone().with_headers(again);
+        let mut again = once.clone();
+        again.set_header(REASON_HEADER, text("permanent handler error"));
         let twice = DeadLetter::new(&again).replay_properties();
         let history = DeadLetter::new(&twice).replay_history();
         assert_eq!(history.len(), 2);
@@ -361,10 +340,9 @@ mod tests {
         let mut sizes = Vec::new();
         for pass in 0..12u64 {
             // Dead-lettered again with a long error, then replayed again.
-            let mut headers = p.headers().clone().unwrap_or_default();
-            headers.insert(REASON_HEADER.into(), text("permanent handler error"));
-            headers.insert(ERROR_HEADER.into(), text(&long_error));
-            let dead = p.clone().with_headers(headers);
+            let mut dead = p.clone();
+            dead.set_header(REASON_HEADER, text("permanent handler error"));
+            dead.set_header(ERROR_HEADER, text(&long_error));
             p = DeadLetter::new(&dead).replay_properties_at(start + Duration::from_secs(pass));
             let history = DeadLetter::new(&p).header(REPLAY_HISTORY_HEADER).unwrap();
             sizes.push(history.len());

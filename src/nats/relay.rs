@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, Context};
-use lapin::types::AMQPValue;
 use sqlx::PgPool;
 
 use super::connect;
@@ -253,26 +252,53 @@ async fn publish_all(
     Ok(())
 }
 
-/// The message's NATS headers: its staged headers (or those of the exact
-/// properties it was staged with, a replayed letter's) as text, its content
-/// type, and `Nats-Msg-Id`: its stable id, or for a replay, that id and the
-/// outbox row, so that JetStream's window, which may still hold the
-/// original's id, does not drop the replay (the consumer claims the replay
-/// on the sealed id it carries).
+/// The message's NATS headers: its exact properties' headers (a replayed
+/// letter's) or its staged JSON headers, as text, its content type, and
+/// `Nats-Msg-Id`: its stable id, or for a replay, that id and the outbox
+/// row, so that JetStream's window, which may still hold the original's id,
+/// does not drop the replay (the consumer claims the replay on the sealed
+/// id it carries).
 fn headers(row: i64, message: &Staged) -> HeaderMap {
-    let properties = crate::relay::frame::frame(message).properties;
-    let mut map = HeaderMap::new();
-    let mut replay = false;
-    if let Some(table) = properties.headers() {
-        for (name, value) in table.inner() {
-            let Some(text) = text(value) else { continue };
-            replay |= name.as_str() == REPLAY_HISTORY_HEADER;
-            if name.as_str() != MSG_ID_HEADER {
-                map.insert(name.as_str(), text.as_str());
+    let mut texts: Vec<(String, String)> = Vec::new();
+    let exact = message
+        .exact
+        .as_deref()
+        .and_then(|e| crate::properties::Properties::decode(e).ok());
+    match &exact {
+        Some(exact) => {
+            for (name, value) in exact.headers.iter().flatten() {
+                if let Some(text) = value.text() {
+                    texts.push((name.clone(), text));
+                }
+            }
+        }
+        None => {
+            if let Ok(serde_json::Value::Object(headers)) = serde_json::from_str(&message.headers) {
+                for (name, value) in headers {
+                    let text = match value {
+                        serde_json::Value::String(s) => s,
+                        serde_json::Value::Number(n) => n.to_string(),
+                        serde_json::Value::Bool(b) => b.to_string(),
+                        _ => continue,
+                    };
+                    texts.push((name, text));
+                }
             }
         }
     }
-    if let Some(content_type) = properties.content_type() {
+    let mut map = HeaderMap::new();
+    let mut replay = false;
+    for (name, text) in &texts {
+        // A value NATS cannot carry in a header (a line break) is left out.
+        if text.contains(['\r', '\n']) {
+            continue;
+        }
+        replay |= name == REPLAY_HISTORY_HEADER;
+        if name != MSG_ID_HEADER {
+            map.append(name.as_str(), text.as_str());
+        }
+    }
+    if let Some(content_type) = &message.content_type {
         map.insert("Content-Type", content_type.as_str());
     }
     let id = if replay {
@@ -282,25 +308,4 @@ fn headers(row: i64, message: &Staged) -> HeaderMap {
     };
     map.insert(MSG_ID_HEADER, id.as_str());
     map
-}
-
-/// An AMQP header value as NATS header text: strings and numbers; a value
-/// NATS cannot carry in a header (a table, bytes with a line break) is left
-/// out.
-fn text(value: &AMQPValue) -> Option<String> {
-    let text = match value {
-        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok()?,
-        AMQPValue::ShortString(s) => s.as_str().to_owned(),
-        AMQPValue::Boolean(b) => b.to_string(),
-        AMQPValue::ShortShortInt(n) => n.to_string(),
-        AMQPValue::ShortShortUInt(n) => n.to_string(),
-        AMQPValue::ShortInt(n) => n.to_string(),
-        AMQPValue::ShortUInt(n) => n.to_string(),
-        AMQPValue::LongInt(n) => n.to_string(),
-        AMQPValue::LongUInt(n) => n.to_string(),
-        AMQPValue::LongLongInt(n) => n.to_string(),
-        AMQPValue::Timestamp(n) => n.to_string(),
-        _ => return None,
-    };
-    (!text.contains(['\r', '\n'])).then_some(text)
 }

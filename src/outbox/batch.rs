@@ -61,7 +61,7 @@ impl Batch {
         sqlx::query_as(
             "SELECT id, exchange, routing_key, message_id, body, content_type, correlation_id, \
                     persistent, headers::text AS headers, ordering_key, attempts, packed, messages, \
-                    properties, transport \
+                    properties, envelope, transport \
              FROM outbox \
              WHERE state = 'pending' AND transport = $3 AND next_attempt_at <= now() \
                AND (ordering_key IS NULL OR NOT (ordering_key = ANY($2::text[]))) \
@@ -235,7 +235,10 @@ pub(crate) struct Row {
     pub(crate) attempts: i32,
     pub(crate) packed: Option<Vec<u8>>,
     pub(crate) messages: i32,
+    /// Exact properties in AMQP's encoding (rows staged before `envelope`).
     pub(crate) properties: Option<Vec<u8>>,
+    /// Exact properties in idempo's encoding.
+    pub(crate) envelope: Option<Vec<u8>>,
     pub(crate) transport: String,
 }
 
@@ -253,7 +256,8 @@ impl Row {
                 persistent: self.persistent,
                 headers: self.headers,
                 body: self.body,
-                properties: self.properties,
+                exact: self.envelope,
+                legacy: self.properties,
                 transport: self.transport,
             }]),
         }
@@ -336,15 +340,16 @@ impl Failures {
         sqlx::query(
             "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
                                  correlation_id, persistent, headers, attempts, last_error, \
-                                 state, next_attempt_at, created_at, properties, transport) \
+                                 state, next_attempt_at, created_at, properties, envelope, \
+                                 transport) \
              SELECT e, r, i, b, c, k, p, h::jsonb, o.attempts + 1, err, \
                     CASE WHEN g THEN 'failed' ELSE 'pending' END, \
-                    now() + make_interval(secs => d), o.created_at, pr, o.transport \
+                    now() + make_interval(secs => d), o.created_at, pr, ev, o.transport \
              FROM outbox AS o, \
                   unnest($2::text[], $3::text[], $4::text[], $5::bytea[], $6::text[], \
                          $7::text[], $8::bool[], $9::text[], $10::text[], $11::bool[], \
-                         $12::float8[], $13::bytea[]) \
-                  WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, err, g, d, pr, n) \
+                         $12::float8[], $13::bytea[], $14::bytea[]) \
+                  WITH ORDINALITY AS t(e, r, i, b, c, k, p, h, err, g, d, pr, ev, n) \
              WHERE o.id = $1 ORDER BY n",
         )
         .bind(row)
@@ -362,7 +367,13 @@ impl Failures {
         .bind(
             messages
                 .iter()
-                .map(|m| m.properties.as_deref())
+                .map(|m| m.legacy.as_deref())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            messages
+                .iter()
+                .map(|m| m.exact.as_deref())
                 .collect::<Vec<_>>(),
         )
         .execute(tx)

@@ -1,4 +1,4 @@
-//! [`OutboxMessage`]: what a handler stages, with its AMQP properties.
+//! [`OutboxMessage`]: what a handler stages, with its properties.
 
 use crate::headers::TRACEPARENT_HEADER;
 use serde::Serialize;
@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 use super::OutboxError;
 use super::packed::Staged;
 use crate::message_id::validate_message_id;
+use crate::properties::{Properties, Value as Typed};
 use crate::wire_size::{self, HEADER_FRAME_OVERHEAD, MAX_SHORT_STRING, PROPERTY_FLAGS};
 
 /// The largest body staged unless [`OutboxMessage::max_body_size`] says
@@ -53,8 +54,9 @@ pub struct OutboxMessage {
     pub(crate) headers: Map<String, Value>,
     pub(crate) ordering_key: Option<String>,
     pub(crate) max_body_size: usize,
-    /// The exact AMQP properties, encoded (see `amqp_properties`).
-    pub(crate) properties: Option<Vec<u8>>,
+    /// Exact properties and typed headers, published as they are (see
+    /// `amqp_properties`; a replayed dead letter's).
+    pub(crate) exact: Option<Properties>,
     /// The transport whose relay publishes it; `None`: the staging
     /// consumer's, or [`DEFAULT_TRANSPORT`] outside a consumer.
     pub(crate) transport: Option<String>,
@@ -84,7 +86,7 @@ impl OutboxMessage {
             headers: Map::new(),
             ordering_key: None,
             max_body_size: DEFAULT_MAX_BODY_SIZE,
-            properties: None,
+            exact: None,
             transport: None,
         }
     }
@@ -164,64 +166,28 @@ impl OutboxMessage {
 
     /// The id the outbox keeps for the row when exact properties publish
     /// none (a dead letter whose consumer read its id from a header).
-    #[cfg(all(feature = "amqp", feature = "ops"))]
+    #[cfg(feature = "ops")]
     pub(crate) fn row_id(mut self, id: String) -> Self {
         self.message_id = Some(id);
         self
     }
 
-    /// Exact AMQP properties (feature `amqp`): the relay publishes these as
-    /// they are, every basic property (`priority`, `reply_to`, `timestamp`,
-    /// `type`, `app_id`, `content_encoding`, …) and every header with its
-    /// AMQP field type (decimals, timestamps, byte arrays with NUL, nested
-    /// tables, integers of each width), which [`header`](Self::header)'s
-    /// JSON cannot express. They replace what [`message_id`](Self::message_id),
+    /// Exact properties and typed headers (a replayed dead letter's, or
+    /// [`amqp_properties`](Self::amqp_properties)): the relay publishes
+    /// them as they are. They replace what [`message_id`](Self::message_id),
     /// [`content_type`](Self::content_type), [`correlation_id`](Self::correlation_id),
-    /// [`transient`](Self::transient) and [`header`](Self::header) set (call
-    /// it last): the message's id is their `message_id`; without one, the
-    /// outbox keeps a generated id for its row and publishes none.
-    ///
-    /// ```
-    /// use idempo::amqp::lapin::BasicProperties;
-    /// use idempo::amqp::lapin::types::{AMQPValue, DecimalValue, FieldTable};
-    /// use idempo::outbox::OutboxMessage;
-    ///
-    /// let mut headers = FieldTable::default();
-    /// headers.insert("amount".into(), AMQPValue::DecimalValue(DecimalValue { scale: 2, value: 1234 }));
-    /// let properties = BasicProperties::default()
-    ///     .with_message_id("payment-42".into())
-    ///     .with_priority(5)
-    ///     .with_headers(headers);
-    /// let message = OutboxMessage::new("", "payments", b"{}".to_vec()).amqp_properties(&properties)?;
-    /// assert_eq!(message.id(), Some("payment-42"));
-    /// # Ok::<(), idempo::outbox::OutboxError>(())
-    /// ```
-    ///
-    /// # Errors
-    /// [`OutboxError::InvalidField`] when they cannot be encoded.
-    #[cfg(feature = "amqp")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
-    pub fn amqp_properties(
-        mut self,
-        properties: &lapin::BasicProperties,
-    ) -> Result<Self, OutboxError> {
-        let encoded = lapin::protocol::basic::gen_properties(properties)(Vec::new().into())
-            .map_err(|e| OutboxError::InvalidField {
-                field: "properties",
-                reason: format!("cannot be encoded: {e}"),
-            })?
-            .write;
-        self.message_id = properties.message_id().as_ref().map(|s| s.to_string());
-        self.content_type = properties.content_type().as_ref().map(|s| s.to_string());
-        self.correlation_id = properties.correlation_id().as_ref().map(|s| s.to_string());
-        self.persistent = properties.delivery_mode() != &Some(1);
-        self.headers = properties
-            .headers()
-            .as_ref()
-            .map(crate::amqp::fields::json_headers)
-            .unwrap_or_default();
-        self.properties = Some(encoded);
-        Ok(self)
+    /// [`transient`](Self::transient) and [`header`](Self::header) set:
+    /// the message's id is their `message_id`; without one, the outbox keeps
+    /// a generated id for its row and publishes none.
+    pub(crate) fn with_exact(mut self, exact: Properties) -> Self {
+        let text = |name: &str| exact.field(name).and_then(Typed::text);
+        self.message_id = text("message_id");
+        self.content_type = text("content_type");
+        self.correlation_id = text("correlation_id");
+        self.persistent = exact.field("delivery_mode") != Some(&Typed::U8(1));
+        self.headers = exact.headers_json();
+        self.exact = Some(exact);
+        self
     }
 
     /// Messages with the same ordering key are published in the order their
@@ -328,7 +294,7 @@ impl OutboxMessage {
             headers,
             ordering_key,
             max_body_size: DEFAULT_MAX_BODY_SIZE,
-            properties: staged.properties,
+            exact: staged.exact.and_then(|e| Properties::decode(&e).ok()),
             transport: Some(staged.transport),
         }
     }
@@ -345,7 +311,8 @@ impl OutboxMessage {
             persistent: self.persistent,
             headers: self.headers_text(),
             body: self.body.clone(),
-            properties: self.properties.clone(),
+            exact: self.exact.as_ref().map(Properties::encode),
+            legacy: None,
             transport: self.transport_or_default().to_owned(),
         }
     }
@@ -360,7 +327,7 @@ impl OutboxMessage {
     /// properties becomes U+FFFD there; the properties keep it).
     pub(crate) fn headers_text(&self) -> String {
         let text = serde_json::to_string(&self.headers).expect("a JSON map serialises");
-        if self.properties.is_some() {
+        if self.exact.is_some() {
             text.replace("\\u0000", "\\ufffd")
         } else {
             text
@@ -372,9 +339,8 @@ impl OutboxMessage {
     /// maps JSON as `amqp::relay`'s `frame` does; a test there checks that
     /// both agree).
     pub(crate) fn header_frame_size(&self) -> usize {
-        if let Some(encoded) = &self.properties {
-            // The property flags are in the encoding already.
-            return HEADER_FRAME_OVERHEAD + encoded.len();
+        if let Some(exact) = &self.exact {
+            return HEADER_FRAME_OVERHEAD + wire_size::properties(exact);
         }
         let short = wire_size::short_string;
         let headers = if self.headers.is_empty() {
@@ -427,7 +393,7 @@ impl OutboxMessage {
         for (name, value) in &self.headers {
             short_string("header name", name)?;
             // Exact properties carry a NUL; only their readable copy loses it.
-            if self.properties.is_none() && holds_nul(value) {
+            if self.exact.is_none() && holds_nul(value) {
                 // The outbox stores headers as jsonb, which refuses \u0000.
                 return Err(OutboxError::InvalidField {
                     field: "header value",

@@ -5,9 +5,9 @@
 use super::OutboxMessage;
 
 /// The format's first byte, so that a later layout can tell itself apart:
-/// 2 adds each message's exact AMQP properties; 1 (rows staged before)
-/// is still read.
-const VERSION: u8 = 2;
+/// 3 carries each message's exact properties in idempo's encoding; 2 (their
+/// AMQP encoding) and 1 (none), rows staged before, are still read.
+const VERSION: u8 = 3;
 
 /// A message as the relay publishes it: from a row of its own or from a
 /// packed row.
@@ -22,8 +22,11 @@ pub(crate) struct Staged {
     /// The headers as JSON text (an object).
     pub(crate) headers: String,
     pub(crate) body: Vec<u8>,
-    /// The exact AMQP properties, encoded, when staged with them.
-    pub(crate) properties: Option<Vec<u8>>,
+    /// The exact properties, in idempo's encoding, when staged with them.
+    pub(crate) exact: Option<Vec<u8>>,
+    /// Exact properties in AMQP's encoding, staged before idempo's
+    /// encoding was (rows of migration 0010's `properties` column).
+    pub(crate) legacy: Option<Vec<u8>>,
     /// The transport whose relay publishes it (a packed row's messages
     /// share the row's).
     pub(crate) transport: String,
@@ -38,6 +41,7 @@ pub(crate) fn encode(messages: &[OutboxMessage]) -> Vec<u8> {
     out.extend_from_slice(&(messages.len() as u32).to_be_bytes());
     for m in messages {
         let headers = m.headers_text();
+        let exact = m.exact.as_ref().map(crate::properties::Properties::encode);
         for field in [
             Some(m.exchange.as_bytes()),
             Some(m.routing_key.as_bytes()),
@@ -46,7 +50,7 @@ pub(crate) fn encode(messages: &[OutboxMessage]) -> Vec<u8> {
             m.correlation_id.as_deref().map(str::as_bytes),
             Some(headers.as_bytes()),
             Some(m.body.as_slice()),
-            m.properties.as_deref(),
+            exact.as_deref(),
         ] {
             match field {
                 Some(bytes) => {
@@ -80,6 +84,11 @@ pub(crate) fn decode(bytes: &[u8], transport: &str) -> Result<Vec<Staged>, Strin
         let headers = text(input.field()?.ok_or("missing headers")?)?;
         let body = input.field()?.ok_or("missing body")?;
         let properties = if version >= 2 { input.field()? } else { None };
+        let (exact, legacy) = if version >= 3 {
+            (properties, None)
+        } else {
+            (None, properties)
+        };
         let persistent = input.take(1)?[0] != 0;
         messages.push(Staged {
             exchange,
@@ -90,7 +99,8 @@ pub(crate) fn decode(bytes: &[u8], transport: &str) -> Result<Vec<Staged>, Strin
             persistent,
             headers,
             body,
-            properties,
+            exact,
+            legacy,
             transport: transport.to_owned(),
         });
     }

@@ -201,7 +201,7 @@ fn deferred_rows(deferred: &[OutboxMessage], quiet: bool) -> crate::Result<Strin
             [m] => {
                 sql.push_str(
                     "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                                         correlation_id, persistent, headers, properties, \
+                                         correlation_id, persistent, headers, envelope, \
                                          transport) VALUES (",
                 );
                 let values = [
@@ -213,9 +213,9 @@ fn deferred_rows(deferred: &[OutboxMessage], quiet: bool) -> crate::Result<Strin
                     optional_text("correlation id", m.correlation_id.as_deref())?,
                     m.persistent.to_string(),
                     format!("{}::jsonb", text("headers", &m.headers_text())?),
-                    m.properties
-                        .as_deref()
-                        .map_or_else(|| "NULL".to_owned(), bytes),
+                    m.exact
+                        .as_ref()
+                        .map_or_else(|| "NULL".to_owned(), |e| bytes(&e.encode())),
                     text("transport", m.transport_or_default())?,
                 ];
                 sql.push_str(&values.join(", "));
@@ -257,7 +257,7 @@ async fn insert_one(
 ) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(
         "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                             correlation_id, persistent, headers, ordering_key, properties, \
+                             correlation_id, persistent, headers, ordering_key, envelope, \
                              transport) \
          SELECT $1, $2, $3, $4, $5, $6, $7, $8::text::jsonb, $9, $11, $12 \
          FROM (SELECT set_config('idempo.outbox_notify', $10, true)) AS notify",
@@ -272,7 +272,7 @@ async fn insert_one(
     .bind(m.headers_text())
     .bind(&m.ordering_key)
     .bind(notify_setting(quiet))
-    .bind(&m.properties)
+    .bind(m.exact.as_ref().map(crate::properties::Properties::encode))
     .bind(m.transport_or_default())
     .execute(conn)
     .await?;
@@ -316,7 +316,7 @@ async fn insert_rows(
     let headers: Vec<String> = messages.iter().map(OutboxMessage::headers_text).collect();
     let done = sqlx::query(
         "INSERT INTO outbox (exchange, routing_key, message_id, body, content_type, \
-                             correlation_id, persistent, headers, ordering_key, properties, \
+                             correlation_id, persistent, headers, ordering_key, envelope, \
                              transport) \
          SELECT e, r, i, b, c, k, p, h::jsonb, o, pr, tr \
          FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], \
@@ -338,7 +338,7 @@ async fn insert_rows(
     .bind(
         messages
             .iter()
-            .map(|m| m.properties.as_deref())
+            .map(|m| m.exact.as_ref().map(crate::properties::Properties::encode))
             .collect::<Vec<_>>(),
     )
     .bind(column(|m| Some(m.transport_or_default())))

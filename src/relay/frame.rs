@@ -21,23 +21,13 @@ pub(super) fn broker_size_limit(reason: &str) -> Option<usize> {
 /// A message as a publish: its exact properties when it was staged with
 /// them, else built from its columns.
 pub(crate) fn frame(row: &Staged) -> OutgoingFrame<'_> {
-    if let Some(encoded) = &row.properties {
-        match parse_properties(encoded.as_slice()) {
-            Ok((_, properties)) => {
-                return OutgoingFrame {
-                    exchange: &row.exchange,
-                    routing_key: &row.routing_key,
-                    body: &row.body,
-                    properties,
-                };
-            }
-            // Written by `gen_properties` at staging: only a damaged row.
-            Err(e) => tracing::warn!(
-                message_id = %row.message_id,
-                error = %e,
-                "outbox relay: the exact properties cannot be decoded; publishing from the columns"
-            ),
-        }
+    if let Some(properties) = exact(row) {
+        return OutgoingFrame {
+            exchange: &row.exchange,
+            routing_key: &row.routing_key,
+            body: &row.body,
+            properties,
+        };
     }
     let mut properties = BasicProperties::default()
         .with_message_id(row.message_id.as_str().into())
@@ -58,6 +48,31 @@ pub(crate) fn frame(row: &Staged) -> OutgoingFrame<'_> {
         routing_key: &row.routing_key,
         body: &row.body,
         properties,
+    }
+}
+
+/// The exact properties a row was staged with, as AMQP's: from idempo's
+/// encoding, or AMQP's own (rows staged before). `None` without them, or
+/// for a damaged row (then published from its columns, with a warning).
+fn exact(row: &Staged) -> Option<BasicProperties> {
+    let decoded = match (&row.exact, &row.legacy) {
+        (Some(exact), _) => crate::properties::Properties::decode(exact)
+            .and_then(|p| crate::amqp::stored::from_stored(&p)),
+        (None, Some(legacy)) => parse_properties(legacy.as_slice())
+            .map(|(_, p)| p)
+            .map_err(|e| e.to_string()),
+        (None, None) => return None,
+    };
+    match decoded {
+        Ok(properties) => Some(properties),
+        Err(error) => {
+            tracing::warn!(
+                message_id = %row.message_id,
+                %error,
+                "outbox relay: the exact properties cannot be read; publishing from the columns"
+            );
+            None
+        }
     }
 }
 
@@ -114,7 +129,8 @@ mod tests {
             persistent: m.persistent,
             headers: m.headers_text(),
             body: m.body.clone(),
-            properties: m.properties.clone(),
+            exact: m.exact.as_ref().map(crate::properties::Properties::encode),
+            legacy: None,
             transport: "amqp".into(),
         };
         let bare = OutboxMessage::new("", "q", b"x".to_vec())

@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 
+use crate::properties::{Properties, Value};
+
 /// A header value as the runtime reads it, whatever the transport's own
 /// type (AMQP field values, JetStream's text headers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +51,45 @@ pub(crate) trait Envelope: Any + Send + Sync {
     /// The body's content type, when the transport carries one.
     fn content_type(&self) -> Option<&str> {
         None
+    }
+
+    /// The exchange it was published to, where the transport has exchanges
+    /// (AMQP; the dead-letter table keeps it): empty by default.
+    fn exchange(&self) -> &str {
+        ""
+    }
+
+    /// The properties and headers of a copy kept at rest (a dead letter in
+    /// the table), in idempo's encoding: by default the id, the content
+    /// type and [`headers`](Envelope::headers).
+    fn stored(&self) -> Properties {
+        let text = |s: &str| Value::ShortText(s.to_owned());
+        let fields = [
+            ("message_id", self.message_id().map(text)),
+            ("content_type", self.content_type().map(text)),
+        ]
+        .into_iter()
+        .filter_map(|(name, value)| Some((name.to_owned(), value?)))
+        .collect();
+        let headers = self
+            .headers()
+            .into_iter()
+            .filter_map(|(name, value)| {
+                let value = match value {
+                    HeaderRef::Bytes(bytes) => Value::Text(bytes.to_vec()),
+                    HeaderRef::Integer(n) => match i64::try_from(n) {
+                        Ok(n) => Value::I64(n),
+                        Err(_) => Value::Text(n.to_string().into_bytes()),
+                    },
+                    HeaderRef::Other => return None,
+                };
+                Some((name.to_owned(), value))
+            })
+            .collect();
+        Properties {
+            fields,
+            headers: Some(headers),
+        }
     }
 }
 
@@ -98,10 +139,27 @@ impl Message {
         Message { inner }
     }
 
-    /// Every application header of the transport's envelope (see
-    /// [`Envelope::headers`]).
-    pub(crate) fn envelope_headers(&self) -> Vec<(&str, HeaderRef<'_>)> {
-        self.inner.envelope.headers()
+    /// The exchange it was published to ([`Envelope::exchange`]).
+    pub(crate) fn exchange(&self) -> &str {
+        self.inner.envelope.exchange()
+    }
+
+    /// This message's properties and headers as a dead letter keeps them,
+    /// `extra` (idempo's failure headers) set over its own.
+    pub(crate) fn stored_properties(
+        &self,
+        extra: &[(&'static str, crate::runtime::headers::HeaderValue)],
+    ) -> Properties {
+        use crate::runtime::headers::HeaderValue;
+        let mut stored = self.inner.envelope.stored();
+        for (name, value) in extra {
+            let value = match value {
+                HeaderValue::Text(text) => Value::Text(text.clone().into_bytes()),
+                HeaderValue::Integer(n) => Value::I64(*n),
+            };
+            stored.set_header(name, value);
+        }
+        stored
     }
 
     /// The transport's envelope, when it is an `E`.

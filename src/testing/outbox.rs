@@ -77,7 +77,7 @@ impl Harness {
         let rows: Vec<Row> = sqlx::query_as(
             "SELECT o.id, o.exchange, o.routing_key, o.message_id, o.body, o.content_type, \
                     o.correlation_id, o.persistent, o.headers::text AS headers, o.ordering_key, \
-                    o.attempts, o.packed, o.messages, o.properties, o.transport \
+                    o.attempts, o.packed, o.messages, o.properties, o.envelope, o.transport \
              FROM outbox o, processed_messages p \
              WHERE p.consumer = $1 AND p.message_id = $2 AND o.xmin::text = p.xmin::text \
              ORDER BY o.id",

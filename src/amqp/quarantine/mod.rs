@@ -171,7 +171,7 @@ async fn store(
         message_id: &message_id,
         exchange: "",
         routing_key: &routing_key,
-        properties: &mended,
+        properties: &crate::amqp::stored::to_stored(&mended),
         body: &got.body,
         reason: DeadLetterReason::UndecodableProperties.as_str(),
         error,

@@ -27,9 +27,15 @@ pub(super) const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 /// not carry (the copy is a new message, delivered zero times).
 const BROKER_DELIVERY_HEADERS: [&str; 2] = ["x-delivery-count", "x-acquired-count"];
 
+/// A DLQ delivery's properties, as idempo reads a dead letter's.
+pub(super) fn stored_of(delivery: &Delivery) -> crate::properties::Properties {
+    crate::amqp::stored::to_stored(&delivery.properties)
+}
+
 /// The [`Letter`] of a dead letter read from a DLQ.
 pub(super) fn letter_of(delivery: &Delivery) -> Letter {
-    let dead = DeadLetter::from_delivery(delivery);
+    let stored = stored_of(delivery);
+    let dead = DeadLetter::new(&stored);
     let reason = dead.reason().unwrap_or_else(|| FOREIGN.into());
     let error = dead.error();
     Letter {
@@ -62,17 +68,12 @@ pub(super) fn letter_of(delivery: &Delivery) -> Letter {
 
 /// The [`LetterDetail`] of a dead letter read from a DLQ.
 pub(super) fn detail_of(delivery: &Delivery) -> LetterDetail {
-    let headers = delivery
-        .properties
-        .headers()
-        .as_ref()
-        .map(|h| serde_json::Value::Object(crate::amqp::fields::json_headers(h)))
-        .unwrap_or_else(|| serde_json::json!({}));
+    let stored = stored_of(delivery);
     LetterDetail {
         letter: letter_of(delivery),
         exchange: delivery.exchange.to_string(),
-        headers,
-        properties: delivery.properties.clone(),
+        headers: serde_json::Value::Object(stored.headers_json()),
+        properties: serde_json::Value::Object(stored.fields_json()),
         body: delivery.data.clone(),
     }
 }

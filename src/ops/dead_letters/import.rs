@@ -48,7 +48,8 @@ pub async fn import(
     let mut imported = 0;
     let moved: Result<()> = async {
         while let Some(delivery) = opened.next().await? {
-            let dead = DeadLetter::from_delivery(&delivery);
+            let stored = super::dlq::stored_of(&delivery);
+            let dead = DeadLetter::new(&stored);
             let properties = without_broker_headers(delivery.properties.clone());
             let consumer = dead.header(CONSUMER_HEADER).unwrap_or_else(|| work.clone());
             let letter_queue = dead.header(QUEUE_HEADER).unwrap_or_else(|| work.clone());
@@ -68,7 +69,7 @@ pub async fn import(
                 message_id: &message_id,
                 exchange: &exchange,
                 routing_key: &routing_key,
-                properties: &properties,
+                properties: &crate::amqp::stored::to_stored(&properties),
                 body: &delivery.data,
                 reason: &reason,
                 error: &error,

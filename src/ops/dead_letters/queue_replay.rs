@@ -128,7 +128,15 @@ impl Run<'_> {
                 continue;
             }
             // Crash here: nothing published; the message is in the DLQ.
-            let properties = DeadLetter::from_delivery(&delivery).replay_properties();
+            let stored = super::dlq::stored_of(&delivery);
+            let Ok(properties) =
+                crate::amqp::stored::from_stored(&DeadLetter::new(&stored).replay_properties())
+            else {
+                // Read from AMQP, it goes back to AMQP: only a bug lands here.
+                summary.skip(Refusal::Undecodable);
+                self.opened.put_back(delivery.delivery_tag).await?;
+                continue;
+            };
             let published = self
                 .opened
                 .confirms
@@ -175,7 +183,8 @@ impl Run<'_> {
 
     /// The work queue to replay `delivery` to, or why not.
     async fn refusal(&self, delivery: &Delivery) -> Result<Result<String, Refusal>> {
-        let dead = DeadLetter::from_delivery(delivery);
+        let stored = super::dlq::stored_of(delivery);
+        let dead = DeadLetter::new(&stored);
         // Replayed by this run (or one beside it) and dead-lettered again.
         if dead.last_replayed().is_some_and(|at| at >= self.started) {
             return Ok(Err(Refusal::ReplayedDuringRun));
