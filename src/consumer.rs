@@ -51,15 +51,13 @@
 //! second try of a delivery that failed transiently ([`RedeliveryPolicy`]);
 //! *retry* is the outgoing side's word (`idempo::retry` for HTTP calls).
 
-#[cfg(feature = "outbox")]
-#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
-pub use crate::dead_letters::DeadLetters;
 pub use crate::runtime::builder::ConsumerBuilder;
 pub use crate::runtime::consumer::Consumer;
 pub use crate::runtime::dead_letter::DeadLetterReason;
 pub use crate::runtime::handler::{ErrorKind, Handler, HandlerError, ResultExt};
 pub use crate::runtime::health::{Health, HealthSnapshot, RuntimeState};
 pub use crate::runtime::heartbeat;
+pub use crate::runtime::letters::DeadLetters;
 pub use crate::runtime::message::{DecodeError, FromMessage, JsonBody, Message};
 pub use crate::runtime::message_id::MessageIdSource;
 pub use crate::runtime::redelivery::RedeliveryPolicy;

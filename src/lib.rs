@@ -158,7 +158,7 @@ pub mod amqp;
 #[cfg_attr(docsrs, doc(cfg(all(feature = "amqp", feature = "outbox"))))]
 pub mod relay;
 
-#[cfg(all(feature = "amqp", feature = "outbox"))]
+#[cfg(feature = "ops")]
 pub(crate) mod dead_letters;
 
 #[cfg(feature = "nats")]

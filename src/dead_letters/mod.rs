@@ -16,31 +16,7 @@
 //! LOCKED`), stages each in the [outbox](crate::outbox) under its original
 //! message id, and marks it replayed.
 
-mod fingerprint;
-#[cfg(feature = "ops")]
 pub(crate) mod model;
-#[cfg(feature = "ops")]
 pub(crate) mod queries;
-#[cfg(feature = "ops")]
 pub(crate) mod replay;
-pub(crate) mod table;
-#[cfg(feature = "ops")]
 pub(crate) mod view;
-
-#[cfg(feature = "ops")]
-pub(crate) use fingerprint::fingerprint;
-pub(crate) use table::{Row, TableStore, insert};
-
-/// Where a consumer puts its dead letters
-/// ([`ConsumerBuilder::dead_letters`](crate::amqp::ConsumerBuilder::dead_letters)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum DeadLetters {
-    /// The RabbitMQ queue `<queue>.dlq` (or the one configured): the default.
-    #[default]
-    Queue,
-    /// The `dead_letters` table, in a transaction of its own; the delivery
-    /// is acked only after that commit, and waits while PostgreSQL cannot
-    /// take it.
-    Table,
-}

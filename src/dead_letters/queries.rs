@@ -6,9 +6,9 @@ use std::time::SystemTime;
 use sqlx::{PgPool, Postgres, QueryBuilder, Row};
 
 use super::model::{Filter, Group, Letter, LetterCount, LetterDetail, LetterState, from_micros};
-use super::table::text;
 use crate::Result;
 use crate::properties::Properties;
+use crate::runtime::letter_table::text;
 
 /// A timestamp column as microseconds since the epoch (a [`SystemTime`]
 /// once read: no time formatting in SQL).

@@ -4,11 +4,11 @@ use sqlx::{PgPool, QueryBuilder, Row};
 
 use super::model::{Filter, LetterState, Refusal, ReplayEvent, ReplayOptions, ReplayReport};
 use super::queries::{count, push_filter, stored};
-use super::table::text;
 use super::view::DeadLetter;
 use crate::inbox::{self, Claim};
 use crate::outbox::{self, OutboxError, OutboxMessage};
 use crate::properties::Properties;
+use crate::runtime::letter_table::text;
 use crate::{Error, Result};
 
 /// Letters per transaction (one with a throttle).

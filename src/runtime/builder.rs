@@ -69,9 +69,7 @@ pub(crate) struct Settings {
     pub(crate) relay: bool,
     pub(crate) schema: Schema,
     /// Where dead letters go; `None`: the transport's default.
-    #[cfg(feature = "outbox")]
-    pub(crate) dead_letters: Option<crate::dead_letters::DeadLetters>,
-    #[cfg(feature = "outbox")]
+    pub(crate) dead_letters: Option<super::letters::DeadLetters>,
     pub(crate) dead_letters_kept: Duration,
 }
 
@@ -114,9 +112,7 @@ impl<T: Transport> ConsumerBuilder<T, NoHandler> {
                 partitioning: None,
                 relay: cfg!(feature = "outbox"),
                 schema: Schema::default(),
-                #[cfg(feature = "outbox")]
                 dead_letters: None,
-                #[cfg(feature = "outbox")]
                 dead_letters_kept: Duration::from_secs(30 * 24 * 3600),
             },
             options,

@@ -54,3 +54,18 @@ pub(crate) enum Stored {
     /// Refused for a reason of its own: the transport's store takes it.
     Refused(crate::Error),
 }
+
+/// Where a consumer puts its dead letters
+/// ([`ConsumerBuilder::dead_letters`](crate::consumer::ConsumerBuilder::dead_letters)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum DeadLetters {
+    /// The transport's own store (RabbitMQ: the queue `<queue>.dlq`, or
+    /// the one configured): the default where the transport has one.
+    #[default]
+    Queue,
+    /// The `dead_letters` table, in a transaction of its own; the delivery
+    /// is acked only after that commit, and waits while PostgreSQL cannot
+    /// take it.
+    Table,
+}

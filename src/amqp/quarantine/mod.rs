@@ -164,7 +164,7 @@ async fn store(
         .map(|id| id.to_string())
         .unwrap_or_default();
     let routing_key = String::from_utf8_lossy(&got.routing_key);
-    let letter = crate::dead_letters::Row {
+    let letter = crate::runtime::letter_table::Row {
         transport: crate::amqp::TRANSPORT,
         consumer: target.consumer,
         queue: target.queue,
@@ -179,7 +179,7 @@ async fn store(
         first_failed_at: now,
         last_failed_at: now,
     };
-    crate::dead_letters::insert(pool, &letter)
+    crate::runtime::letter_table::insert(pool, &letter)
         .await
         .map_err(|e| QuarantineError::Store(e.to_string()))
 }

@@ -46,7 +46,10 @@ pub(super) fn letter_of(delivery: &Delivery) -> Letter {
         routing_key: dead
             .original_routing_key()
             .unwrap_or_else(|| delivery.routing_key.to_string()),
-        fingerprint: crate::dead_letters::fingerprint(&reason, error.as_deref().unwrap_or("")),
+        fingerprint: crate::runtime::fingerprint::fingerprint(
+            &reason,
+            error.as_deref().unwrap_or(""),
+        ),
         reason,
         error,
         attempts: dead.attempts(),

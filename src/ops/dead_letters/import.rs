@@ -62,7 +62,7 @@ pub async fn import(
             let first = dead.header(FIRST_FAILURE_HEADER).unwrap_or_default();
             let last = dead.header(LAST_FAILURE_HEADER).unwrap_or_default();
             let exchange = delivery.exchange.to_string();
-            let letter = crate::dead_letters::Row {
+            let letter = crate::runtime::letter_table::Row {
                 transport: crate::amqp::TRANSPORT,
                 consumer: &consumer,
                 queue: &letter_queue,
@@ -77,7 +77,7 @@ pub async fn import(
                 first_failed_at: &first,
                 last_failed_at: &last,
             };
-            dead_letters::insert(&pool, &letter).await?;
+            crate::runtime::letter_table::insert(&pool, &letter).await?;
             opened.ack(delivery.delivery_tag).await?;
             imported += 1;
             progress(imported);

@@ -79,7 +79,7 @@ impl TableSource {
         older_than: std::time::Duration,
         batch: i64,
     ) -> Result<u64> {
-        Ok(crate::dead_letters::table::reap(&self.pool, consumer, older_than, batch).await?)
+        Ok(crate::runtime::letter_table::reap(&self.pool, consumer, older_than, batch).await?)
     }
 
     /// `filter`, of this source's queue when it names none.

@@ -154,7 +154,7 @@ impl<T: Transport, Mode> ConsumerBuilder<T, Mode> {
         self
     }
 
-    /// Where dead letters go (feature `outbox`): the transport's own store
+    /// Where dead letters go: the transport's own store
     /// ([`DeadLetters::Queue`](crate::consumer::DeadLetters::Queue):
     /// RabbitMQ's `<queue>.dlq`, the default where the transport has one),
     /// or the `dead_letters` table
@@ -166,9 +166,7 @@ impl<T: Transport, Mode> ConsumerBuilder<T, Mode> {
     /// the delivery waits. A letter the table refuses for another reason
     /// goes to the transport's store instead, where it has one, so that
     /// nothing is lost.
-    #[cfg(feature = "outbox")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
-    pub fn dead_letters(mut self, store: crate::dead_letters::DeadLetters) -> Self {
+    pub fn dead_letters(mut self, store: crate::runtime::letters::DeadLetters) -> Self {
         self.settings.dead_letters = Some(store);
         self
     }
@@ -176,8 +174,6 @@ impl<T: Transport, Mode> ConsumerBuilder<T, Mode> {
     /// How long the table store keeps replayed and discarded dead letters
     /// (for audit) before the retention reaper deletes them: 30 days by
     /// default. Live letters are never reaped.
-    #[cfg(feature = "outbox")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
     pub fn dead_letter_retention(mut self, keep: Duration) -> Self {
         self.settings.dead_letters_kept = keep;
         self

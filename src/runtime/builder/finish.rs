@@ -114,40 +114,24 @@ pub(crate) fn finish<T: Transport, Mode: IntoDispatch>(
 fn letter_store<T: Transport>(
     s: &super::Settings,
 ) -> Result<Option<(Arc<dyn LetterStore>, std::time::Duration)>> {
-    #[cfg(feature = "outbox")]
-    {
-        use crate::dead_letters::DeadLetters;
-        let store = s.dead_letters.unwrap_or(if T::OWN_DEAD_LETTERS {
-            DeadLetters::Queue
-        } else {
-            DeadLetters::Table
-        });
-        match store {
-            DeadLetters::Table => Ok(Some((
-                Arc::new(crate::dead_letters::TableStore {
-                    pool: s.pool.clone(),
-                }) as Arc<dyn LetterStore>,
-                s.dead_letters_kept,
-            ))),
-            DeadLetters::Queue if T::OWN_DEAD_LETTERS => Ok(None),
-            DeadLetters::Queue => Err(Error::Config(format!(
-                "the {} transport has no dead-letter store of its own: its dead letters go to the \
-                 dead_letters table (DeadLetters::Table, the default)",
-                T::NAME
-            ))),
-        }
-    }
-    #[cfg(not(feature = "outbox"))]
-    {
-        let _ = s;
-        if T::OWN_DEAD_LETTERS {
-            Ok(None)
-        } else {
-            Err(Error::Config(format!(
-                "the {} transport keeps its dead letters in the dead_letters table: build with \
-                 feature `outbox`",
-                T::NAME
-            )))
-        }
+    use crate::runtime::letters::DeadLetters;
+    let store = s.dead_letters.unwrap_or(if T::OWN_DEAD_LETTERS {
+        DeadLetters::Queue
+    } else {
+        DeadLetters::Table
+    });
+    match store {
+        DeadLetters::Table => Ok(Some((
+            Arc::new(crate::runtime::letter_table::TableStore {
+                pool: s.pool.clone(),
+            }) as Arc<dyn LetterStore>,
+            s.dead_letters_kept,
+        ))),
+        DeadLetters::Queue if T::OWN_DEAD_LETTERS => Ok(None),
+        DeadLetters::Queue => Err(Error::Config(format!(
+            "the {} transport has no dead-letter store of its own: its dead letters go to the \
+             dead_letters table (DeadLetters::Table, the default)",
+            T::NAME
+        ))),
     }
 }

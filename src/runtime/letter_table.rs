@@ -1,5 +1,7 @@
-//! The runtime's side of `dead_letters`: the insert of a letter (the
-//! table as a [`LetterStore`]) and the reaping of settled letters.
+//! The `dead_letters` table as the runtime's letter store: the insert of a
+//! letter (the runtime's, a DLQ's import, the quarantine's) and the
+//! reaping of settled letters. The operators' reads and replays are
+//! `crate::dead_letters`'s.
 
 use std::borrow::Cow;
 use std::time::Duration;
@@ -7,13 +9,13 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use super::fingerprint::fingerprint;
+use super::letters::{LetterStore, NewLetter};
 use crate::inbox;
 use crate::properties::Properties;
-use crate::runtime::letters::{LetterStore, NewLetter};
 use crate::{Error, Result};
 
 /// PostgreSQL text cannot hold NUL: the lossless copy is in `envelope`.
-pub(super) fn text(s: &str) -> Cow<'_, str> {
+pub(crate) fn text(s: &str) -> Cow<'_, str> {
     if s.contains('\0') {
         Cow::Owned(s.replace('\0', "\u{fffd}"))
     } else {
