@@ -83,7 +83,11 @@ fn on_event(health: &Health, event: Event) {
         }
         Event::Connected => {
             tracing::info!("NATS connection (re)established");
-            health.set_state(RuntimeState::Consuming);
+            // Back to consuming after a loss; the first connection is not
+            // consuming yet (the stream and the durable are set up first).
+            if health.snapshot().state == RuntimeState::Reconnecting {
+                health.set_state(RuntimeState::Consuming);
+            }
         }
         other => tracing::debug!(event = %other, "NATS"),
     }

@@ -93,6 +93,7 @@ impl Harness {
                 pool.clone(),
                 MemoryOptions {
                     queue: queue.into(),
+                    broker: None,
                 },
             )
             .checked_acquire(true),

@@ -73,7 +73,9 @@
 //!   [`close`](Harness::close)), 4 connections. An unreachable PostgreSQL is
 //!   an [`Error::Database`](crate::Error::Database) that names its URL
 //!   ([`is_unavailable`](crate::Error::is_unavailable) says so).
-//! - **Store contract kits** (`testing::conformance`) come with the stores'
+//! - **Contract kits** ([`conformance`]): the transport kit, which every
+//!   transport must pass (a consumer on an in-memory [`MemoryBroker`]
+//!   passes it too), and the store kits, which come with the stores'
 //!   feature as well: `features = ["testing", "http"]` for an
 //!   `IdempotencyStore`, `["testing", "window"]` for a `WindowStore`.
 //!
@@ -85,6 +87,7 @@
 mod delivered;
 mod fault;
 mod harness;
+mod memory;
 mod outbox;
 mod schema;
 mod transport;
@@ -92,7 +95,7 @@ mod transport;
 pub use delivered::Delivered;
 pub use fault::Fault;
 pub use harness::{Harness, HarnessBuilder};
+pub use memory::MemoryBroker;
+pub use transport::{Memory, MemoryOptions, Slot};
 
-#[cfg(any(feature = "http", feature = "window"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "window"))))]
 pub mod conformance;
