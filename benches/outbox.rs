@@ -37,10 +37,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
+use idempo::amqp::Relay;
 use idempo::amqp::{Consumer, QueueType};
 use idempo::consumer::RedeliveryPolicy;
 use idempo::outbox::{self, OutboxMessage};
-use idempo::relay::{Relay, RelayState};
+use idempo::relay::RelayState;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,

@@ -6,9 +6,10 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use idempo::amqp::Relay;
 use idempo::consumer::{HandlerError, Message, RedeliveryPolicy};
 use idempo::outbox::{self, OutboxMessage};
-use idempo::relay::{Relay, RelayState};
+use idempo::relay::RelayState;
 use support::consumer::{Running, consumer_for};
 
 /// The tests here raise and clear the one alarm: one at a time.

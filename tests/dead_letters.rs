@@ -799,7 +799,7 @@ async fn a_queue_replay_and_an_imported_letter_give_back_every_byte() {
         .unwrap();
     assert_eq!(report.replayed, 1, "{report:?}");
     // A relay publishes what the replay staged.
-    let relay = idempo::relay::Relay::new(&support::amqp_url(), db.pool.clone())
+    let relay = idempo::amqp::Relay::new(&support::amqp_url(), db.pool.clone())
         .unwrap()
         .poll_interval(Duration::from_millis(300));
     let stop = relay.shutdown_handle();

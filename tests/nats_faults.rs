@@ -467,3 +467,82 @@ async fn a_message_delivered_far_past_its_attempts_is_dead_lettered_before_its_h
     running.stop().await;
     nats.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_row_no_stream_takes_is_failed_with_the_servers_reason_while_other_keys_flow() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("flow");
+    nats.track(&stream);
+    let nowhere = stream_name("nowhere");
+    let mut tx = db.pool.begin().await.unwrap();
+    let bad = [
+        idempo::outbox::OutboxMessage::new("", &nowhere, "lost?")
+            .message_id("unstreamed")
+            .ordering_key("bad")
+            .transport("nats"),
+        // Same key, behind the refused row: goes out once it is given up.
+        idempo::outbox::OutboxMessage::new("", &stream, "behind")
+            .message_id("behind-bad")
+            .ordering_key("bad")
+            .transport("nats"),
+    ];
+    idempo::outbox::stage_all(&mut *tx, bad).await.unwrap();
+    for i in 0..10 {
+        let message = idempo::outbox::OutboxMessage::new("", &stream, format!("good-{i}"))
+            .message_id(format!("good-{i}"))
+            .ordering_key("good")
+            .transport("nats");
+        idempo::outbox::stage(&mut *tx, message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = idempo::nats::Relay::new(support::nats::nats_url(), db.pool.clone())
+        .create_stream(&stream)
+        .max_attempts(3)
+        .retry_backoff(Duration::from_millis(50), Duration::from_millis(200));
+    let health = relay.health();
+    let stop = relay.shutdown_handle();
+    let running = tokio::spawn(relay.run());
+    eventually("the refused row is failed", WAIT, || async {
+        idempo::outbox::OutboxStatus::read(&db.pool)
+            .await
+            .unwrap()
+            .failed
+            == 1
+    })
+    .await;
+    let failed = idempo::outbox::FailedMessage::list(&db.pool, 10)
+        .await
+        .unwrap();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(
+        (failed[0].message_id.as_str(), failed[0].attempts),
+        ("unstreamed", 3)
+    );
+    let reason = failed[0].last_error.as_deref().unwrap_or("");
+    assert!(
+        reason.contains(&nowhere),
+        "the reason names the subject: {reason}"
+    );
+    eventually("the rest is published", WAIT, || async {
+        db.count("SELECT count(*) FROM outbox WHERE state = 'pending'")
+            .await
+            == 0
+    })
+    .await;
+    let mut js_stream = nats.js.get_stream(&stream).await.unwrap();
+    let info = js_stream.info().await.unwrap();
+    assert_eq!(
+        info.state.messages, 11,
+        "ten good rows and the one behind the refused"
+    );
+    assert!(
+        health.snapshot().failed >= 1,
+        "the relay's health counts what it gave up: {:?}",
+        health.snapshot()
+    );
+    stop.shutdown();
+    running.await.unwrap().unwrap();
+    nats.cleanup().await;
+}

@@ -334,7 +334,7 @@ async fn a_replay_sends_each_dead_letter_once_and_its_history_stays_bounded() {
 async fn a_standalone_relay_is_listed_with_its_state() {
     let db = Db::new().await;
     idempo::migrate(&db.pool).await.unwrap();
-    let relay = idempo::relay::Relay::new(&support::amqp_url(), db.pool.clone())
+    let relay = idempo::amqp::Relay::new(&support::amqp_url(), db.pool.clone())
         .unwrap()
         .poll_interval(Duration::from_millis(300));
     let stop = relay.shutdown_handle();

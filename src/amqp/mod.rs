@@ -76,6 +76,8 @@ mod options;
 pub(crate) mod publish;
 mod quarantine;
 pub(crate) mod reconnect;
+#[cfg(feature = "outbox")]
+pub(crate) mod relay;
 pub(crate) mod republish;
 mod session;
 pub(crate) mod stored;
@@ -98,6 +100,11 @@ pub use transport::Amqp;
 
 /// A consumer of a RabbitMQ queue: the runtime's consumer on [`Amqp`].
 pub type Consumer = crate::runtime::consumer::Consumer<Amqp>;
+
+/// The outbox relay to RabbitMQ (feature `outbox`): the relay on [`Amqp`].
+#[cfg(feature = "outbox")]
+#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
+pub type Relay = crate::relay::Relay<Amqp>;
 
 /// Configures a RabbitMQ [`Consumer`]: the runtime's builder on [`Amqp`],
 /// with the options of every transport and RabbitMQ's own ([`AmqpOptions`]).

@@ -132,12 +132,9 @@ impl Transport for Amqp {
         &self,
         context: crate::runtime::relay_task::RelayContext<'_>,
     ) -> Option<crate::runtime::relay_task::RelayTask> {
-        let relay = crate::relay::Relay::for_consumer(
-            self.broker.clone(),
-            context.pool.clone(),
-            context.consumer,
-            context.link.clone(),
-        );
+        let relay =
+            crate::relay::Relay::<Amqp>::with_broker(self.broker.clone(), context.pool.clone())
+                .for_consumer(context.consumer, context.link.clone());
         let states = relay.health().subscribe();
         let stop = relay.shutdown_handle();
         Some(crate::runtime::relay_task::RelayTask::start(

@@ -26,10 +26,6 @@
 //! See [`Consumer`]; the `payments` example runs on NATS with
 //! `PAYMENTS_TRANSPORT=nats`.
 
-/// The transport's name in the outbox, the dead-letter table and the
-/// heartbeats.
-pub(crate) const TRANSPORT: &str = <Nats as crate::runtime::transport::Transport>::NAME;
-
 mod connect;
 mod consumer;
 #[cfg(feature = "ops")]
@@ -48,7 +44,8 @@ pub use envelope::JetStreamDelivery;
 pub use error::NatsError;
 pub use options::NatsOptions;
 pub use pipeline::Receipt;
-pub use relay::Relay;
+/// The outbox relay to JetStream: the relay on [`Nats`].
+pub type Relay = crate::relay::Relay<Nats>;
 pub use transport::Nats;
 
 /// A consumer of a JetStream stream: the runtime's consumer on [`Nats`].

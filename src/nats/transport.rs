@@ -98,19 +98,20 @@ impl Transport for Nats {
         context: crate::runtime::relay_task::RelayContext<'_>,
     ) -> Option<crate::runtime::relay_task::RelayTask> {
         let relay = self.relay_streams.iter().fold(
-            super::Relay::new(self.url.clone(), context.pool.clone())
-                .woken_by(context.link.clone()),
+            crate::relay::Relay::<Nats>::new(self.url.clone(), context.pool.clone()),
             |relay, stream| relay.create_stream(stream),
         );
         let relay = match self.topology.duplicate_window {
             Some(window) => relay.duplicate_window(window),
             None => relay,
         };
+        let relay = relay.for_consumer(context.consumer, context.link.clone());
+        let states = relay.health().subscribe();
         let stop = relay.shutdown_handle();
-        Some(crate::runtime::relay_task::RelayTask::start::<()>(
+        Some(crate::runtime::relay_task::RelayTask::start(
             stop,
             relay.run(),
-            None,
+            Some((states, |s: &crate::relay::RelaySnapshot| s.state)),
             context.health,
         ))
     }

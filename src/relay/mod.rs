@@ -1,5 +1,9 @@
-//! [`Relay`]: publishes the [outbox](crate::outbox)'s committed rows to
-//! RabbitMQ, and deletes each only after the broker confirmed it.
+//! [`Relay`]: publishes the [outbox](crate::outbox)'s committed rows of one
+//! transport to its broker (RabbitMQ: [`amqp::Relay`](crate::amqp::Relay);
+//! JetStream: `nats::Relay`), and deletes each only after the broker
+//! confirmed it. One relay, written once: the wake-ups, the batches, the
+//! failures and the health are the same for every transport; each
+//! transport publishes a batch in its own terms.
 //!
 //! One batch is one PostgreSQL transaction:
 //!
@@ -17,25 +21,23 @@
 //! with the same ids. `idle_in_transaction_session_timeout` bounds how long a
 //! relay whose host vanished keeps its locks.
 
-mod broker_link;
-pub(crate) mod frame;
 mod heartbeat;
-mod running;
-mod said;
-mod send_span;
+mod publish;
+pub(crate) mod running;
+pub(crate) mod said;
 
 use std::fmt;
 use std::time::Duration;
 
 use sqlx::PgPool;
 
-use crate::Result;
-use crate::amqp::broker::Broker;
 use crate::outbox::batch::RetrySchedule;
 use crate::outbox::{OutboxStatus, RelayLink};
 pub use crate::runtime::health::RelayState;
 use crate::runtime::shutdown::ShutdownHandle;
 use crate::runtime::watched::Watched;
+pub(crate) use publish::sealed as publish_sealed;
+pub(crate) use publish::{Link, Publish};
 
 /// A snapshot of a relay's health.
 #[derive(Debug, Clone, PartialEq)]
@@ -72,14 +74,16 @@ fn relay_health(state: RelayState) -> RelayHealth {
     })
 }
 
-/// Publishes the outbox's committed rows: run one (or several, on several
-/// hosts) per database. Every [`Consumer`](crate::amqp::Consumer) runs one for its
-/// pool unless [`ConsumerBuilder::relay`](crate::amqp::ConsumerBuilder::relay)
+/// Publishes the outbox's committed rows of the transport `T`: run one (or
+/// several, on several hosts) per database and transport. Every
+/// [`Consumer`](crate::consumer::Consumer) runs one for its pool unless
+/// [`ConsumerBuilder::relay`](crate::consumer::ConsumerBuilder::relay)
 /// turns it off; run one yourself in a process that stages without
-/// consuming (an axum service).
+/// consuming (an axum service). Build one with its transport's `new`
+/// ([`amqp::Relay::new`](crate::amqp::Relay::new), `nats::Relay::new`).
 ///
 /// ```no_run
-/// use idempo::relay::Relay;
+/// use idempo::amqp::Relay;
 ///
 /// # async fn doc(pool: sqlx::PgPool) -> idempo::Result<()> {
 /// let relay = Relay::new("amqp://guest:guest@127.0.0.1:5672/%2f", pool)?;
@@ -117,10 +121,10 @@ fn relay_health(state: RelayState) -> RelayHealth {
 ///
 /// # Connections
 /// One PostgreSQL connection of its own for `LISTEN`, and one of the pool's
-/// for the length of each batch. One AMQP connection.
-pub struct Relay {
-    broker: Broker,
-    pool: PgPool,
+/// for the length of each batch. One connection to the broker.
+pub struct Relay<T: Publish> {
+    pub(crate) target: T::Target,
+    pub(crate) pool: PgPool,
     batch_size: usize,
     poll_interval: Duration,
     max_attempts: u32,
@@ -129,17 +133,18 @@ pub struct Relay {
     confirm_timeout: Duration,
     takeover_after: Duration,
     keep_published: Option<Duration>,
-    connection_name: Option<String>,
+    pub(crate) connection_name: Option<String>,
     dormant: bool,
     link: RelayLink,
-    shutdown: ShutdownHandle,
-    health: RelayHealth,
+    pub(crate) shutdown: ShutdownHandle,
+    pub(crate) health: RelayHealth,
 }
 
-impl fmt::Debug for Relay {
+impl<T: Publish> fmt::Debug for Relay<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Relay")
-            .field("broker", &self.broker)
+            .field("transport", &T::NAME)
+            .field("target", &self.target)
             .field("batch_size", &self.batch_size)
             .field("poll_interval", &self.poll_interval)
             .field("max_attempts", &self.max_attempts)
@@ -158,20 +163,11 @@ const LOCAL_LINGER: Duration = Duration::from_millis(10);
 /// relay holds.
 const CONTENDED_RETRY: Duration = Duration::from_millis(50);
 
-impl Relay {
-    /// A relay for the outbox in `pool`'s database, publishing to the broker
-    /// at `amqp_url` (one URL, or comma-separated node URLs).
-    ///
-    /// # Errors
-    /// [`Error::Config`](crate::Error::Config) when the URL does not parse.
-    pub fn new(amqp_url: &str, pool: PgPool) -> Result<Self> {
-        Ok(Self::with_broker(Broker::new(amqp_url)?, pool))
-    }
-
-    /// A relay publishing to `broker` (several nodes, TLS settings).
-    pub fn with_broker(broker: Broker, pool: PgPool) -> Self {
+impl<T: Publish> Relay<T> {
+    /// A relay publishing to `target` (what the transport's `new` builds).
+    pub(crate) fn with_target(target: T::Target, pool: PgPool) -> Self {
         Relay {
-            broker,
+            target,
             pool,
             batch_size: 500,
             poll_interval: Duration::from_secs(5),
@@ -189,15 +185,10 @@ impl Relay {
         }
     }
 
-    /// The relay a consumer runs, woken through `link`: dormant until the
-    /// consumer's handlers stage a message or pending rows show up.
-    pub(crate) fn for_consumer(
-        broker: Broker,
-        pool: PgPool,
-        consumer: &str,
-        link: RelayLink,
-    ) -> Self {
-        let mut relay = Self::with_broker(broker, pool);
+    /// This relay as the one a consumer runs, woken through `link`: dormant
+    /// until the consumer's handlers stage a message or pending rows show up.
+    pub(crate) fn for_consumer(self, consumer: &str, link: RelayLink) -> Self {
+        let mut relay = self;
         relay.dormant = true;
         relay.link = link;
         relay.health = relay_health(RelayState::Dormant);
@@ -261,7 +252,8 @@ impl Relay {
         self
     }
 
-    /// The AMQP connection name (default: `idempo-relay:<pid>`).
+    /// The name of its connection to the broker, shown by the broker's
+    /// tools (default: `idempo-relay:<pid>`).
     #[must_use]
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
         self.connection_name = Some(name.into());
@@ -278,7 +270,7 @@ impl Relay {
         self.health.clone()
     }
 
-    fn set_state(&self, state: RelayState) {
+    pub(crate) fn set_state(&self, state: RelayState) {
         self.health.update(|s| s.state = state);
     }
 

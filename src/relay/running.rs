@@ -1,6 +1,8 @@
-//! A relay at work: its broker sessions (through the reconnect loop), the
+//! A relay at work, whatever its transport: the dormant start, the
 //! wake-ups (`NOTIFY`, the consumer's link, the poll), and each batch:
-//! lock rows, publish with confirms, write down what the broker said.
+//! lock rows, publish through the session's [`Link`], write down what the
+//! broker said. The transport runs the sessions
+//! ([`Publish::sessions`](super::Publish::sessions)).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -10,11 +12,8 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 use tracing::Instrument;
 
-use super::broker_link::BrokerLink;
-use super::said::{self, Envelope, Said};
-use super::send_span;
-use super::{CLEANUP_BATCH, CONTENDED_RETRY, LOCAL_LINGER, Relay, RelayState};
-use crate::amqp::reconnect::{self, Loss, Reconnect, Session, Sessions};
+use super::said::{Envelope, Said};
+use super::{CLEANUP_BATCH, CONTENDED_RETRY, LOCAL_LINGER, Link, Publish, Relay, RelayState};
 use crate::backoff::Backoff;
 use crate::outbox;
 use crate::outbox::Publishing;
@@ -22,7 +21,7 @@ use crate::outbox::batch::{self, Batch, Failures, NOTIFY_CHANNEL, Row};
 use crate::{Error, Result};
 use tokio_util::sync::CancellationToken;
 
-impl Relay {
+impl<T: Publish> Relay<T> {
     /// Publishes until the [`ShutdownHandle`](crate::consumer::ShutdownHandle) fires. A graceful shutdown
     /// finishes the batch in flight and what is pending, then returns; a
     /// [`shutdown_now`](crate::consumer::ShutdownHandle::shutdown_now) drops the batch in
@@ -32,7 +31,9 @@ impl Relay {
     ///
     /// # Errors
     /// [`Error::Config`] for an impossible configuration (a batch size or
-    /// attempt count of zero, a confirm timeout not below the takeover time).
+    /// attempt count of zero, a confirm timeout not below the takeover
+    /// time); the transport's refusal of what it must create at start (a
+    /// JetStream stream).
     pub async fn run(self) -> Result<()> {
         if self.batch_size == 0 || self.max_attempts == 0 || self.poll_interval.is_zero() {
             return Err(Error::Config(
@@ -45,16 +46,11 @@ impl Relay {
                 self.confirm_timeout, self.takeover_after
             )));
         }
-        let mut run = Running::new(&self);
+        let run = Running::new(&self);
         if self.dormant && !run.wait_until_used().await {
             self.set_state(RelayState::Stopped);
             return Ok(());
         }
-        let name = self
-            .connection_name
-            .clone()
-            .unwrap_or_else(|| format!("idempo-relay:{}", std::process::id()));
-        let mut link = Reconnect::new(self.broker.clone(), name, Duration::from_secs(30));
         // A relay of its own (not a consumer's) says it is alive: the
         // dashboard and `idempo status` list it with the consumers.
         let beats = (!self.dormant).then(|| {
@@ -66,17 +62,25 @@ impl Relay {
             ));
             (stop, task)
         });
-        if let Some(never) =
-            reconnect::run(&mut run, &mut link, self.shutdown.graceful_token()).await
-        {
-            match never {}
-        }
+        let result = T::sessions(&self, &run).await;
         self.set_state(RelayState::Stopped);
         if let Some((stop, task)) = beats {
             stop.cancel();
             let _ = task.await;
         }
-        Ok(())
+        result
+    }
+
+    /// The name of the relay's connection to the broker.
+    pub(crate) fn connection_name_or_default(&self) -> String {
+        self.connection_name
+            .clone()
+            .unwrap_or_else(|| format!("idempo-relay:{}", std::process::id()))
+    }
+
+    /// How long the broker may take to confirm a batch.
+    pub(crate) fn confirms_within(&self) -> Duration {
+        self.confirm_timeout
     }
 }
 
@@ -96,8 +100,8 @@ struct BatchOutcome {
 }
 
 /// The relay's state while it runs.
-struct Running<'a> {
-    relay: &'a Relay,
+pub struct Running<'a, T: Publish> {
+    relay: &'a Relay<T>,
     /// A pool of one for `LISTEN`: the notification connection is held for
     /// good, and must not take a slot that handlers wait for.
     listen_pool: PgPool,
@@ -113,8 +117,14 @@ struct Running<'a> {
 /// does not (autovacuum off): deleted rows keep their space until a VACUUM.
 const VACUUM_AFTER: u64 = 50_000;
 
-impl<'a> Running<'a> {
-    fn new(relay: &'a Relay) -> Self {
+impl<T: Publish> std::fmt::Debug for Running<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running").finish_non_exhaustive()
+    }
+}
+
+impl<'a, T: Publish> Running<'a, T> {
+    fn new(relay: &'a Relay<T>) -> Self {
         let options = relay.pool.connect_options().as_ref().clone();
         Running {
             relay,
@@ -135,7 +145,7 @@ impl<'a> Running<'a> {
         let stop = self.relay.shutdown.graceful_token();
         loop {
             let staged = self.relay.link.woken();
-            match batch::any_pending(&self.relay.pool, crate::amqp::TRANSPORT).await {
+            match batch::any_pending(&self.relay.pool, T::NAME).await {
                 Ok(true) => return true,
                 Ok(false) => {}
                 // No outbox table (migrations not run) or no database yet.
@@ -149,23 +159,39 @@ impl<'a> Running<'a> {
         }
     }
 
-    /// One broker connection: publish until shutdown (`Ok`) or a loss (`Err`).
-    async fn session_on(&self, link: &mut Reconnect) -> std::result::Result<(), String> {
+    /// One session with the broker, connected: publishes until shutdown
+    /// (`Ok`) or a loss (`Err`, why). The transport closes it afterwards.
+    pub(crate) async fn session<L: Link>(&self, link: &mut L) -> std::result::Result<(), String> {
         let relay = self.relay;
-        let connection = link.connect().await.map_err(|e| e.to_string())?;
-        let mut broker = BrokerLink::open(connection, relay.confirm_timeout).await?;
         relay.set_state(RelayState::Running);
         let publishing = Publishing::start(&relay.link);
-        let outcome = self.publish_until_stopped(&mut broker).await;
+        let outcome = self.publish_until_stopped(link).await;
         drop(publishing);
         self.set_blocked(None);
-        broker.close().await;
         outcome
     }
 
-    async fn publish_until_stopped(
+    /// Reports a lost session: its error in the health, the state
+    /// reconnecting; logged at its level when `logged`.
+    pub(crate) fn lost(&self, error: &str, logged: bool, note: &str) {
+        if logged {
+            tracing::warn!(%error, %note, "outbox relay: broker session lost; reconnecting");
+        } else {
+            tracing::debug!(%error, "outbox relay: reconnecting");
+        }
+        let error = error.to_owned();
+        self.relay.health.update(|s| s.last_error = Some(error));
+        self.relay.set_state(RelayState::Reconnecting);
+    }
+
+    /// Where the relay is: connecting to the broker.
+    pub(crate) fn connecting(&self) {
+        self.relay.set_state(RelayState::Connecting);
+    }
+
+    async fn publish_until_stopped<L: Link>(
         &self,
-        broker: &mut BrokerLink,
+        broker: &mut L,
     ) -> std::result::Result<(), String> {
         let relay = self.relay;
         let graceful = relay.shutdown.graceful_token();
@@ -185,8 +211,9 @@ impl<'a> Running<'a> {
                         return Ok(());
                     }
                 }
-                // A channel the broker closed over a row: a new one.
-                broker.ensure_channel().await?;
+                // Ready for a batch (AMQP: a channel the broker closed
+                // over a row is opened again).
+                broker.prepare().await?;
                 let outcome = tokio::select! {
                     outcome = self.batch(broker) => outcome,
                     () = now.cancelled() => return Ok(()),
@@ -284,7 +311,7 @@ impl<'a> Running<'a> {
     /// log, in the health and in `idempo_broker_blocked`, and keeps the
     /// outbox gauges true meanwhile. Returns once unblocked, the connection
     /// lost, or on a graceful shutdown.
-    async fn wait_while_blocked(&self, broker: &mut BrokerLink, reason: String) {
+    async fn wait_while_blocked<L: Link>(&self, broker: &mut L, reason: String) {
         tracing::warn!(%reason, "outbox relay: the broker blocks publishing (a resource alarm); the outbox waits");
         self.set_blocked(Some(reason));
         let since = Instant::now();
@@ -320,9 +347,9 @@ impl<'a> Running<'a> {
     }
 
     /// One batch, in one transaction.
-    async fn batch(
+    async fn batch<L: Link>(
         &self,
-        broker: &mut BrokerLink,
+        broker: &mut L,
     ) -> std::result::Result<BatchOutcome, sqlx::Error> {
         let relay = self.relay;
         let parked: Vec<String> = {
@@ -332,9 +359,7 @@ impl<'a> Running<'a> {
             parked.keys().cloned().collect()
         };
         let mut batch = Batch::begin(&relay.pool, relay.takeover_after).await?;
-        let mut rows: Vec<Row> = batch
-            .lock_due(crate::amqp::TRANSPORT, relay.batch_size, &parked)
-            .await?;
+        let mut rows: Vec<Row> = batch.lock_due(T::NAME, relay.batch_size, &parked).await?;
         // More rows may be due when the query filled its limit.
         let full = rows.len() == relay.batch_size;
         // At most batch_size messages (packed rows carry several), at least one row.
@@ -392,9 +417,7 @@ impl<'a> Running<'a> {
                     ),
                 }
             }
-            let sends = send_span::Sends::open(&envelopes);
-            let mut said = said::publish(self.relay, broker, &envelopes).await;
-            sends.close(&envelopes, &said);
+            let mut said = broker.publish(&envelopes).await;
             let unknown = said
                 .iter()
                 .flatten()
@@ -408,7 +431,7 @@ impl<'a> Running<'a> {
                     // No answer in time on a live connection: the next
                     // batch goes on a new channel, so that nothing late on
                     // this one is credited to it.
-                    None => match broker.replace_channel().await {
+                    None => match broker.after_unanswered().await {
                         Ok(()) => (None, None),
                         Err(e) => (Some(format!("{why}; {e}")), None),
                     },
@@ -566,34 +589,5 @@ impl<'a> Running<'a> {
                 }
             }
         }
-    }
-}
-
-impl Sessions for Running<'_> {
-    type Fatal = std::convert::Infallible;
-
-    async fn session(&mut self, link: &mut Reconnect) -> Session<Self::Fatal> {
-        self.relay.set_state(RelayState::Connecting);
-        let started = Instant::now();
-        match self.session_on(link).await {
-            Ok(()) => Session::Stopped,
-            Err(error) => Session::Lost {
-                error,
-                lasted: started.elapsed(),
-            },
-        }
-    }
-
-    async fn lost(&mut self, loss: &Loss) {
-        let (error, pause) = (&loss.error, loss.pause);
-        if loss.logged {
-            tracing::warn!(%error, ?pause, note = %loss.note(),
-                "outbox relay: broker session lost; reconnecting");
-        } else {
-            tracing::debug!(%error, ?pause, in_row = loss.in_row, "outbox relay: reconnecting");
-        }
-        let error = error.clone();
-        self.relay.health.update(|s| s.last_error = Some(error));
-        self.relay.set_state(RelayState::Reconnecting);
     }
 }

@@ -317,7 +317,7 @@ impl Harness {
     /// harness's [`drain`](Harness::drain) into another's input.
     pub fn forwarded(&self, message: &OutboxMessage) -> Message {
         let staged = message.to_staged();
-        let frame = crate::relay::frame::frame(&staged);
+        let frame = crate::amqp::relay::frame::frame(&staged);
         let mut forwarded = Message::with_properties(
             staged.body.clone(),
             frame.properties,

@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use tracing::{Span, field};
 
-use super::said::{Envelope, Said};
 use crate::amqp::telemetry::destination_name;
 use crate::outbox::packed::Staged;
+use crate::relay::said::{Envelope, Said};
 
 /// The send spans of a batch's messages, open while it is published.
 pub(super) struct Sends {

@@ -12,7 +12,7 @@ use crate::outbox::packed::Staged;
 /// The broker's `max_message_size`, when it closed the channel over a
 /// message larger than that ("message size 2097152 is larger than
 /// configured max size 1048576").
-pub(super) fn broker_size_limit(reason: &str) -> Option<usize> {
+pub(crate) fn broker_size_limit(reason: &str) -> Option<usize> {
     let (_, after) = reason.split_once("larger than configured max size ")?;
     let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
     digits.parse().ok()

@@ -1,4 +1,4 @@
-//! The relay's end of one broker session: the connection, its confirm
+//! The relay's end of one RabbitMQ session: the connection, its confirm
 //! channel (opened again when the broker closed it over a row, or retired
 //! after a timeout), its `frame_max`, and whether the broker blocks it
 //! (`connection.blocked`, a resource alarm).
@@ -16,7 +16,7 @@ use crate::amqp::publish::ConfirmChannel;
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A broker session of the relay.
-pub(super) struct BrokerLink {
+pub(crate) struct BrokerLink {
     connection: Connection,
     channel: ConfirmChannel,
     confirm_timeout: Duration,
@@ -28,7 +28,7 @@ pub(super) struct BrokerLink {
 impl BrokerLink {
     /// Opens the confirm channel on `connection` and starts watching the
     /// connection's `blocked`/`unblocked` notices.
-    pub(super) async fn open(
+    pub(crate) async fn open(
         connection: Connection,
         confirm_timeout: Duration,
     ) -> Result<Self, String> {
@@ -64,24 +64,24 @@ impl BrokerLink {
     }
 
     /// The channel to publish on.
-    pub(super) fn channel(&self) -> &ConfirmChannel {
+    pub(crate) fn channel(&self) -> &ConfirmChannel {
         &self.channel
     }
 
     /// The connection's negotiated `frame_max`: a message's header frame
     /// must fit in it.
-    pub(super) fn frame_max(&self) -> usize {
+    pub(crate) fn frame_max(&self) -> usize {
         crate::amqp::fit::frame_max(&self.connection)
     }
 
     /// Whether the connection is still up.
-    pub(super) fn is_connected(&self) -> bool {
+    pub(crate) fn is_connected(&self) -> bool {
         self.connection.status().connected()
     }
 
     /// The broker's reason, while it blocks the connection (publishes are
     /// not read; nothing is confirmed until it unblocks).
-    pub(super) fn blocked(&self) -> Option<String> {
+    pub(crate) fn blocked(&self) -> Option<String> {
         if !self.connection.status().blocked() {
             return None;
         }
@@ -94,7 +94,7 @@ impl BrokerLink {
     }
 
     /// Waits until the broker unblocks the connection (or it is lost).
-    pub(super) async fn unblocked(&mut self) {
+    pub(crate) async fn unblocked(&mut self) {
         while self.is_connected() && self.connection.status().blocked() {
             // The notice, or a second: lapin's status is the truth.
             let _ = tokio::time::timeout(Duration::from_secs(1), self.blocked.changed()).await;
@@ -104,7 +104,7 @@ impl BrokerLink {
     /// A channel that is open: the current one, or a new one when the
     /// broker closed it (a row's channel error) or it was retired (a
     /// confirm timeout). `Err` when the connection is gone.
-    pub(super) async fn ensure_channel(&mut self) -> Result<(), String> {
+    pub(crate) async fn ensure_channel(&mut self) -> Result<(), String> {
         if self.channel.is_usable() {
             return Ok(());
         }
@@ -113,7 +113,7 @@ impl BrokerLink {
 
     /// Replaces the channel with a new one, so that nothing late on the old
     /// one (a confirm, a return) is credited to what comes next.
-    pub(super) async fn replace_channel(&mut self) -> Result<(), String> {
+    pub(crate) async fn replace_channel(&mut self) -> Result<(), String> {
         if !self.is_connected() {
             return Err("the relay's connection was closed".into());
         }
@@ -136,7 +136,7 @@ impl BrokerLink {
     }
 
     /// Closes the channel and the connection, each within a bound.
-    pub(super) async fn close(self) {
+    pub(crate) async fn close(self) {
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, self.channel.close()).await;
         let _ = tokio::time::timeout(
             CLOSE_TIMEOUT,
@@ -149,5 +149,37 @@ impl BrokerLink {
 impl Drop for BrokerLink {
     fn drop(&mut self) {
         self.events.abort();
+    }
+}
+
+impl crate::relay::Link for BrokerLink {
+    async fn publish(
+        &mut self,
+        envelopes: &[crate::relay::said::Envelope],
+    ) -> Vec<Vec<crate::relay::said::Said>> {
+        let sends = super::send_span::Sends::open(envelopes);
+        let said = super::confirms::publish(self.confirm_timeout, self, envelopes).await;
+        sends.close(envelopes, &said);
+        said
+    }
+
+    fn blocked(&self) -> Option<String> {
+        BrokerLink::blocked(self)
+    }
+
+    async fn unblocked(&mut self) {
+        BrokerLink::unblocked(self).await;
+    }
+
+    async fn prepare(&mut self) -> Result<(), String> {
+        self.ensure_channel().await
+    }
+
+    fn is_connected(&self) -> bool {
+        BrokerLink::is_connected(self)
+    }
+
+    async fn after_unanswered(&mut self) -> Result<(), String> {
+        self.replace_channel().await
     }
 }
