@@ -16,6 +16,7 @@ pub mod nats;
 pub mod otlp;
 pub mod pika;
 pub mod service_url;
+pub mod soak;
 
 pub use service_url::ServiceUrl;
 
