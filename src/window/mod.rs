@@ -39,7 +39,6 @@ pub use postgres::PostgresWindow;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisWindow;
-#[cfg(feature = "amqp")]
 pub use store::{
     Insertion, MAX_KEY_LEN, MAX_WINDOW, Reservation, WindowStore, check_key, check_value,
     run_cleanup,
