@@ -17,7 +17,6 @@ pub(crate) enum QuarantineError {
     NotConfirmed(&'static str),
     #[error("took longer than {0:?}")]
     Timeout(Duration),
-    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
     #[error("the dead-letter table refused the letter: {0}")]
     Store(String),
 }

@@ -53,7 +53,6 @@ pub(crate) struct Target<'a> {
     pub(crate) limit: usize,
     /// The table store's pool, when the consumer keeps its dead letters in
     /// PostgreSQL: the poison goes there instead of to the DLQ.
-    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
     pub(crate) table: Option<&'a sqlx::PgPool>,
 }
 
@@ -124,7 +123,6 @@ async fn pass(target: &Target<'_>) -> Result<usize> {
         properties.expiration = None;
         properties.user_id = None;
         properties.delivery_mode = Some(2);
-        #[cfg(feature = "outbox")]
         if let Some(pool) = target.table {
             // Stored (committed) before the ack; while PostgreSQL cannot take
             // it, the pass fails and the message is handed back.
@@ -145,7 +143,6 @@ async fn pass(target: &Target<'_>) -> Result<usize> {
 
 /// The poison as a letter of the table store, its properties mended to
 /// UTF-8 (the codec's writer does that), read back as lapin's.
-#[cfg(feature = "outbox")]
 async fn store(
     pool: &sqlx::PgPool,
     target: &Target<'_>,
