@@ -3,11 +3,11 @@
 //! so the client never sends a key that idempo's server would refuse (or read
 //! differently, as it would a padded one whose blanks HTTP strips).
 //!
-//! A ground-floor module: it knows neither feature module, both re-export
-//! its public items.
+//! A ground-floor module: it knows neither feature module; the crate
+//! exports [`KeyError`], and the `http` layer the limit.
 
 /// The longest key accepted, in characters.
-pub const MAX_KEY_LEN: usize = 255;
+pub(crate) const MAX_KEY_LEN: usize = 255;
 
 /// Why an `Idempotency-Key` was refused: the `http` layer answers 400, the
 /// `retry` client does not send the request.
@@ -17,7 +17,7 @@ pub enum KeyError {
     /// The header is empty (or `""`).
     #[error("the Idempotency-Key is empty")]
     Empty,
-    /// Longer than [`MAX_KEY_LEN`].
+    /// Longer than 255 characters.
     #[error("the Idempotency-Key is {len} characters long; at most {MAX_KEY_LEN} are allowed")]
     TooLong {
         /// The key's length.
