@@ -15,7 +15,9 @@
 # 3. Starts the local RabbitMQ cluster with its TLS Redis
 #    (scripts/rabbitmq-cluster.sh) and the NATS cluster
 #    (scripts/nats-cluster.sh) when the selected tests use them.
-# 4. On a run of every target: the docs, with warnings as errors.
+# 4. On a run of every target: the docs, with warnings as errors; and each
+#    feature alone, and the default set, checked with warnings as errors
+#    (cargo hack, installed with cargo when missing).
 # 5. cargo test --all-features --no-fail-fast "$@": every test binary runs,
 #    and the script exits non-zero if anything failed.
 # 6. Prints the chaos tests' figures (cargo hides a passing test's output).
@@ -234,6 +236,26 @@ if selected nats_cluster; then scripts/nats-cluster.sh start; fi
 failed=()
 if [ "$all_targets" = 1 ] || [[ " $* " == *" --doc "* ]]; then
   RUSTDOCFLAGS="-D warnings" cargo doc --all-features --no-deps || failed+=("cargo doc")
+fi
+
+# Each feature on its own and the default set compile without a warning:
+# what a feature turns on is all it needs, and nothing it leaves off is
+# missed (`cargo hack check --each-feature`). In a target directory of its
+# own: other RUSTFLAGS would rebuild the tests' dependencies otherwise.
+if [ "$all_targets" = 1 ]; then
+  if ! cargo hack --version >/dev/null 2>&1; then
+    echo "installing cargo-hack"
+    cargo install cargo-hack --locked
+  fi
+  CARGO_TARGET_DIR="$TARGET_DIR/features" RUSTFLAGS="-D warnings" \
+    cargo hack check --each-feature --no-dev-deps || failed+=("cargo hack check --each-feature")
+  # A transport pulls no other transport's client.
+  if cargo tree -e normal --no-default-features --features nats | grep -q ' lapin '; then
+    echo "--features nats pulls lapin" >&2; failed+=("features nats without lapin")
+  fi
+  if cargo tree -e normal --no-default-features --features amqp | grep -q ' async-nats '; then
+    echo "--features amqp pulls async-nats" >&2; failed+=("features amqp without async-nats")
+  fi
 fi
 
 # --- 5. the tests -----------------------------------------------------------------

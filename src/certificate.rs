@@ -215,20 +215,6 @@ pub(crate) fn read_key_file(path: impl AsRef<Path>) -> Result<Vec<u8>, Certifica
     })
 }
 
-/// Checks the file in `SSL_CERT_FILE`, if set: the CA certificates that the
-/// AMQP client trusts instead of the system's for `amqps://` (without a CA of
-/// its own). An unusable one would otherwise show as `UnknownIssuer`.
-///
-/// # Errors
-/// As [`read_ca_file`].
-#[cfg(feature = "amqp")]
-pub(crate) fn check_ssl_cert_file() -> Result<(), CertificateError> {
-    match std::env::var_os("SSL_CERT_FILE") {
-        Some(path) if !path.is_empty() => read_ca_file(PathBuf::from(path)).map(drop),
-        _ => Ok(()),
-    }
-}
-
 /// Checks the certificate files a PostgreSQL URL names (`sslrootcert`,
 /// `sslcert`, `sslkey` and their sqlx aliases; `PGSSLROOTCERT` when the URL
 /// names no root certificate), before sqlx reads them. A URL that does not

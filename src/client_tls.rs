@@ -6,8 +6,6 @@
 use std::fmt;
 use std::path::PathBuf;
 
-#[cfg(feature = "tls")]
-use crate::certificate::{read_ca_file, read_certificate_file, read_key_file};
 use crate::{Error, Result};
 
 /// Where a TLS client finds its trust and its identity: the CA certificates
@@ -32,22 +30,16 @@ use crate::{Error, Result};
 /// The system's root certificates, no client certificate.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct ClientTls {
-    ca: Option<Pem>,
-    identity: Option<(Pem, Pem)>,
+    pub(crate) ca: Option<Pem>,
+    /// The client certificate and its key.
+    pub(crate) identity: Option<(Pem, Pem)>,
 }
 
+/// PEM bytes, or the file that holds them.
 #[derive(Clone, PartialEq, Eq)]
-enum Pem {
+pub(crate) enum Pem {
     Bytes(Vec<u8>),
     File(PathBuf),
-}
-
-/// The PEM of [`ClientTls`], files read and checked.
-#[cfg(feature = "tls")]
-pub(crate) struct Loaded {
-    pub(crate) ca_pem: Option<Vec<u8>>,
-    /// The client certificate and its key.
-    pub(crate) identity: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl fmt::Debug for ClientTls {
@@ -167,30 +159,6 @@ impl ClientTls {
     pub fn is_default(&self) -> bool {
         self.ca.is_none() && self.identity.is_none()
     }
-
-    /// The PEM, files read and checked.
-    #[cfg(feature = "tls")]
-    pub(crate) fn load(&self) -> Result<Loaded> {
-        let ca_pem = match &self.ca {
-            None => None,
-            Some(Pem::Bytes(pem)) => Some(pem.clone()),
-            Some(Pem::File(path)) => Some(read_ca_file(path)?),
-        };
-        let identity = match &self.identity {
-            None => None,
-            Some((certificate, key)) => Some((
-                match certificate {
-                    Pem::Bytes(pem) => pem.clone(),
-                    Pem::File(path) => read_certificate_file(path)?,
-                },
-                match key {
-                    Pem::Bytes(pem) => pem.clone(),
-                    Pem::File(path) => read_key_file(path)?,
-                },
-            )),
-        };
-        Ok(Loaded { ca_pem, identity })
-    }
 }
 
 #[cfg(test)]
@@ -212,16 +180,5 @@ mod tests {
         let shown = format!("{tls:?}");
         assert!(!shown.contains("SECRET"), "{shown}");
         assert!(shown.contains("PEM"), "{shown}");
-    }
-
-    #[cfg(feature = "tls")]
-    #[test]
-    fn a_missing_file_is_named_when_loaded() {
-        let tls = ClientTls::new().ca_file("/nonexistent/idempo/ca.pem");
-        let error = tls.load().err().expect("a missing file fails");
-        assert!(
-            error.to_string().contains("/nonexistent/idempo/ca.pem"),
-            "{error}"
-        );
     }
 }

@@ -69,7 +69,7 @@ pub enum Error {
 
     /// The operating system gave no random bytes for a key, token or id.
     #[error(transparent)]
-    Randomness(#[from] crate::random::RandomnessUnavailable),
+    Randomness(#[from] RandomnessUnavailable),
 
     /// A builder was given an impossible configuration.
     #[error("invalid configuration: {0}")]
@@ -93,6 +93,12 @@ pub enum Error {
     #[error("the transaction was already finished: a Tx handle outlived its handler")]
     TransactionFinished,
 }
+
+/// The operating system gave no random bytes (`getrandom` failed): idempo
+/// refuses to make keys, tokens or ids from a weaker source.
+#[derive(Debug, thiserror::Error)]
+#[error("the operating system gave no random bytes: {0}")]
+pub struct RandomnessUnavailable(pub(crate) getrandom::Error);
 
 impl From<sqlx::migrate::MigrateError> for Error {
     fn from(e: sqlx::migrate::MigrateError) -> Self {
@@ -150,6 +156,19 @@ impl Error {
         }
     }
 
+    /// Whether PostgreSQL refused the statement itself, for its text or its
+    /// data (SQLSTATE class `22` data exception, `23` integrity constraint
+    /// violation, `42` syntax error or access rule): the same statement on
+    /// the same data fails again, so running it again is pointless (the
+    /// consumer dead-letters a handler's error of this kind at once). False
+    /// for every error that is not the database's.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            Error::Database(e) => crate::sqlstate::is_permanent(e),
+            _ => false,
+        }
+    }
+
     /// Whether a statement ran in a transaction that an earlier failed
     /// statement had aborted (SQLSTATE 25P02): nothing of that transaction
     /// can commit.
@@ -167,51 +186,4 @@ impl Error {
     fn is_sqlstate(&self, code: &str) -> bool {
         matches!(self, Error::Database(e) if crate::sqlstate::is(e, code))
     }
-}
-
-/// The TLS failure behind a client's error, if it is one: a rustls error
-/// anywhere in the chain of sources, or inside an I/O error of it (how
-/// lapin, redis and sqlx carry them). Typed, so that a vhost or a queue
-/// named `alerts` or `tls` is not taken for one.
-#[cfg(feature = "tls")]
-pub(crate) fn tls_failure<'a>(error: &'a (dyn StdError + 'static)) -> Option<&'a rustls::Error> {
-    let mut current = Some(error);
-    while let Some(e) = current {
-        // redis keeps its I/O error as an `Arc<dyn Error>`, whose `source`
-        // skips the error itself.
-        let e = match e.downcast_ref::<std::sync::Arc<dyn StdError + Send + Sync>>() {
-            Some(shared) => &**shared as &(dyn StdError + 'static),
-            None => e,
-        };
-        if let Some(rustls) = e.downcast_ref::<rustls::Error>() {
-            return Some(rustls);
-        }
-        // io::Error's `source` skips the error it carries, too.
-        if let Some(rustls) = e
-            .downcast_ref::<std::io::Error>()
-            .and_then(|io| io.get_ref())
-            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        {
-            return Some(rustls);
-        }
-        current = e.source();
-    }
-    None
-}
-
-/// Whether an error of any type (a handler's) is, or wraps, a database that
-/// cannot take writes now ([`Error::is_unavailable`]).
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-pub(crate) fn database_unavailable(error: &(dyn StdError + 'static)) -> bool {
-    let mut current = Some(error);
-    while let Some(e) = current {
-        if let Some(sqlx) = e.downcast_ref::<sqlx::Error>() {
-            return crate::sqlstate::is_unavailable(sqlx);
-        }
-        if let Some(ours) = e.downcast_ref::<Error>() {
-            return ours.is_unavailable();
-        }
-        current = e.source();
-    }
-    false
 }

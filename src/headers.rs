@@ -29,27 +29,6 @@ pub const GROUP_ID_HEADER: &str = "x-group-id";
 /// context (see [`otel`](crate::otel), feature `otel`).
 pub const TRACEPARENT_HEADER: &str = "traceparent";
 
-/// The trace id of a W3C `traceparent` (`vv-<32 hex>-<16 hex>-ff`, lower
-/// case, a version other than `ff`), when it has that shape.
-#[cfg_attr(not(any(feature = "otel", feature = "ops")), allow(dead_code))]
-pub(crate) fn trace_id(traceparent: &str) -> Option<&str> {
-    let parts: Vec<&str> = traceparent.trim().split('-').collect();
-    let hex = |s: &str, len: usize| {
-        s.len() == len
-            && s.bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    let formed = parts.len() >= 4
-        && hex(parts[0], 2)
-        && parts[0] != "ff"
-        && hex(parts[1], 32)
-        && hex(parts[2], 16)
-        && hex(parts[3], 2)
-        && (parts[0] != "00" || parts.len() == 4);
-    // Lazily: a short text has no second part.
-    formed.then(|| parts[1])
-}
-
 /// The header that carries the vendor part of a W3C trace context, beside
 /// [`TRACEPARENT_HEADER`].
 pub const TRACESTATE_HEADER: &str = "tracestate";
@@ -61,30 +40,3 @@ pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 /// The response header that marks an answer replayed from the idempotency
 /// store (`Idempotent-Replayed: true`) rather than produced by the handler.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_a_whole_traceparent_has_a_trace_id() {
-        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        assert_eq!(trace_id(tp), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
-        for bad in [
-            "",
-            "-",
-            "00",
-            "garbage",
-            "00-abc-def-01",
-            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
-        ] {
-            assert_eq!(trace_id(bad), None, "{bad:?}");
-        }
-        // A later version may carry more parts.
-        let later = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-more";
-        assert!(trace_id(later).is_some());
-    }
-}

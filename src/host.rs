@@ -3,7 +3,6 @@
 
 /// The host name the operating system reports (`gethostname(2)`), or
 /// `"unknown-host"` when it is empty.
-#[cfg_attr(not(any(feature = "amqp", feature = "ops")), allow(dead_code))]
 pub(crate) fn name() -> String {
     let name = gethostname::gethostname();
     let name = name.to_string_lossy();
@@ -17,7 +16,6 @@ pub(crate) fn name() -> String {
 
 /// The name a consumer's broker connection carries:
 /// `idempo:<consumer>:<host>:<pid>`, so that an operator finds its process.
-#[cfg(feature = "amqp")]
 pub(crate) fn connection_name(consumer: &str) -> String {
     format!("idempo:{consumer}:{}:{}", name(), std::process::id())
 }

@@ -100,8 +100,25 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg_attr(not(any(feature = "amqp", feature = "retry")), allow(dead_code))]
-mod backoff;
+// Exponential backoff with full jitter, one file per part (src/backoff/),
+// each compiled with the features that use it.
+#[cfg(any(idempo_runtime, feature = "retry", feature = "saga", feature = "http"))]
+mod backoff {
+    //! Exponential backoff with full jitter: the one implementation behind
+    //! the consumer's reconnects, the database gate's probes, the relay, the
+    //! saga's and the HTTP layer's retries, and the retrying client.
+
+    mod jitter;
+    pub(crate) use jitter::{ceiling, full_jitter};
+
+    #[cfg(any(idempo_runtime, feature = "saga", feature = "http"))]
+    mod pauses;
+    #[cfg(any(idempo_runtime, feature = "saga", feature = "http"))]
+    pub(crate) use pauses::Backoff;
+
+    #[cfg(idempo_runtime)]
+    mod reset;
+}
 pub mod certificate;
 #[cfg(any(feature = "http", feature = "window"))]
 mod cleanup;
@@ -110,52 +127,125 @@ mod client_tls;
 mod duration;
 mod error;
 pub mod headers;
+#[cfg(idempo_runtime)]
 mod host;
 pub mod inbox;
 #[cfg(any(feature = "http", feature = "retry"))]
 mod key;
-#[cfg(feature = "outbox")]
+#[cfg(all(feature = "outbox", idempo_runtime))]
 mod literal;
 mod message_id;
 mod migrate;
 pub mod probe;
-#[cfg(any(feature = "amqp", feature = "outbox"))]
-mod properties;
-#[cfg_attr(
-    not(any(
-        feature = "retry",
+// A message's properties at rest, in idempo's encoding (src/properties/):
+// the values and their encoding wherever a copy is kept; their reading
+// where a copy is published or replayed.
+#[cfg(idempo_runtime)]
+mod properties {
+    mod value;
+    pub(crate) use value::{Properties, Value};
+
+    #[cfg(any(all(feature = "amqp", feature = "outbox"), feature = "nats"))]
+    mod read;
+}
+// One file per kind of random value (src/random/), each compiled with the
+// features that draw it.
+#[cfg(any(
+    idempo_runtime,
+    feature = "outbox",
+    feature = "retry",
+    feature = "window",
+    all(feature = "http", feature = "redis")
+))]
+mod random {
+    //! Random ids and tokens from the operating system's generator: the one
+    //! source for everything that must not collide across processes or be
+    //! guessed (seal keys, fencing and reservation tokens, UUIDs for
+    //! `Idempotency-Key`s and message ids).
+    //!
+    //! There is no fallback: a secret drawn from a weak generator is worse
+    //! than an error, so when the operating system gives no randomness the
+    //! caller fails with [`RandomnessUnavailable`](crate::RandomnessUnavailable).
+
+    mod bytes;
+    pub(crate) use bytes::bytes;
+
+    #[cfg(any(
         feature = "window",
-        feature = "redis",
-        feature = "outbox"
-    )),
-    allow(dead_code)
-)]
-mod random;
+        all(feature = "http", feature = "redis"),
+        feature = "testing",
+        test
+    ))]
+    mod token;
+    #[cfg(any(
+        feature = "window",
+        all(feature = "http", feature = "redis"),
+        feature = "testing",
+        test
+    ))]
+    pub(crate) use token::token;
+
+    #[cfg(any(feature = "retry", all(feature = "amqp", feature = "window")))]
+    mod uuid_v4;
+    #[cfg(any(feature = "retry", all(feature = "amqp", feature = "window")))]
+    pub(crate) use uuid_v4::uuid_v4;
+
+    #[cfg(feature = "outbox")]
+    mod uuid_v7;
+    #[cfg(feature = "outbox")]
+    pub(crate) use uuid_v7::uuid_v7;
+}
 mod redact;
-#[cfg(feature = "redis")]
+// The Redis stores' connections: only the modules that have one.
+#[cfg(all(feature = "redis", any(feature = "http", feature = "window")))]
 mod redis_connection;
 mod sqlstate;
-#[cfg(any(feature = "http", feature = "window", feature = "redis"))]
+#[cfg(any(feature = "http", feature = "window"))]
 mod store_error;
+// TLS (feature `tls`): a refused handshake told from an outage (for the
+// consumer's PostgreSQL, RabbitMQ and Redis), and the PEM of a `ClientTls`
+// (for RabbitMQ and Redis).
+#[cfg(all(
+    feature = "tls",
+    any(
+        idempo_runtime,
+        all(feature = "redis", any(feature = "http", feature = "window"))
+    )
+))]
+mod tls;
+#[cfg(all(
+    feature = "tls",
+    any(
+        feature = "amqp",
+        all(feature = "redis", any(feature = "http", feature = "window"))
+    )
+))]
+mod tls_pem;
+// Only the runtimes that own a transaction hand out a `Tx`.
+// A dead letter's trace (the operations), a message's parent span (the
+// runtime with OpenTelemetry).
+#[cfg(any(all(feature = "otel", idempo_runtime), feature = "ops"))]
+mod trace_id;
+#[cfg(any(idempo_runtime, feature = "http", feature = "saga"))]
 mod tx;
-#[cfg(feature = "amqp")]
+#[cfg(idempo_runtime)]
 mod wait;
 #[cfg(any(feature = "amqp", feature = "outbox"))]
 mod wire_size;
 
-#[cfg(feature = "amqp")]
+#[cfg(idempo_runtime)]
 mod runtime;
 
-#[cfg(feature = "amqp")]
-#[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
+#[cfg(idempo_runtime)]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub mod consumer;
 
 #[cfg(feature = "amqp")]
 #[cfg_attr(docsrs, doc(cfg(feature = "amqp")))]
 pub mod amqp;
 
-#[cfg(all(feature = "amqp", feature = "outbox"))]
-#[cfg_attr(docsrs, doc(cfg(all(feature = "amqp", feature = "outbox"))))]
+#[cfg(all(idempo_runtime, feature = "outbox"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "runtime", feature = "outbox"))))]
 pub mod relay;
 
 #[cfg(feature = "ops")]
@@ -201,12 +291,11 @@ pub mod testing;
 #[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "window"))))]
 pub use cleanup::StateCount;
 pub use client_tls::ClientTls;
-pub use error::{Error, Result};
+pub use error::{Error, RandomnessUnavailable, Result};
 #[cfg(any(feature = "http", feature = "retry"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "retry"))))]
 pub use key::KeyError;
-pub use random::RandomnessUnavailable;
-#[cfg(any(feature = "http", feature = "window", feature = "redis"))]
+#[cfg(any(feature = "http", feature = "window"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "window"))))]
 pub use store_error::StoreError;
 
@@ -245,4 +334,9 @@ pub struct ReadmeDoctests;
 
 pub use migrate::{MIGRATIONS_TABLE, Schema, check_migrations, migrate, migrator};
 pub use redact::redact_url;
+#[cfg(any(idempo_runtime, feature = "http", feature = "saga"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "runtime", feature = "http", feature = "saga")))
+)]
 pub use tx::{Tx, TxGuard};

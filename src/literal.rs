@@ -25,13 +25,11 @@ pub(crate) fn text(what: &str, value: &str) -> Result<String> {
 }
 
 /// An optional text: its literal, or `NULL`.
-#[cfg(feature = "outbox")]
 pub(crate) fn optional_text(what: &str, value: Option<&str>) -> Result<String> {
     value.map_or_else(|| Ok("NULL".to_owned()), |v| text(what, v))
 }
 
 /// `value` as a `bytea` expression: `decode('<hex>', 'hex')`.
-#[cfg(feature = "outbox")]
 pub(crate) fn bytes(value: &[u8]) -> String {
     format!("decode('{}', 'hex')", hex::encode(value))
 }

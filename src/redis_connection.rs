@@ -31,7 +31,7 @@ pub(crate) async fn connect(url: &str, tls: Option<&ClientTls>) -> Result<Connec
 async fn connect_error(url: &str, client: &redis::Client, error: redis::RedisError) -> Error {
     #[cfg(feature = "tls")]
     if let redis::ConnectionAddr::TcpTls { host, port, .. } = client.get_connection_info().addr() {
-        let reason = match crate::error::tls_failure(&error) {
+        let reason = match crate::tls::tls_failure(&error) {
             Some(rustls) => Some(format!("TLS handshake failed: {rustls}")),
             None if speaks_plain_resp(host, *port).await => Some(
                 "the server does not speak TLS: it answers plain Redis (use redis://)".to_owned(),
@@ -100,4 +100,10 @@ fn client(url: &str, tls: Option<&ClientTls>) -> Result<redis::Client> {
 /// A `PX` argument: whole milliseconds, at least 1 (Redis refuses 0).
 pub(crate) fn px(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl From<redis::RedisError> for Error {
+    fn from(e: redis::RedisError) -> Self {
+        crate::StoreError::Redis(e).into()
+    }
 }

@@ -7,21 +7,11 @@ use std::borrow::Cow;
 /// `division_by_zero`: how the commit check says its claim is gone.
 pub(crate) const DIVISION_BY_ZERO: &str = "22012";
 /// `read_only_sql_transaction`: a standby, or a database set read-only.
-#[cfg(feature = "amqp")]
 pub(crate) const READ_ONLY: &str = "25006";
-/// `no_active_sql_transaction`: how a unit's commit finds the transaction
-/// its handler ended.
-pub(crate) const NO_ACTIVE_TRANSACTION: &str = "25P01";
 /// `in_failed_sql_transaction`.
 pub(crate) const IN_FAILED_TRANSACTION: &str = "25P02";
 /// `too_many_connections`.
 pub(crate) const TOO_MANY_CONNECTIONS: &str = "53300";
-/// `lock_not_available`: a `NOWAIT` lock held by another transaction.
-#[cfg(feature = "saga")]
-pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
-/// `undefined_table`: a table whose migration did not run.
-#[cfg(feature = "ops")]
-pub(crate) const UNDEFINED_TABLE: &str = "42P01";
 /// idempo's own: the partitioned claim refused below READ COMMITTED.
 pub(crate) const ISOLATION_REFUSED: &str = "IDP01";
 
@@ -38,7 +28,6 @@ pub(crate) fn is(error: &sqlx::Error, code: &str) -> bool {
 /// Whether the statement itself is wrong for its data (classes 22 data
 /// exception, 23 integrity constraint violation, 42 syntax or access rule):
 /// running it again can never succeed.
-#[cfg(feature = "amqp")]
 pub(crate) fn is_permanent(error: &sqlx::Error) -> bool {
     of(error).is_some_and(|code| matches!(code.get(..2), Some("22" | "23" | "42")))
 }
@@ -95,7 +84,7 @@ pub(crate) fn is_unavailable(error: &sqlx::Error) -> bool {
         return false;
     };
     db.code().is_some_and(|code| {
-        code == "25006"
+        code == READ_ONLY
             || code.starts_with("53")
             || code.starts_with("58")
             || matches!(&*code, "57P01" | "57P02" | "57P03" | "57P04" | "57P05")

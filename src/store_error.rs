@@ -53,10 +53,3 @@ impl From<StoreError> for Error {
         Error::Other(Box::new(e))
     }
 }
-
-#[cfg(feature = "redis")]
-impl From<redis::RedisError> for Error {
-    fn from(e: redis::RedisError) -> Self {
-        StoreError::Redis(e).into()
-    }
-}

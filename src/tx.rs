@@ -1,7 +1,7 @@
 //! [`Tx`]: an owned handle to an open PostgreSQL transaction, shared by the
 //! AMQP runtime's handlers and the HTTP layer's atomic phase.
 
-use std::any::{Any, TypeId};
+use std::any::Any;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
@@ -47,30 +47,14 @@ use tokio::sync::{Mutex, MutexGuard};
 #[derive(Clone)]
 pub struct Tx {
     inner: Arc<Mutex<Option<Transaction<'static, Postgres>>>>,
-    extensions: Arc<Extensions>,
+    attachment: Option<Attachment>,
 }
 
 /// What the runtime that owns a transaction attaches to it for the code
-/// that runs on it (a consumer unit's outbox buffer, say): a map from type to
-/// value, read by the module that defined the type, the way
-/// `http::Extensions` carries request data. Set before the handler gets its
-/// [`Tx`]; read-only afterwards.
-#[derive(Default)]
-#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
-pub(crate) struct Extensions {
-    values: Vec<(TypeId, Box<dyn Any + Send + Sync>)>,
-}
-
-#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
-impl Extensions {
-    /// The value of type `T`, if one was attached.
-    pub(crate) fn get<T: Any>(&self) -> Option<&T> {
-        self.values
-            .iter()
-            .find(|(id, _)| *id == TypeId::of::<T>())
-            .and_then(|(_, value)| value.downcast_ref())
-    }
-}
+/// that runs on it (a consumer unit's outbox buffer, say), read by the
+/// module that defined its type. Set when the [`Tx`] is made; read-only
+/// afterwards.
+pub(crate) type Attachment = Arc<dyn Any + Send + Sync>;
 
 impl fmt::Debug for Tx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -78,36 +62,13 @@ impl fmt::Debug for Tx {
     }
 }
 
-// Only the runtimes (amqp, http) hand out transactions.
-#[cfg_attr(not(any(feature = "amqp", feature = "http")), allow(dead_code))]
 impl Tx {
-    // With the outbox, the consumer attaches its unit (`with_extension`).
-    #[cfg_attr(
-        not(any(
-            all(feature = "amqp", not(feature = "outbox")),
-            feature = "http",
-            feature = "saga"
-        )),
-        allow(dead_code)
-    )]
-    pub(crate) fn new(tx: Transaction<'static, Postgres>) -> Self {
+    /// The handle of `tx`, with what its owner attaches for the code that
+    /// runs on it.
+    pub(crate) fn new(tx: Transaction<'static, Postgres>, attachment: Option<Attachment>) -> Self {
         Tx {
             inner: Arc::new(Mutex::new(Some(tx))),
-            extensions: Arc::default(),
-        }
-    }
-
-    /// `tx` with `value` attached for the code that runs on it.
-    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
-    pub(crate) fn with_extension<T: Any + Send + Sync>(
-        tx: Transaction<'static, Postgres>,
-        value: T,
-    ) -> Self {
-        let mut extensions = Extensions::default();
-        extensions.values.push((TypeId::of::<T>(), Box::new(value)));
-        Tx {
-            inner: Arc::new(Mutex::new(Some(tx))),
-            extensions: Arc::new(extensions),
+            attachment,
         }
     }
 
@@ -137,7 +98,7 @@ impl Tx {
         }
         Ok(TxGuard {
             guard,
-            extensions: &self.extensions,
+            attachment: self.attachment.as_deref(),
         })
     }
 
@@ -152,7 +113,7 @@ impl Tx {
 /// The locked transaction; dereferences to [`PgConnection`].
 pub struct TxGuard<'a> {
     guard: MutexGuard<'a, Option<Transaction<'static, Postgres>>>,
-    extensions: &'a Extensions,
+    attachment: Option<&'a (dyn Any + Send + Sync)>,
 }
 
 impl fmt::Debug for TxGuard<'_> {
@@ -161,7 +122,7 @@ impl fmt::Debug for TxGuard<'_> {
     }
 }
 
-impl TxGuard<'_> {
+impl<'a> TxGuard<'a> {
     /// The transaction itself, e.g. to pass to [`Inbox::claim`](crate::inbox::Inbox::claim)
     /// or to open a savepoint with `begin()`.
     pub fn transaction(&mut self) -> &mut Transaction<'static, Postgres> {
@@ -169,10 +130,9 @@ impl TxGuard<'_> {
     }
 
     /// The connection, and what the transaction's owner attached to it.
-    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
-    pub(crate) fn split(&mut self) -> (&mut PgConnection, &Extensions) {
+    pub(crate) fn split(&mut self) -> (&mut PgConnection, Option<&'a (dyn Any + Send + Sync)>) {
         let conn = self.guard.as_mut().expect("checked in Tx::try_lock");
-        (conn, self.extensions)
+        (conn, self.attachment)
     }
 }
 
@@ -185,6 +145,6 @@ impl Deref for TxGuard<'_> {
 
 impl DerefMut for TxGuard<'_> {
     fn deref_mut(&mut self) -> &mut PgConnection {
-        self.guard.as_mut().expect("checked in Tx::try_lock")
+        self.split().0
     }
 }

@@ -249,7 +249,7 @@ impl Broker {
             if tls && self.ca_pem.is_none() {
                 // The AMQP client reads it for the roots; a bad one would show
                 // as an untrusted certificate.
-                crate::certificate::check_ssl_cert_file()?;
+                check_ssl_cert_file()?;
             }
             let properties =
                 ConnectionProperties::default().with_connection_name(name.to_owned().into());
@@ -375,10 +375,25 @@ fn classify(error: &lapin::Error, tls: bool) -> (Failure, String) {
     }
 }
 
+/// Checks the file in `SSL_CERT_FILE`, if set: the CA certificates that the
+/// AMQP client trusts instead of the system's for `amqps://` (without a CA of
+/// its own). An unusable one would otherwise show as `UnknownIssuer`.
+///
+/// # Errors
+/// As [`read_ca_file`](crate::certificate::read_ca_file).
+fn check_ssl_cert_file() -> Result<(), crate::certificate::CertificateError> {
+    match std::env::var_os("SSL_CERT_FILE") {
+        Some(path) if !path.is_empty() => {
+            crate::certificate::read_ca_file(std::path::PathBuf::from(path)).map(drop)
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The TLS failure inside an I/O error of the handshake, if it is one.
 #[cfg(feature = "tls")]
 fn tls_failure(io: &std::io::Error) -> Option<String> {
-    let rustls = crate::error::tls_failure(io)?;
+    let rustls = crate::tls::tls_failure(io)?;
     Some(match rustls {
         rustls::Error::InvalidMessage(_) => {
             format!("the port does not speak TLS (use amqp://): {rustls}")

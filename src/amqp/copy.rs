@@ -8,8 +8,12 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use super::fields::amqp_value;
-use crate::runtime::headers::{HeaderValue, ORIGINAL_EXPIRATION_HEADER};
+use crate::runtime::message::HeaderValue;
 use crate::runtime::message::Message;
+
+/// The original per-message TTL, which republished copies drop (a dead letter
+/// must not expire out of the DLQ, a retry must not expire in its delay queue).
+const ORIGINAL_EXPIRATION_HEADER: &str = "x-idempo-original-expiration";
 
 /// The original properties with `headers` added, minus what must not follow a
 /// copy: `expiration` (it would expire in the delay queue or the DLQ),

@@ -13,8 +13,14 @@ use lapin::protocol::basic::gen_properties;
 use lapin::types::generation::gen_field_table;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
-use crate::runtime::headers::TRIMMED_HEADERS_HEADER;
 use crate::wire_size::{DEFAULT_FRAME_MAX, HEADER_FRAME_OVERHEAD};
+
+/// The headers removed from a dead letter so that it fits the broker's frame
+/// size, as `name=bytes` pairs, largest first (for example
+/// `x-pad=130811`). RabbitMQ closes the connection on a larger header frame,
+/// so a copy that would not fit is trimmed: first the largest headers that
+/// are not idempo's, then the error text and the replay history.
+const TRIMMED_HEADERS_HEADER: &str = "x-idempo-trimmed-headers";
 
 /// The frame size a connection negotiated, where `0` (no limit, which
 /// RabbitMQ never negotiates) reads as RabbitMQ's default of 128 KiB.
@@ -56,8 +62,8 @@ pub(crate) fn check(properties: &BasicProperties, frame_max: usize) -> Result<()
 /// Headers of idempo's that a dead letter can lose when nothing else is left
 /// to trim (their content is informational, bounded and rebuilt elsewhere).
 const INFORMATIONAL: [&str; 2] = [
-    crate::runtime::headers::ERROR_HEADER,
-    crate::runtime::headers::REPLAY_HISTORY_HEADER,
+    crate::runtime::header_names::ERROR_HEADER,
+    crate::runtime::header_names::REPLAY_HISTORY_HEADER,
 ];
 
 /// The record of trimmed headers is cut to this many bytes.
@@ -145,7 +151,7 @@ fn record(trimmed: &[(String, usize)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::headers::{ERROR_HEADER, MESSAGE_ID_HEADER, REASON_HEADER};
+    use crate::runtime::header_names::{ERROR_HEADER, MESSAGE_ID_HEADER, REASON_HEADER};
 
     fn with_headers(headers: &[(&str, usize)]) -> BasicProperties {
         let mut table = FieldTable::default();

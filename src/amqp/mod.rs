@@ -65,6 +65,7 @@ pub(crate) const TRANSPORT: &str = <Amqp as crate::runtime::transport::Transport
 
 mod acks;
 pub(crate) mod broker;
+mod builder;
 pub(crate) mod copy;
 mod delivery;
 mod error;
@@ -94,8 +95,6 @@ pub(crate) use crate::runtime::seal::consumers_with_keys;
 pub use broker::{
     AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE, Broker, DEFAULT_CONNECTION_TIMEOUT,
 };
-pub use delivery::Receipt;
-pub use options::AmqpOptions;
 pub use transport::Amqp;
 
 /// A consumer of a RabbitMQ queue: the runtime's consumer on [`Amqp`].
@@ -107,7 +106,15 @@ pub type Consumer = crate::runtime::consumer::Consumer<Amqp>;
 pub type Relay = crate::relay::Relay<Amqp>;
 
 /// Configures a RabbitMQ [`Consumer`]: the runtime's builder on [`Amqp`],
-/// with the options of every transport and RabbitMQ's own ([`AmqpOptions`]).
+/// with the options of every transport and RabbitMQ's own (`queue`,
+/// `queue_type`, `declare`, `bind`, `broker`, ...).
+///
+/// # RabbitMQ's defaults
+/// - queue type: [`QueueType::Quorum`], declared durable, dead-lettering into `<queue>.dlq`;
+/// - broker: the URL (or comma-separated node URLs) given to
+///   [`Consumer::builder`], tried in order, 10 s connection timeout (see
+///   [`broker`](crate::consumer::ConsumerBuilder::broker));
+/// - connection name: `idempo:<consumer>:<host>:<pid>`.
 pub type ConsumerBuilder<Mode = crate::runtime::mode::NoHandler> =
     crate::runtime::builder::ConsumerBuilder<Amqp, Mode>;
 pub use error::{AmqpError, NodeFailure};

@@ -233,7 +233,8 @@ impl ConfirmChannel {
     /// A returned (unroutable) message reaches lapin before its confirm but
     /// is attached to whichever confirm resolves next, so returns are matched
     /// to messages by their `message_id`: give every message a distinct one.
-    #[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+    /// The outbox relay's.
+    #[cfg(feature = "outbox")]
     pub(crate) async fn publish_all(
         &self,
         messages: Vec<OutgoingFrame<'_>>,
@@ -360,7 +361,7 @@ fn closed_before_sending(error: &lapin::Error) -> bool {
 }
 
 /// One message of [`ConfirmChannel::publish_all`].
-#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
+#[cfg(feature = "outbox")]
 pub(crate) struct OutgoingFrame<'a> {
     pub(crate) exchange: &'a str,
     pub(crate) routing_key: &'a str,

@@ -138,7 +138,7 @@ impl Reconnect {
 
     /// After a success: the next loss starts from the shortest pause (the
     /// dedup publisher's reconnects are attempts, not sessions).
-    #[cfg_attr(not(feature = "window"), allow(dead_code))]
+    #[cfg(feature = "window")]
     pub(crate) fn reset(&mut self) {
         self.backoff.reset();
     }

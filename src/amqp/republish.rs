@@ -10,7 +10,7 @@ use super::copy::copy_properties;
 use crate::amqp::fit;
 use crate::amqp::publish::{ConfirmChannel, PublishError};
 use crate::consumer::Message;
-use crate::runtime::headers::HeaderValue;
+use crate::runtime::message::HeaderValue;
 
 /// How long a copy may wait for its confirm before the original is handed back.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);

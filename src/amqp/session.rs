@@ -39,25 +39,31 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Receives the queue's deliveries, session after session, until shutdown
 /// or a configuration error (returned).
-pub(crate) async fn consume(amqp: Arc<Amqp>, deliveries: &mut Deliveries<Amqp>) -> Result<()> {
-    let mut link = Reconnect::new(
-        amqp.broker.clone(),
-        amqp.connection_name.clone(),
-        Duration::from_secs(30),
-    );
-    let stop = deliveries.shutdown().graceful_token().clone();
-    let mut sessions = AmqpSessions {
-        amqp,
-        deliveries,
-        wedged: 0,
-        unresponsive: false,
-        unparseable: false,
-        node: None,
-        consumed: false,
-    };
-    match reconnect::run(&mut sessions, &mut link, &stop).await {
-        Some(fatal) => Err(fatal),
-        None => Ok(()),
+impl Amqp {
+    pub(crate) async fn consume_sessions(
+        self: Arc<Self>,
+        deliveries: &mut Deliveries<Amqp>,
+    ) -> Result<()> {
+        let amqp = self;
+        let mut link = Reconnect::new(
+            amqp.broker.clone(),
+            amqp.connection_name.clone(),
+            Duration::from_secs(30),
+        );
+        let stop = deliveries.shutdown().graceful_token().clone();
+        let mut sessions = AmqpSessions {
+            amqp,
+            deliveries,
+            wedged: 0,
+            unresponsive: false,
+            unparseable: false,
+            node: None,
+            consumed: false,
+        };
+        match reconnect::run(&mut sessions, &mut link, &stop).await {
+            Some(fatal) => Err(fatal),
+            None => Ok(()),
+        }
     }
 }
 
@@ -320,7 +326,8 @@ impl AmqpSessions<'_> {
                 health.record_error(error);
             }
         }
-        health.set_wedged_sessions(self.wedged);
+        let wedged = self.wedged;
+        health.update(|s| s.wedged_sessions = wedged);
     }
 }
 
@@ -357,7 +364,7 @@ impl Sessions for AmqpSessions<'_> {
             self.quarantine(self.node.unwrap_or(0)).await;
         } else if lasted >= STABLE_SESSION {
             self.wedged = 0;
-            health.set_wedged_sessions(0);
+            health.update(|s| s.wedged_sessions = 0);
         }
         if !lasted.is_zero() {
             health.record_reconnect();

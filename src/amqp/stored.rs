@@ -4,9 +4,9 @@
 //! header) makes the way back an error, never a panic.
 
 use lapin::BasicProperties;
-use lapin::types::{
-    AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString, ShortString,
-};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+#[cfg(feature = "outbox")]
+use lapin::types::{ByteArray, DecimalValue, FieldArray, LongString};
 
 use crate::properties::{Properties, Value};
 
@@ -75,11 +75,13 @@ pub(crate) fn to_value(value: &AMQPValue) -> Value {
     }
 }
 
+#[cfg(feature = "outbox")]
 fn short(what: &str, text: &str) -> Result<ShortString, String> {
     ShortString::try_new(text).map_err(|e| format!("{what} {text:.40?}…: {e}"))
 }
 
 /// One value as an AMQP field value.
+#[cfg(feature = "outbox")]
 pub(crate) fn from_value(value: &Value) -> Result<AMQPValue, String> {
     Ok(match value {
         Value::Void => AMQPValue::Void,
@@ -111,6 +113,7 @@ pub(crate) fn from_value(value: &Value) -> Result<AMQPValue, String> {
     })
 }
 
+#[cfg(feature = "outbox")]
 fn from_entries(entries: &[(String, Value)]) -> Result<FieldTable, String> {
     let mut table = FieldTable::default();
     for (name, value) in entries {
@@ -161,6 +164,7 @@ impl crate::outbox::OutboxMessage {
 }
 
 /// The AMQP properties idempo kept; an error names what AMQP cannot carry.
+#[cfg(feature = "outbox")]
 pub(crate) fn from_stored(stored: &Properties) -> Result<BasicProperties, String> {
     let mut p = BasicProperties::default();
     for (name, value) in &stored.fields {
@@ -202,7 +206,7 @@ pub(crate) fn from_stored(stored: &Properties) -> Result<BasicProperties, String
     Ok(p)
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "outbox"))]
 mod tests {
     use super::*;
 

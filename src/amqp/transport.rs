@@ -112,7 +112,7 @@ impl Transport for Amqp {
     }
 
     async fn consume(self: Arc<Self>, deliveries: &mut Deliveries<Self>) -> Result<()> {
-        super::session::consume(self, deliveries).await
+        self.consume_sessions(deliveries).await
     }
 
     fn span(&self, consumer: &str, messages: &[Message]) -> tracing::Span {

@@ -2,26 +2,27 @@
 //! `AMQP_URL` gives them: split in one place, so that every reader (the
 //! consumer, the operations, the management API's address) agrees on it.
 
-use crate::redact::redact_url;
-
 /// The URLs of `list`, trimmed, empty entries skipped.
 pub(crate) fn split(list: &str) -> impl Iterator<Item = &str> {
     list.split(',').map(str::trim).filter(|u| !u.is_empty())
 }
 
 /// The first URL of `list` (`""` when it names none).
-#[cfg_attr(not(feature = "ops"), allow(dead_code))]
+#[cfg(feature = "ops")]
 pub(crate) fn first(list: &str) -> &str {
     split(list).next().unwrap_or_default()
 }
 
 /// `list` with every password replaced, for messages and logs.
-#[cfg_attr(not(feature = "ops"), allow(dead_code))]
+#[cfg(feature = "ops")]
 pub(crate) fn redacted(list: &str) -> String {
-    split(list).map(redact_url).collect::<Vec<_>>().join(",")
+    split(list)
+        .map(crate::redact_url)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "ops"))]
 mod tests {
     use super::*;
 

@@ -1,28 +1,18 @@
-//! Exponential backoff with full jitter: the one implementation behind the
-//! consumer's reconnects, the database gate's probes and the retrying client.
+//! [`Backoff`]: successive pauses on the schedule, for a loop that waits
+//! out failures.
 
 use std::time::Duration;
 
-/// The most the `n`-th wait (1-based) can be: `base · 2^(n-1)`, capped at `max`.
-pub(crate) fn ceiling(base: Duration, max: Duration, n: u32) -> Duration {
-    let factor = 2u32.saturating_pow(n.saturating_sub(1));
-    base.saturating_mul(factor).min(max)
-}
-
-/// A wait drawn uniformly from `[0, ceiling]` ("full jitter"), so that many
-/// clients that failed together do not come back in lockstep.
-pub(crate) fn full_jitter(ceiling: Duration) -> Duration {
-    let nanos = ceiling.as_nanos().min(u128::from(u64::MAX)) as u64;
-    Duration::from_nanos(fastrand::u64(0..=nanos))
-}
+use super::{ceiling, full_jitter};
 
 /// Successive jittered waits under a doubling ceiling, never shorter than
-/// `min`; [`reset`](Backoff::reset) after a success.
+/// `min`.
 #[derive(Debug, Clone)]
 pub(crate) struct Backoff {
     min: Duration,
     max: Duration,
-    failures: u32,
+    /// Failures so far (a reconnect loop sets it back after a success).
+    pub(super) failures: u32,
 }
 
 impl Backoff {
@@ -39,25 +29,11 @@ impl Backoff {
         self.failures = self.failures.saturating_add(1);
         full_jitter(ceiling(self.min, self.max, self.failures)).max(self.min)
     }
-
-    /// Back to the shortest pause, after a success.
-    pub(crate) fn reset(&mut self) {
-        self.failures = 0;
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_ceiling_doubles_up_to_the_max() {
-        let (base, max) = (Duration::from_millis(200), Duration::from_secs(30));
-        assert_eq!(ceiling(base, max, 1), base);
-        assert_eq!(ceiling(base, max, 3), Duration::from_millis(800));
-        assert_eq!(ceiling(base, max, 40), max);
-        assert_eq!(ceiling(base, max, u32::MAX), max);
-    }
 
     #[test]
     fn delays_stay_within_min_and_a_doubling_ceiling() {
@@ -69,15 +45,5 @@ mod tests {
             assert!(d >= min && d <= top, "{d:?} outside [{min:?}, {top:?}]");
             top = (top * 2).min(max);
         }
-        b.reset();
-        assert!(b.next_delay() <= min);
-    }
-
-    #[test]
-    fn full_jitter_never_exceeds_its_ceiling() {
-        for _ in 0..1000 {
-            assert!(full_jitter(Duration::from_millis(5)) <= Duration::from_millis(5));
-        }
-        assert_eq!(full_jitter(Duration::ZERO), Duration::ZERO);
     }
 }

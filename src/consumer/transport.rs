@@ -25,10 +25,7 @@
 //! records each decision as a value. The conformance kit
 //! (`idempo::testing::conformance`) says what every transport must show.
 
-pub use crate::runtime::headers::HeaderValue;
+pub use crate::runtime::message::HeaderValue;
 pub use crate::runtime::transport::{
     Deliveries, Feed, FeedEnd, Finished, Later, Letter, Refused, Setup, Transport,
 };
-#[cfg(feature = "outbox")]
-#[cfg_attr(docsrs, doc(cfg(feature = "outbox")))]
-pub use crate::runtime::transport::{RelayContext, RelayTask};

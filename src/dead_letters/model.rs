@@ -225,7 +225,7 @@ impl LetterDetail {
     /// failed attempts in a trace backend.
     pub fn trace_id(&self) -> Option<&str> {
         let traceparent = self.headers.get(crate::headers::TRACEPARENT_HEADER)?;
-        crate::headers::trace_id(traceparent.as_str()?)
+        crate::trace_id::trace_id(traceparent.as_str()?)
     }
 }
 

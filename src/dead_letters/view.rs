@@ -5,13 +5,15 @@
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value as Json};
 
 use crate::properties::{Properties, Value};
-use crate::runtime::headers::REPLAY_HISTORY_HEADER;
-use crate::runtime::headers::{
+use crate::runtime::header_names::REPLAY_HISTORY_HEADER;
+use crate::runtime::header_names::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, rfc3339, truncate,
+    MESSAGE_ID_HEADER, QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER,
 };
+use crate::runtime::headers::{rfc3339, truncate};
 
 /// How many times the message was replayed in all (an integer), including
 /// the replays whose records left the [`REPLAY_HISTORY_HEADER`]. Written
@@ -41,17 +43,57 @@ const RESET_ON_REPLAY: [&str; 5] = [
 /// The runtime publishes each dead letter with its reason, the last error,
 /// the failed attempts, the consumer, the queue and routing key it came
 /// from, and when its first and last attempts failed (see the
-/// [`REASON_HEADER`](crate::runtime::headers::REASON_HEADER) family of constants). This view
+/// [`REASON_HEADER`](crate::runtime::header_names::REASON_HEADER) family of constants). This view
 /// reads them from the letter's properties in idempo's encoding (a DLQ
 /// delivery's are converted first): text headers must be UTF-8 (a value
 /// that is not reads as absent, as it does for the runtime).
 ///
-/// A message without [`QUEUE_HEADER`](crate::runtime::headers::QUEUE_HEADER) was not
+/// A message without [`QUEUE_HEADER`](crate::runtime::header_names::QUEUE_HEADER) was not
 /// dead-lettered by idempo ([`is_foreign`](Self::is_foreign)): put into the
 /// DLQ by hand, or by the broker's own dead-lettering.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DeadLetter<'a> {
     properties: &'a Properties,
+}
+
+/// What the operators read of a letter's properties, and how a replay
+/// changes them.
+impl Properties {
+    /// The header `name` (the last, when a name repeats).
+    pub(crate) fn header(&self, name: &str) -> Option<&Value> {
+        self.headers
+            .as_ref()?
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v)
+    }
+
+    /// The header `name` as text ([`Value::text`]).
+    pub(crate) fn header_text(&self, name: &str) -> Option<String> {
+        self.header(name)?.text()
+    }
+
+    /// The `message_id` field as text.
+    pub(crate) fn message_id(&self) -> Option<String> {
+        let (_, id) = self.fields.iter().find(|(n, _)| n == "message_id")?;
+        id.text()
+    }
+
+    /// Removes header `name`.
+    pub(crate) fn remove_header(&mut self, name: &str) {
+        if let Some(headers) = &mut self.headers {
+            headers.retain(|(n, _)| n != name);
+        }
+    }
+
+    /// The fields as a JSON object.
+    pub(crate) fn fields_json(&self) -> Map<String, Json> {
+        self.fields
+            .iter()
+            .map(|(name, value)| (name.clone(), value.to_json()))
+            .collect()
+    }
 }
 
 /// What a dead letter looked like before one replay: an element of the
@@ -164,7 +206,7 @@ impl<'a> DeadLetter<'a> {
     }
 
     /// Whether idempo did not dead-letter it: it has no
-    /// [`QUEUE_HEADER`](crate::runtime::headers::QUEUE_HEADER), so a replay needs a target.
+    /// [`QUEUE_HEADER`](crate::runtime::header_names::QUEUE_HEADER), so a replay needs a target.
     pub(crate) fn is_foreign(&self) -> bool {
         self.original_queue().is_none()
     }
@@ -221,6 +263,23 @@ mod tests {
     use std::time::{Duration, UNIX_EPOCH};
 
     use super::*;
+
+    #[test]
+    fn headers_read_as_text() {
+        let p = Properties {
+            fields: vec![("message_id".into(), Value::ShortText("id-1".into()))],
+            headers: Some(vec![
+                ("i64".into(), Value::I64(-64)),
+                ("bool".into(), Value::Bool(true)),
+                ("repeated".into(), Value::Text(b"one".to_vec())),
+                ("repeated".into(), Value::Text(b"two".to_vec())),
+            ]),
+        };
+        assert_eq!(p.header_text("repeated").as_deref(), Some("two"));
+        assert_eq!(p.header_text("i64").as_deref(), Some("-64"));
+        assert_eq!(p.header_text("bool"), None);
+        assert_eq!(p.message_id().as_deref(), Some("id-1"));
+    }
 
     fn properties(headers: &[(&str, Value)]) -> Properties {
         Properties {

@@ -46,7 +46,7 @@ impl AtomicPhase {
             return Ok(tx.clone());
         }
         let begin = tokio::time::timeout(self.timeout, self.pool.begin());
-        let tx = Tx::new(begin.await.map_err(|_| sqlx::Error::PoolTimedOut)??);
+        let tx = Tx::new(begin.await.map_err(|_| sqlx::Error::PoolTimedOut)??, None);
         *slot = Some(tx.clone());
         Ok(tx)
     }

@@ -5,9 +5,7 @@
 
 use std::collections::HashMap;
 
-use sqlx::postgres::PgTransactionManager;
-use sqlx::{AssertSqlSafe, PgExecutor, PgPool, Postgres, Transaction};
-use sqlx_core::transaction::TransactionManager;
+use sqlx::{PgExecutor, PgPool, Postgres, Transaction};
 
 use super::partitioned::PartitionError;
 use super::{Claim, payload_sha256};
@@ -123,72 +121,12 @@ pub(crate) async fn claim_batch(
         .collect()
 }
 
-/// How [`begin_claims`] gets its transaction to READ COMMITTED.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Isolation {
-    /// `BEGIN ISOLATION LEVEL READ COMMITTED`, whatever the session's
-    /// default.
-    Set,
-    /// The caller checked that the pool's sessions default to READ
-    /// COMMITTED ([`reads_committed_by_default`]): one statement less, which
-    /// PostgreSQL's end of transaction does not have to undo.
-    // Only the consumer runtime knows its sessions' default.
-    #[cfg(feature = "amqp")]
-    Default,
-}
-
-/// What the consumer runtime learns once of its pool's sessions.
-#[cfg(feature = "amqp")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Sessions {
-    /// They default to READ COMMITTED (PostgreSQL's own default).
-    pub(crate) read_committed: bool,
-}
-
-/// Asks one of `pool`'s connections for its default isolation level.
-#[cfg(feature = "amqp")]
-pub(crate) async fn sessions(pool: &PgPool) -> Result<Sessions> {
-    let level: String =
-        sqlx::query_scalar("SELECT current_setting('default_transaction_isolation')")
-            .fetch_one(pool)
-            .await?;
-    Ok(Sessions {
-        read_committed: level == "read committed",
-    })
-}
-
-/// Opens a claim's transaction on `pool`: READ COMMITTED whatever the
-/// session's default, unless that is known to be it; then, with
-/// `idle_first`, on an idle connection without the pool's checks when there
-/// is one.
-// Without the consumer runtime, every claim sets its level.
-#[cfg_attr(not(feature = "amqp"), allow(unused_variables))]
-pub(crate) async fn begin(
-    pool: &PgPool,
-    isolation: Isolation,
-    idle_first: bool,
-) -> Result<Transaction<'static, Postgres>> {
-    let begin = match isolation {
-        Isolation::Set => "BEGIN ISOLATION LEVEL READ COMMITTED",
-        #[cfg(feature = "amqp")]
-        Isolation::Default => {
-            // An idle connection as it is: `try_begin` skips the pool's
-            // acquire-time ping (and its `before_acquire` hook), a round trip
-            // per message. A connection that died while idle only fails this
-            // `BEGIN`, which wrote nothing: the pool's checked path follows.
-            if idle_first {
-                match pool.try_begin().await {
-                    Ok(Some(tx)) => return Ok(tx),
-                    Ok(None) => {}
-                    Err(e) => {
-                        tracing::debug!(error = %e, "an idle connection failed BEGIN; taking another");
-                    }
-                }
-            }
-            "BEGIN"
-        }
-    };
-    Ok(pool.begin_with(begin).await?)
+/// Opens a claim's transaction on `pool` at READ COMMITTED, whatever the
+/// session's default.
+pub(crate) async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>> {
+    Ok(pool
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await?)
 }
 
 /// What a stored claim says of a message with `hash`: `None` when there is
@@ -250,45 +188,12 @@ pub(crate) async fn commit(
 const CHECK: &str = "SELECT 1 / count(*) FROM processed_messages \
      WHERE consumer = $1 AND message_id = $2 AND processed_at = now()";
 
-/// The consumer runtime's commit of a unit it claimed itself (so every
-/// claim is in `tx` unless the handler ended the transaction), with
-/// `statements` (SQL of idempo's own, literals only, each followed by `; `)
-/// run just before `COMMIT`: one simple query, one round trip,
-/// `SELECT; <statements>COMMIT AND CHAIN`. Nothing in it reads a table or
-/// needs planning, so PostgreSQL's parse costs less than the round trip of
-/// [`commit`]'s prepared check. It commits nothing:
-/// - in an aborted transaction (the handler ignored a failed statement):
-///   `SELECT` fails (`25P02`), and a simple query stops at its first error;
-/// - when the handler ended the transaction itself: the statements run in
-///   an implicit transaction, where `COMMIT AND CHAIN` fails (`25P01`) and
-///   takes them with it; reported as [`Error::ClaimLost`].
-///
-/// `message_id` names the unit in that error. The empty transaction the
-/// chain opens is rolled back when `tx` is dropped, with the pool's check
-/// of the released connection: no round trip of its own.
-// Only the consumer runtime commits units.
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-pub(crate) async fn commit_unit(
-    mut tx: Transaction<'static, Postgres>,
-    message_id: &str,
-    statements: &str,
-) -> Result<()> {
-    if PgTransactionManager::get_transaction_depth(&tx) != 1 {
-        // Not a unit's transaction: a savepoint's release cannot chain.
-        return Err(sqlx::Error::Protocol("a unit commits its own transaction".into()).into());
-    }
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "SELECT; {statements}COMMIT AND CHAIN"
-    )))
-    .execute(&mut *tx)
-    .await
-    .map_err(lost_on(crate::sqlstate::NO_ACTIVE_TRANSACTION, message_id))?;
-    Ok(())
-}
-
 /// A database error, read as [`Error::ClaimLost`] when its SQLSTATE is
-/// `code` (how that commit learns the claim is gone).
-fn lost_on<'a>(code: &'static str, message_id: &'a str) -> impl FnOnce(sqlx::Error) -> Error + 'a {
+/// `code` (how a commit learns the claim is gone).
+pub(crate) fn lost_on<'a>(
+    code: &'static str,
+    message_id: &'a str,
+) -> impl FnOnce(sqlx::Error) -> Error + 'a {
     move |e| {
         if crate::sqlstate::is(&e, code) {
             Error::ClaimLost {

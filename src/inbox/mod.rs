@@ -74,6 +74,7 @@
 //! same query, before `COMMIT AND CHAIN`. The chained empty transaction is
 //! rolled back with the pool's check of the released connection.
 
+use std::future::Future;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -90,11 +91,7 @@ pub mod partitioned;
 mod reports;
 mod retention;
 
-#[cfg(feature = "amqp")]
-pub(crate) use claim::{Isolation, Sessions, sessions};
 pub use reports::ConsumerClaims;
-#[cfg(feature = "ops")]
-pub(crate) use reports::consumers;
 
 /// What a claim found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,19 +291,16 @@ impl Inbox {
         pool: &PgPool,
         messages: &[(&str, &[u8])],
     ) -> Result<ClaimedBatch> {
-        self.begin_claims(pool, messages, claim::Isolation::Set, false)
-            .await
+        self.begin_claims(messages, claim::begin(pool)).await
     }
 
-    /// [`begin_batch`](Inbox::begin_batch), with the isolation level set or
-    /// known to be the sessions' default, and, with `idle_first`, on an idle
-    /// connection taken without the pool's checks ([`claim::begin`]).
+    /// [`begin_batch`](Inbox::begin_batch) in the transaction `begin` opens
+    /// (awaited only once every id is valid): the consumer runtime opens
+    /// its units' its own way.
     pub(crate) async fn begin_claims(
         &self,
-        pool: &PgPool,
         messages: &[(&str, &[u8])],
-        isolation: claim::Isolation,
-        idle_first: bool,
+        begin: impl Future<Output = Result<Transaction<'static, Postgres>>>,
     ) -> Result<ClaimedBatch> {
         // An invalid id costs no round trip.
         for (id, _) in messages {
@@ -315,7 +309,7 @@ impl Inbox {
         // BEGIN, then the claims as an `INSERT ... ON CONFLICT DO NOTHING`
         // that reports what it inserted: a duplicate raises nothing (no
         // ERROR line in PostgreSQL's log, no aborted transaction).
-        let mut tx = claim::begin(pool, isolation, idle_first).await?;
+        let mut tx = begin.await?;
         let claims = match messages {
             [(id, body)] => vec![self.claim(&mut tx, id, body).await?],
             _ => self.claim_batch(&mut tx, messages).await?,

@@ -100,8 +100,6 @@ use crate::error::Error;
 mod maintenance;
 
 pub use maintenance::{Maintained, Partition, Switched};
-#[cfg(feature = "amqp")]
-pub(crate) use maintenance::{is_partitioned, maintain};
 
 /// Why the partitioned mode refused.
 #[derive(Debug, thiserror::Error)]

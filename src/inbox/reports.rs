@@ -87,16 +87,3 @@ impl ConsumerClaims {
         .await?)
     }
 }
-
-/// The consumers that hold claims, in order.
-///
-/// # Errors
-/// [`Error::Database`] when the query fails.
-#[cfg(feature = "ops")]
-pub(crate) async fn consumers(pool: &PgPool) -> Result<Vec<String>> {
-    Ok(
-        sqlx::query_scalar("SELECT DISTINCT consumer FROM processed_messages ORDER BY 1")
-            .fetch_all(pool)
-            .await?,
-    )
-}

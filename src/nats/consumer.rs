@@ -31,67 +31,73 @@ const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
 /// A [`NatsError`](super::NatsError) before anything is consumed: the
 /// server refuses the credentials, has no JetStream, or the stream or the
 /// durable consumer conflicts with what the runtime needs.
-pub(crate) async fn consume(nats: Arc<Nats>, deliveries: &mut Deliveries<Nats>) -> Result<()> {
-    let health = deliveries.health().clone();
-    let Some(client) = connect::client(
-        &nats.url,
-        deliveries.consumer(),
-        &health,
-        deliveries.shutdown(),
-    )
-    .await?
-    else {
-        return Ok(());
-    };
-    connect::check_jetstream(&client, &nats.url).await?;
-    let context = jetstream::new(client);
-    let mut pull = nats.topology.ensure(&context).await?;
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
-    loop {
-        let messages = pull
-            .stream()
-            // Twice what may be unacknowledged: the request stays open
-            // while acks free room, instead of ending at each batch.
-            .max_messages_per_batch((nats.topology.max_ack_pending as usize * 2).max(200))
-            .expires(PULL_EXPIRES)
-            .heartbeat(PULL_HEARTBEAT)
-            .messages()
-            .await;
-        match messages {
-            Ok(messages) => {
-                health.set_state(RuntimeState::Consuming);
-                tracing::info!(
-                    consumer = %deliveries.consumer(),
-                    stream = %nats.topology.stream,
-                    subject = %nats.topology.subject,
-                    "consuming"
-                );
-                backoff.reset();
-                let mut feed = NatsFeed {
-                    messages,
-                    health: health.clone(),
-                };
-                match deliveries.dispatch(&mut feed).await {
-                    FeedEnd::Lost { error, .. } => lost(&health, error),
-                    _ => {
-                        // Stop pulling; the units in flight finish and are
-                        // acknowledged before the consumer returns.
-                        health.set_state(RuntimeState::Stopping);
-                        deliveries.drain().await;
-                        return Ok(());
+impl Nats {
+    pub(crate) async fn consume_stream(
+        self: Arc<Self>,
+        deliveries: &mut Deliveries<Nats>,
+    ) -> Result<()> {
+        let nats = self;
+        let health = deliveries.health().clone();
+        let Some(client) = connect::client(
+            &nats.url,
+            deliveries.consumer(),
+            &health,
+            deliveries.shutdown(),
+        )
+        .await?
+        else {
+            return Ok(());
+        };
+        connect::check_jetstream(&client, &nats.url).await?;
+        let context = jetstream::new(client);
+        let mut pull = nats.topology.ensure(&context).await?;
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+        loop {
+            let messages = pull
+                .stream()
+                // Twice what may be unacknowledged: the request stays open
+                // while acks free room, instead of ending at each batch.
+                .max_messages_per_batch((nats.topology.max_ack_pending as usize * 2).max(200))
+                .expires(PULL_EXPIRES)
+                .heartbeat(PULL_HEARTBEAT)
+                .messages()
+                .await;
+            match messages {
+                Ok(messages) => {
+                    health.set_state(RuntimeState::Consuming);
+                    tracing::info!(
+                        consumer = %deliveries.consumer(),
+                        stream = %nats.topology.stream,
+                        subject = %nats.topology.subject,
+                        "consuming"
+                    );
+                    backoff.reset();
+                    let mut feed = NatsFeed {
+                        messages,
+                        health: health.clone(),
+                    };
+                    match deliveries.dispatch(&mut feed).await {
+                        FeedEnd::Lost { error, .. } => lost(&health, error),
+                        _ => {
+                            // Stop pulling; the units in flight finish and are
+                            // acknowledged before the consumer returns.
+                            health.set_state(RuntimeState::Stopping);
+                            deliveries.drain().await;
+                            return Ok(());
+                        }
                     }
                 }
+                Err(e) => lost(&health, format!("cannot pull from JetStream: {e}")),
             }
-            Err(e) => lost(&health, format!("cannot pull from JetStream: {e}")),
-        }
-        health.set_state(RuntimeState::Reconnecting);
-        tokio::select! {
-            () = deliveries.stopping() => return Ok(()),
-            () = tokio::time::sleep(backoff.next_delay()) => {}
-        }
-        match again(&nats, &context).await {
-            Ok(again) => pull = again,
-            Err(e) => lost(&health, format!("cannot set up the consumer again: {e}")),
+            health.set_state(RuntimeState::Reconnecting);
+            tokio::select! {
+                () = deliveries.stopping() => return Ok(()),
+                () = tokio::time::sleep(backoff.next_delay()) => {}
+            }
+            match again(&nats, &context).await {
+                Ok(again) => pull = again,
+                Err(e) => lost(&health, format!("cannot set up the consumer again: {e}")),
+            }
         }
     }
 }

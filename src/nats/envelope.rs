@@ -5,7 +5,7 @@
 
 use async_nats::HeaderMap;
 
-use crate::runtime::headers::ATTEMPTS_HEADER;
+use crate::runtime::header_names::ATTEMPTS_HEADER;
 use crate::runtime::message::{Envelope, HeaderRef, Message};
 
 /// The header JetStream deduplicates publishes on, and the id a
@@ -118,7 +118,6 @@ pub(crate) fn message(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::headers::Failures;
 
     #[test]
     fn the_id_is_the_msg_id_header_and_attempts_the_delivery_count() {
@@ -128,10 +127,10 @@ mod tests {
         let first = message("payments", b"{}".to_vec(), Some(headers.clone()), 1, 7);
         assert_eq!(first.transport_id(), Some("pay-1"));
         assert_eq!(first.header_text("x-tenant").as_deref(), Some("acme"));
-        assert_eq!(Failures::previous_attempts(&first), 0);
+        assert_eq!(first.failed_attempts(), 0);
         assert!(!first.redelivered());
         let third = message("payments", b"{}".to_vec(), Some(headers), 3, 7);
-        assert_eq!(Failures::previous_attempts(&third), 2);
+        assert_eq!(third.failed_attempts(), 2);
         assert_eq!(third.attempt(), 3);
         assert!(third.redelivered());
         let js = third.jetstream().expect("a JetStream delivery");

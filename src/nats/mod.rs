@@ -26,6 +26,7 @@
 //! See [`Consumer`]; the `payments` example runs on NATS with
 //! `PAYMENTS_TRANSPORT=nats`.
 
+mod builder;
 mod connect;
 mod consumer;
 #[cfg(feature = "ops")]
@@ -42,8 +43,6 @@ mod transport;
 
 pub use envelope::JetStreamDelivery;
 pub use error::NatsError;
-pub use options::NatsOptions;
-pub use pipeline::Receipt;
 /// The outbox relay to JetStream: the relay on [`Nats`].
 pub type Relay = crate::relay::Relay<Nats>;
 pub use transport::Nats;
@@ -52,7 +51,18 @@ pub use transport::Nats;
 pub type Consumer = crate::runtime::consumer::Consumer<Nats>;
 
 /// Configures a JetStream [`Consumer`]: the runtime's builder on [`Nats`],
-/// with the options of every transport and JetStream's own ([`NatsOptions`]).
+/// with the options of every transport and JetStream's own (`stream`,
+/// `subject`, `ack_wait`, `duplicate_window`, `relay_stream`, ...).
+///
+/// # JetStream's defaults
+/// - stream: the one named with
+///   [`stream`](crate::consumer::ConsumerBuilder::stream), created (file
+///   storage, limits retention, taking the subject) when missing;
+/// - subject: the stream's name;
+/// - the durable JetStream consumer: named after the idempo consumer;
+/// - `ack_wait`: 30 s (a running handler's messages are kept with
+///   in-progress acks every third of it);
+/// - the duplicate window of the streams idempo creates: JetStream's (2 min).
 pub type ConsumerBuilder<Mode = crate::runtime::mode::NoHandler> =
     crate::runtime::builder::ConsumerBuilder<Nats, Mode>;
 

@@ -25,7 +25,7 @@ use crate::outbox::packed::Staged;
 use crate::relay::running::Running;
 use crate::relay::said::{Envelope, Said};
 use crate::relay::{Link, Publish, Relay};
-use crate::runtime::headers::REPLAY_HISTORY_HEADER;
+use crate::runtime::header_names::REPLAY_HISTORY_HEADER;
 use crate::runtime::health::Health;
 
 /// Where the JetStream relay publishes.

@@ -76,7 +76,7 @@ impl Transport for Nats {
     }
 
     async fn consume(self: Arc<Self>, deliveries: &mut Deliveries<Self>) -> Result<()> {
-        super::consumer::consume(self, deliveries).await
+        self.consume_stream(deliveries).await
     }
 
     fn span(&self, consumer: &str, messages: &[Message]) -> tracing::Span {

@@ -125,7 +125,10 @@ pub async fn reap(
         )));
     }
     let pool = services.database().await?;
-    if partitioned::is_partitioned(pool).await.unwrap_or(false) {
+    if partitioned::Partitioning::table_is_partitioned(pool)
+        .await
+        .unwrap_or(false)
+    {
         return Err(OpsError::Idempo(crate::Error::Config(
             "processed_messages is partitioned: its claims go with their partitions \
              (`idempo partitions maintain`), not by DELETE"
@@ -133,7 +136,7 @@ pub async fn reap(
         )));
     }
     let consumers = if consumers.is_empty() {
-        crate::inbox::consumers(pool).await?
+        consumers_with_claims(pool).await?
     } else {
         consumers.to_vec()
     };
@@ -228,4 +231,13 @@ where
     };
     on_progress(Progress::Done(&done));
     Ok(Some(done))
+}
+
+/// The consumers that hold claims, in order.
+async fn consumers_with_claims(pool: &sqlx::PgPool) -> crate::Result<Vec<String>> {
+    Ok(
+        sqlx::query_scalar("SELECT DISTINCT consumer FROM processed_messages ORDER BY 1")
+            .fetch_all(pool)
+            .await?,
+    )
 }

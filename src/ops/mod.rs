@@ -118,7 +118,7 @@ impl Services {
     }
 
     /// The NATS URL, if one was given.
-    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
+    #[cfg(feature = "nats")]
     pub(crate) fn nats_url(&self) -> Option<&str> {
         self.nats_url.as_deref()
     }
@@ -298,15 +298,37 @@ pub fn operator(tool: &str, user: &str) -> String {
 /// PostgreSQL's `undefined_table` (42P01): a table of a feature whose
 /// migration did not run.
 fn undefined_table(error: &sqlx::Error) -> bool {
-    crate::sqlstate::is(error, crate::sqlstate::UNDEFINED_TABLE)
+    crate::sqlstate::is(error, UNDEFINED_TABLE)
 }
+
+/// `undefined_table`: a table whose migration did not run.
+const UNDEFINED_TABLE: &str = "42P01";
 
 /// [`undefined_table`] for the crate's error.
 fn missing_table(error: &crate::Error) -> bool {
     matches!(error, crate::Error::Database(e) if undefined_table(e))
 }
 
-pub use crate::duration::short_duration;
+/// A duration as the operations print it: one unit, rounded down (`250ms`,
+/// `90s`, `45m`, `36h`, `7d`).
+///
+/// ```
+/// use std::time::Duration;
+/// use idempo::ops::short_duration;
+///
+/// assert_eq!(short_duration(Duration::from_millis(250)), "250ms");
+/// assert_eq!(short_duration(Duration::from_secs(90)), "90s");
+/// assert_eq!(short_duration(Duration::from_secs(7 * 86_400)), "7d");
+/// ```
+pub fn short_duration(d: std::time::Duration) -> String {
+    match d.as_secs() {
+        0 => format!("{}ms", d.as_millis()),
+        s if s < 120 => format!("{s}s"),
+        s if s < 7_200 => format!("{}m", s / 60),
+        s if s < 172_800 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
+    }
+}
 
 /// Closes a broker connection, ignoring errors (it is being let go).
 async fn close(connection: &Connection) {
@@ -316,6 +338,17 @@ async fn close(connection: &Connection) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_print_in_one_unit() {
+        let s = std::time::Duration::from_secs;
+        assert_eq!(short_duration(std::time::Duration::ZERO), "0ms");
+        assert_eq!(short_duration(s(119)), "119s");
+        assert_eq!(short_duration(s(120)), "2m");
+        assert_eq!(short_duration(s(7_199)), "119m");
+        assert_eq!(short_duration(s(7_200)), "2h");
+        assert_eq!(short_duration(s(172_800)), "2d");
+    }
 
     #[test]
     fn errors_stay_small() {

@@ -439,21 +439,25 @@ async fn stream_statuses(
     streams: &[(String, Vec<String>)],
 ) -> Vec<QueueStatus> {
     // (exists, pending, consumers) per stream, when NATS answered.
-    let mut depths: Vec<Option<(bool, u64, u32)>> = vec![None; streams.len()];
     #[cfg(feature = "nats")]
-    if let (Some(url), false) = (services.nats_url(), streams.is_empty()) {
-        match crate::nats::depth::stream_depths(url, streams).await {
-            Ok(found) => {
-                depths = found
-                    .into_iter()
-                    .map(|d| Some((d.exists, d.pending, d.consumers)))
-                    .collect();
+    let depths = match (services.nats_url(), streams.is_empty()) {
+        (Some(url), false) => match crate::nats::depth::stream_depths(url, streams).await {
+            Ok(found) => found
+                .into_iter()
+                .map(|d| Some((d.exists, d.pending, d.consumers)))
+                .collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "status: cannot ask NATS about its streams");
+                vec![None; streams.len()]
             }
-            Err(e) => tracing::warn!(error = %e, "status: cannot ask NATS about its streams"),
-        }
-    }
+        },
+        _ => vec![None; streams.len()],
+    };
     #[cfg(not(feature = "nats"))]
-    let _ = services;
+    let depths: Vec<Option<(bool, u64, u32)>> = {
+        let _ = services;
+        vec![None; streams.len()]
+    };
     streams
         .iter()
         .zip(depths)

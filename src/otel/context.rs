@@ -1,40 +1,42 @@
 //! W3C trace context in and out of message headers: the creation context a
-//! message carries, and the current span's context for what is staged.
+//! message carries (read by the consumer runtime and the relay), and the
+//! current span's context for what is staged (the outbox).
 
-use std::collections::HashMap;
-
-use opentelemetry::Context;
-use opentelemetry::propagation::{Extractor, TextMapPropagator};
-use opentelemetry::trace::{SpanContext, TraceContextExt};
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::TraceContextExt;
+#[cfg(idempo_runtime)]
+use opentelemetry::{Context, propagation::Extractor, trace::SpanContext};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::headers::{TRACEPARENT_HEADER, TRACESTATE_HEADER};
+use crate::headers::TRACEPARENT_HEADER;
 
+#[cfg(idempo_runtime)]
 struct Carrier<'a> {
     traceparent: &'a str,
     tracestate: Option<&'a str>,
 }
 
+#[cfg(idempo_runtime)]
 impl Extractor for Carrier<'_> {
     fn get(&self, key: &str) -> Option<&str> {
         match key {
             TRACEPARENT_HEADER => Some(self.traceparent),
-            TRACESTATE_HEADER => self.tracestate,
+            crate::headers::TRACESTATE_HEADER => self.tracestate,
             _ => None,
         }
     }
 
     fn keys(&self) -> Vec<&str> {
-        vec![TRACEPARENT_HEADER, TRACESTATE_HEADER]
+        vec![TRACEPARENT_HEADER, crate::headers::TRACESTATE_HEADER]
     }
 }
 
 /// The span context a `traceparent` (and `tracestate`) names, when valid.
+#[cfg(idempo_runtime)]
 pub(crate) fn span_context(traceparent: &str, tracestate: Option<&str>) -> Option<SpanContext> {
     // The propagator does not check the shape whole (it takes
     // `00-abc-def-01` for a trace).
-    crate::headers::trace_id(traceparent)?;
+    crate::trace_id::trace_id(traceparent)?;
     let carrier = Carrier {
         traceparent,
         tracestate,
@@ -45,23 +47,26 @@ pub(crate) fn span_context(traceparent: &str, tracestate: Option<&str>) -> Optio
 }
 
 /// A context whose (remote) parent is `span`.
+#[cfg(idempo_runtime)]
 pub(crate) fn remote_parent(span: SpanContext) -> Context {
     Context::new().with_remote_span_context(span)
 }
 
 /// The current `tracing` span's OpenTelemetry context as a `traceparent`,
 /// when there is a traced span (an OpenTelemetry layer is installed).
+#[cfg(feature = "outbox")]
 pub(crate) fn current_traceparent() -> Option<String> {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
     let cx = tracing::Span::current().context();
     if !cx.span().span_context().is_valid() {
         return None;
     }
-    let mut headers = HashMap::new();
+    let mut headers = std::collections::HashMap::new();
     TraceContextPropagator::new().inject_context(&cx, &mut headers);
     headers.remove(TRACEPARENT_HEADER)
 }
 
-#[cfg(test)]
+#[cfg(all(test, idempo_runtime))]
 mod tests {
     use super::*;
 

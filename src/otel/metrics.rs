@@ -2,11 +2,10 @@
 //! application's meter provider (if any) exports. Names and units follow
 //! the messaging conventions where they have one.
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter};
+use opentelemetry::metrics::{Counter, Histogram, Meter};
 
 const GROUP: &str = "messaging.consumer.group.name";
 
@@ -87,16 +86,18 @@ impl Consumer {
 }
 
 /// The relay's instruments (one set per process).
+#[cfg(feature = "outbox")]
 pub(crate) struct Relay {
     sent: Counter<u64>,
     send: Histogram<f64>,
-    pending: Gauge<u64>,
-    oldest: Gauge<f64>,
+    pending: opentelemetry::metrics::Gauge<u64>,
+    oldest: opentelemetry::metrics::Gauge<f64>,
 }
 
+#[cfg(feature = "outbox")]
 impl Relay {
     pub(crate) fn get() -> &'static Relay {
-        static RELAY: OnceLock<Relay> = OnceLock::new();
+        static RELAY: std::sync::OnceLock<Relay> = std::sync::OnceLock::new();
         RELAY.get_or_init(|| {
             let meter = meter();
             Relay {

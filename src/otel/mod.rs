@@ -85,11 +85,12 @@
 //! # }
 //! ```
 
-// Read by the runtime and the relay (feature `amqp`); the outbox alone
-// stages with the current context only.
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+// The trace context is read by the consumer runtime and the relay, and
+// written by the outbox's staging; the instruments are the runtime's and
+// the relay's.
+#[cfg(any(idempo_runtime, feature = "outbox"))]
 pub(crate) mod context;
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+#[cfg(idempo_runtime)]
 pub(crate) mod metrics;
 mod telemetry;
 

@@ -5,10 +5,13 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::OutboxError;
+#[cfg(feature = "testing")]
 use super::packed::Staged;
+use super::wire_size::{self, MAX_SHORT_STRING, PROPERTY_FLAGS};
 use crate::message_id::validate_message_id;
+#[cfg(feature = "amqp")]
 use crate::properties::{Properties, Value as Typed};
-use crate::wire_size::{self, HEADER_FRAME_OVERHEAD, MAX_SHORT_STRING, PROPERTY_FLAGS};
+use crate::wire_size::{DEFAULT_FRAME_MAX, HEADER_FRAME_OVERHEAD};
 
 /// The largest body staged unless [`OutboxMessage::max_body_size`] says
 /// otherwise: RabbitMQ 4's default `max_message_size` (16 MiB), the strictest
@@ -18,7 +21,7 @@ pub const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
 
 /// Staging refuses properties that would not fit a frame of RabbitMQ's
 /// default size.
-pub(crate) const MAX_HEADER_FRAME: usize = wire_size::DEFAULT_FRAME_MAX;
+pub(crate) const MAX_HEADER_FRAME: usize = DEFAULT_FRAME_MAX;
 
 /// A message to publish once the staging transaction commits: exchange,
 /// routing key, body and AMQP properties. Persistent by default; its
@@ -55,7 +58,9 @@ pub struct OutboxMessage {
     pub(crate) ordering_key: Option<String>,
     pub(crate) max_body_size: usize,
     /// Exact properties and typed headers, published as they are (see
-    /// `amqp_properties`; a replayed dead letter's).
+    /// `amqp_properties`; a replayed dead letter's): only the AMQP adapter
+    /// and the operations' replay set them.
+    #[cfg(feature = "amqp")]
     pub(crate) exact: Option<Properties>,
     /// The transport whose relay publishes it; `None`: the staging
     /// consumer's, or [`DEFAULT_TRANSPORT`] outside a consumer.
@@ -86,6 +91,7 @@ impl OutboxMessage {
             headers: Map::new(),
             ordering_key: None,
             max_body_size: DEFAULT_MAX_BODY_SIZE,
+            #[cfg(feature = "amqp")]
             exact: None,
             transport: None,
         }
@@ -179,12 +185,14 @@ impl OutboxMessage {
     /// [`transient`](Self::transient) and [`header`](Self::header) set:
     /// the message's id is their `message_id`; without one, the outbox keeps
     /// a generated id for its row and publishes none.
+    #[cfg(feature = "amqp")]
     pub(crate) fn with_exact(mut self, exact: Properties) -> Self {
-        let text = |name: &str| exact.field(name).and_then(Typed::text);
+        let field = |name: &str| exact.fields.iter().find(|(n, _)| n == name).map(|(_, v)| v);
+        let text = |name: &str| field(name).and_then(Typed::text);
         self.message_id = text("message_id");
         self.content_type = text("content_type");
         self.correlation_id = text("correlation_id");
-        self.persistent = exact.field("delivery_mode") != Some(&Typed::U8(1));
+        self.persistent = field("delivery_mode") != Some(&Typed::U8(1));
         self.headers = exact.headers_json();
         self.exact = Some(exact);
         self
@@ -277,7 +285,7 @@ impl OutboxMessage {
 
     /// A staged message as read back from the outbox table, with the
     /// ordering key of its row.
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    #[cfg(feature = "testing")]
     pub(crate) fn from_staged(staged: Staged, ordering_key: Option<String>) -> Self {
         let headers = match serde_json::from_str(&staged.headers) {
             Ok(Value::Object(headers)) => headers,
@@ -300,7 +308,7 @@ impl OutboxMessage {
     }
 
     /// The message as the relay publishes it (its id must be set).
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    #[cfg(feature = "testing")]
     pub(crate) fn to_staged(&self) -> Staged {
         Staged {
             exchange: self.exchange.clone(),
@@ -311,10 +319,28 @@ impl OutboxMessage {
             persistent: self.persistent,
             headers: self.headers_text(),
             body: self.body.clone(),
-            exact: self.exact.as_ref().map(Properties::encode),
+            exact: self.exact_encoded(),
             legacy: None,
             transport: self.transport_or_default().to_owned(),
         }
+    }
+
+    /// Whether it carries exact properties.
+    fn has_exact(&self) -> bool {
+        #[cfg(feature = "amqp")]
+        let exact = self.exact.is_some();
+        #[cfg(not(feature = "amqp"))]
+        let exact = false;
+        exact
+    }
+
+    /// The exact properties in idempo's encoding, as the row keeps them.
+    pub(crate) fn exact_encoded(&self) -> Option<Vec<u8>> {
+        #[cfg(feature = "amqp")]
+        let encoded = self.exact.as_ref().map(Properties::encode);
+        #[cfg(not(feature = "amqp"))]
+        let encoded = None;
+        encoded
     }
 
     /// The transport the row is written for.
@@ -327,7 +353,7 @@ impl OutboxMessage {
     /// properties becomes U+FFFD there; the properties keep it).
     pub(crate) fn headers_text(&self) -> String {
         let text = serde_json::to_string(&self.headers).expect("a JSON map serialises");
-        if self.exact.is_some() {
+        if self.has_exact() {
             text.replace("\\u0000", "\\ufffd")
         } else {
             text
@@ -339,6 +365,7 @@ impl OutboxMessage {
     /// maps JSON as `amqp::relay`'s `frame` does; a test there checks that
     /// both agree).
     pub(crate) fn header_frame_size(&self) -> usize {
+        #[cfg(feature = "amqp")]
         if let Some(exact) = &self.exact {
             return HEADER_FRAME_OVERHEAD + wire_size::properties(exact);
         }
@@ -393,7 +420,7 @@ impl OutboxMessage {
         for (name, value) in &self.headers {
             short_string("header name", name)?;
             // Exact properties carry a NUL; only their readable copy loses it.
-            if self.exact.is_none() && holds_nul(value) {
+            if !self.has_exact() && holds_nul(value) {
                 // The outbox stores headers as jsonb, which refuses \u0000.
                 return Err(OutboxError::InvalidField {
                     field: "header value",

@@ -48,14 +48,17 @@
 //! key](OutboxMessage::ordering_key) are published in commit order.
 
 mod admin;
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+// The relays' side of the table, and the consumer's link to the relay it
+// runs: the consumer runtime's.
+#[cfg(idempo_runtime)]
 pub(crate) mod batch;
 mod message;
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
 pub(crate) mod packed;
+#[cfg(idempo_runtime)]
 mod relay_link;
 mod stage;
 mod unit;
+mod wire_size;
 
 use std::future::Future;
 
@@ -63,12 +66,14 @@ use sha2::{Digest, Sha256};
 
 pub use admin::{FailedMessage, OutboxStatus, PendingGroup};
 pub use message::{DEFAULT_MAX_BODY_SIZE, OutboxMessage};
-// The consumer's commit of a unit's staging: used by the AMQP runtime only.
-#[cfg(feature = "amqp")]
+// The consumer runtime's side: the link to the relay it runs, and its
+// units' commit of what their handlers deferred.
+#[cfg(idempo_runtime)]
 pub(crate) use relay_link::{Publishing, RelayLink};
-#[cfg(feature = "amqp")]
-pub(crate) use stage::commit_unit;
+#[cfg(idempo_runtime)]
+pub(crate) use stage::deferred_statements;
 pub use stage::{StageTarget, stage, stage_all};
+#[cfg(idempo_runtime)]
 pub(crate) use unit::UnitOutbox;
 
 /// Why a message could not be staged.
@@ -116,7 +121,7 @@ pub enum OutboxError {
     /// No message id could be drawn: the operating system gave no random
     /// bytes.
     #[error(transparent)]
-    Randomness(#[from] crate::random::RandomnessUnavailable),
+    Randomness(#[from] crate::RandomnessUnavailable),
 }
 
 impl From<OutboxError> for crate::Error {
@@ -178,7 +183,7 @@ pub(crate) fn current_traceparent() -> Option<String> {
 ///
 /// # Errors
 /// The delete failed.
-#[cfg(feature = "amqp")]
+#[cfg(idempo_runtime)]
 pub(crate) async fn delete_published_before(
     pool: &sqlx::PgPool,
     keep: std::time::Duration,

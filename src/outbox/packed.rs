@@ -11,6 +11,8 @@ const VERSION: u8 = 3;
 
 /// A message as the relay publishes it: from a row of its own or from a
 /// packed row.
+// The reading side is the relays' (and the test kit's).
+#[cfg(idempo_runtime)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Staged {
     pub(crate) exchange: String,
@@ -41,7 +43,7 @@ pub(crate) fn encode(messages: &[OutboxMessage]) -> Vec<u8> {
     out.extend_from_slice(&(messages.len() as u32).to_be_bytes());
     for m in messages {
         let headers = m.headers_text();
-        let exact = m.exact.as_ref().map(crate::properties::Properties::encode);
+        let exact = m.exact_encoded();
         for field in [
             Some(m.exchange.as_bytes()),
             Some(m.routing_key.as_bytes()),
@@ -66,6 +68,7 @@ pub(crate) fn encode(messages: &[OutboxMessage]) -> Vec<u8> {
 }
 
 /// Decodes what [`encode`] wrote.
+#[cfg(idempo_runtime)]
 pub(crate) fn decode(bytes: &[u8], transport: &str) -> Result<Vec<Staged>, String> {
     let mut input = Reader { bytes, at: 0 };
     let version = input.take(1)?[0];
@@ -107,11 +110,13 @@ pub(crate) fn decode(bytes: &[u8], transport: &str) -> Result<Vec<Staged>, Strin
     Ok(messages)
 }
 
+#[cfg(idempo_runtime)]
 struct Reader<'a> {
     bytes: &'a [u8],
     at: usize,
 }
 
+#[cfg(idempo_runtime)]
 impl Reader<'_> {
     fn take(&mut self, n: usize) -> Result<&[u8], String> {
         let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len());
@@ -134,7 +139,7 @@ impl Reader<'_> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, idempo_runtime))]
 mod tests {
     use super::*;
 

@@ -1,14 +1,11 @@
 //! Staging: [`stage`] and [`stage_all`] write messages as `outbox` rows in
 //! the caller's transaction; all staging SQL on the table lives here.
 
-use std::sync::Arc;
-
 use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, Postgres, Transaction};
 
 use super::unit::UnitOutbox;
 use super::{OutboxError, OutboxMessage, current_traceparent, packed};
-use crate::TxGuard;
 use crate::headers::TRACEPARENT_HEADER;
 
 /// The first key of the advisory locks that order staging per ordering key
@@ -17,7 +14,7 @@ const ORDERING_LOCK_SPACE: i32 = 0x6f75_7462;
 
 /// A connection inside a transaction that messages can be staged on: a
 /// `&mut` of a [`sqlx::Transaction`], a [`PgConnection`], a pooled
-/// connection, or the [`TxGuard`] of a handler's [`Tx`](crate::Tx).
+/// connection, or the [`TxGuard`](crate::TxGuard) of a handler's [`Tx`](crate::Tx).
 ///
 /// A consumer handler's guard is the fast path: messages without an ordering
 /// key staged through it are written by the statement that checks the
@@ -35,6 +32,7 @@ mod sealed {
     impl Sealed for sqlx::PgConnection {}
     impl Sealed for sqlx::Transaction<'_, sqlx::Postgres> {}
     impl Sealed for sqlx::pool::PoolConnection<sqlx::Postgres> {}
+    #[cfg(any(idempo_runtime, feature = "http", feature = "saga"))]
     impl Sealed for crate::TxGuard<'_> {}
 }
 
@@ -56,12 +54,15 @@ impl StageTarget for PoolConnection<Postgres> {
     }
 }
 
-impl StageTarget for TxGuard<'_> {
+// The guard of a transaction a runtime owns: a consumer unit's carries its
+// outbox buffer.
+#[cfg(any(idempo_runtime, feature = "http", feature = "saga"))]
+impl StageTarget for crate::TxGuard<'_> {
     fn target(&mut self) -> (&mut PgConnection, Option<&UnitOutbox>) {
-        let (conn, extensions) = self.split();
+        let (conn, attachment) = self.split();
         (
             conn,
-            extensions.get::<Arc<UnitOutbox>>().map(|unit| &**unit),
+            attachment.and_then(|a| a.downcast_ref::<UnitOutbox>()),
         )
     }
 }
@@ -165,26 +166,22 @@ pub async fn stage_all(
     Ok(staged(messages))
 }
 
-/// Commits a consumer unit's transaction with the messages its handler
-/// deferred, written just before `COMMIT` in the same round trip (see
-/// [`inbox::claim::commit_unit`](crate::inbox::claim::commit_unit)).
+/// The statements that write the messages a consumer unit's handler
+/// deferred, which the unit's commit runs just before `COMMIT`, in the same
+/// round trip (`runtime::unit_tx::commit`). Empty when none.
 ///
 /// # Errors
-/// As that function.
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
-pub(crate) async fn commit_unit(
-    unit: &UnitOutbox,
-    tx: Transaction<'static, Postgres>,
-    message_id: &str,
-) -> crate::Result<()> {
+/// A message whose fields cannot be written as literals.
+#[cfg(idempo_runtime)]
+pub(crate) fn deferred_statements(unit: &UnitOutbox) -> crate::Result<String> {
     let (deferred, quiet) = unit.take_deferred();
-    let statements = deferred_rows(&deferred, quiet)?;
-    crate::inbox::claim::commit_unit(tx, message_id, &statements).await
+    deferred_rows(&deferred, quiet)
 }
 
 /// The statements that write a unit's deferred messages, as SQL text with
 /// literals (they travel in one simple query with the unit's
 /// `COMMIT`): a row, or a packed row for several. Empty when none.
+#[cfg(idempo_runtime)]
 fn deferred_rows(deferred: &[OutboxMessage], quiet: bool) -> crate::Result<String> {
     use crate::literal::{bytes, optional_text, text};
     let mut sql = String::new();
@@ -213,9 +210,8 @@ fn deferred_rows(deferred: &[OutboxMessage], quiet: bool) -> crate::Result<Strin
                     optional_text("correlation id", m.correlation_id.as_deref())?,
                     m.persistent.to_string(),
                     format!("{}::jsonb", text("headers", &m.headers_text())?),
-                    m.exact
-                        .as_ref()
-                        .map_or_else(|| "NULL".to_owned(), |e| bytes(&e.encode())),
+                    m.exact_encoded()
+                        .map_or_else(|| "NULL".to_owned(), |e| bytes(&e)),
                     text("transport", m.transport_or_default())?,
                 ];
                 sql.push_str(&values.join(", "));
@@ -272,7 +268,7 @@ async fn insert_one(
     .bind(m.headers_text())
     .bind(&m.ordering_key)
     .bind(notify_setting(quiet))
-    .bind(m.exact.as_ref().map(crate::properties::Properties::encode))
+    .bind(m.exact_encoded())
     .bind(m.transport_or_default())
     .execute(conn)
     .await?;
@@ -338,7 +334,7 @@ async fn insert_rows(
     .bind(
         messages
             .iter()
-            .map(|m| m.exact.as_ref().map(crate::properties::Properties::encode))
+            .map(OutboxMessage::exact_encoded)
             .collect::<Vec<_>>(),
     )
     .bind(column(|m| Some(m.transport_or_default())))

@@ -1,5 +1,5 @@
 //! [`UnitOutbox`]: what a consumer unit's handler staged through its own
-//! guard, kept for the unit's commit ([`commit_unit`](super::commit_unit)).
+//! guard, kept for the unit's commit (`deferred_statements`).
 //! The consumer runtime attaches one to each unit's [`Tx`](crate::Tx) (see
 //! `amqp::outbox`); staging finds it there ([`StageTarget`](super::StageTarget)).
 
@@ -24,18 +24,9 @@ pub struct UnitOutbox {
     deferred: Mutex<Vec<OutboxMessage>>,
 }
 
-// Only the consumer runtime creates units.
-#[cfg_attr(not(feature = "amqp"), allow(dead_code))]
+/// The staging side: what [`stage_all`](super::stage_all) does with the
+/// buffer it finds behind a handler's guard.
 impl UnitOutbox {
-    pub(crate) fn new(quiet: bool, transport: &'static str) -> Self {
-        UnitOutbox {
-            quiet,
-            transport,
-            staged: AtomicBool::new(false),
-            deferred: Mutex::new(Vec::new()),
-        }
-    }
-
     /// The consumer's transport.
     pub(crate) fn transport(&self) -> &'static str {
         self.transport
@@ -59,6 +50,20 @@ impl UnitOutbox {
     pub(crate) fn staged_now(&self) -> bool {
         self.staged.store(true, Ordering::Relaxed);
         self.quiet
+    }
+}
+
+/// The consumer runtime's side: it makes a unit's buffer and commits what
+/// was deferred in it.
+#[cfg(idempo_runtime)]
+impl UnitOutbox {
+    pub(crate) fn new(quiet: bool, transport: &'static str) -> Self {
+        UnitOutbox {
+            quiet,
+            transport,
+            staged: AtomicBool::new(false),
+            deferred: Mutex::new(Vec::new()),
+        }
     }
 
     /// Whether the unit staged anything: its relay is then woken after the

@@ -201,7 +201,7 @@ impl<T: Transport> Consumer<T> {
             return Ok(());
         }
         if config.partitioning.is_some()
-            && !crate::inbox::partitioned::is_partitioned(&config.pool).await?
+            && !crate::inbox::partitioned::Partitioning::table_is_partitioned(&config.pool).await?
         {
             return Err(crate::inbox::partitioned::PartitionError::NotPartitioned.into());
         }
@@ -347,7 +347,7 @@ async fn postgres_tls_refusal(pool: &PgPool) -> Option<Error> {
     let tls = match &error {
         sqlx::Error::Tls(_) => true,
         #[cfg(feature = "tls")]
-        sqlx::Error::Io(io) => crate::error::tls_failure(io).is_some(),
+        sqlx::Error::Io(io) => crate::tls::tls_failure(io).is_some(),
         _ => false,
     };
     tls.then(|| Error::Tls {

@@ -8,6 +8,7 @@
 use sqlx::{Postgres, Transaction};
 
 use crate::Tx;
+use crate::runtime::unit_tx;
 
 pub(crate) use imp::{Forwarding, Unit};
 
@@ -17,6 +18,7 @@ mod imp {
 
     use super::*;
     use crate::outbox::{RelayLink, UnitOutbox};
+    use crate::tx::Attachment;
 
     /// What a unit's handler staged.
     pub(crate) type Unit = Arc<UnitOutbox>;
@@ -49,7 +51,7 @@ mod imp {
             // staging skips NOTIFY (a notifying commit holds a global lock).
             let quiet = self.relay.as_ref().is_some_and(RelayLink::is_publishing);
             let unit = Arc::new(UnitOutbox::new(quiet, self.transport));
-            (Tx::with_extension(tx, unit.clone()), unit)
+            (Tx::new(tx, Some(unit.clone() as Attachment)), unit)
         }
 
         /// Commits the unit with its deferred messages, then wakes the relay
@@ -60,7 +62,8 @@ mod imp {
             tx: Transaction<'static, Postgres>,
             message_id: &str,
         ) -> crate::Result<()> {
-            crate::outbox::commit_unit(unit, tx, message_id).await?;
+            let statements = crate::outbox::deferred_statements(unit)?;
+            unit_tx::commit(tx, message_id, &statements).await?;
             if unit.staged()
                 && let Some(relay) = &self.relay
             {
@@ -88,7 +91,7 @@ mod imp {
         }
 
         pub(crate) fn open(&self, tx: Transaction<'static, Postgres>) -> (Tx, Unit) {
-            (Tx::new(tx), ())
+            (Tx::new(tx, None), ())
         }
 
         pub(crate) async fn commit(
@@ -97,7 +100,7 @@ mod imp {
             tx: Transaction<'static, Postgres>,
             message_id: &str,
         ) -> crate::Result<()> {
-            crate::inbox::claim::commit_unit(tx, message_id, "").await
+            unit_tx::commit(tx, message_id, "").await
         }
     }
 }

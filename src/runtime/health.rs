@@ -108,10 +108,6 @@ impl Health {
         self.update(|s| s.last_error = Some(error));
     }
 
-    pub(crate) fn set_wedged_sessions(&self, n: u32) {
-        self.update(|s| s.wedged_sessions = n);
-    }
-
     pub(crate) fn record_reconnect(&self) {
         self.update(|s| s.reconnects += 1);
     }

@@ -97,7 +97,6 @@ impl Identity {
     }
 
     /// The same, for a consumer of another transport.
-    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
     pub(crate) fn on(mut self, transport: &'static str) -> Self {
         self.transport = transport;
         self

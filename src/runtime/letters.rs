@@ -7,13 +7,11 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use super::headers::HeaderValue;
+use super::message::HeaderValue;
 use super::message::Message;
 use crate::Result;
 
 /// A dead letter as the runtime writes it.
-// Read by the stores (the table store is feature `outbox`).
-#[cfg_attr(not(feature = "outbox"), allow(dead_code))]
 pub(crate) struct NewLetter<'a> {
     /// The transport the message came from: where its replay goes.
     pub(crate) transport: &'static str,

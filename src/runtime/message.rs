@@ -8,6 +8,18 @@ use serde::de::DeserializeOwned;
 
 use crate::properties::{Properties, Value};
 
+/// A header value idempo writes on a copy (its failure history); each
+/// transport writes it in its own type (AMQP: a long string, a long-long
+/// integer; JetStream: text).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HeaderValue {
+    /// Text.
+    Text(String),
+    /// A whole number (the attempts).
+    Integer(i64),
+}
+
 /// A header value as the runtime reads it, whatever the transport's own
 /// type (AMQP field values, JetStream's text headers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,8 +28,6 @@ pub(crate) enum HeaderRef<'a> {
     Bytes(&'a [u8]),
     /// Any integer type.
     Integer(i128),
-    /// Anything else (booleans, tables, ...): no id, count or time.
-    Other,
 }
 
 impl HeaderRef<'_> {
@@ -26,7 +36,6 @@ impl HeaderRef<'_> {
         match self {
             HeaderRef::Bytes(b) => String::from_utf8(b.to_vec()).ok(),
             HeaderRef::Integer(n) => Some(n.to_string()),
-            HeaderRef::Other => None,
         }
     }
 }
@@ -74,16 +83,15 @@ pub(crate) trait Envelope: Any + Send + Sync {
         let headers = self
             .headers()
             .into_iter()
-            .filter_map(|(name, value)| {
+            .map(|(name, value)| {
                 let value = match value {
                     HeaderRef::Bytes(bytes) => Value::Text(bytes.to_vec()),
                     HeaderRef::Integer(n) => match i64::try_from(n) {
                         Ok(n) => Value::I64(n),
                         Err(_) => Value::Text(n.to_string().into_bytes()),
                     },
-                    HeaderRef::Other => return None,
                 };
-                Some((name.to_owned(), value))
+                (name.to_owned(), value)
             })
             .collect();
         Properties {
@@ -146,11 +154,7 @@ impl Message {
 
     /// This message's properties and headers as a dead letter keeps them,
     /// `extra` (idempo's failure headers) set over its own.
-    pub(crate) fn stored_properties(
-        &self,
-        extra: &[(&'static str, crate::runtime::headers::HeaderValue)],
-    ) -> Properties {
-        use crate::runtime::headers::HeaderValue;
+    pub(crate) fn stored_properties(&self, extra: &[(&'static str, HeaderValue)]) -> Properties {
         let mut stored = self.inner.envelope.stored();
         for (name, value) in extra {
             let value = match value {
@@ -264,7 +268,17 @@ impl Message {
     /// `n` failed attempts (idempo's `x-idempo-attempts` on a copy, or
     /// JetStream's delivery count).
     pub fn attempt(&self) -> u32 {
-        crate::runtime::headers::Failures::previous_attempts(self).saturating_add(1)
+        self.failed_attempts().saturating_add(1)
+    }
+
+    /// The failed attempts before this delivery, as its copy's header says
+    /// (JetStream: its delivery count): 0 for a first delivery.
+    pub(crate) fn failed_attempts(&self) -> u32 {
+        // Any integer type counts; text does not.
+        match self.header_ref(crate::runtime::header_names::ATTEMPTS_HEADER) {
+            Some(HeaderRef::Integer(n)) => u32::try_from(n).unwrap_or(0),
+            _ => 0,
+        }
     }
 
     /// When the runtime received the delivery from the broker: for latency

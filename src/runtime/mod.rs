@@ -23,6 +23,7 @@ pub(crate) mod dispatch;
 pub(crate) mod fingerprint;
 pub(crate) mod forwarding;
 pub(crate) mod handler;
+pub(crate) mod header_names;
 pub(crate) mod headers;
 pub(crate) mod health;
 pub mod heartbeat;
@@ -44,6 +45,7 @@ pub(crate) mod stats;
 pub(crate) mod steps;
 pub(crate) mod trace;
 pub(crate) mod transport;
+pub(crate) mod unit_tx;
 pub(crate) mod units;
 pub(crate) mod watched;
 #[cfg(feature = "window")]

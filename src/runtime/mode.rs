@@ -56,7 +56,8 @@ impl fmt::Debug for Batched {
 /// What a mode needs from the rest of the configuration to become runnable.
 pub(crate) struct Parts<'a> {
     pub(crate) consumer: &'a str,
-    #[cfg_attr(not(feature = "window"), allow(dead_code))]
+    /// The queue or stream, the dedup window's default scope.
+    #[cfg(feature = "window")]
     pub(crate) queue: &'a str,
     pub(crate) pool: &'a PgPool,
     pub(crate) prefetch: u16,

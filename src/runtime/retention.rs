@@ -8,7 +8,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::inbox;
-use crate::inbox::partitioned::{self, Partitioning};
+use crate::inbox::partitioned::Partitioning;
 use crate::runtime::letters::LetterStore;
 
 /// Rows per `DELETE`: small enough that each statement is short and holds few
@@ -44,7 +44,10 @@ pub(crate) async fn reap_periodically(
         if let Some(partitioning) = &partitioning {
             let period = Duration::from_secs(partitioning.period_secs(retention) as u64);
             interval = interval.min(period / 2).max(Duration::from_millis(100));
-            match partitioned::maintain(&pool, &consumer, retention, partitioning).await {
+            match inbox::Inbox::new(consumer.as_str())
+                .maintain(&pool, retention, partitioning)
+                .await
+            {
                 Ok(done) if done.created.is_empty() && done.dropped.is_empty() => {}
                 Ok(done) => tracing::info!(
                     %consumer, created = ?done.created, dropped = ?done.dropped,

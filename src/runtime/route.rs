@@ -10,11 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::runtime::dead_letter::DeadLetterReason;
-use crate::runtime::headers::{
-    CONSUMER_HEADER, ERROR_HEADER, Failures, HeaderValue, MESSAGE_ID_HEADER,
-    MESSAGE_ID_SEAL_HEADER, QUEUE_HEADER, ROUTING_KEY_HEADER, original_routing_key, truncate,
+use crate::runtime::header_names::{
+    CONSUMER_HEADER, ERROR_HEADER, MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER, QUEUE_HEADER,
+    ROUTING_KEY_HEADER,
 };
+use crate::runtime::headers::{Failures, original_routing_key, truncate};
 use crate::runtime::letters::{LetterStore, NewLetter, Stored};
+use crate::runtime::message::HeaderValue;
 use crate::runtime::message::Message;
 use crate::runtime::message_id::MessageIdSource;
 use crate::runtime::outcome::{Abandon, Decide, Outcome, RetryCause, invalid_id};
@@ -163,7 +165,7 @@ impl Router {
         if !self.counts_deliveries {
             return None;
         }
-        let previous = Failures::previous_attempts(message);
+        let previous = message.failed_attempts();
         let limit = self.redelivery.max_attempts.saturating_mul(2);
         (previous >= limit).then(|| Outcome::DeadLetter {
             reason: DeadLetterReason::AttemptsExhausted,

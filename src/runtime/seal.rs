@@ -21,7 +21,7 @@ use tokio::sync::OnceCell;
 
 use crate::Result;
 use crate::inbox::payload_sha256;
-use crate::runtime::headers::{MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER};
+use crate::runtime::header_names::{MESSAGE_ID_HEADER, MESSAGE_ID_SEAL_HEADER};
 use crate::runtime::message::Message;
 
 /// Where a consumer's [`Seal`] comes from: loaded (or created) on first
@@ -75,7 +75,7 @@ impl Keyring {
 
 /// The consumers that have a key: every consumer that sent a retry or
 /// dead-letter copy (for `idempo status`, which looks for their queues).
-#[cfg_attr(not(feature = "ops"), allow(dead_code))]
+#[cfg(feature = "ops")]
 pub(crate) async fn consumers_with_keys(pool: &PgPool) -> Result<Vec<String>> {
     Ok(
         sqlx::query_scalar("SELECT consumer FROM idempo_consumer_keys ORDER BY consumer")

@@ -17,9 +17,11 @@
 use std::time::Duration;
 
 use super::dead_letter::DeadLetterReason;
-use super::headers::{Failures, HeaderValue, REASON_HEADER};
+use super::header_names::REASON_HEADER;
+use super::headers::Failures;
 use super::health::Health;
 use super::letters::Stored;
+use super::message::HeaderValue;
 use super::message::Message;
 use super::outcome::{Abandon, Settled};
 use super::route::{Route, Router};

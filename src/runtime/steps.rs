@@ -29,8 +29,7 @@ use futures::future::BoxFuture;
 use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::Error;
-use crate::error::database_unavailable;
-use crate::inbox::{self, Claim, Inbox, Isolation};
+use crate::inbox::{Claim, Inbox};
 use crate::runtime::database_gate::DatabaseGate;
 use crate::runtime::forwarding::Forwarding;
 use crate::runtime::handler::{Call, Prepare};
@@ -40,6 +39,7 @@ use crate::runtime::outcome::{
     timed_out, undecodable,
 };
 use crate::runtime::stats::{Counter, Stats};
+use crate::runtime::unit_tx::{self, Isolation};
 
 /// Passes that end in a connection error although the database answered in
 /// between: after this many, the error is the unit's (a statement that kills
@@ -58,7 +58,7 @@ pub(crate) struct InboxSteps {
     pub(crate) forwarding: Arc<Forwarding>,
     /// Whether the pool's sessions default to READ COMMITTED, once known:
     /// the claims then skip `SET TRANSACTION`.
-    pub(crate) sessions: tokio::sync::OnceCell<inbox::Sessions>,
+    pub(crate) sessions: tokio::sync::OnceCell<unit_tx::Sessions>,
     /// Where the claims go (plain or partitioned).
     pub(crate) inbox: Inbox,
     /// Every unit's connection goes through the pool's acquire-time checks
@@ -206,7 +206,7 @@ impl InboxSteps {
         // Asked once; until an answer comes, the claim sets the level itself.
         let isolation = match self
             .sessions
-            .get_or_try_init(|| inbox::sessions(&self.pool))
+            .get_or_try_init(|| unit_tx::sessions(&self.pool))
             .await
         {
             Ok(sessions) if sessions.read_committed => Isolation::Default,
@@ -214,7 +214,10 @@ impl InboxSteps {
         };
         let claimed = self
             .inbox
-            .begin_claims(&self.pool, &ids, isolation, !self.checked_acquire)
+            .begin_claims(
+                &ids,
+                unit_tx::begin(&self.pool, isolation, !self.checked_acquire),
+            )
             .await;
         let (claims, tx) = match claimed {
             Ok(claimed) => (claimed.claims, claimed.tx),
@@ -376,6 +379,22 @@ fn database_error(unit: Unit, context: &str, e: Error) -> Step {
     } else {
         Step::Failed(unit, retry(RetryCause::Database, context, e))
     }
+}
+
+/// Whether an error of any type (a handler's) is, or wraps, a database that
+/// cannot take writes now ([`Error::is_unavailable`]).
+fn database_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(error);
+    while let Some(e) = current {
+        if let Some(sqlx) = e.downcast_ref::<sqlx::Error>() {
+            return crate::sqlstate::is_unavailable(sqlx);
+        }
+        if let Some(ours) = e.downcast_ref::<Error>() {
+            return ours.is_unavailable();
+        }
+        current = e.source();
+    }
+    false
 }
 
 async fn rollback(tx: Transaction<'static, Postgres>) {

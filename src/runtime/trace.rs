@@ -11,7 +11,6 @@
 use tracing::Span;
 
 use crate::runtime::dead_letter::DeadLetterReason;
-use crate::runtime::headers::Failures;
 use crate::runtime::message::Message;
 use crate::runtime::outcome::Settled;
 use crate::runtime::route::Route;
@@ -60,7 +59,7 @@ pub(crate) fn decided(span: &Span, message: &Message, route: &Route) {
     span.record("messaging.message.id", message.id());
     span.record(
         "idempo.attempt",
-        Failures::previous_attempts(message).saturating_add(1),
+        message.failed_attempts().saturating_add(1),
     );
     if let Some(claim) = claim(route) {
         span.record("idempo.claim", claim);
@@ -117,6 +116,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::runtime::headers::Failures;
     use crate::runtime::outcome::RetryCause;
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::dead_letter::DeadLetterReason;
-use super::headers::HeaderValue;
+use super::message::HeaderValue;
 use super::message::Message;
 use super::redelivery::RedeliveryPolicy;
 use crate::Result;
@@ -104,7 +104,9 @@ pub trait Transport: Sized + Send + Sync + 'static {
 
     /// The outbox relay this transport runs beside a consumer, publishing
     /// what its handlers stage (feature `outbox`). idempo's transports start
-    /// one; a transport without a relay returns `None`, the default.
+    /// one (the relay's broker side is sealed); any other has none, the
+    /// default.
+    #[doc(hidden)]
     #[cfg(feature = "outbox")]
     fn relay(&self, context: RelayContext<'_>) -> Option<RelayTask> {
         let _ = context;
@@ -273,4 +275,4 @@ pub enum Finished<R> {
 }
 
 #[cfg(feature = "outbox")]
-pub use super::relay_task::{RelayContext, RelayTask};
+pub(crate) use super::relay_task::{RelayContext, RelayTask};

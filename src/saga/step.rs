@@ -46,8 +46,11 @@ pub(crate) fn busy_backoff() -> Backoff {
 /// a pause instead of waiting inside PostgreSQL on a pooled connection,
 /// which the execution it waits for may need.
 pub(crate) fn is_busy(e: &sqlx::Error) -> bool {
-    crate::sqlstate::is(e, crate::sqlstate::LOCK_NOT_AVAILABLE)
+    crate::sqlstate::is(e, LOCK_NOT_AVAILABLE)
 }
+
+/// `lock_not_available`: a `NOWAIT` lock held by another transaction.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 /// A step's row, locked for the transaction, with the state of its saga's
 /// row (share-locked; `None` when the step is used without a
@@ -297,7 +300,7 @@ where
     }
 
     sqlx::query(SAVEPOINT).execute(&mut *tx).await?;
-    let handle = Tx::new(tx);
+    let handle = Tx::new(tx, None);
     let outcome = action(handle.clone()).await;
     let Some(mut tx) = handle.take() else {
         return Err(StepError::TransactionKept {
@@ -457,7 +460,7 @@ where
     let failure = match decode(locked.result.unwrap_or(Value::Null)) {
         Ok(compensation) => {
             sqlx::query(SAVEPOINT).execute(&mut *tx).await?;
-            let handle = Tx::new(tx);
+            let handle = Tx::new(tx, None);
             let outcome = compensation(handle.clone()).await;
             let Some(taken) = handle.take() else {
                 return Err(StepError::TransactionKept {

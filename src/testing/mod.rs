@@ -96,6 +96,6 @@ pub use delivered::Delivered;
 pub use fault::Fault;
 pub use harness::{Harness, HarnessBuilder};
 pub use memory::MemoryBroker;
-pub use transport::{Memory, MemoryOptions, Slot};
+pub use transport::Memory;
 
 pub mod conformance;

@@ -14,8 +14,8 @@ use crate::Result;
 use crate::amqp::copy::copy_properties;
 use crate::runtime::dead_letter::DeadLetterReason;
 use crate::runtime::dispatch::{Deliveries, Feed, FeedEnd};
-use crate::runtime::headers::HeaderValue;
 use crate::runtime::health::RuntimeState;
+use crate::runtime::message::HeaderValue;
 use crate::runtime::message::Message;
 use crate::runtime::transport::{Finished, Later, Letter, Refused, Setup, Transport};
 

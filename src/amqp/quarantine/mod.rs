@@ -28,10 +28,11 @@ use lapin::tcp::AMQPUriTcpExt;
 
 use super::broker::Broker;
 use crate::runtime::dead_letter::DeadLetterReason;
-use crate::runtime::headers::{
+use crate::runtime::header_names::{
     ATTEMPTS_HEADER, CONSUMER_HEADER, ERROR_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER,
-    QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER, rfc3339,
+    QUEUE_HEADER, REASON_HEADER, ROUTING_KEY_HEADER,
 };
+use crate::runtime::headers::rfc3339;
 use codec::Value;
 pub(crate) use error::QuarantineError;
 use error::Result;

@@ -13,6 +13,37 @@ use crate::amqp::publish::PublishError;
 use crate::outbox::packed::Staged;
 use crate::relay::said::{Envelope, Said};
 
+/// The relay's session on RabbitMQ: a batch published on the confirm
+/// channel, the broker's alarm, the channel reopened after a close.
+impl crate::relay::Link for BrokerLink {
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Vec<Vec<Said>> {
+        let sends = super::send_span::Sends::open(envelopes);
+        let said = publish(self.confirm_timeout, self, envelopes).await;
+        sends.close(envelopes, &said);
+        said
+    }
+
+    fn blocked(&self) -> Option<String> {
+        BrokerLink::blocked(self)
+    }
+
+    async fn unblocked(&mut self) {
+        BrokerLink::unblocked(self).await;
+    }
+
+    async fn prepare(&mut self) -> Result<(), String> {
+        self.ensure_channel().await
+    }
+
+    fn is_connected(&self) -> bool {
+        BrokerLink::is_connected(self)
+    }
+
+    async fn after_unanswered(&mut self) -> Result<(), String> {
+        self.replace_channel().await
+    }
+}
+
 /// What the broker's answer to one publish of a batch says.
 fn said_of(result: std::result::Result<(), PublishError>) -> Said {
     match result {

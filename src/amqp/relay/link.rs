@@ -19,7 +19,7 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 pub(crate) struct BrokerLink {
     connection: Connection,
     channel: ConfirmChannel,
-    confirm_timeout: Duration,
+    pub(super) confirm_timeout: Duration,
     /// The broker's reason while it blocks the connection.
     blocked: watch::Receiver<Option<String>>,
     events: tokio::task::JoinHandle<()>,
@@ -149,37 +149,5 @@ impl BrokerLink {
 impl Drop for BrokerLink {
     fn drop(&mut self) {
         self.events.abort();
-    }
-}
-
-impl crate::relay::Link for BrokerLink {
-    async fn publish(
-        &mut self,
-        envelopes: &[crate::relay::said::Envelope],
-    ) -> Vec<Vec<crate::relay::said::Said>> {
-        let sends = super::send_span::Sends::open(envelopes);
-        let said = super::confirms::publish(self.confirm_timeout, self, envelopes).await;
-        sends.close(envelopes, &said);
-        said
-    }
-
-    fn blocked(&self) -> Option<String> {
-        BrokerLink::blocked(self)
-    }
-
-    async fn unblocked(&mut self) {
-        BrokerLink::unblocked(self).await;
-    }
-
-    async fn prepare(&mut self) -> Result<(), String> {
-        self.ensure_channel().await
-    }
-
-    fn is_connected(&self) -> bool {
-        BrokerLink::is_connected(self)
-    }
-
-    async fn after_unanswered(&mut self) -> Result<(), String> {
-        self.replace_channel().await
     }
 }

@@ -5,7 +5,7 @@ use super::queue::QueueSource;
 use crate::dead_letters;
 use crate::dead_letters::view::DeadLetter;
 use crate::ops::{OpsError, Result, Services};
-use crate::runtime::headers::{
+use crate::runtime::header_names::{
     CONSUMER_HEADER, FIRST_FAILURE_HEADER, LAST_FAILURE_HEADER, QUEUE_HEADER, ROUTING_KEY_HEADER,
 };
 

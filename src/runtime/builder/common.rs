@@ -18,7 +18,7 @@ impl<T: Transport, Mode> ConsumerBuilder<T, Mode> {
     }
 
     /// The same configuration on another pool (the test harness's own schema).
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    #[cfg(feature = "testing")]
     pub(crate) fn with_pool(mut self, pool: sqlx::PgPool) -> Self {
         self.settings.pool = pool;
         self

@@ -75,6 +75,7 @@ pub(crate) fn finish<T: Transport, Mode: IntoDispatch>(
     let forwarding = Arc::new(Forwarding::new(s.relay, T::NAME));
     let dispatch = mode.into_dispatch(&Parts {
         consumer: &consumer,
+        #[cfg(feature = "window")]
         queue: transport.source(),
         pool: &s.pool,
         prefetch: s.prefetch,

@@ -327,7 +327,7 @@ async fn a_unit_begins_on_another_connection_when_an_idle_one_is_dead() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let mut tx = crate::inbox::claim::begin(&db.pool, Isolation::Default, true)
+    let mut tx = crate::runtime::unit_tx::begin(&db.pool, Isolation::Default, true)
         .await
         .expect("a live connection in place of the dead ones");
     let live: i32 = sqlx::query_scalar("SELECT 1")
