@@ -248,7 +248,7 @@ if [ "$all_targets" = 1 ]; then
     cargo install cargo-hack --locked
   fi
   CARGO_TARGET_DIR="$TARGET_DIR/features" RUSTFLAGS="-D warnings" \
-    cargo hack check --each-feature --no-dev-deps || failed+=("cargo hack check --each-feature")
+    cargo hack check --each-feature || failed+=("cargo hack check --each-feature")
   # A transport pulls no other transport's client.
   if cargo tree -e normal --no-default-features --features nats | grep -q ' lapin '; then
     echo "--features nats pulls lapin" >&2; failed+=("features nats without lapin")
