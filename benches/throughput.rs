@@ -630,7 +630,7 @@ async fn run_idempo(
     if duplicates {
         let ids: Vec<String> = (0..messages).map(|i| format!("dup-{i}")).collect();
         let hashes: Vec<Vec<u8>> = (0..messages)
-            .map(|i| idempo::inbox::payload_sha256(&body(i)).to_vec())
+            .map(|i| idempo::inbox::Inbox::payload_sha256(&body(i)).to_vec())
             .collect();
         sqlx::query(
             "INSERT INTO processed_messages (consumer, message_id, payload_sha256) \

@@ -69,7 +69,7 @@ fn app<St: IdempotencyStore + Clone>(pool: PgPool, store: St) -> (Router, InFlig
         .require_key()
         .user(http_payments::user_of);
     let in_flight = layer.in_flight();
-    tokio::spawn(idempo::http::run_cleanup(store, Duration::from_secs(60)));
+    tokio::spawn(store.run_cleanup(Duration::from_secs(60)));
     let router = Router::new()
         .route("/payments", post(http_payments::create).route_layer(layer))
         .with_state(pool);

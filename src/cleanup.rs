@@ -1,4 +1,4 @@
-//! The loop behind the stores' `run_cleanup` functions, and the counts of
+//! The loop behind the stores' `run_cleanup` methods, and the counts of
 //! live and expired entries they report.
 
 use std::future::Future;

@@ -61,7 +61,9 @@
 //! ## Feature flags
 //! | Name | Description | Default? |
 //! |---|---|---|
-//! | `amqp` | The RabbitMQ consumer runtime ([`amqp`]) | yes |
+//! | `runtime` | The consumer runtime every transport runs on (`consumer`); turned on by `amqp` and `nats` | yes (by `amqp`) |
+//! | `amqp` | The RabbitMQ transport ([`amqp`]) on the consumer runtime | yes |
+//! | `nats` | The NATS JetStream transport (`nats`) on the consumer runtime | no |
 //! | `http` | The `Idempotency-Key` tower layer and axum extractor (`http`) | no |
 //! | `window` | The SQS-FIFO-style deduplication window (`window`) | no |
 //! | `outbox` | The transactional outbox (`outbox`): messages staged in your transaction, published by a relay after commit | yes |
@@ -332,7 +334,7 @@ pub mod _guide;
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-pub use migrate::{MIGRATIONS_TABLE, Schema, check_migrations, migrate, migrator};
+pub use migrate::{Schema, check_migrations, migrate};
 pub use redact::redact_url;
 #[cfg(any(idempo_runtime, feature = "http", feature = "saga"))]
 #[cfg_attr(

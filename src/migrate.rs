@@ -11,17 +11,14 @@ use crate::error::Result;
 /// that runs its own sqlx migrations in the same database would otherwise see
 /// idempo's versions as unknown ("migration ... was previously applied but is
 /// missing") and the version numbers of the two could collide.
-pub const MIGRATIONS_TABLE: &str = "_idempo_migrations";
+pub(crate) const MIGRATIONS_TABLE: &str = "_idempo_migrations";
 
 /// idempo's migrations (the `processed_messages` inbox table, and the
 /// `idempotency_keys` table of the `http` feature, the `dedup_window` table of
 /// the `window` feature, `saga_steps` and `sagas` of the `saga` feature; tables of features you do
 /// not use stay empty),
-/// recorded in [`MIGRATIONS_TABLE`].
-///
-/// Use [`migrate`] unless you need the [`Migrator`] itself, e.g. to list the
-/// SQL for review.
-pub fn migrator() -> Migrator {
+/// recorded in `_idempo_migrations`.
+pub(crate) fn migrator() -> Migrator {
     let mut migrator = sqlx::migrate!("./migrations");
     migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
     migrator
@@ -31,7 +28,7 @@ pub fn migrator() -> Migrator {
 ///
 /// Idempotent and safe to call from every process at start-up: sqlx takes an
 /// advisory lock while it migrates. It coexists with the application's own
-/// sqlx migrations, in either order (see [`MIGRATIONS_TABLE`]). The tables are
+/// sqlx migrations, in either order (see `_idempo_migrations`). The tables are
 /// created in the first schema of the connection's `search_path`.
 ///
 /// # Example
@@ -66,7 +63,7 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::SchemaBehind`](crate::error::Error::SchemaBehind) naming the
-/// versions that are missing (all of them when [`MIGRATIONS_TABLE`] does not
+/// versions that are missing (all of them when `_idempo_migrations` does not
 /// exist); [`Error::Database`](crate::error::Error::Database) when the check
 /// itself fails.
 pub async fn check_migrations(pool: &PgPool) -> Result<()> {
@@ -113,7 +110,7 @@ impl Schema {
 }
 
 /// The versions of idempo's migrations that ran successfully in the
-/// database behind `pool`, in order (none when [`MIGRATIONS_TABLE`] does not
+/// database behind `pool`, in order (none when `_idempo_migrations` does not
 /// exist yet).
 pub(crate) async fn applied_versions(pool: &PgPool) -> Result<Vec<i64>> {
     let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")

@@ -779,9 +779,7 @@ async fn a_queue_replay_and_an_imported_letter_give_back_every_byte() {
         support::consumer::Running::start(support::consumer::payments_consumer(&db, &queue));
     consumer.finish(1).await;
     support::eventually_ready(&broker, &dlq, 1).await;
-    let imported = idempo::ops::dead_letters::import(&services, &queue, |_| {})
-        .await
-        .unwrap();
+    let imported = services.import_dead_letters(&queue, |_| {}).await.unwrap();
     assert_eq!(imported.imported, 1);
     let report = store(&db.pool)
         .replay(

@@ -425,7 +425,7 @@ async fn begin_claim_batch_claims_the_first_copy_of_a_repeated_id() {
     assert_eq!(db.claims().await, 3, "one row per id");
     assert_eq!(
         stored_hash(&db.pool, "c", "a").await.as_deref(),
-        Some(&inbox::payload_sha256(b"1")[..]),
+        Some(&inbox::Inbox::payload_sha256(b"1")[..]),
         "the first copy's body"
     );
 
@@ -760,7 +760,7 @@ async fn hostile_ids_round_trip(pool: &PgPool) -> Vec<(String, String, Vec<u8>)>
         let mut wanted: Vec<(String, String, Vec<u8>)> = ids
             .iter()
             .map(|id| {
-                let hash = inbox::payload_sha256(&body_of(id)).to_vec();
+                let hash = inbox::Inbox::payload_sha256(&body_of(id)).to_vec();
                 (consumer.clone(), id.clone(), hash)
             })
             .collect();

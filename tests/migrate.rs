@@ -13,7 +13,14 @@ async fn app_migrate(db: &Db) -> Result<(), sqlx::migrate::MigrateError> {
 async fn assert_both_applied(db: &Db) {
     let idempo: i64 = db.count("SELECT count(*) FROM _idempo_migrations").await;
     let app: i64 = db.count("SELECT count(*) FROM _sqlx_migrations").await;
-    let ours = idempo::migrator().iter().count() as i64;
+    // idempo's migrations are the crate's `migrations/*.sql`.
+    let ours = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
+        .expect("the crate's migrations folder")
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.path().extension().is_some_and(|x| x == "sql"))
+        })
+        .count() as i64;
     assert!(ours >= 2, "the inbox and the idempotency keys");
     assert_eq!(idempo, ours, "idempo records its own migrations apart");
     assert_eq!(
@@ -48,10 +55,4 @@ async fn idempo_then_app_migrations_then_both_again() {
     idempo::migrate(&db.pool).await.expect("idempo rerun");
     app_migrate(&db).await.expect("app migrations rerun");
     assert_both_applied(&db).await;
-}
-
-#[tokio::test]
-async fn the_migrator_uses_its_own_table() {
-    assert_eq!(idempo::migrator().table_name, idempo::MIGRATIONS_TABLE);
-    assert_ne!(idempo::MIGRATIONS_TABLE, "_sqlx_migrations");
 }

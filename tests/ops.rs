@@ -7,14 +7,14 @@ mod support;
 
 use std::time::{Duration, SystemTime};
 
-use idempo::amqp::dead_letter_queue;
+use idempo::amqp::Amqp;
 use idempo::amqp::lapin::options::BasicGetOptions;
 use idempo::amqp::lapin::types::AMQPValue;
 use idempo::consumer::{DeadLetterReason, RedeliveryPolicy};
 use idempo::ops::dead_letters::{
     DeadLetterStore, Filter, LetterRef, ReplayEvent, ReplayOptions, Store,
 };
-use idempo::ops::{self, Services, StatusOptions, Warning, maintenance};
+use idempo::ops::{self, Services, StatusOptions, Warning};
 use support::consumer::{Running, consumer_for, counting_payments, payments_consumer};
 use support::{Db, RETRY_DELAY, eventually, eventually_ready};
 
@@ -24,9 +24,7 @@ async fn an_empty_database_is_reported_without_asking_the_broker_then_migrated()
     // Nothing listens there: status must not need the broker when no queue is inspected.
     let services = Services::with_pool("amqp://guest:guest@127.0.0.1:1/%2f", db.pool.clone());
 
-    let status = ops::status(&services, &StatusOptions::default())
-        .await
-        .unwrap();
+    let status = services.status(&StatusOptions::default()).await.unwrap();
     assert_eq!(status.warnings, [Warning::NotMigrated]);
     assert!(status.consumers.is_empty() && status.queues.is_empty());
     assert_eq!(
@@ -35,18 +33,16 @@ async fn an_empty_database_is_reported_without_asking_the_broker_then_migrated()
         "tables that do not exist are absent, not errors"
     );
 
-    let before = maintenance::migrate_status(&services).await.unwrap();
+    let before = services.migrate_status().await.unwrap();
     assert!(before.applied.is_empty());
     assert!(!before.is_up_to_date());
-    let applied = maintenance::migrate(&services).await.unwrap();
+    let applied = services.migrate().await.unwrap();
     assert_eq!(applied, before.pending);
-    let after = maintenance::migrate_status(&services).await.unwrap();
+    let after = services.migrate_status().await.unwrap();
     assert!(after.is_up_to_date());
     assert_eq!(after.applied.len(), applied.len());
 
-    let status = ops::status(&services, &StatusOptions::default())
-        .await
-        .unwrap();
+    let status = services.status(&StatusOptions::default()).await.unwrap();
     assert!(!status.needs_attention(), "{:?}", status.warnings);
     assert!(status.outbox.is_some() && status.http_keys == Some(Vec::new()));
 }
@@ -54,7 +50,7 @@ async fn an_empty_database_is_reported_without_asking_the_broker_then_migrated()
 #[tokio::test]
 async fn a_dead_letter_the_runtime_wrote_reads_back_and_replays_once() {
     let (db, broker, queue) = support::setup().await;
-    let dlq_name = dead_letter_queue(&queue);
+    let dlq_name = Amqp::dead_letter_queue(&queue);
     broker.publish_payment(&queue, "pay-1", "ann", 5).await;
     let (_, failing) = counting_payments(usize::MAX, None);
     let retry = RedeliveryPolicy::delayed([RETRY_DELAY]).max_attempts(2);
@@ -92,7 +88,7 @@ async fn a_dead_letter_the_runtime_wrote_reads_back_and_replays_once() {
         fail_on_dlq: true,
         ..StatusOptions::default()
     };
-    let status = ops::status(&services, &options).await.unwrap();
+    let status = services.status(&options).await.unwrap();
     assert_eq!(status.queues[0].dlq_ready, Some(1));
     assert_eq!(
         status.warnings,
@@ -147,7 +143,7 @@ async fn dead_letter(broker: &support::Broker, queue: &str, id: &str, body: &[u8
         .with_message_id(id.into())
         .with_headers(headers);
     broker
-        .publish_props(&dead_letter_queue(queue), properties, body)
+        .publish_props(&Amqp::dead_letter_queue(queue), properties, body)
         .await;
 }
 
@@ -182,7 +178,7 @@ impl Drop for Policy {
 #[tokio::test]
 async fn browsing_a_dlq_under_a_delivery_limit_loses_nothing() {
     let (db, broker, queue) = support::setup().await;
-    let dlq_name = dead_letter_queue(&queue);
+    let dlq_name = Amqp::dead_letter_queue(&queue);
     let _limit = Policy::set(
         &format!("{queue}-limit"),
         &format!("^{dlq_name}$"),
@@ -258,7 +254,7 @@ async fn browsing_a_dlq_under_a_delivery_limit_loses_nothing() {
 #[tokio::test]
 async fn a_replay_sends_each_dead_letter_once_and_its_history_stays_bounded() {
     let (db, broker, queue) = support::setup().await;
-    let dlq_name = dead_letter_queue(&queue);
+    let dlq_name = Amqp::dead_letter_queue(&queue);
     for i in 0..20 {
         dead_letter(
             &broker,
@@ -341,7 +337,8 @@ async fn a_standalone_relay_is_listed_with_its_state() {
     let running = tokio::spawn(relay.run());
     let services = Services::with_pool(support::amqp_url(), db.pool.clone());
     let relay_instance = || async {
-        ops::status(&services, &StatusOptions::default())
+        services
+            .status(&StatusOptions::default())
             .await
             .unwrap()
             .instances

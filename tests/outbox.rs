@@ -432,7 +432,11 @@ async fn bad_messages_are_refused_at_staging_with_a_clear_error() {
     .await
     .unwrap_err();
     assert!(e.to_string().contains("255"), "{e}");
-    let default_limit = OutboxMessage::new("", "q", vec![0u8; outbox::DEFAULT_MAX_BODY_SIZE + 1]);
+    let default_limit = OutboxMessage::new(
+        "",
+        "q",
+        vec![0u8; 16 * 1024 * 1024 + 1], /* the default limit, 16 MiB */
+    );
     assert!(matches!(
         outbox::stage(&mut tx, default_limit).await,
         Err(OutboxError::TooLarge { .. })
@@ -1138,11 +1142,9 @@ async fn a_row_for_a_missing_exchange_or_with_oversize_headers_does_not_hold_bac
     assert_eq!(health.snapshot().failed, 2);
     #[cfg(feature = "ops")]
     {
-        use idempo::ops::{self, Services, StatusOptions, Warning};
+        use idempo::ops::{Services, StatusOptions, Warning};
         let services = Services::with_pool(amqp_url(), db.pool.clone());
-        let status = ops::status(&services, &StatusOptions::default())
-            .await
-            .unwrap();
+        let status = services.status(&StatusOptions::default()).await.unwrap();
         assert!(status.needs_attention(), "`idempo status` exits 2");
         assert!(
             status

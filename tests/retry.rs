@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idempo::KeyError;
-use idempo::retry::{AttemptError, RetryError, RetryPolicy, RetryingClient, SendError, retry};
+use idempo::retry::{AttemptError, RetryError, RetryPolicy, RetryingClient, SendError};
 use tokio::time::Instant;
 
 /// What the server saw: each attempt's key and arrival time (tokio's clock).
@@ -369,28 +369,29 @@ async fn the_generic_retry_for_non_http_work() {
     let policy = RetryPolicy::new()
         .base_delay(Duration::from_secs(1))
         .max_retries(5);
-    let value = retry(&policy, |attempt| {
-        calls += 1;
-        async move {
-            if attempt < 4 {
-                Err(format!("attempt {attempt}"))
-            } else {
-                Ok(attempt)
+    let value = policy
+        .retry(|attempt| {
+            calls += 1;
+            async move {
+                if attempt < 4 {
+                    Err(format!("attempt {attempt}"))
+                } else {
+                    Ok(attempt)
+                }
             }
-        }
-    })
-    .await
-    .unwrap();
+        })
+        .await
+        .unwrap();
     assert_eq!((value, calls), (4, 4));
     assert!(
         started.elapsed() <= Duration::from_secs(1 + 2 + 4),
         "{:?}",
         started.elapsed()
     );
-    let exhausted = retry(&RetryPolicy::new().max_retries(1), |_| async {
-        Err::<(), _>("no")
-    })
-    .await;
+    let exhausted = RetryPolicy::new()
+        .max_retries(1)
+        .retry(|_| async { Err::<(), _>("no") })
+        .await;
     assert!(matches!(
         exhausted,
         Err(RetryError::Exhausted {
@@ -641,7 +642,6 @@ async fn with_the_readme_setup_a_server_that_never_answers_is_retried_with_the_s
     else {
         panic!("{outcome:?}")
     };
-    assert_eq!(*after, idempo::retry::DEFAULT_ATTEMPT_TIMEOUT);
     assert_eq!(*after, Duration::from_secs(10));
     assert!(
         outcome
@@ -787,18 +787,19 @@ async fn durations_too_long_for_the_clock_saturate_instead_of_panicking() {
     let policy = RetryPolicy::new()
         .deadline(Duration::MAX)
         .base_delay(Duration::ZERO);
-    let value = retry(&policy, |attempt| {
-        calls += 1;
-        async move {
-            if attempt < 2 {
-                Err("once")
-            } else {
-                Ok(attempt)
+    let value = policy
+        .retry(|attempt| {
+            calls += 1;
+            async move {
+                if attempt < 2 {
+                    Err("once")
+                } else {
+                    Ok(attempt)
+                }
             }
-        }
-    })
-    .await
-    .unwrap();
+        })
+        .await
+        .unwrap();
     assert_eq!((value, calls), (2, 2));
 }
 

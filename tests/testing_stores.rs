@@ -15,10 +15,9 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, Response, StatusCode, header};
 use axum::routing::post;
-use idempo::headers::IDEMPOTENT_REPLAYED;
 use idempo::http::{
     Begin, FencingToken, Fingerprint, IdempotencyLayer, IdempotencyStore, MemoryStore, Operation,
-    PROBLEM_BASE, PostgresStore, RecordKey, RedisStore, StoredResponse,
+    PostgresStore, RecordKey, RedisStore, StoredResponse,
 };
 use idempo::testing::conformance::{
     self, ConformanceError, Failure, IDEMPOTENCY_STORE_CHECKS, WINDOW_STORE_CHECKS,
@@ -30,6 +29,9 @@ use idempo::window::{
 use support::{Db, START_REDIS, redis_url, unique};
 use tokio::sync::Notify;
 use tower::ServiceExt;
+
+/// The `type` of the layer's problems: its docs page (idempo::http).
+const PROBLEM_BASE: &str = "https://docs.rs/idempo/latest/idempo/http/index.html";
 
 async fn redis_store() -> RedisStore {
     let url = redis_url();
@@ -97,7 +99,7 @@ async fn answer(response: Response<Body>) -> (StatusCode, bool, String) {
     let status = response.status();
     let replayed = response
         .headers()
-        .get(IDEMPOTENT_REPLAYED)
+        .get("idempotent-replayed")
         .is_some_and(|v| v == "true");
     let body = axum::body::to_bytes(response.into_body(), usize::MAX)
         .await

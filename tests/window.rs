@@ -12,11 +12,16 @@ use idempo::amqp::lapin::BasicProperties;
 use idempo::amqp::window::{DedupPublisher, Outgoing};
 use idempo::consumer::{Message, RedeliveryPolicy};
 use idempo::window::{
-    DedupId, DedupWindow, Insertion, InvalidDedupId, MAX_KEY_LEN, MAX_WINDOW, MemoryWindow,
-    PostgresWindow, RedisWindow, Reservation, Scope, WindowStore,
+    DedupId, DedupWindow, Insertion, InvalidDedupId, MemoryWindow, PostgresWindow, RedisWindow,
+    Reservation, Scope, WindowStore,
 };
 use support::consumer::Running;
 use support::{Broker, Db, START_REDIS, amqp_url, redis_url, unique};
+
+/// The stores' limits (the window module's docs): the longest key, in bytes,
+/// and the longest window or lease.
+const MAX_KEY_LEN: usize = 2048;
+const MAX_WINDOW: Duration = Duration::from_secs(10 * 365 * 24 * 60 * 60);
 
 /// The broker as idempo's publisher connects to it.
 fn amqp_broker() -> idempo::amqp::Broker {

@@ -15,17 +15,7 @@ use crate::{Error, Result};
 
 /// How long a connection attempt to one node may take, by default: the TCP
 /// connect, the TLS handshake and the AMQP handshake together.
-pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The environment variable naming a PEM file of CA certificates to trust
-/// for `amqps://` instead of the system's roots (`ClientTls::from_env("AMQP")`).
-pub const AMQP_CA_FILE: &str = "AMQP_CA_FILE";
-/// The environment variable naming the PEM file of a client certificate (and
-/// its chain) to present for `amqps://`; it goes with [`AMQP_CLIENT_KEY_FILE`].
-pub const AMQP_CLIENT_CERT_FILE: &str = "AMQP_CLIENT_CERT_FILE";
-/// The environment variable naming the PEM file of the client certificate's
-/// private key (unencrypted PKCS#8, PKCS#1 or SEC1).
-pub const AMQP_CLIENT_KEY_FILE: &str = "AMQP_CLIENT_KEY_FILE";
+pub(crate) const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The broker a consumer (or a publisher) connects to: one or more node
 /// addresses, tried in order (or shuffled) until one answers; TLS settings
@@ -47,7 +37,7 @@ pub const AMQP_CLIENT_KEY_FILE: &str = "AMQP_CLIENT_KEY_FILE";
 /// # Default
 /// - addresses tried in the order given (see [`shuffle`](Self::shuffle)); after
 ///   a lost connection, the next one is tried first;
-/// - [`DEFAULT_CONNECTION_TIMEOUT`] (10 s) per node;
+/// - 10 s per node to connect ([`connection_timeout`](Broker::connection_timeout));
 /// - heartbeat: what the broker proposes (RabbitMQ: 60 s), unless the URL's
 ///   `heartbeat` query parameter or [`heartbeat`](Self::heartbeat) says otherwise;
 /// - TLS (`amqps://`, feature `tls`): the system's root certificates, no

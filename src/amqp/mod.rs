@@ -92,9 +92,7 @@ pub mod window;
 
 #[cfg(feature = "ops")]
 pub(crate) use crate::runtime::seal::consumers_with_keys;
-pub use broker::{
-    AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE, Broker, DEFAULT_CONNECTION_TIMEOUT,
-};
+pub use broker::Broker;
 pub use transport::Amqp;
 
 /// A consumer of a RabbitMQ queue: the runtime's consumer on [`Amqp`].
@@ -120,6 +118,7 @@ pub type ConsumerBuilder<Mode = crate::runtime::mode::NoHandler> =
 pub use error::{AmqpError, NodeFailure};
 pub use message::AmqpDelivery;
 pub use publish::PublishError;
-pub use topology::{QueueType, dead_letter_queue, work_queue};
+pub use topology::QueueType;
+pub(crate) use topology::{dead_letter_queue, work_queue};
 
 pub use lapin;

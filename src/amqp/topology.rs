@@ -32,30 +32,43 @@ impl QueueType {
     }
 }
 
-/// The dead-letter queue a consumer of `queue` declares unless told
-/// otherwise: `<queue>.dlq`. Dead letters carry their reason and history in
-/// `x-idempo-*` headers (`idempo::ops::dead_letters` reads them).
-///
-/// ```
-/// assert_eq!(idempo::amqp::dead_letter_queue("payments"), "payments.dlq");
-/// ```
-pub fn dead_letter_queue(queue: &str) -> String {
+impl super::Amqp {
+    /// The dead-letter queue a consumer of `queue` declares unless told
+    /// otherwise: `<queue>.dlq`. Dead letters carry their reason and history
+    /// in `x-idempo-*` headers (`idempo::ops::dead_letters` reads them).
+    ///
+    /// ```
+    /// use idempo::amqp::Amqp;
+    /// assert_eq!(Amqp::dead_letter_queue("payments"), "payments.dlq");
+    /// ```
+    pub fn dead_letter_queue(queue: &str) -> String {
+        dead_letter_queue(queue)
+    }
+
+    /// The inverse of [`dead_letter_queue`](Self::dead_letter_queue): the
+    /// work queue that `name` refers to, whether it names the work queue or
+    /// its dead-letter queue (operators type either).
+    ///
+    /// ```
+    /// use idempo::amqp::Amqp;
+    /// assert_eq!(Amqp::work_queue("payments.dlq"), "payments");
+    /// assert_eq!(Amqp::work_queue("payments"), "payments");
+    /// ```
+    pub fn work_queue(name: &str) -> &str {
+        work_queue(name)
+    }
+}
+
+/// `<queue>.dlq`, the rule behind [`Amqp::dead_letter_queue`](super::Amqp::dead_letter_queue).
+pub(crate) fn dead_letter_queue(queue: &str) -> String {
     format!("{queue}{DLQ_SUFFIX}")
 }
 
 /// What [`dead_letter_queue`] appends.
 const DLQ_SUFFIX: &str = ".dlq";
 
-/// The inverse of [`dead_letter_queue`]: the work queue that `name` refers
-/// to, whether it names the work queue or its dead-letter queue (operators
-/// type either).
-///
-/// ```
-/// use idempo::amqp::work_queue;
-/// assert_eq!(work_queue("payments.dlq"), "payments");
-/// assert_eq!(work_queue("payments"), "payments");
-/// ```
-pub fn work_queue(name: &str) -> &str {
+/// The inverse of [`dead_letter_queue`].
+pub(crate) fn work_queue(name: &str) -> &str {
     name.strip_suffix(DLQ_SUFFIX).unwrap_or(name)
 }
 

@@ -15,10 +15,6 @@ pub(crate) const IDEMPOTENT_REPLAYED: HeaderName =
 // The syntax is shared with the retry client, which checks what it sends.
 use crate::key::KeyError;
 
-/// The longest key accepted, in characters (the syntax's, which the retry
-/// client checks too).
-pub const MAX_KEY_LEN: usize = crate::key::MAX_KEY_LEN;
-
 /// A validated `Idempotency-Key`: 1 to 255 characters of visible ASCII.
 ///
 /// Two forms are accepted: a plain token (`Idempotency-Key: 8e03978e-40d5`)

@@ -16,11 +16,11 @@ use crate::Result;
 /// Nothing survives a restart and nothing is shared between processes: run
 /// more than one instance of the app and the same key can be executed once
 /// per instance. Use [`PostgresStore`](super::PostgresStore) or `RedisStore`
-/// for that. Expired records are dropped by [`run_cleanup`](super::run_cleanup)
+/// for that. Expired records are dropped by [`run_cleanup`](super::IdempotencyStore::run_cleanup)
 /// (or when their key is used again).
 ///
 /// Cloning is cheap and shares the records: give a clone to each layer (and
-/// to [`run_cleanup`](super::run_cleanup)) that must see the same keys.
+/// to [`run_cleanup`](super::IdempotencyStore::run_cleanup)) that must see the same keys.
 ///
 /// Bounded: at most 100,000 records (or
 /// [`with_capacity`](Self::with_capacity)). When it is full of live records,

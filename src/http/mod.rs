@@ -9,13 +9,13 @@
 //!
 //! ```no_run
 //! use axum::{Router, routing::post, http::StatusCode};
-//! use idempo::http::{IdempotencyLayer, PostgresStore};
+//! use idempo::http::{IdempotencyLayer, IdempotencyStore, PostgresStore};
 //!
 //! # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
 //! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/postgres").await?;
 //! idempo::migrate(&pool).await?;
 //! let store = PostgresStore::new(pool);
-//! tokio::spawn(idempo::http::run_cleanup(store.clone(), std::time::Duration::from_secs(60)));
+//! tokio::spawn(store.clone().run_cleanup(std::time::Duration::from_secs(60)));
 //!
 //! let app: Router = Router::new().route(
 //!     "/payments",
@@ -84,11 +84,12 @@
 //! Redis the lease key is gone and the key is free for any request.
 //!
 //! A store error fails closed with 503 unless [`IdempotencyLayer::fail_open`].
-//! Expired records count as absent; [`run_cleanup`] deletes them.
+//! Expired records count as absent; [`IdempotencyStore::run_cleanup`] deletes them.
 //!
 //! # Problems
 //! The layer's own answers are `application/problem+json` (RFC 9457) with a
-//! `type` of [`PROBLEM_BASE`] plus one of these fragments:
+//! `type` of `https://docs.rs/idempo/latest/idempo/http/index.html` (this
+//! page) plus one of these fragments:
 //!
 //! | `type` fragment | status | when |
 //! |---|---|---|
@@ -121,15 +122,14 @@ mod service;
 mod store;
 mod transaction;
 
-pub use key::{IdempotencyKey, MAX_KEY_LEN};
+pub use key::IdempotencyKey;
 pub use layer::{IdempotencyLayer, InFlight, stores_status_by_default};
 pub use memory::MemoryStore;
 pub use postgres::PostgresStore;
-pub use problem::PROBLEM_BASE;
 pub use record::{Fingerprint, RecordKey, StoredResponse};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisStore;
 pub use service::Idempotency;
-pub use store::{AtomicStore, Begin, FencingToken, IdempotencyStore, Operation, run_cleanup};
+pub use store::{AtomicStore, Begin, FencingToken, IdempotencyStore, Operation};
 pub use transaction::TxRejection;

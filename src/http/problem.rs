@@ -8,7 +8,7 @@ use http::{HeaderValue, Response, StatusCode, header};
 use crate::key::KeyError;
 
 /// Why the layer answered instead of the handler. Each kind has a fixed
-/// status and a `type` URI under [`PROBLEM_BASE`].
+/// status and a `type` URI under `PROBLEM_BASE`.
 #[derive(Debug)]
 pub(crate) enum Problem {
     MissingKey,
@@ -35,7 +35,7 @@ pub(crate) struct LayerAnswer;
 
 /// The prefix of every problem `type` this crate sends; the fragment names
 /// the kind (`#key-mismatch`), documented in [`crate::http`].
-pub const PROBLEM_BASE: &str = "https://docs.rs/idempo/latest/idempo/http/index.html";
+pub(crate) const PROBLEM_BASE: &str = "https://docs.rs/idempo/latest/idempo/http/index.html";
 
 impl Problem {
     fn status(&self) -> StatusCode {

@@ -123,6 +123,33 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// records expire by themselves (Redis) return 0.
     fn delete_expired(&self, limit: usize) -> impl Future<Output = Result<u64>> + Send;
 
+    /// Deletes expired records every `every`, in batches of 1,000, forever.
+    /// Spawn it once per store:
+    ///
+    /// ```no_run
+    /// # async fn doc(pool: sqlx::PgPool) {
+    /// use std::sync::Arc;
+    /// use idempo::http::{IdempotencyStore, PostgresStore};
+    ///
+    /// let store = Arc::new(PostgresStore::new(pool));
+    /// tokio::spawn(store.clone().run_cleanup(std::time::Duration::from_secs(60)));
+    /// # }
+    /// ```
+    ///
+    /// Errors are logged and the loop goes on: a store that is down is retried
+    /// at the next tick.
+    fn run_cleanup(self, every: Duration) -> impl Future<Output = ()> + Send
+    where
+        Self: Sized,
+    {
+        async move {
+            crate::cleanup::delete_expired_forever("idempotency records", every, |n| {
+                self.delete_expired(n)
+            })
+            .await
+        }
+    }
+
     /// The store's [`AtomicStore`] capability, if it has one: then a handler
     /// can take the request's [`Tx`](crate::Tx), and its writes commit in the
     /// same transaction that completes the record.
@@ -151,28 +178,6 @@ pub trait AtomicStore: Send + Sync {
         response: &'a StoredResponse,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool>>;
-}
-
-/// Deletes expired records every `every`, in batches of 1,000, forever.
-/// Spawn it once per store:
-///
-/// ```no_run
-/// # async fn doc(pool: sqlx::PgPool) {
-/// use std::sync::Arc;
-/// use idempo::http::{run_cleanup, PostgresStore};
-///
-/// let store = Arc::new(PostgresStore::new(pool));
-/// tokio::spawn(run_cleanup(store.clone(), std::time::Duration::from_secs(60)));
-/// # }
-/// ```
-///
-/// Errors are logged and the loop goes on: a store that is down is retried
-/// at the next tick.
-pub async fn run_cleanup<St: IdempotencyStore>(store: St, every: Duration) {
-    crate::cleanup::delete_expired_forever("idempotency records", every, |n| {
-        store.delete_expired(n)
-    })
-    .await
 }
 
 impl<T: IdempotencyStore> IdempotencyStore for std::sync::Arc<T> {

@@ -108,8 +108,8 @@ pub enum Claim {
     Mismatch,
 }
 
-/// SHA-256 of a message body: what the inbox stores to detect a reused id.
-pub fn payload_sha256(body: &[u8]) -> [u8; 32] {
+/// SHA-256 of a message body ([`Inbox::payload_sha256`]).
+pub(crate) fn payload_sha256(body: &[u8]) -> [u8; 32] {
     Sha256::digest(body).into()
 }
 
@@ -163,6 +163,12 @@ pub struct Inbox {
 }
 
 impl Inbox {
+    /// SHA-256 of a message body: what the inbox stores (the
+    /// `payload_sha256` column) to detect a reused id.
+    pub fn payload_sha256(body: &[u8]) -> [u8; 32] {
+        payload_sha256(body)
+    }
+
     /// The inbox of `consumer` (its claims are apart from every other
     /// consumer's), on the plain `processed_messages`.
     pub fn new(consumer: impl Into<String>) -> Self {

@@ -8,10 +8,6 @@ use crate::consumer::heartbeat::Instance;
 use crate::dead_letters::model::LetterCount;
 use crate::outbox::OutboxStatus;
 
-/// How old the oldest pending outbox message may get before the outbox
-/// needs attention: a relay publishes within milliseconds when it runs.
-pub const OUTBOX_PENDING_LIMIT: Duration = Duration::from_secs(60);
-
 /// How an item of a [`Status`] (a queue, a consumer process, the outbox, a
 /// cause of dead letters) reads at a glance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +23,11 @@ pub enum Condition {
 }
 
 impl Condition {
+    /// How old the oldest pending outbox message may get before the outbox
+    /// needs attention (60 s): a relay publishes within milliseconds when it
+    /// runs.
+    pub const OUTBOX_PENDING_LIMIT: Duration = Duration::from_secs(60);
+
     /// `Attention` when `bad`, else `Healthy`.
     fn attention_if(bad: bool) -> Condition {
         if bad {
@@ -55,11 +56,11 @@ impl Condition {
 
     /// The outbox: [`Attention`](Condition::Attention) when it holds a
     /// failed message, or its oldest pending one is older than
-    /// [`OUTBOX_PENDING_LIMIT`] (no relay runs, or it cannot publish).
+    /// [`OUTBOX_PENDING_LIMIT`](Self::OUTBOX_PENDING_LIMIT) (no relay runs, or it cannot publish).
     pub fn of_outbox(outbox: &OutboxStatus) -> Condition {
         let late = outbox
             .oldest_pending_age
-            .is_some_and(|age| age.as_secs() > OUTBOX_PENDING_LIMIT.as_secs());
+            .is_some_and(|age| age.as_secs() > Self::OUTBOX_PENDING_LIMIT.as_secs());
         Condition::attention_if(outbox.failed > 0 || late)
     }
 

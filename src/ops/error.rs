@@ -3,7 +3,7 @@
 use crate::amqp::PublishError;
 
 /// A specialized `Result` whose error defaults to [`OpsError`].
-pub type Result<T, E = OpsError> = std::result::Result<T, E>;
+pub(crate) type Result<T, E = OpsError> = std::result::Result<T, E>;
 
 /// Why an operation failed.
 #[derive(Debug, thiserror::Error)]

@@ -2,7 +2,7 @@
 //! (feature `ops`): what an operator asks of idempo's tables and queues,
 //! for any front end (the command, a web dashboard, a test).
 //!
-//! - [`status()`]: claims per consumer, queue depths, the outbox, HTTP keys
+//! - [`Services::status`]: claims per consumer, queue depths, the outbox, HTTP keys
 //!   and window entries, with the [`Warning`]s an operator must act on and
 //!   the [`Condition`] of each queue, consumer process and the outbox;
 //! - [`dead_letters`]: list, group, show, replay, discard and purge dead
@@ -17,14 +17,14 @@
 //!
 //! # Example
 //! ```no_run
-//! use idempo::ops::{self, Services, StatusOptions};
+//! use idempo::ops::{OpsError, Services, StatusOptions};
 //!
-//! # async fn doc() -> Result<(), ops::OpsError> {
+//! # async fn doc() -> Result<(), OpsError> {
 //! let services = Services::new(
 //!     "amqp://guest:guest@127.0.0.1:5672/%2f",
 //!     "postgres://postgres@127.0.0.1:5432/postgres",
 //! );
-//! let status = ops::status(&services, &StatusOptions::default()).await?;
+//! let status = services.status(&StatusOptions::default()).await?;
 //! for consumer in &status.consumers {
 //!     println!("{}: {} claims", consumer.consumer, consumer.claims);
 //! }
@@ -58,11 +58,10 @@ use crate::ClientTls;
 use crate::amqp::Broker;
 use crate::redact_url as redacted;
 
-pub use condition::{Condition, OUTBOX_PENDING_LIMIT};
-pub use error::{OpsError, Result};
-pub use status::{
-    ConsumerStatus, DelayQueueStatus, QueueStatus, Status, StatusOptions, Warning, status,
-};
+pub use condition::Condition;
+pub use error::OpsError;
+pub(crate) use error::Result;
+pub use status::{ConsumerStatus, DelayQueueStatus, QueueStatus, Status, StatusOptions, Warning};
 
 /// Where PostgreSQL and RabbitMQ are. Operations connect to what they need:
 /// the database once (a pool of 2, kept for later operations), the broker

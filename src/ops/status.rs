@@ -15,7 +15,7 @@ use crate::cleanup::StateCount;
 use crate::consumer::RedeliveryPolicy;
 use crate::outbox::OutboxStatus;
 
-/// What [`status()`] looks at.
+/// What [`Services::status`] looks at.
 ///
 /// # Default
 /// Every consumer with claims, one queue per such consumer (named like it),
@@ -58,7 +58,7 @@ impl Default for StatusOptions {
     }
 }
 
-/// What [`status()`] found. Serialises as the `idempo status --json` object
+/// What [`Services::status`] found. Serialises as the `idempo status --json` object
 /// (durations in seconds, fields named `..._secs`).
 #[derive(Debug, Clone, Serialize)]
 #[non_exhaustive]
@@ -251,184 +251,188 @@ fn outbox_json<S: Serializer>(o: &Option<OutboxStatus>, serializer: S) -> Result
 /// How far back [`Status::instances`] looks.
 const INSTANCES_WITHIN: Duration = Duration::from_secs(15 * 60);
 
-/// Claims per consumer, queue depths (passive declares: the broker is asked
-/// only when there is a queue to inspect), the outbox, HTTP keys and window
-/// entries, and the [`Warning`]s among them.
-///
-/// # Errors
-/// [`OpsError::QueueNotFound`] when a queue named in
-/// [`StatusOptions::queues`] does not exist; connection and query errors.
-pub async fn status(services: &Services, options: &StatusOptions) -> Result<Status> {
-    let pool = services.database().await?;
-    let mut warnings = Vec::new();
-    let delays = if options.retry_delays.is_empty() {
-        RedeliveryPolicy::default().delays().to_vec()
-    } else {
-        options.retry_delays.clone()
-    };
-    let max_attempts = options
-        .max_attempts
-        .unwrap_or(RedeliveryPolicy::default().max_attempts);
-    let retries = RedeliveryPolicy::delayed(delays.clone())
-        .max_attempts(max_attempts)
-        .total_delay();
-    let horizon = retries + options.consumer_timeout;
+impl Services {
+    /// Claims per consumer, queue depths (passive declares: the broker is asked
+    /// only when there is a queue to inspect), the outbox, HTTP keys and window
+    /// entries, and the [`Warning`]s among them.
+    ///
+    /// # Errors
+    /// [`OpsError::QueueNotFound`] when a queue named in
+    /// [`StatusOptions::queues`] does not exist; connection and query errors.
+    pub async fn status(&self, options: &StatusOptions) -> Result<Status> {
+        let pool = self.database().await?;
+        let mut warnings = Vec::new();
+        let delays = if options.retry_delays.is_empty() {
+            RedeliveryPolicy::default().delays().to_vec()
+        } else {
+            options.retry_delays.clone()
+        };
+        let max_attempts = options
+            .max_attempts
+            .unwrap_or(RedeliveryPolicy::default().max_attempts);
+        let retries = RedeliveryPolicy::delayed(delays.clone())
+            .max_attempts(max_attempts)
+            .total_delay();
+        let horizon = retries + options.consumer_timeout;
 
-    // The database's questions side by side (the pool has two connections),
-    // then the broker's beside the rest.
-    let (claims, dead_letters, sealed, instances) = tokio::join!(
-        crate::inbox::ConsumerClaims::list(pool, &options.consumers),
-        crate::dead_letters::queries::counts(pool),
-        crate::amqp::consumers_with_keys(pool),
-        crate::runtime::heartbeat::instances(pool, INSTANCES_WITHIN),
-    );
-    let instances: Option<Vec<_>> = match instances {
-        Ok(found) => Some(
-            found
-                .into_iter()
-                .filter(|i| options.consumers.is_empty() || options.consumers.contains(&i.consumer))
-                .collect(),
-        ),
-        Err(e) if missing_table(&e) => None,
-        Err(e) => return Err(e.into()),
-    };
-    let claims = match claims {
-        Ok(claims) => claims,
-        Err(e) if missing_table(&e) => {
-            warnings.push(Warning::NotMigrated);
-            Vec::new()
-        }
-        Err(e) => return Err(e.into()),
-    };
-    if let Some(retention) = options.retention
-        && retention < horizon
-    {
-        warnings.push(Warning::RetentionTooShort {
-            retention,
-            horizon,
-            retries,
-            consumer_timeout: options.consumer_timeout,
-        });
-    }
-    let dead_letters = match dead_letters {
-        Ok(counts) => Some(counts),
-        Err(e) if missing_table(&e) => None,
-        Err(e) => return Err(e.into()),
-    };
-    let names: Vec<String> = if options.queues.is_empty() {
-        // Every consumer seen: with claims, with a key (it sealed a retry or
-        // dead-letter copy), or with letters in the table; and the queues of
-        // the processes that wrote a heartbeat.
-        let mut names: Vec<String> = claims.iter().map(|c| c.consumer.clone()).collect();
-        let lettered = dead_letters.iter().flatten().map(|c| c.queue.clone());
-        let wanted =
-            |name: &String| options.consumers.is_empty() || options.consumers.contains(name);
-        for name in sealed.unwrap_or_default().into_iter().chain(lettered) {
-            if wanted(&name) && !names.contains(&name) {
-                names.push(name);
+        // The database's questions side by side (the pool has two connections),
+        // then the broker's beside the rest.
+        let (claims, dead_letters, sealed, instances) = tokio::join!(
+            crate::inbox::ConsumerClaims::list(pool, &options.consumers),
+            crate::dead_letters::queries::counts(pool),
+            crate::amqp::consumers_with_keys(pool),
+            crate::runtime::heartbeat::instances(pool, INSTANCES_WITHIN),
+        );
+        let instances: Option<Vec<_>> = match instances {
+            Ok(found) => Some(
+                found
+                    .into_iter()
+                    .filter(|i| {
+                        options.consumers.is_empty() || options.consumers.contains(&i.consumer)
+                    })
+                    .collect(),
+            ),
+            Err(e) if missing_table(&e) => None,
+            Err(e) => return Err(e.into()),
+        };
+        let claims = match claims {
+            Ok(claims) => claims,
+            Err(e) if missing_table(&e) => {
+                warnings.push(Warning::NotMigrated);
+                Vec::new()
             }
+            Err(e) => return Err(e.into()),
+        };
+        if let Some(retention) = options.retention
+            && retention < horizon
+        {
+            warnings.push(Warning::RetentionTooShort {
+                retention,
+                horizon,
+                retries,
+                consumer_timeout: options.consumer_timeout,
+            });
         }
-        for name in instances.iter().flatten().map(|i| i.queue.clone()) {
-            if wanted(&name) && !names.contains(&name) {
-                names.push(name);
-            }
-        }
-        names
-    } else {
-        options.queues.clone()
-    };
-    if options.fail_on_dlq {
-        let mut per_queue: Vec<(String, i64)> = Vec::new();
-        for c in dead_letters.iter().flatten() {
-            match per_queue.iter_mut().find(|(q, _)| *q == c.queue) {
-                Some((_, n)) => *n += c.count,
-                None => per_queue.push((c.queue.clone(), c.count)),
-            }
-        }
-        for (queue, count) in per_queue {
-            warnings.push(Warning::TableDeadLetters { queue, count });
-        }
-    }
-    // JetStream streams are asked of NATS, the rest of RabbitMQ.
-    let streams: Vec<(String, Vec<String>)> = instances
-        .iter()
-        .flatten()
-        .filter(|i| i.transport == "nats" && names.contains(&i.queue))
-        .fold(Vec::new(), |mut streams, i| {
-            match streams.iter_mut().find(|(s, _)| *s == i.queue) {
-                Some((_, durables)) if !durables.contains(&i.consumer) => {
-                    durables.push(i.consumer.clone());
+        let dead_letters = match dead_letters {
+            Ok(counts) => Some(counts),
+            Err(e) if missing_table(&e) => None,
+            Err(e) => return Err(e.into()),
+        };
+        let names: Vec<String> = if options.queues.is_empty() {
+            // Every consumer seen: with claims, with a key (it sealed a retry or
+            // dead-letter copy), or with letters in the table; and the queues of
+            // the processes that wrote a heartbeat.
+            let mut names: Vec<String> = claims.iter().map(|c| c.consumer.clone()).collect();
+            let lettered = dead_letters.iter().flatten().map(|c| c.queue.clone());
+            let wanted =
+                |name: &String| options.consumers.is_empty() || options.consumers.contains(name);
+            for name in sealed.unwrap_or_default().into_iter().chain(lettered) {
+                if wanted(&name) && !names.contains(&name) {
+                    names.push(name);
                 }
-                Some(_) => {}
-                None => streams.push((i.queue.clone(), vec![i.consumer.clone()])),
             }
-            streams
-        });
-    let names: Vec<String> = names
-        .into_iter()
-        .filter(|n| !streams.iter().any(|(s, _)| s == n))
-        .collect();
-    let broker = async {
-        let mut found = Vec::new();
-        if names.is_empty() {
-            return Ok((Vec::new(), found));
+            for name in instances.iter().flatten().map(|i| i.queue.clone()) {
+                if wanted(&name) && !names.contains(&name) {
+                    names.push(name);
+                }
+            }
+            names
+        } else {
+            options.queues.clone()
+        };
+        if options.fail_on_dlq {
+            let mut per_queue: Vec<(String, i64)> = Vec::new();
+            for c in dead_letters.iter().flatten() {
+                match per_queue.iter_mut().find(|(q, _)| *q == c.queue) {
+                    Some((_, n)) => *n += c.count,
+                    None => per_queue.push((c.queue.clone(), c.count)),
+                }
+            }
+            for (queue, count) in per_queue {
+                warnings.push(Warning::TableDeadLetters { queue, count });
+            }
         }
-        let connection = services.broker().await?;
-        let inspected = inspect(&connection, &names, &delays, options, &mut found).await;
-        close(&connection).await;
-        inspected.map(|queues| (queues, found))
-    };
-    let http_store = crate::http::PostgresStore::new(pool.clone());
-    let window_store = crate::window::PostgresWindow::new(pool.clone());
-    let (inspected, outbox, http_keys, window) = tokio::join!(
-        broker,
-        crate::outbox::OutboxStatus::read(pool),
-        http_store.count_by_state(),
-        window_store.count_by_state(),
-    );
-    let (mut queues, queue_warnings) = inspected?;
-    warnings.extend(queue_warnings);
-    queues.extend(stream_statuses(services, &streams).await);
-
-    let outbox = match outbox {
-        Ok(outbox) => Some(outbox),
-        Err(e) if undefined_table(&e) => None,
-        Err(e) => return Err(e.into()),
-    };
-    if let Some(outbox) = outbox
-        && outbox.failed > 0
-    {
-        warnings.push(Warning::OutboxFailed {
-            failed: outbox.failed,
-        });
-    }
-    let absent = |counts: crate::Result<Vec<StateCount>>| match counts {
-        Ok(counts) => Ok(Some(counts)),
-        Err(e) if missing_table(&e) => Ok(None),
-        Err(e) => Err(OpsError::from(e)),
-    };
-    let http_keys = absent(http_keys)?;
-    let window = absent(window)?;
-
-    Ok(Status {
-        consumers: claims
+        // JetStream streams are asked of NATS, the rest of RabbitMQ.
+        let streams: Vec<(String, Vec<String>)> = instances
+            .iter()
+            .flatten()
+            .filter(|i| i.transport == "nats" && names.contains(&i.queue))
+            .fold(Vec::new(), |mut streams, i| {
+                match streams.iter_mut().find(|(s, _)| *s == i.queue) {
+                    Some((_, durables)) if !durables.contains(&i.consumer) => {
+                        durables.push(i.consumer.clone());
+                    }
+                    Some(_) => {}
+                    None => streams.push((i.queue.clone(), vec![i.consumer.clone()])),
+                }
+                streams
+            });
+        let names: Vec<String> = names
             .into_iter()
-            .map(|c| ConsumerStatus {
-                consumer: c.consumer,
-                claims: c.claims,
-                oldest_age: c.oldest,
-                newest_age: c.newest,
-                redelivery_horizon: horizon,
-            })
-            .collect(),
-        queues,
-        outbox,
-        http_keys,
-        window,
-        dead_letters,
-        instances,
-        warnings,
-    })
+            .filter(|n| !streams.iter().any(|(s, _)| s == n))
+            .collect();
+        let broker = async {
+            let mut found = Vec::new();
+            if names.is_empty() {
+                return Ok((Vec::new(), found));
+            }
+            let connection = self.broker().await?;
+            let inspected = inspect(&connection, &names, &delays, options, &mut found).await;
+            close(&connection).await;
+            inspected.map(|queues| (queues, found))
+        };
+        let http_store = crate::http::PostgresStore::new(pool.clone());
+        let window_store = crate::window::PostgresWindow::new(pool.clone());
+        let (inspected, outbox, http_keys, window) = tokio::join!(
+            broker,
+            crate::outbox::OutboxStatus::read(pool),
+            http_store.count_by_state(),
+            window_store.count_by_state(),
+        );
+        let (mut queues, queue_warnings) = inspected?;
+        warnings.extend(queue_warnings);
+        queues.extend(stream_statuses(self, &streams).await);
+
+        let outbox = match outbox {
+            Ok(outbox) => Some(outbox),
+            Err(e) if undefined_table(&e) => None,
+            Err(e) => return Err(e.into()),
+        };
+        if let Some(outbox) = outbox
+            && outbox.failed > 0
+        {
+            warnings.push(Warning::OutboxFailed {
+                failed: outbox.failed,
+            });
+        }
+        let absent = |counts: crate::Result<Vec<StateCount>>| match counts {
+            Ok(counts) => Ok(Some(counts)),
+            Err(e) if missing_table(&e) => Ok(None),
+            Err(e) => Err(OpsError::from(e)),
+        };
+        let http_keys = absent(http_keys)?;
+        let window = absent(window)?;
+
+        Ok(Status {
+            consumers: claims
+                .into_iter()
+                .map(|c| ConsumerStatus {
+                    consumer: c.consumer,
+                    claims: c.claims,
+                    oldest_age: c.oldest,
+                    newest_age: c.newest,
+                    redelivery_horizon: horizon,
+                })
+                .collect(),
+            queues,
+            outbox,
+            http_keys,
+            window,
+            dead_letters,
+            instances,
+            warnings,
+        })
+    }
 }
 
 /// The JetStream streams of NATS consumers, asked of the server at the

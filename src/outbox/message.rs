@@ -17,7 +17,7 @@ use crate::wire_size::{DEFAULT_FRAME_MAX, HEADER_FRAME_OVERHEAD};
 /// otherwise: RabbitMQ 4's default `max_message_size` (16 MiB), the strictest
 /// of its versions, so that an oversized body fails at staging, in the
 /// handler, instead of at the relay.
-pub const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
+pub(crate) const DEFAULT_MAX_BODY_SIZE: usize = 16 * 1024 * 1024;
 
 /// Staging refuses properties that would not fit a frame of RabbitMQ's
 /// default size.
@@ -221,8 +221,8 @@ impl OutboxMessage {
         self.header(TRACEPARENT_HEADER, traceparent.into())
     }
 
-    /// The largest body accepted at staging (default
-    /// [`DEFAULT_MAX_BODY_SIZE`]); raise it to what your broker's
+    /// The largest body accepted at staging (default 16 MiB, RabbitMQ 4's
+    /// default `max_message_size`); raise it to what your broker's
     /// `max_message_size` allows.
     pub fn max_body_size(mut self, bytes: usize) -> Self {
         self.max_body_size = bytes;

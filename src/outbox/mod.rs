@@ -65,7 +65,7 @@ use std::future::Future;
 use sha2::{Digest, Sha256};
 
 pub use admin::{FailedMessage, OutboxStatus, PendingGroup};
-pub use message::{DEFAULT_MAX_BODY_SIZE, OutboxMessage};
+pub use message::OutboxMessage;
 // The consumer runtime's side: the link to the relay it runs, and its
 // units' commit of what their handlers deferred.
 #[cfg(idempo_runtime)]

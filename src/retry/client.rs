@@ -7,7 +7,7 @@ use reqwest::header::{HeaderValue, RETRY_AFTER};
 use reqwest::{Client, Request, Response};
 
 use super::policy::{RetryPolicy, parse_retry_after};
-use super::run::{Attempt, RetryError, retry_with};
+use super::run::{Attempt, RetryError};
 
 use crate::headers::IDEMPOTENCY_KEY;
 use crate::key::KeyError;
@@ -20,7 +20,7 @@ use crate::key::KeyError;
 ///
 /// When the operating system gives no random bytes: a key from a weaker
 /// source could collide with another client's.
-pub fn new_key() -> String {
+pub(crate) fn new_key() -> String {
     crate::random::uuid_v4().expect("the operating system gives random bytes")
 }
 
@@ -143,7 +143,7 @@ impl AttemptError {
 }
 
 /// The default [attempt timeout](RetryingClient::attempt_timeout): 10 s.
-pub const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// reqwest with retries per a [`RetryPolicy`], sending the **same**
 /// `Idempotency-Key` on every attempt, so that an idempotent server executes
@@ -188,8 +188,7 @@ impl fmt::Debug for RetryingClient {
 }
 
 impl RetryingClient {
-    /// Wraps `client`, with the [default](DEFAULT_ATTEMPT_TIMEOUT) attempt
-    /// timeout.
+    /// Wraps `client`, with the default attempt timeout (10 s).
     pub fn new(client: Client, policy: RetryPolicy) -> Self {
         RetryingClient {
             client,
@@ -213,7 +212,7 @@ impl RetryingClient {
         self
     }
 
-    /// Sends `request` with a fresh key ([`new_key`]), or the key it already
+    /// Sends `request` with a fresh key (a random UUID v4), or the key it already
     /// carries in `Idempotency-Key`.
     ///
     /// # Errors
@@ -270,47 +269,49 @@ impl RetryingClient {
             self.policy.clone().max_retries(0)
         };
         let timeout = self.attempt_timeout;
-        let outcome = retry_with(&policy, |_attempt| {
-            let request = match original.as_ref().and_then(Request::try_clone) {
-                Some(copy) => copy,
-                None => original.take().expect("sent once when not cloneable"),
-            };
-            let client = self.client.clone();
-            let policy = &self.policy;
-            async move {
-                // Dropping the request on timeout closes its connection: the
-                // next attempt does not queue behind a hung one.
-                let Ok(sent) = tokio::time::timeout(timeout, client.execute(request)).await else {
-                    return Attempt::Retry {
-                        error: AttemptError::TimedOut(timeout),
-                        after: None,
-                    };
+        let outcome = policy
+            .retry_with(|_attempt| {
+                let request = match original.as_ref().and_then(Request::try_clone) {
+                    Some(copy) => copy,
+                    None => original.take().expect("sent once when not cloneable"),
                 };
-                match sent {
-                    Ok(response) if policy.is_retryable(response.status().as_u16()) => {
-                        let after = response
-                            .headers()
-                            .get(RETRY_AFTER)
-                            .and_then(|v| v.to_str().ok())
-                            .and_then(|v| parse_retry_after(v, SystemTime::now()));
-                        Attempt::Retry {
-                            error: AttemptError::Status(response),
-                            after,
+                let client = self.client.clone();
+                let policy = &self.policy;
+                async move {
+                    // Dropping the request on timeout closes its connection: the
+                    // next attempt does not queue behind a hung one.
+                    let Ok(sent) = tokio::time::timeout(timeout, client.execute(request)).await
+                    else {
+                        return Attempt::Retry {
+                            error: AttemptError::TimedOut(timeout),
+                            after: None,
+                        };
+                    };
+                    match sent {
+                        Ok(response) if policy.is_retryable(response.status().as_u16()) => {
+                            let after = response
+                                .headers()
+                                .get(RETRY_AFTER)
+                                .and_then(|v| v.to_str().ok())
+                                .and_then(|v| parse_retry_after(v, SystemTime::now()));
+                            Attempt::Retry {
+                                error: AttemptError::Status(response),
+                                after,
+                            }
                         }
+                        Ok(response) => Attempt::Done(response),
+                        // A malformed request or a redirect loop fails the same way every time.
+                        Err(error) if error.is_builder() || error.is_redirect() => {
+                            Attempt::Fail(AttemptError::Transport(error))
+                        }
+                        Err(error) => Attempt::Retry {
+                            error: AttemptError::Transport(error),
+                            after: None,
+                        },
                     }
-                    Ok(response) => Attempt::Done(response),
-                    // A malformed request or a redirect loop fails the same way every time.
-                    Err(error) if error.is_builder() || error.is_redirect() => {
-                        Attempt::Fail(AttemptError::Transport(error))
-                    }
-                    Err(error) => Attempt::Retry {
-                        error: AttemptError::Transport(error),
-                        after: None,
-                    },
                 }
-            }
-        })
-        .await;
+            })
+            .await;
         let key = key.to_owned();
         match outcome {
             Ok((response, attempts)) => Ok(Retried {

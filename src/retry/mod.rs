@@ -5,7 +5,7 @@
 //!   retryable statuses (408, 409, 429, 500, 502, 503, 504), exponential
 //!   backoff with full jitter, `Retry-After` honoured, an overall deadline and
 //!   a cancellation token.
-//! - [`retry`]: the loop for any async work.
+//! - [`RetryPolicy::retry`]: the loop for any async work.
 //! - [`RetryingClient`]: reqwest with one `Idempotency-Key` (a fresh UUID v4,
 //!   or yours, checked against the server's syntax) sent on **every**
 //!   attempt, so an idempotent server (such as
@@ -15,16 +15,13 @@
 //!   the last retryable response (a 503 when the retries ran out) so that it
 //!   cannot pass for one.
 //!
-//! The header is [`crate::headers::IDEMPOTENCY_KEY`]. (The consumer's broker-side
+//! The header is `Idempotency-Key`. (The consumer's broker-side
 //! delay tiers are a different thing, `amqp::RedeliveryPolicy`.)
 
 mod client;
 mod policy;
 mod run;
 
-/// The key syntax the client checks before sending: the `http` layer's own.
-pub use client::{
-    AttemptError, DEFAULT_ATTEMPT_TIMEOUT, Retried, RetryingClient, SendError, new_key,
-};
+pub use client::{AttemptError, Retried, RetryingClient, SendError};
 pub use policy::RetryPolicy;
-pub use run::{Attempt, RetryError, retry, retry_with};
+pub use run::{Attempt, RetryError};

@@ -16,8 +16,8 @@ use crate::error::Result;
 use crate::runtime::health::Health;
 use crate::runtime::stats::{Stats, StatsSnapshot};
 
-/// How often a running consumer writes its heartbeat.
-pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
+/// How often a running consumer writes its heartbeat ([`Instance::HEARTBEAT_EVERY`]).
+pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
 
 /// Rows not written for this long are deleted (by the next consumer start).
 const FORGET_AFTER: &str = "1 day";
@@ -52,6 +52,9 @@ pub struct Instance {
 }
 
 impl Instance {
+    /// How often a running consumer (or relay) writes its heartbeat: 5 s.
+    pub const HEARTBEAT_EVERY: Duration = HEARTBEAT_EVERY;
+
     /// Whether its last heartbeat is recent (three beats) and it has not stopped.
     pub fn is_alive(&self) -> bool {
         self.state != "stopped" && self.seen_secs_ago < 3.0 * HEARTBEAT_EVERY.as_secs_f64()

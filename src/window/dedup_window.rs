@@ -8,10 +8,10 @@ use super::store::{Insertion, MAX_WINDOW, Reservation, WindowStore};
 use crate::Result;
 
 /// SQS FIFO's deduplication interval.
-pub const DEFAULT_WINDOW: Duration = Duration::from_secs(5 * 60);
+pub(crate) const DEFAULT_WINDOW: Duration = Duration::from_secs(5 * 60);
 
 /// A deduplication window over a [`WindowStore`]: an id seen within the
-/// window (default [`DEFAULT_WINDOW`], five minutes) is a duplicate; after it,
+/// window (default five minutes) is a duplicate; after it,
 /// the same id is new again.
 ///
 /// ```
@@ -53,7 +53,7 @@ impl<S: WindowStore> DedupWindow<S> {
         }
     }
 
-    /// Sets the window's length: at least 1 ms, at most [`MAX_WINDOW`] (ten
+    /// Sets the window's length: at least 1 ms, at most ten
     /// years; a longer one, up to `Duration::MAX`, is cut to it).
     #[must_use]
     pub fn window(mut self, window: Duration) -> Self {
@@ -83,7 +83,7 @@ impl<S: WindowStore> DedupWindow<S> {
     /// a [`StoreError`](crate::StoreError) (Redis, the window full,
     /// a timeout), or
     /// [`Error::Config`](crate::Error::Config) for a key no store can hold
-    /// (see [`MAX_KEY_LEN`](super::MAX_KEY_LEN)).
+    /// (scope and id together: at most 2,048 bytes).
     pub async fn insert(&self, scope: &Scope, id: &DedupId) -> Result<bool> {
         Ok(self.insert_value(scope, id, "").await?.is_new())
     }
@@ -120,7 +120,7 @@ impl<S: WindowStore> DedupWindow<S> {
         self.store.insert(&scope.key(id), value, self.window).await
     }
 
-    /// Reserves `id` for `lease` (cut to [`MAX_WINDOW`]) while work that must
+    /// Reserves `id` for `lease` (cut to ten years) while work that must
     /// happen once is done; then [`record`](Self::record) it, or
     /// [`release`](Self::release) it if the work failed, so that a retry is
     /// not taken for a duplicate.

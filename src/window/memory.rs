@@ -34,7 +34,7 @@ enum State {
 }
 
 /// When an entry made now for `d` expires: `d` is cut to
-/// [`MAX_WINDOW`](super::MAX_WINDOW), so that adding it to the clock cannot
+/// ten years, so that adding it to the clock cannot
 /// overflow (`Instant + Duration` panics when it does).
 fn expiry(now: Instant, d: Duration) -> Instant {
     // Ten years cannot overflow a monotonic clock; the fallbacks only make

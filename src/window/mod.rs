@@ -8,7 +8,7 @@
 //!   or per message group.
 //! - [`DedupWindow`]: "insert this id unless it was seen within the window",
 //!   atomically, over a [`WindowStore`]: [`MemoryWindow`] (bounded),
-//!   [`PostgresWindow`] (spawn [`run_cleanup`] for it) or `RedisWindow`
+//!   [`PostgresWindow`] (spawn [`WindowStore::run_cleanup`] for it) or `RedisWindow`
 //!   (feature `redis`; `RedisWindow::connect(url)` needs no redis types).
 //! - With feature `amqp`, `amqp::window` joins the two: a `DedupPublisher`
 //!   that sends a duplicate id only once within the window (recording the id
@@ -30,16 +30,13 @@ mod memory;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
-mod store;
+pub(crate) mod store;
 
 pub use dedup_id::{DedupId, InvalidDedupId, Scope};
-pub use dedup_window::{DEFAULT_WINDOW, DedupWindow};
+pub use dedup_window::DedupWindow;
 pub use memory::MemoryWindow;
 pub use postgres::PostgresWindow;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisWindow;
-pub use store::{
-    Insertion, MAX_KEY_LEN, MAX_WINDOW, Reservation, WindowStore, check_key, check_value,
-    run_cleanup,
-};
+pub use store::{Insertion, Reservation, WindowStore, check_key, check_value};

@@ -27,13 +27,13 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// ```no_run
 /// # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use idempo::window::{DedupWindow, PostgresWindow, run_cleanup};
+/// use idempo::window::{DedupWindow, PostgresWindow, WindowStore};
 ///
 /// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/postgres").await?;
 /// idempo::migrate(&pool).await?;
 /// let store = PostgresWindow::new(pool).timeout(Duration::from_secs(2));
 /// // Expired rows stay until deleted: one cleanup task per database.
-/// let cleanup = tokio::spawn(run_cleanup(store.clone(), Duration::from_secs(60)));
+/// let cleanup = tokio::spawn(store.clone().run_cleanup(Duration::from_secs(60)));
 /// let window = DedupWindow::new(store);
 /// # cleanup.abort();
 /// # Ok(()) }
@@ -41,7 +41,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 ///
 /// # Cleanup
 /// Expired rows stay until [`delete_expired`](WindowStore::delete_expired)
-/// removes them: spawn [`run_cleanup`](super::run_cleanup) as above.
+/// removes them: spawn [`run_cleanup`](super::WindowStore::run_cleanup) as above.
 ///
 /// # Timeouts
 /// Each call takes at most the store timeout (5 s,
@@ -54,7 +54,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// (the pool is exhausted, or a statement waits on a lock).
 ///
 /// # Limits
-/// Keys longer than [`MAX_KEY_LEN`](super::MAX_KEY_LEN) bytes and keys or
+/// Keys longer than 2,048 bytes and keys or
 /// values holding a NUL byte are refused with [`Error::Config`] before the
 /// database is asked.
 #[derive(Debug, Clone)]

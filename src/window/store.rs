@@ -10,13 +10,13 @@ use crate::{Error, Result};
 /// cut to it (ten years). Far beyond any real window, and far enough from
 /// every store's own limit (the monotonic clock, Redis's expire times,
 /// PostgreSQL's timestamps) that no duration can overflow one of them.
-pub const MAX_WINDOW: Duration = Duration::from_secs(10 * 365 * 24 * 60 * 60);
+pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(10 * 365 * 24 * 60 * 60);
 
 /// The longest store key, in bytes: the scope (queue, or exchange and routing
 /// key; the group) and the id together. PostgreSQL cannot index a key much
 /// longer (a B-tree entry must fit in a third of a page), and every store
 /// refuses the same keys, so that switching stores cannot surface a new error.
-pub const MAX_KEY_LEN: usize = 2048;
+pub(crate) const MAX_KEY_LEN: usize = 2048;
 
 /// What [`WindowStore::reserve`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,13 +56,13 @@ impl Insertion {
     }
 }
 
-/// `d`, cut to [`MAX_WINDOW`].
+/// `d`, cut to ten years.
 pub(crate) fn bounded(d: Duration) -> Duration {
     d.min(MAX_WINDOW)
 }
 
 /// Refuses a key that some store could not hold: longer than
-/// [`MAX_KEY_LEN`], or with a NUL byte (PostgreSQL text cannot hold one).
+/// 2,048 bytes, or with a NUL byte (PostgreSQL text cannot hold one).
 /// idempo's stores call it first; a [`WindowStore`] of your own should too,
 /// so that switching stores surfaces no new error (the
 /// conformance kit of `idempo::testing`, feature `testing`, checks it).
@@ -119,7 +119,7 @@ fn preview(text: &str) -> String {
 /// step per key; an entry past its expiry counts as absent.
 ///
 /// The stores idempo ships treat their inputs alike: a window or lease longer
-/// than [`MAX_WINDOW`] is cut to it, and a key longer than [`MAX_KEY_LEN`] or
+/// than ten years is cut to it, and a key longer than 2,048 bytes or
 /// with a NUL byte (or a value with a NUL byte) is refused with
 /// [`Error::Config`] before the store is asked.
 pub trait WindowStore: Send + Sync + 'static {
@@ -156,38 +156,43 @@ pub trait WindowStore: Send + Sync + 'static {
     /// Deletes up to `limit` expired entries; 0 where entries expire by
     /// themselves (Redis).
     fn delete_expired(&self, limit: usize) -> impl Future<Output = Result<u64>> + Send;
-}
 
-/// Deletes expired entries every `every` (at least 1 ms), in batches of
-/// 1,000, forever. Errors are logged and retried at the next tick.
-///
-/// Only the PostgreSQL window needs it: its expired rows stay until deleted
-/// (an insert of the same key takes its row over, other keys pile up), while
-/// Redis expires keys by itself and the memory window evicts expired entries
-/// when it fills. Spawn it once per database (replicas sharing one can each
-/// run it: they skip the rows another is deleting), and abort it at shutdown:
-///
-/// ```no_run
-/// # async fn doc(pool: sqlx::PgPool) {
-/// use std::time::Duration;
-/// use idempo::window::{DedupWindow, PostgresWindow, run_cleanup};
-///
-/// let window = DedupWindow::new(PostgresWindow::new(pool));
-/// let cleanup = tokio::spawn(run_cleanup(window.store().clone(), Duration::from_secs(60)));
-/// // ... use the window ...
-/// cleanup.abort();
-/// # }
-/// ```
-///
-/// (It is a future rather than a spawned task with a handle because the
-/// `window` feature does not pull in tokio's runtime.)
-pub async fn run_cleanup<S: WindowStore>(store: S, every: Duration) {
-    // A zero period would make tokio's interval panic.
-    let every = every.max(Duration::from_millis(1));
-    crate::cleanup::delete_expired_forever("dedup window entries", every, |n| {
-        store.delete_expired(n)
-    })
-    .await
+    /// Deletes expired entries every `every` (at least 1 ms), in batches of
+    /// 1,000, forever. Errors are logged and retried at the next tick.
+    ///
+    /// Only the PostgreSQL window needs it: its expired rows stay until deleted
+    /// (an insert of the same key takes its row over, other keys pile up), while
+    /// Redis expires keys by itself and the memory window evicts expired entries
+    /// when it fills. Spawn it once per database (replicas sharing one can each
+    /// run it: they skip the rows another is deleting), and abort it at shutdown:
+    ///
+    /// ```no_run
+    /// # async fn doc(pool: sqlx::PgPool) {
+    /// use std::time::Duration;
+    /// use idempo::window::{DedupWindow, PostgresWindow, WindowStore};
+    ///
+    /// let window = DedupWindow::new(PostgresWindow::new(pool));
+    /// let cleanup = tokio::spawn(window.store().clone().run_cleanup(Duration::from_secs(60)));
+    /// // ... use the window ...
+    /// cleanup.abort();
+    /// # }
+    /// ```
+    ///
+    /// (It is a future rather than a spawned task with a handle because the
+    /// `window` feature does not pull in tokio's runtime.)
+    fn run_cleanup(self, every: Duration) -> impl Future<Output = ()> + Send
+    where
+        Self: Sized,
+    {
+        async move {
+            // A zero period would make tokio's interval panic.
+            let every = every.max(Duration::from_millis(1));
+            crate::cleanup::delete_expired_forever("dedup window entries", every, |n| {
+                self.delete_expired(n)
+            })
+            .await
+        }
+    }
 }
 
 impl<T: WindowStore> WindowStore for std::sync::Arc<T> {

@@ -13,7 +13,8 @@ use crate::amqp::publish::{ConfirmChannel, PublishError};
 use crate::amqp::reconnect::Reconnect;
 use crate::amqp::{AmqpError, Broker};
 use crate::headers::{DEDUP_ID_HEADER, GROUP_ID_HEADER};
-use crate::window::{DedupId, DedupWindow, MAX_WINDOW, Reservation, Scope, WindowStore};
+use crate::window::store::MAX_WINDOW;
+use crate::window::{DedupId, DedupWindow, Reservation, Scope, WindowStore};
 use crate::{Error, Result};
 
 /// How long a reservation lasts by default: it outlasts the default confirm
@@ -181,8 +182,7 @@ impl<S> fmt::Debug for DedupPublisherBuilder<S> {
 
 impl<S: WindowStore> DedupPublisherBuilder<S> {
     /// How long a reservation holds the id while its publish is in flight
-    /// (default 70 s, 70 s; at most
-    /// [`MAX_WINDOW`](crate::window::MAX_WINDOW)). It must outlast the
+    /// (default 70 s; at most ten years). It must outlast the
     /// confirm timeout, with room for the store's calls: a lease that runs out
     /// before the confirm lets a concurrent publisher of the id send a second
     /// copy. It is also how long an id stays blocked after a publish whose
@@ -290,8 +290,7 @@ impl<S: WindowStore> DedupPublisher<S> {
     /// timeout; [`AmqpError::Client`] when the connection failed in flight.
     ///
     /// And the store's error; [`Error::Config`] for a `message_id` with a NUL
-    /// byte or a scope no store can hold (see
-    /// [`MAX_KEY_LEN`](crate::window::MAX_KEY_LEN)).
+    /// byte or a scope no store can hold (over 2,048 bytes).
     pub async fn publish(
         &self,
         exchange: &str,

@@ -202,7 +202,7 @@ impl Select {
             },
         };
         Ok(Filter {
-            queue: Some(idempo::amqp::work_queue(queue).to_owned()),
+            queue: Some(idempo::amqp::Amqp::work_queue(queue).to_owned()),
             consumer: self.consumer.clone(),
             reason: self.reason.clone(),
             fingerprint: self.fingerprint.clone(),
@@ -474,14 +474,16 @@ async fn purge(
 
 async fn import(ctx: &Ctx, queue: &str) -> anyhow::Result<u8> {
     let spinner = output::spinner(ctx.json);
-    let report = idempo::ops::dead_letters::import(&ctx.services, queue, |n| {
-        if !spinner.is_hidden() {
-            spinner.set_message(format!("{n} imported"));
-        } else if !ctx.json && n.is_multiple_of(100) {
-            eprintln!("{n} imported");
-        }
-    })
-    .await;
+    let report = ctx
+        .services
+        .import_dead_letters(queue, |n| {
+            if !spinner.is_hidden() {
+                spinner.set_message(format!("{n} imported"));
+            } else if !ctx.json && n.is_multiple_of(100) {
+                eprintln!("{n} imported");
+            }
+        })
+        .await;
     spinner.finish_and_clear();
     let report = report?;
     if ctx.json {

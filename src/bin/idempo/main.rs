@@ -26,7 +26,6 @@ use std::process::ExitCode;
 use clap::builder::{OsStringValueParser, TypedValueParser};
 use clap::{Parser, Subcommand};
 use idempo::ClientTls;
-use idempo::amqp::{AMQP_CA_FILE, AMQP_CLIENT_CERT_FILE, AMQP_CLIENT_KEY_FILE};
 use idempo::ops::Services;
 
 /// Exit code of a command that worked but found something an operator must act on.
@@ -70,13 +69,13 @@ struct Cli {
     )]
     nats_url: String,
     /// CA certificates (PEM) to trust for amqps:// instead of the system's.
-    #[arg(long, global = true, value_name = "FILE", env = AMQP_CA_FILE, value_parser = file())]
+    #[arg(long, global = true, value_name = "FILE", env = "AMQP_CA_FILE", value_parser = file())]
     amqp_ca_file: Option<PathBuf>,
     /// Client certificate (PEM) for amqps://.
-    #[arg(long, global = true, value_name = "FILE", env = AMQP_CLIENT_CERT_FILE, value_parser = file())]
+    #[arg(long, global = true, value_name = "FILE", env = "AMQP_CLIENT_CERT_FILE", value_parser = file())]
     amqp_client_cert_file: Option<PathBuf>,
     /// The client certificate's private key (PEM, unencrypted).
-    #[arg(long, global = true, value_name = "FILE", env = AMQP_CLIENT_KEY_FILE, value_parser = file())]
+    #[arg(long, global = true, value_name = "FILE", env = "AMQP_CLIENT_KEY_FILE", value_parser = file())]
     amqp_client_key_file: Option<PathBuf>,
     /// Who runs the command: recorded, with this host's name, on the dead
     /// letters it replays or discards.
@@ -161,8 +160,8 @@ fn main() -> ExitCode {
         Ok(tls) => tls,
         Err(e) => {
             eprintln!(
-                "idempo: {e} (--amqp-client-cert-file/{AMQP_CLIENT_CERT_FILE} and \
-                 --amqp-client-key-file/{AMQP_CLIENT_KEY_FILE})"
+                "idempo: {e} (--amqp-client-cert-file/AMQP_CLIENT_CERT_FILE and \
+                 --amqp-client-key-file/AMQP_CLIENT_KEY_FILE)"
             );
             return ExitCode::FAILURE;
         }

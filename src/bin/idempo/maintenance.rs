@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use clap::Args;
-use idempo::ops::maintenance::{self, Progress};
+use idempo::ops::maintenance::Progress;
 use idempo::ops::short_duration;
 use serde_json::json;
 
@@ -38,34 +38,35 @@ pub(crate) struct CleanupArgs {
 
 pub(crate) async fn migrate(ctx: &Ctx, args: MigrateArgs) -> anyhow::Result<u8> {
     if args.check {
-        let status = maintenance::migrate_status(&ctx.services).await?;
+        let status = ctx.services.migrate_status().await?;
         output::migration_status(ctx.json, &status);
         return Ok(if status.is_up_to_date() { 0 } else { 1 });
     }
-    let applied = maintenance::migrate(&ctx.services).await?;
+    let applied = ctx.services.migrate().await?;
     output::migrated(ctx.json, &applied);
     Ok(0)
 }
 
 pub(crate) async fn reap(ctx: &Ctx, args: ReapArgs) -> anyhow::Result<u8> {
-    let reaped = maintenance::reap(
-        &ctx.services,
-        &args.consumer,
-        args.older_than,
-        args.batch,
-        |progress| match progress {
-            Progress::Started { name } if !ctx.json => eprintln!(
-                "reaping {name}: claims older than {}",
-                short_duration(args.older_than)
-            ),
-            Progress::Done(d) if ctx.json => {
-                output::json(&json!({"consumer": d.name, "deleted": d.deleted}));
-            }
-            Progress::Done(d) => println!("{}: {} claim(s) deleted", d.name, d.deleted),
-            _ => {}
-        },
-    )
-    .await?;
+    let reaped = ctx
+        .services
+        .reap(
+            &args.consumer,
+            args.older_than,
+            args.batch,
+            |progress| match progress {
+                Progress::Started { name } if !ctx.json => eprintln!(
+                    "reaping {name}: claims older than {}",
+                    short_duration(args.older_than)
+                ),
+                Progress::Done(d) if ctx.json => {
+                    output::json(&json!({"consumer": d.name, "deleted": d.deleted}));
+                }
+                Progress::Done(d) => println!("{}: {} claim(s) deleted", d.name, d.deleted),
+                _ => {}
+            },
+        )
+        .await?;
     if !ctx.json {
         let total: u64 = reaped.iter().map(|d| d.deleted).sum();
         println!("{total} claim(s) deleted");
@@ -75,18 +76,19 @@ pub(crate) async fn reap(ctx: &Ctx, args: ReapArgs) -> anyhow::Result<u8> {
 
 pub(crate) async fn cleanup(ctx: &Ctx, args: CleanupArgs) -> anyhow::Result<u8> {
     let spinner = output::spinner(ctx.json);
-    let cleaned = maintenance::cleanup(
-        &ctx.services,
-        usize::try_from(args.batch).unwrap_or(usize::MAX),
-        |progress| match progress {
-            Progress::Batch { name, deleted } => {
-                spinner.set_message(format!("{name}: {deleted} expired deleted"));
-            }
-            Progress::Done(_) => spinner.set_message(String::new()),
-            _ => {}
-        },
-    )
-    .await;
+    let cleaned = ctx
+        .services
+        .cleanup(
+            usize::try_from(args.batch).unwrap_or(usize::MAX),
+            |progress| match progress {
+                Progress::Batch { name, deleted } => {
+                    spinner.set_message(format!("{name}: {deleted} expired deleted"));
+                }
+                Progress::Done(_) => spinner.set_message(String::new()),
+                _ => {}
+            },
+        )
+        .await;
     spinner.finish_and_clear();
     let cleaned = cleaned?;
     for d in &cleaned {

@@ -1,9 +1,9 @@
-//! `idempo status`: [`idempo::ops::status`].
+//! `idempo status`: [`Services::status`](idempo::ops::Services::status).
 
 use std::time::Duration;
 
 use clap::Args;
-use idempo::ops::{self, StatusOptions};
+use idempo::ops::StatusOptions;
 
 use crate::{ATTENTION, Ctx, output};
 
@@ -44,7 +44,7 @@ pub(crate) async fn exec(ctx: &Ctx, args: StatusArgs) -> anyhow::Result<u8> {
         retention: args.retention,
         fail_on_dlq: args.fail_on_dlq,
     };
-    let status = ops::status(&ctx.services, &options).await?;
+    let status = ctx.services.status(&options).await?;
     if ctx.json {
         output::json(&status);
     } else {

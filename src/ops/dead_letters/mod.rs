@@ -1,6 +1,6 @@
 //! Dead letters, one API whichever store keeps them: the `dead_letters`
 //! table (a consumer with [`DeadLetters::Table`](crate::consumer::DeadLetters),
-//! or [`import`]ed) or the work queue's RabbitMQ DLQ (`<queue>.dlq`).
+//! or imported, [`Services::import_dead_letters`](super::Services::import_dead_letters)) or the work queue's RabbitMQ DLQ (`<queue>.dlq`).
 //!
 //! [`DeadLetterStore::open`] picks the store ([`Store::Auto`]: the table
 //! when it holds letters of the queue, else the DLQ); the same calls then
@@ -30,7 +30,7 @@
 //! use idempo::ops::Services;
 //! use idempo::ops::dead_letters::{DeadLetterStore, Filter, ReplayOptions, Store};
 //!
-//! # async fn doc(services: Services) -> idempo::ops::Result<()> {
+//! # async fn doc(services: Services) -> Result<(), idempo::ops::OpsError> {
 //! let store = DeadLetterStore::open(&services, "payments", Store::Auto).await?;
 //! for letter in store.list(&Filter::queue("payments")).await? {
 //!     println!("{:?}: {} ({:?})", letter.message_id, letter.reason, letter.error);
@@ -56,7 +56,7 @@ pub use crate::dead_letters::model::{
     Filter, Group, Letter, LetterCount, LetterDetail, LetterRef, LetterState, Refusal, ReplayEvent,
     ReplayOptions, ReplayReport,
 };
-pub use import::{ImportReport, import};
+pub use import::ImportReport;
 pub use plan::PurgePlan;
 
 use super::{OpsError, Result, Services};

@@ -2,7 +2,8 @@
 
 use super::*;
 use crate::Error;
-use crate::window::{Insertion, MAX_KEY_LEN, Reservation, WindowStore};
+use crate::window::store::MAX_KEY_LEN;
+use crate::window::{Insertion, Reservation, WindowStore};
 
 /// The checks [`window_store`] runs, by name:
 ///
@@ -18,9 +19,9 @@ use crate::window::{Insertion, MAX_KEY_LEN, Reservation, WindowStore};
 /// | `an_expired_reservation_is_free` | past its lease, a reservation is gone: its token is refused and `reserve` hands out a new one |
 /// | `concurrent_inserts_record_once` | of 16 concurrent `insert`s of one key, exactly one is new; the others see its value |
 /// | `concurrent_reserves_reserve_once` | of 16 concurrent `reserve`s of one key, exactly one reserves; the others find it pending |
-/// | `hostile_keys_are_kept_apart` | keys with quotes, backslashes, LIKE and glob wildcards, hash tags, separators, line breaks, non-ASCII text, prefixes of each other, and one of [`MAX_KEY_LEN`] bytes, are distinct entries and keep their values |
-/// | `overlong_keys_and_nul_bytes_are_refused` | a key longer than [`MAX_KEY_LEN`] bytes, a key or value with a NUL byte: [`Error::Config`], as idempo's stores do, so that switching stores cannot surface a new error (call [`check_key`](crate::window::check_key) and [`check_value`](crate::window::check_value)) |
-/// | `an_overlong_lease_is_cut` | a lease of `Duration::MAX` is cut to [`MAX_WINDOW`](crate::window::MAX_WINDOW): the reservation is held, not refused and not expired |
+/// | `hostile_keys_are_kept_apart` | keys with quotes, backslashes, LIKE and glob wildcards, hash tags, separators, line breaks, non-ASCII text, prefixes of each other, and one of 2,048 bytes (the longest), are distinct entries and keep their values |
+/// | `overlong_keys_and_nul_bytes_are_refused` | a key longer than 2,048 bytes, a key or value with a NUL byte: [`Error::Config`], as idempo's stores do, so that switching stores cannot surface a new error (call [`check_key`](crate::window::check_key) and [`check_value`](crate::window::check_value)) |
+/// | `an_overlong_lease_is_cut` | a lease of `Duration::MAX` is cut to ten years: the reservation is held, not refused and not expired |
 /// | `delete_expired_keeps_live_entries` | `delete_expired` keeps the live entries (seen, reserved) |
 pub const WINDOW_STORE_CHECKS: &[&str] = &[
     "insert_records_a_new_id",

@@ -1,5 +1,5 @@
 //! `idempo dashboard`: the web pages for the people on call, over the same
-//! library functions as the other commands ([`idempo::ops::status`],
+//! library functions as the other commands ([`Services::status`](idempo::ops::Services::status),
 //! [`idempo::ops::dead_letters`]). Server-rendered from auto-escaping
 //! templates (`pages.rs`), assets embedded; sessions, the token and CSRF
 //! checks in `auth.rs`; the checks and headers of every request in

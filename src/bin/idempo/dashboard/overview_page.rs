@@ -44,7 +44,7 @@ pub(crate) fn overview(
             "sampled " (short_duration(latest.taken.elapsed())) " ago by this dashboard, every "
             (short_duration(every))
             "; rates per second from the consumers' heartbeats (written every "
-            (short_duration(idempo::consumer::heartbeat::HEARTBEAT_EVERY)) ")"
+            (short_duration(idempo::consumer::heartbeat::Instance::HEARTBEAT_EVERY)) ")"
         }
         section {
             h2 { "Queues" }

@@ -6,7 +6,7 @@
 
 use std::borrow::Cow;
 
-use idempo::ops::{Condition, OUTBOX_PENDING_LIMIT, short_duration};
+use idempo::ops::{Condition, short_duration};
 use maud::{DOCTYPE, Markup, PreEscaped, html};
 
 /// The stylesheet, embedded: the dashboard works air-gapped.
@@ -30,7 +30,7 @@ pub(crate) fn outbox_summary(status: &idempo::outbox::OutboxStatus) -> Markup {
     html! {
         p class="rule" {
             "red: a failed message, or the oldest pending one older than "
-            (short_duration(OUTBOX_PENDING_LIMIT))
+            (short_duration(Condition::OUTBOX_PENDING_LIMIT))
         }
         p class=(colour(Condition::of_outbox(status))) {
             (status.pending) " pending, " (status.failed) " failed, oldest pending "

@@ -1,4 +1,4 @@
-//! What the overview shows: the dashboard samples [`idempo::ops::status`]
+//! What the overview shows: the dashboard samples [`Services::status`](idempo::ops::Services::status)
 //! (queues, claims, dead letters, outbox, and the consumers' heartbeats with
 //! their counters), RabbitMQ's management API when it answers, and
 //! PostgreSQL's insert count, every 10 s unless `--sample-every` says
@@ -138,11 +138,8 @@ impl Samples {
             }
         };
         let options = StatusOptions::default();
-        let (status, management, inserted) = tokio::join!(
-            idempo::ops::status(services, &options),
-            management,
-            inserted
-        );
+        let (status, management, inserted) =
+            tokio::join!(services.status(&options), management, inserted);
         let status = status.map_err(|e| e.to_string())?;
         let now = Instant::now();
         let mut state = self.lock();
