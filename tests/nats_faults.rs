@@ -500,10 +500,36 @@ async fn a_row_no_stream_takes_is_failed_with_the_servers_reason_while_other_key
     let relay = idempo::nats::Relay::new(support::nats::nats_url(), db.pool.clone())
         .create_stream(&stream)
         .max_attempts(3)
-        .retry_backoff(Duration::from_millis(50), Duration::from_millis(200));
+        // Seconds between attempts: the row behind the refused one must wait
+        // for it, also within the first batch, which picks both.
+        .retry_backoff(Duration::from_secs(1), Duration::from_secs(2));
     let health = relay.health();
     let stop = relay.shutdown_handle();
     let running = tokio::spawn(relay.run());
+    eventually("the other key's ten rows are published", WAIT, || {
+        let (js, stream) = (nats.js.clone(), stream.clone());
+        async move {
+            match js.get_stream(&stream).await {
+                Ok(mut s) => s.info().await.is_ok_and(|i| i.state.messages >= 10),
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+    let mut js_stream = nats.js.get_stream(&stream).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let attempts: i32 = sqlx::query_scalar(
+        "SELECT attempts FROM outbox WHERE message_id = 'unstreamed' AND state = 'pending'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .expect("the refused row is still pending, waiting for its next attempt");
+    assert!(attempts >= 1, "the refused row was tried: {attempts}");
+    assert_eq!(
+        js_stream.info().await.unwrap().state.messages,
+        10,
+        "the row behind the refused one, on the same ordering key, is held (not published in the same batch)"
+    );
     eventually("the refused row is failed", WAIT, || async {
         idempo::outbox::OutboxStatus::read(&db.pool)
             .await
@@ -531,7 +557,6 @@ async fn a_row_no_stream_takes_is_failed_with_the_servers_reason_while_other_key
             == 0
     })
     .await;
-    let mut js_stream = nats.js.get_stream(&stream).await.unwrap();
     let info = js_stream.info().await.unwrap();
     assert_eq!(
         info.state.messages, 11,

@@ -9,6 +9,7 @@
 //! stream's `duplicate_window`, 2 minutes by default); a copy after the
 //! window is still claimed as a duplicate by the consumer's inbox.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -131,20 +132,75 @@ struct NatsLink {
 }
 
 impl Link for NatsLink {
+    /// Rows of one ordering key go out one after another, each once the one
+    /// before it was confirmed: a refused or unanswered row holds the rest of
+    /// its key (they stay pending, no attempt counted), as on RabbitMQ.
+    /// Rows without a key, and the first row of each key, go out together.
     async fn publish(&mut self, envelopes: &[Envelope]) -> Vec<Vec<Said>> {
-        let mut said: Vec<Vec<Said>> = Vec::with_capacity(envelopes.len());
+        let mut said: Vec<Vec<Said>> = envelopes
+            .iter()
+            .map(|e| {
+                e.messages
+                    .iter()
+                    .map(|_| Said::Unknown(HELD.into()))
+                    .collect()
+            })
+            .collect();
+        let mut waiting: Vec<usize> = (0..envelopes.len()).collect();
+        let mut held: HashSet<&str> = HashSet::new();
+        while !waiting.is_empty() {
+            let mut wave = Vec::new();
+            let mut later = Vec::new();
+            let mut in_wave: HashSet<&str> = HashSet::new();
+            for e in waiting {
+                match envelopes[e].key.as_deref() {
+                    Some(key) if held.contains(key) => {}
+                    Some(key) if !in_wave.insert(key) => later.push(e),
+                    _ => wave.push(e),
+                }
+            }
+            if !self.publish_wave(envelopes, &wave, &mut said).await {
+                // No answer in time: what is left stays pending.
+                break;
+            }
+            for &e in &wave {
+                if let Some(key) = envelopes[e].key.as_deref() {
+                    if !said[e].iter().all(|s| matches!(s, Said::Confirmed)) {
+                        held.insert(key);
+                    }
+                }
+            }
+            waiting = later;
+        }
+        said
+    }
+}
+
+/// What a message held behind an earlier one of its ordering key is told.
+const HELD: &str = "held behind an unconfirmed earlier message of its ordering key";
+
+impl NatsLink {
+    /// Publishes the rows `wave` of `envelopes` and awaits their PubAcks
+    /// together, writing what JetStream said into `said`; false when the
+    /// PubAcks did not come within the confirm timeout.
+    async fn publish_wave(
+        &mut self,
+        envelopes: &[Envelope],
+        wave: &[usize],
+        said: &mut [Vec<Said>],
+    ) -> bool {
         let mut acks = Vec::new();
-        for (e, envelope) in envelopes.iter().enumerate() {
-            let mut row = Vec::with_capacity(envelope.messages.len());
+        for &e in wave {
+            let envelope = &envelopes[e];
             for (i, message) in envelope.messages.iter().enumerate() {
                 if !message.exchange.is_empty() {
-                    row.push(Said::Refused {
+                    said[e][i] = Said::Refused {
                         error: format!(
                             "message {:?} names the exchange {:?}: on NATS the routing key is the subject",
                             message.message_id, message.exchange
                         ),
                         certain: true,
-                    });
+                    };
                     continue;
                 }
                 let sent = self
@@ -158,16 +214,15 @@ impl Link for NatsLink {
                 match sent {
                     Ok(ack) => {
                         acks.push(((e, i), ack));
-                        row.push(Said::Unknown(String::new()));
+                        said[e][i] = Said::Unknown(String::new());
                     }
                     // Not sent, or unknown whether: published again later.
-                    Err(error) => row.push(Said::Unknown(format!(
-                        "publish to {:?}: {error}",
-                        message.routing_key
-                    ))),
+                    Err(error) => {
+                        said[e][i] =
+                            Said::Unknown(format!("publish to {:?}: {error}", message.routing_key));
+                    }
                 }
             }
-            said.push(row);
         }
         // IntoFuture only: awaited together through their futures.
         let (positions, acks): (Vec<_>, Vec<_>) = acks.into_iter().unzip();
@@ -179,7 +234,7 @@ impl Link for NatsLink {
             for (e, i) in positions {
                 said[e][i] = Said::Unknown(why.clone());
             }
-            return said;
+            return false;
         };
         for ((e, i), ack) in positions.into_iter().zip(answered) {
             let subject = &envelopes[e].messages[i].routing_key;
@@ -196,7 +251,7 @@ impl Link for NatsLink {
                 },
             };
         }
-        said
+        true
     }
 }
 
