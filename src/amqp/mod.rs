@@ -119,6 +119,5 @@ pub use error::{AmqpError, NodeFailure};
 pub use message::AmqpDelivery;
 pub use publish::PublishError;
 pub use topology::QueueType;
-pub(crate) use topology::{dead_letter_queue, work_queue};
 
 pub use lapin;

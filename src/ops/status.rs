@@ -9,7 +9,6 @@ use serde::{Serialize, Serializer};
 use super::{
     OpsError, Result, Services, close, missing_table, queue_depth, short_duration, undefined_table,
 };
-use crate::amqp::dead_letter_queue;
 use crate::amqp::topology::delay_queue;
 use crate::cleanup::StateCount;
 use crate::consumer::RedeliveryPolicy;
@@ -497,7 +496,7 @@ async fn inspect(
                 queue: queue.clone(),
             });
         }
-        let dlq_name = dead_letter_queue(queue);
+        let dlq_name = crate::amqp::Amqp::dead_letter_queue(queue);
         let dlq = queue_depth(connection, &dlq_name).await?;
         let mut delay_queues = Vec::new();
         for delay in delays {

@@ -194,7 +194,7 @@ impl Transport for Memory {
     fn build(options: MemoryOptions, _setup: &Setup<'_>) -> Result<Self> {
         let queue = options.queue;
         Ok(Memory {
-            dead_letter_queue: crate::amqp::dead_letter_queue(&queue),
+            dead_letter_queue: crate::amqp::Amqp::dead_letter_queue(&queue),
             queue,
             broker: options.broker,
         })

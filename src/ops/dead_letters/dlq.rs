@@ -119,7 +119,7 @@ impl Opened {
         let opened = async {
             let Some(depth) = queue_depth(&connection, &dlq).await? else {
                 return Err(OpsError::DeadLetterQueueNotFound {
-                    queue: crate::amqp::work_queue(&dlq).to_owned(),
+                    queue: crate::amqp::Amqp::work_queue(&dlq).to_owned(),
                     dlq: dlq.clone(),
                 });
             };

@@ -45,7 +45,7 @@ impl Services {
         }
         let dlq = QueueSource::new(self.clone(), queue).dlq().to_owned();
         let opened = Opened::new(self, &dlq).await?;
-        let work = crate::amqp::work_queue(&opened.dlq).to_owned();
+        let work = crate::amqp::Amqp::work_queue(&opened.dlq).to_owned();
         let mut imported = 0;
         let moved: Result<()> = async {
             while let Some(delivery) = opened.next().await? {

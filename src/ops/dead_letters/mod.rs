@@ -115,7 +115,7 @@ impl DeadLetterStore {
     /// [`OpsError::DeadLetterQueueNotFound`] is reported by the first
     /// operation on a DLQ that does not exist.
     pub async fn open(services: &Services, queue: &str, store: Store) -> Result<Self> {
-        let work = crate::amqp::work_queue(queue).to_owned();
+        let work = crate::amqp::Amqp::work_queue(queue).to_owned();
         let table = match store {
             Store::Table => true,
             Store::Queue => false,

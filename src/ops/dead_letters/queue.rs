@@ -8,7 +8,6 @@ use super::dlq::{Opened, Visit, detail_of, letter_of};
 use super::queue_purge::{self, Held};
 use super::queue_replay;
 use super::source::Source;
-use crate::amqp::dead_letter_queue;
 use crate::dead_letters::model::{
     Filter, Group, Letter, LetterDetail, LetterRef, ReplayEvent, ReplayOptions, ReplayReport,
 };
@@ -25,7 +24,7 @@ impl QueueSource {
     pub(super) fn new(services: Services, queue: &str) -> Self {
         QueueSource {
             services,
-            dlq: dead_letter_queue(crate::amqp::work_queue(queue)),
+            dlq: crate::amqp::Amqp::dead_letter_queue(crate::amqp::Amqp::work_queue(queue)),
         }
     }
 

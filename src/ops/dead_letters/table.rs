@@ -89,7 +89,7 @@ impl TableSource {
             scoped.queue = Some(self.queue.clone());
         }
         if let Some(queue) = &mut scoped.queue {
-            *queue = crate::amqp::work_queue(queue).to_owned();
+            *queue = crate::amqp::Amqp::work_queue(queue).to_owned();
         }
         scoped
     }
