@@ -164,10 +164,10 @@ impl Link for NatsLink {
                 break;
             }
             for &e in &wave {
-                if let Some(key) = envelopes[e].key.as_deref() {
-                    if !said[e].iter().all(|s| matches!(s, Said::Confirmed)) {
-                        held.insert(key);
-                    }
+                if let Some(key) = envelopes[e].key.as_deref()
+                    && !said[e].iter().all(|s| matches!(s, Said::Confirmed))
+                {
+                    held.insert(key);
                 }
             }
             waiting = later;
