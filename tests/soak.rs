@@ -58,6 +58,31 @@ fn conclude(summary: &str, problems: &[String], workers: &Workers) {
     );
 }
 
+/// The suite's backstop policy deletes test queues idle for 5 minutes, and
+/// a queue that is only published to (the forward queue, once the chaos no
+/// longer restarts the examples that declare it) counts as idle: a half-hour
+/// soak lost its forwards so. The soak's queues get a policy of their own
+/// (a higher priority wins), expiring after two idle hours.
+fn keep_soak_queues() {
+    let out = support::rabbitmqctl()
+        .args([
+            "set_policy",
+            "idempo-soak-expiry",
+            &format!("^{}soak", support::TEST_PREFIX),
+            r#"{"expires":7200000}"#,
+            "--priority",
+            "1",
+            "--apply-to",
+            "queues",
+        ])
+        .output()
+        .expect("run rabbitmqctl set_policy");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl set_policy failed: {out:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_soak_on_rabbitmq_applies_every_payment_once_or_letters_it() {
     use soak::amqp::{CloseConnections, Management, Publisher, drain};
@@ -70,6 +95,7 @@ async fn a_soak_on_rabbitmq_applies_every_payment_once_or_letters_it() {
     let db = soak_db().await;
     let broker = Broker::connect().await;
     let management = Management::connect().await;
+    keep_soak_queues();
     let queue = unique("soak");
     let forward = format!("{queue}.fwd");
     let delay_queues = ["200ms", "1s", "2s"].map(|d| format!("{queue}.retry.{d}"));
