@@ -445,3 +445,66 @@ async fn a_graceful_shutdown_finishes_and_acknowledges_the_handlers_in_flight() 
     );
     nats.cleanup().await;
 }
+
+/// A dead letter is stored, then its delivery settled: a crash in between
+/// (a SIGKILL, a cut) brings the delivery back with no claim, its failed
+/// attempts rolled back. It is settled as the letter it already is, its
+/// handler not run again (the half-hour soak found payments both applied and
+/// dead-lettered so); the letter counts the delivery.
+#[tokio::test]
+async fn a_redelivered_dead_letter_is_settled_again_not_handled() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("lettered");
+    nats.track(&stream);
+    let body = payment_body("dave", 500);
+    // What the crashed process left behind: its letter, committed.
+    sqlx::query(
+        "INSERT INTO dead_letters (consumer, queue, message_id, payload_sha256, body, reason, \
+             error, fingerprint, attempts, first_failed_at, last_failed_at, transport) \
+         VALUES ($1, $1, 'lettered-1', $2, $3, 'max attempts exceeded', '3 attempts failed', \
+             'max attempts exceeded', 3, now(), now(), 'nats')",
+    )
+    .bind(&stream)
+    .bind(idempo::inbox::Inbox::payload_sha256(&body).to_vec())
+    .bind(&body)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let attempts: Arc<Mutex<HashMap<String, Vec<Instant>>>> = Arc::default();
+    // The first delivery fails (transient); the second is a redelivery.
+    let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
+        .stream(&stream)
+        .redelivery(RedeliveryPolicy::delayed([Duration::from_millis(100)]).max_attempts(5))
+        .handler(recording(attempts.clone(), true))
+        .build()
+        .unwrap();
+    let running = Running::start(consumer);
+    nats.wait_for_stream(&stream).await;
+    nats.publish(&stream, Some("lettered-1"), &[], &body).await;
+    running.settled(1).await;
+    eventually("the redelivery acknowledged", WAIT, || async {
+        nats.unacknowledged(&stream, &stream).await == 0
+    })
+    .await;
+    let letters: Vec<(i32, String, String)> = sqlx::query_as(
+        "SELECT deliveries, state, reason FROM dead_letters WHERE message_id = 'lettered-1'",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        letters,
+        [(2, "live".to_owned(), "max attempts exceeded".to_owned())],
+        "one letter, which counts the redelivery and keeps its reason"
+    );
+    assert_eq!(
+        attempts.lock().unwrap()["lettered-1"].len(),
+        1,
+        "the handler ran on the first delivery only"
+    );
+    assert_eq!(db.payments_for("lettered-1").await, 0, "never applied");
+    running.stop().await;
+    nats.cleanup().await;
+}

@@ -46,6 +46,22 @@ impl DeadLetterReason {
 }
 
 impl DeadLetterReason {
+    /// The reason whose [`as_str`](Self::as_str) is `s` (a stored letter's).
+    pub(crate) fn from_str_value(s: &str) -> Option<Self> {
+        [
+            DeadLetterReason::MissingMessageId,
+            DeadLetterReason::InvalidMessageId,
+            DeadLetterReason::UndecodableBody,
+            DeadLetterReason::UndecodableProperties,
+            DeadLetterReason::PayloadMismatch,
+            DeadLetterReason::PermanentError,
+            DeadLetterReason::AttemptsExhausted,
+            DeadLetterReason::HeadersTooLarge,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == s)
+    }
+
     /// The reason as an OpenTelemetry `error.type`: a short identifier.
     pub(crate) fn error_type(self) -> &'static str {
         match self {

@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 
 use super::fingerprint::fingerprint;
 use super::letters::{LetterStore, NewLetter};
@@ -100,6 +100,37 @@ pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
     .execute(pool)
     .await?;
     Ok(())
+}
+
+/// Of `asked` (message ids and bodies), the reason and error of each that
+/// has a live letter of `consumer` (same id, same body), in order: a
+/// redelivery whose dead-lettering was stored but not settled.
+///
+/// # Errors
+/// The database's.
+pub(crate) async fn live(
+    conn: &mut PgConnection,
+    consumer: &str,
+    asked: &[(&str, &[u8])],
+) -> sqlx::Result<Vec<Option<(String, String)>>> {
+    let ids: Vec<&str> = asked.iter().map(|(id, _)| *id).collect();
+    let rows: Vec<(String, Vec<u8>, String, String)> = sqlx::query_as(
+        "SELECT message_id, payload_sha256, reason, error FROM dead_letters \
+         WHERE message_id = ANY($2) AND consumer = $1 AND state = 'live'",
+    )
+    .bind(text(consumer).as_ref())
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(asked
+        .iter()
+        .map(|(id, body)| {
+            let hash = inbox::payload_sha256(body);
+            rows.iter()
+                .find(|(m, h, _, _)| m == id && h[..] == hash[..])
+                .map(|(_, _, reason, error)| (reason.clone(), error.clone()))
+        })
+        .collect())
 }
 
 /// Deletes replayed and discarded letters (of `consumer`, or of every

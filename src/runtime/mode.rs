@@ -69,6 +69,8 @@ pub(crate) struct Parts<'a> {
     pub(crate) partitioned: bool,
     /// Every unit's connection through the pool's acquire-time checks.
     pub(crate) checked_acquire: bool,
+    /// The consumer's dead letters are in the `dead_letters` table.
+    pub(crate) letters_in_table: bool,
 }
 
 /// A mode, ready to run: how deliveries are decided and dispatched.
@@ -102,6 +104,7 @@ fn inbox(handler: Arc<dyn Prepare>, parts: &Parts<'_>) -> Arc<dyn Decide> {
         sessions: tokio::sync::OnceCell::new(),
         inbox: crate::inbox::Inbox::new(parts.consumer).partitioned(parts.partitioned),
         checked_acquire: parts.checked_acquire,
+        letters_in_table: parts.letters_in_table,
     })
 }
 

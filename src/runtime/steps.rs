@@ -31,8 +31,10 @@ use sqlx::{PgPool, Postgres, Transaction};
 use crate::Error;
 use crate::inbox::{Claim, Inbox};
 use crate::runtime::database_gate::DatabaseGate;
+use crate::runtime::dead_letter::DeadLetterReason;
 use crate::runtime::forwarding::Forwarding;
 use crate::runtime::handler::{Call, Prepare};
+use crate::runtime::letter_table;
 use crate::runtime::message::Message;
 use crate::runtime::outcome::{
     Abandon, Decide, HandlerRun, Outcome, RetryCause, guarded, handler_failed, mismatch, retry,
@@ -64,6 +66,9 @@ pub(crate) struct InboxSteps {
     /// Every unit's connection goes through the pool's acquire-time checks
     /// (else an idle one is taken as it is).
     pub(crate) checked_acquire: bool,
+    /// The dead letters are in the table: a redelivery of a message already
+    /// lettered there (its settlement lost) is settled again, not handled.
+    pub(crate) letters_in_table: bool,
 }
 
 /// Deliveries that go through the steps together: indexes into the messages.
@@ -231,9 +236,45 @@ impl InboxSteps {
                 Claim::Mismatch => decided[member] = Some(self.mismatch(&messages[member])),
             }
         }
-        let Some(tx) = tx.filter(|_| !fresh.is_empty()) else {
+        let Some(mut tx) = tx.filter(|_| !fresh.is_empty()) else {
             return Step::Done;
         };
+        // A dead letter is stored, then its delivery settled: a crash in
+        // between brings it back with no claim (its attempts rolled back).
+        // Settled as the letter it already is, its handler is not run again.
+        let redelivered: Vec<usize> = fresh
+            .iter()
+            .copied()
+            .filter(|&m| self.letters_in_table && messages[m].redelivered())
+            .collect();
+        if !redelivered.is_empty() {
+            let asked: Vec<(&str, &[u8])> = redelivered
+                .iter()
+                .map(|&m| (messages[m].id(), messages[m].body()))
+                .collect();
+            match letter_table::live(&mut tx, &self.consumer, &asked).await {
+                Ok(lettered) => {
+                    for (&m, letter) in redelivered.iter().zip(lettered) {
+                        if let Some((reason, error)) = letter {
+                            decided[m] = Some(Outcome::DeadLetter {
+                                reason: DeadLetterReason::from_str_value(&reason)
+                                    .unwrap_or(DeadLetterReason::PermanentError),
+                                error,
+                            });
+                            fresh.retain(|&f| f != m);
+                        }
+                    }
+                }
+                Err(e) => {
+                    rollback(tx).await;
+                    return database_error(unit, "the dead-letter check failed", Error::from(e));
+                }
+            }
+            if fresh.is_empty() {
+                rollback(tx).await;
+                return Step::Done;
+            }
+        }
         let all_fresh = fresh.len() == unit.members.len();
         let unit = Unit {
             members: fresh,

@@ -85,6 +85,7 @@ pub(crate) fn finish<T: Transport, Mode: IntoDispatch>(
         forwarding: &forwarding,
         partitioned: s.partitioning.is_some(),
         checked_acquire: s.checked_acquire,
+        letters_in_table: letters.is_some(),
     })?;
     Ok(Consumer {
         transport: Arc::new(transport),

@@ -108,6 +108,7 @@ fn steps(pool: &PgPool, handler: Arc<dyn Prepare>) -> InboxSteps {
         sessions: tokio::sync::OnceCell::new(),
         inbox: crate::inbox::Inbox::new("unit"),
         checked_acquire: false,
+        letters_in_table: true,
     }
 }
 
