@@ -180,6 +180,23 @@ impl Message {
         message
     }
 
+    /// [`for_test`](Self::for_test), delivered again by its broker.
+    #[cfg(test)]
+    pub(crate) fn for_test_redelivered(id: &str, body: &[u8]) -> Self {
+        struct Bare;
+        impl Envelope for Bare {
+            fn message_id(&self) -> Option<&str> {
+                None
+            }
+            fn header(&self, _: &str) -> Option<HeaderRef<'_>> {
+                None
+            }
+        }
+        let mut message = Message::incoming(body.to_vec(), Bare, "test", true, 2);
+        message.set_id(id.to_owned());
+        message
+    }
+
     /// A message with text headers, its id not yet extracted, for the
     /// runtime's unit tests.
     #[cfg(test)]

@@ -248,6 +248,7 @@ impl InboxSteps {
             .filter(|&m| self.letters_in_table && messages[m].redelivered())
             .collect();
         if !redelivered.is_empty() {
+            let before = fresh.len();
             let asked: Vec<(&str, &[u8])> = redelivered
                 .iter()
                 .map(|&m| (messages[m].id(), messages[m].body()))
@@ -270,9 +271,17 @@ impl InboxSteps {
                     return database_error(unit, "the dead-letter check failed", Error::from(e));
                 }
             }
-            if fresh.is_empty() {
+            if fresh.len() < before {
+                // This transaction holds the lettered ones' claims too: the
+                // others (a batch's) are claimed again in a new one.
                 rollback(tx).await;
-                return Step::Done;
+                if fresh.is_empty() {
+                    return Step::Done;
+                }
+                return Step::Decode(Unit {
+                    members: fresh,
+                    passes: unit.passes,
+                });
             }
         }
         let all_fresh = fresh.len() == unit.members.len();

@@ -588,3 +588,48 @@ async fn a_delivery_waiting_for_the_database_is_abandoned_at_shutdown() {
     assert_eq!(kinds(&outcomes), ["abandoned"], "left unacked, not retried");
     assert!(!steps.gate_is_open(), "the gate knows the database is down");
 }
+
+#[tokio::test]
+async fn a_redelivered_message_already_lettered_is_settled_as_its_letter_and_its_batch_goes_on() {
+    let db = TestDb::new().await;
+    // A letter stored before a crash that lost its delivery's settlement.
+    sqlx::query(
+        "INSERT INTO dead_letters (consumer, queue, message_id, payload_sha256, body, reason, \
+             error, fingerprint, first_failed_at, last_failed_at) \
+         VALUES ('unit', 'q', 'l-1', $1, $2, 'max attempts exceeded', '3 attempts failed', \
+             'max attempts exceeded', now(), now())",
+    )
+    .bind(crate::inbox::payload_sha256(b"1").to_vec())
+    .bind(&b"1"[..])
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let steps = steps(&db.pool, whole_batch(calls.clone()));
+    let batch = [
+        Message::for_test_redelivered("l-1", b"1"),
+        // Redelivered too, but lettered with another body: handled.
+        Message::for_test_redelivered("l-2", b"2"),
+        Message::for_test("l-3", b"3"),
+    ];
+    assert_eq!(
+        decide(&steps, &batch).await,
+        [
+            "dead letter: max attempts exceeded",
+            "processed",
+            "processed"
+        ]
+    );
+    assert_eq!(
+        db.effects().await,
+        ["l-2", "l-3"],
+        "the letter's handler did not run"
+    );
+    assert_eq!(db.claims().await, 2, "the letter is not claimed");
+    assert_eq!(
+        *calls.lock().unwrap(),
+        [vec!["l-2".to_owned(), "l-3".to_owned()]],
+        "one call, with the others"
+    );
+    db.drop().await;
+}
