@@ -172,6 +172,9 @@ mod random {
     mod bytes;
     pub(crate) use bytes::bytes;
 
+    #[cfg(test)]
+    mod check;
+
     #[cfg(any(
         feature = "window",
         all(feature = "http", feature = "redis"),

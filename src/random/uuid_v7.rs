@@ -16,20 +16,7 @@ pub(crate) fn uuid_v7() -> Result<String, RandomnessUnavailable> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Lowercase 8-4-4-4-12 hex, the RFC 4122 variant: the form ids have
-    /// always been stored and compared in.
-    fn assert_hyphenated(id: &str) {
-        assert_eq!(id.len(), 36, "{id}");
-        for (i, c) in id.char_indices() {
-            if [8, 13, 18, 23].contains(&i) {
-                assert_eq!(c, '-', "{id}");
-            } else {
-                assert!(matches!(c, '0'..='9' | 'a'..='f'), "{id}");
-            }
-        }
-        assert!(matches!(&id[19..20], "8" | "9" | "a" | "b"), "{id}");
-    }
+    use crate::random::check::assert_hyphenated;
 
     #[test]
     fn v7_uuids_are_time_ordered() {
