@@ -77,6 +77,8 @@ pub(crate) async fn replay(
         let mut messages = Vec::with_capacity(rows.len());
         let mut replayed: Vec<(i64, Option<String>, String)> = Vec::with_capacity(rows.len());
         let mut skipped: Vec<(i64, Option<String>, Refusal)> = Vec::new();
+        // The claims the replayed letters hold: released, their copies are fresh.
+        let mut held: Vec<(String, String)> = Vec::new();
         for row in &rows {
             let id: i64 = row.try_get("id")?;
             let consumer: String = row.try_get("consumer")?;
@@ -114,6 +116,9 @@ pub(crate) async fn replay(
             match replay_message(&properties, message_id.clone(), &to, body, transport) {
                 Ok(message) => {
                     messages.push(message);
+                    if let Some(mid) = &message_id {
+                        held.push((consumer, mid.clone()));
+                    }
                     replayed.push((id, message_id, to));
                 }
                 // This letter stays; the others go on.
@@ -139,6 +144,9 @@ pub(crate) async fn replay(
             .bind(text(&options.by).as_ref())
             .execute(&mut *tx)
             .await?;
+            for (consumer, message_id) in &held {
+                inbox::claim::release_letter_hold(&mut *tx, consumer, message_id).await?;
+            }
             if let Some(l) = left.as_mut() {
                 *l -= ids.len() as i64;
             }

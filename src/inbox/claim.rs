@@ -211,14 +211,95 @@ pub(crate) fn lost_on<'a>(
 /// with this body (or by a row without a hash), [`Claim::Mismatch`] when it
 /// was processed with another body. One primary-key lookup; the answer can
 /// change as soon as it is given (a consumer may claim the id meanwhile).
+///
+/// A claim its dead letter holds ([`hold_for_letter`]) is no processing:
+/// it reads as `Fresh`.
 pub(crate) async fn lookup<'e>(
     executor: impl PgExecutor<'e>,
     consumer: &str,
     message_id: &str,
     body: &[u8],
 ) -> Result<Claim> {
-    let stored = stored_hash(executor, consumer, message_id).await?;
+    let stored: Option<Option<Vec<u8>>> = sqlx::query_scalar(
+        "SELECT payload_sha256 FROM processed_messages \
+         WHERE consumer = $1 AND message_id = $2 AND NOT lettered",
+    )
+    .bind(consumer)
+    .bind(message_id)
+    .fetch_optional(executor)
+    .await?;
     Ok(compare(stored.as_ref(), &payload_sha256(body)).unwrap_or(Claim::Fresh))
+}
+
+// ----------------------------------------------------------------- letters
+
+/// Claims `message_id` for `consumer` on behalf of its dead letter, in the
+/// letter's transaction (at READ COMMITTED): a later delivery of the message
+/// is a duplicate of its letter, never run again, also when it comes back
+/// as a first delivery (a JetStream durable set up anew). An id claimed
+/// already keeps its claim; an id no claim can hold is left alone. A replay
+/// releases the hold ([`release_letter_hold`]).
+pub(crate) async fn hold_for_letter(
+    tx: &mut Transaction<'_, Postgres>,
+    consumer: &str,
+    message_id: &str,
+    body: &[u8],
+) -> Result<()> {
+    if validate_message_id(message_id).is_err() {
+        return Ok(());
+    }
+    let hash = payload_sha256(body);
+    if super::partitioned::is_partitioned(&mut **tx).await? {
+        let found: Vec<String> = sqlx::query_scalar(
+            "SELECT claimed_id FROM idempo_claim_partitioned($1, ARRAY[$2::text], ARRAY[$3::bytea], false)",
+        )
+        .bind(consumer)
+        .bind(message_id)
+        .bind(&hash[..])
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(|e| refusal(e.into()))?;
+        if found.is_empty() {
+            // The row this transaction inserted: its `processed_at` is now().
+            sqlx::query(
+                "UPDATE processed_messages SET lettered = true \
+                 WHERE consumer = $1 AND message_id = $2 AND processed_at = now()",
+            )
+            .bind(consumer)
+            .bind(message_id)
+            .execute(&mut **tx)
+            .await?;
+        }
+    } else {
+        sqlx::query(
+            "INSERT INTO processed_messages (consumer, message_id, payload_sha256, lettered) \
+             VALUES ($1, $2, $3, true) ON CONFLICT DO NOTHING",
+        )
+        .bind(consumer)
+        .bind(message_id)
+        .bind(&hash[..])
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Releases the claim `message_id`'s dead letter holds for `consumer`
+/// ([`hold_for_letter`]), in the replay's transaction: the replayed copy is
+/// then fresh. A claim of a processing stays.
+pub(crate) async fn release_letter_hold<'e>(
+    executor: impl PgExecutor<'e>,
+    consumer: &str,
+    message_id: &str,
+) -> Result<()> {
+    sqlx::query(
+        "DELETE FROM processed_messages WHERE consumer = $1 AND message_id = $2 AND lettered",
+    )
+    .bind(consumer)
+    .bind(message_id)
+    .execute(executor)
+    .await?;
+    Ok(())
 }
 
 /// The stored body hash of `consumer`'s claim of `message_id`: `None`

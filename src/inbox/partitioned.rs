@@ -99,6 +99,7 @@ use crate::error::Error;
 
 mod maintenance;
 
+pub(crate) use maintenance::is_partitioned;
 pub use maintenance::{Maintained, Partition, Switched};
 
 /// Why the partitioned mode refused.

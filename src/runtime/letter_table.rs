@@ -49,13 +49,24 @@ pub(crate) struct Row<'a> {
     pub(crate) last_failed_at: &'a str,
 }
 
-/// Stores a dead letter, in a transaction of its own. The same message
-/// (consumer, queue, id, body) dead-lettered again while its letter is
-/// live updates that letter (a lost ack brings a dead letter back).
+/// Stores a dead letter, in a transaction of its own that also claims the
+/// message for its consumer on the letter's behalf (a later delivery is a
+/// duplicate of the letter, never also applied; a replay releases it). The
+/// same message (consumer, queue, id, body) dead-lettered again while its
+/// letter is live updates that letter (a lost ack brings a dead letter
+/// back).
 ///
 /// # Errors
 /// [`Error::Database`] when PostgreSQL refuses or cannot be reached.
 pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
+    let mut tx = inbox::claim::begin(pool).await?;
+    insert_row(&mut tx, letter).await?;
+    inbox::claim::hold_for_letter(&mut tx, letter.consumer, letter.message_id, letter.body).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+async fn insert_row(tx: &mut PgConnection, letter: &Row<'_>) -> Result<()> {
     let envelope = letter.properties.encode();
     let headers = serde_json::Value::Object(letter.properties.headers_json());
     let body_json = serde_json::from_slice::<serde_json::Value>(letter.body)
@@ -97,7 +108,7 @@ pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
     .bind((!letter.first_failed_at.is_empty()).then_some(letter.first_failed_at))
     .bind((!letter.last_failed_at.is_empty()).then_some(letter.last_failed_at))
     .bind(letter.transport)
-    .execute(pool)
+    .execute(tx)
     .await?;
     Ok(())
 }

@@ -236,26 +236,37 @@ impl InboxSteps {
                 Claim::Mismatch => decided[member] = Some(self.mismatch(&messages[member])),
             }
         }
-        let Some(mut tx) = tx.filter(|_| !fresh.is_empty()) else {
-            return Step::Done;
-        };
-        // A dead letter is stored, then its delivery settled: a crash in
-        // between brings it back with no claim (its attempts rolled back).
-        // Settled as the letter it already is, its handler is not run again.
-        let redelivered: Vec<usize> = fresh
+        // A dead letter is stored with its claim, then its delivery settled:
+        // a crash in between brings it back as a duplicate, settled as the
+        // letter it is (its deliveries counted). One stored before letters
+        // held claims comes back fresh: not run again either.
+        let asked: Vec<usize> = unit
+            .members
             .iter()
             .copied()
-            .filter(|&m| self.letters_in_table && messages[m].redelivered())
+            .filter(|&m| {
+                self.letters_in_table
+                    && messages[m].redelivered()
+                    && matches!(decided[m], None | Some(Outcome::Duplicate))
+            })
             .collect();
-        if !redelivered.is_empty() {
-            let before = fresh.len();
-            let asked: Vec<(&str, &[u8])> = redelivered
+        let mut tx = tx.filter(|_| !fresh.is_empty());
+        if !asked.is_empty() {
+            let pairs: Vec<(&str, &[u8])> = asked
                 .iter()
                 .map(|&m| (messages[m].id(), messages[m].body()))
                 .collect();
-            match letter_table::live(&mut tx, &self.consumer, &asked).await {
+            let lettered = match tx.as_mut() {
+                Some(tx) => letter_table::live(tx, &self.consumer, &pairs).await,
+                None => match self.pool.acquire().await {
+                    Ok(mut conn) => letter_table::live(&mut conn, &self.consumer, &pairs).await,
+                    Err(e) => Err(e),
+                },
+            };
+            match lettered {
                 Ok(lettered) => {
-                    for (&m, letter) in redelivered.iter().zip(lettered) {
+                    let before = fresh.len();
+                    for (&m, letter) in asked.iter().zip(lettered) {
                         if let Some((reason, error)) = letter {
                             decided[m] = Some(Outcome::DeadLetter {
                                 reason: DeadLetterReason::from_str_value(&reason)
@@ -265,25 +276,37 @@ impl InboxSteps {
                             fresh.retain(|&f| f != m);
                         }
                     }
+                    if fresh.len() < before {
+                        // This transaction holds the lettered ones' claims too:
+                        // the others (a batch's) are claimed again in a new one.
+                        if let Some(tx) = tx.take() {
+                            rollback(tx).await;
+                        }
+                        if fresh.is_empty() {
+                            return Step::Done;
+                        }
+                        return Step::Decode(Unit {
+                            members: fresh,
+                            passes: unit.passes,
+                        });
+                    }
                 }
                 Err(e) => {
-                    rollback(tx).await;
-                    return database_error(unit, "the dead-letter check failed", Error::from(e));
+                    if let Some(tx) = tx.take() {
+                        rollback(tx).await;
+                        return database_error(
+                            unit,
+                            "the dead-letter check failed",
+                            Error::from(e),
+                        );
+                    }
+                    // Duplicates only: acknowledged as such, their letters untouched.
                 }
-            }
-            if fresh.len() < before {
-                // This transaction holds the lettered ones' claims too: the
-                // others (a batch's) are claimed again in a new one.
-                rollback(tx).await;
-                if fresh.is_empty() {
-                    return Step::Done;
-                }
-                return Step::Decode(Unit {
-                    members: fresh,
-                    passes: unit.passes,
-                });
             }
         }
+        let Some(tx) = tx else {
+            return Step::Done;
+        };
         let all_fresh = fresh.len() == unit.members.len();
         let unit = Unit {
             members: fresh,

@@ -150,11 +150,11 @@ impl Inbox {
 }
 
 /// Whether `processed_messages` is partitioned ([`Partitioning::table_is_partitioned`]).
-pub(crate) async fn is_partitioned(pool: &PgPool) -> Result<bool> {
+pub(crate) async fn is_partitioned<'e>(executor: impl sqlx::PgExecutor<'e>) -> Result<bool> {
     let kind: Option<String> = sqlx::query_scalar(
         "SELECT relkind::text FROM pg_class WHERE oid = to_regclass('processed_messages')",
     )
-    .fetch_optional(pool)
+    .fetch_optional(executor)
     .await?;
     match kind.as_deref() {
         None => Err(PartitionError::MissingTable.into()),
@@ -469,7 +469,8 @@ async fn switch_to_partitioned(
              message_id         text        NOT NULL, \
              payload_sha256     bytea, \
              processed_at       timestamptz NOT NULL DEFAULT now(), \
-             claimed_under_lock boolean     NOT NULL \
+             claimed_under_lock boolean     NOT NULL, \
+             lettered           boolean     NOT NULL DEFAULT false \
          ) PARTITION BY RANGE (processed_at); \
          ALTER TABLE processed_messages ATTACH PARTITION {before} \
              FOR VALUES FROM (MINVALUE) TO (to_timestamp({t}))"
