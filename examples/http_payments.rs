@@ -178,7 +178,7 @@ async fn main() -> anyhow::Result<()> {
             http_payments::create_table(&pool).await?;
         }
         "0" => {
-            idempo::check_migrations(&pool).await?;
+            idempo::Schema::Check.apply(&pool).await?;
             http_payments::check_table(&pool).await?;
         }
         other => anyhow::bail!(

@@ -67,9 +67,10 @@ pub enum Error {
         missing: Vec<i64>,
     },
 
-    /// The operating system gave no random bytes for a key, token or id.
-    #[error(transparent)]
-    Randomness(#[from] RandomnessUnavailable),
+    /// The operating system gave no random bytes for a key, token or id
+    /// (`getrandom` failed): idempo refuses to make them from a weaker source.
+    #[error("the operating system gave no random bytes: {0}")]
+    Randomness(#[source] std::io::Error),
 
     /// A builder was given an impossible configuration.
     #[error("invalid configuration: {0}")]
@@ -94,11 +95,22 @@ pub enum Error {
     TransactionFinished,
 }
 
-/// The operating system gave no random bytes (`getrandom` failed): idempo
-/// refuses to make keys, tokens or ids from a weaker source.
-#[derive(Debug, thiserror::Error)]
-#[error("the operating system gave no random bytes: {0}")]
-pub struct RandomnessUnavailable(pub(crate) getrandom::Error);
+/// `getrandom` failed: [`Error::Randomness`] (and the outbox's) once it
+/// leaves the crate.
+#[derive(Debug)]
+pub(crate) struct RandomnessUnavailable(pub(crate) getrandom::Error);
+
+impl From<RandomnessUnavailable> for std::io::Error {
+    fn from(e: RandomnessUnavailable) -> Self {
+        e.0.into()
+    }
+}
+
+impl From<RandomnessUnavailable> for Error {
+    fn from(e: RandomnessUnavailable) -> Self {
+        Error::Randomness(e.into())
+    }
+}
 
 impl From<sqlx::migrate::MigrateError> for Error {
     fn from(e: sqlx::migrate::MigrateError) -> Self {

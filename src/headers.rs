@@ -16,14 +16,9 @@
 //! The headers idempo writes on the copies it makes (the `x-idempo-*` rows
 //! but the dedup id) are its wire format, not an API: read them through
 //! `ops::dead_letters::Letter`, which parses them. The constants below are
-//! the headers a producer or client sets.
-
-/// The header that carries a message's dedup id (`DedupPublisher`, features
-/// `amqp` + `window`).
-pub const DEDUP_ID_HEADER: &str = "x-idempo-dedup-id";
-
-/// The header that carries a message's group id (SQS's `MessageGroupId`).
-pub const GROUP_ID_HEADER: &str = "x-group-id";
+//! the headers a producer or client sets; the dedup window's are
+//! `amqp::window::Outgoing::{DEDUP_ID_HEADER, GROUP_ID_HEADER}` and the
+//! replayed answer's `http::IdempotencyKey::REPLAYED_HEADER`.
 
 /// The header that carries a W3C trace context: a message's creation
 /// context (see [`otel`](crate::otel), feature `otel`).
@@ -36,7 +31,3 @@ pub const TRACESTATE_HEADER: &str = "tracestate";
 /// The request header that carries an idempotency key: read by the
 /// `http` layer, sent by the `retry` client.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
-
-/// The response header that marks an answer replayed from the idempotency
-/// store (`Idempotent-Replayed: true`) rather than produced by the handler.
-pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";

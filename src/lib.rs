@@ -167,7 +167,7 @@ mod random {
     //!
     //! There is no fallback: a secret drawn from a weak generator is worse
     //! than an error, so when the operating system gives no randomness the
-    //! caller fails with [`RandomnessUnavailable`](crate::RandomnessUnavailable).
+    //! caller fails with [`Error::Randomness`](crate::Error::Randomness).
 
     mod bytes;
     pub(crate) use bytes::bytes;
@@ -296,7 +296,7 @@ pub mod testing;
 #[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "window"))))]
 pub use cleanup::StateCount;
 pub use client_tls::ClientTls;
-pub use error::{Error, RandomnessUnavailable, Result};
+pub use error::{Error, Result};
 #[cfg(any(feature = "http", feature = "retry"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "http", feature = "retry"))))]
 pub use key::KeyError;
@@ -337,7 +337,7 @@ pub mod _guide;
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-pub use migrate::{Schema, check_migrations, migrate};
+pub use migrate::{Schema, migrate};
 pub use redact::redact_url;
 #[cfg(any(idempo_runtime, feature = "http", feature = "saga"))]
 #[cfg_attr(

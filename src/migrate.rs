@@ -58,15 +58,15 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 }
 
 /// Checks, without any DDL, that every one of idempo's migrations is applied
-/// to the database behind `pool`: what a process without the right to
-/// migrate does at start (see [`Schema::Check`]).
+/// to the database behind `pool`: [`Schema::Check`], what a process without
+/// the right to migrate does at start.
 ///
 /// # Errors
 /// [`Error::SchemaBehind`](crate::error::Error::SchemaBehind) naming the
 /// versions that are missing (all of them when `_idempo_migrations` does not
 /// exist); [`Error::Database`](crate::error::Error::Database) when the check
 /// itself fails.
-pub async fn check_migrations(pool: &PgPool) -> Result<()> {
+pub(crate) async fn check_migrations(pool: &PgPool) -> Result<()> {
     let applied = applied_versions(pool).await?;
     let missing: Vec<i64> = migrator()
         .iter()
@@ -91,7 +91,7 @@ pub enum Schema {
     /// Apply the migrations ([`migrate`]; DDL only when some are missing).
     Migrate,
     /// Check that every migration is applied and refuse to start otherwise
-    /// ([`check_migrations`]): no DDL, so a role without `CREATE` can run.
+    /// (`Schema::Check.apply(&pool)` alone): no DDL, so a role without `CREATE` can run.
     Check,
 }
 
@@ -99,7 +99,11 @@ impl Schema {
     /// Does what this says on `pool`.
     ///
     /// # Errors
-    /// As [`migrate`] or [`check_migrations`].
+    /// As [`migrate`]; for [`Check`](Schema::Check),
+    /// [`Error::SchemaBehind`](crate::error::Error::SchemaBehind) naming the
+    /// versions that are missing (all of them when `_idempo_migrations` does
+    /// not exist), or [`Error::Database`](crate::error::Error::Database) when
+    /// the check itself fails.
     pub async fn apply(self, pool: &PgPool) -> Result<()> {
         match self {
             Schema::Unchecked => Ok(()),

@@ -20,7 +20,7 @@ const WAIT: Duration = Duration::from_secs(180);
 
 /// The id the example gives the forward of payment `id`.
 fn forward_id(id: &str) -> String {
-    idempo::outbox::derived_message_id(id, "forward")
+    crate::support::derived_id(id, "forward")
 }
 
 /// Every `Nats-Msg-Id` the stream holds, one per message.

@@ -173,10 +173,10 @@ async fn a_handler_that_fails_emits_nothing_and_one_that_commits_emits_once_with
     broker.publish_payment(&queue, "paid-2", "bob", 9).await;
     let ids = collect_ids(&broker, &receipts, 2).await;
     assert_eq!(ids.len(), 2, "each committed handler emitted once: {ids:?}");
-    assert!(ids.contains(&outbox::derived_message_id("paid-1", "receipt")));
-    assert!(ids.contains(&outbox::derived_message_id("paid-2", "receipt")));
+    assert!(ids.contains(&support::derived_id("paid-1", "receipt")));
+    assert!(ids.contains(&support::derived_id("paid-2", "receipt")));
     assert!(
-        !ids.contains(&outbox::derived_message_id("refused-1", "receipt")),
+        !ids.contains(&support::derived_id("refused-1", "receipt")),
         "the rolled-back handler emitted nothing"
     );
     assert_eq!(health.snapshot().relay, Some(RelayState::Running));
@@ -241,8 +241,8 @@ async fn staging_through_the_handlers_guard_is_written_by_the_commits_claim_chec
     broker.publish_payment(&queue, "fwd-1", "alice", 7).await;
     let ids = collect_ids(&broker, &out, 2).await;
     assert_eq!(ids.len(), 2, "each staged message went out once: {ids:?}");
-    assert!(ids.contains(&outbox::derived_message_id("fwd-1", "deferred")));
-    assert!(ids.contains(&outbox::derived_message_id("fwd-1", "direct")));
+    assert!(ids.contains(&support::derived_id("fwd-1", "deferred")));
+    assert!(ids.contains(&support::derived_id("fwd-1", "direct")));
     assert_eq!(
         counted.lock().unwrap().as_slice(),
         &[(0, 1)],
@@ -891,7 +891,7 @@ async fn a_chain_of_two_payments_examples_killed_repeatedly_keeps_both_ledgers_e
     let expected_ids: HashSet<String> = load
         .ids
         .iter()
-        .map(|id| outbox::derived_message_id(id, "forward"))
+        .map(|id| support::derived_id(id, "forward"))
         .collect();
     assert_eq!(
         forwarded_ids, expected_ids,

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idempo::Tx;
-use idempo::saga::{Saga, SagaOutcome, StepContext, StepError, compensate, execute};
+use idempo::saga::{Saga, SagaOutcome, StepContext, StepError};
 use support::Db;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -122,7 +122,7 @@ async fn a_failure_rolls_back_the_writes_is_recorded_and_the_step_may_run_again(
     let db = db_with_log().await;
     let attempt = Arc::new(AtomicUsize::new(0));
     let run = |attempt: Arc<AtomicUsize>| {
-        execute(&db.pool, "s", "charge", move |tx: Tx| async move {
+        Saga::execute(&db.pool, "s", "charge", move |tx: Tx| async move {
             log(&tx, "charge".into()).await?;
             if attempt.fetch_add(1, Ordering::SeqCst) < 2 {
                 return Err::<i64, BoxError>("card declined".into());
@@ -161,16 +161,28 @@ async fn a_failure_rolls_back_the_writes_is_recorded_and_the_step_may_run_again(
     assert_eq!(attempt.load(Ordering::SeqCst), 3);
     // Compensated once, then never again; a compensated step cannot run.
     let undo = |tx: Tx, charged: i64| async move { log(&tx, format!("refund {charged}")).await };
-    assert!(compensate(&db.pool, "s", "charge", undo).await.unwrap());
-    assert!(!compensate(&db.pool, "s", "charge", undo).await.unwrap());
+    assert!(
+        Saga::compensate(&db.pool, "s", "charge", undo)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !Saga::compensate(&db.pool, "s", "charge", undo)
+            .await
+            .unwrap()
+    );
     assert!(matches!(
         run(attempt.clone()).await,
         Err(StepError::Compensated { .. })
     ));
     assert_eq!(entries(&db).await, ["charge", "refund 7"]);
     // A step that never ran has nothing to undo, and cannot run afterwards.
-    assert!(!compensate(&db.pool, "s", "never", undo).await.unwrap());
-    let late = execute(&db.pool, "s", "never", |_tx| async { Ok::<_, BoxError>(1) }).await;
+    assert!(
+        !Saga::compensate(&db.pool, "s", "never", undo)
+            .await
+            .unwrap()
+    );
+    let late = Saga::execute(&db.pool, "s", "never", |_tx| async { Ok::<_, BoxError>(1) }).await;
     assert!(
         matches!(late, Err(StepError::Compensated { .. })),
         "{late:?}"
@@ -184,7 +196,7 @@ async fn concurrent_executions_of_one_step_produce_one_effect() {
     let calls = (0..8).map(|_| {
         let (pool, runs) = (db.pool.clone(), runs.clone());
         tokio::spawn(async move {
-            execute(&pool, "s", "ship", move |tx: Tx| async move {
+            Saga::execute(&pool, "s", "ship", move |tx: Tx| async move {
                 runs.fetch_add(1, Ordering::SeqCst);
                 log(&tx, "shipped".into()).await?;
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -323,14 +335,14 @@ async fn a_run_that_died_after_a_failure_is_compensated_without_retrying_the_ste
     // The dead run: steps one and two done, three failed, then the process died
     // before it began compensating.
     for step in ["one", "two"] {
-        execute(&db.pool, "order-4", step, |tx: Tx| async move {
+        Saga::execute(&db.pool, "order-4", step, |tx: Tx| async move {
             log(&tx, format!("do:{step}")).await?;
             Ok::<_, BoxError>(format!("result of {step}"))
         })
         .await
         .unwrap();
     }
-    let failed = execute(&db.pool, "order-4", "three", |_tx: Tx| async {
+    let failed = Saga::execute(&db.pool, "order-4", "three", |_tx: Tx| async {
         Err::<String, BoxError>("three failed".into())
     })
     .await;
@@ -562,7 +574,7 @@ async fn a_result_that_json_cannot_hold_fails_the_step_before_its_writes_commit(
     let db = db_with_log().await;
     // NaN would be stored as null: the first execution returned Ok(NaN), a
     // re-execution failed to read it back.
-    let nan = execute(&db.pool, "s", "price", |tx: Tx| async move {
+    let nan = Saga::execute(&db.pool, "s", "price", |tx: Tx| async move {
         log(&tx, "priced".into()).await?;
         Ok::<f64, BoxError>(f64::NAN)
     })
@@ -590,7 +602,7 @@ async fn a_result_that_json_cannot_hold_fails_the_step_before_its_writes_commit(
         "{stored}"
     );
     // Hidden in an Option it would have come back as None.
-    let hidden = execute(&db.pool, "s", "price", |_tx: Tx| async {
+    let hidden = Saga::execute(&db.pool, "s", "price", |_tx: Tx| async {
         Ok::<_, BoxError>(Some(f64::INFINITY))
     })
     .await;
@@ -603,7 +615,7 @@ async fn a_result_that_json_cannot_hold_fails_the_step_before_its_writes_commit(
     );
     // A finite price completes, and comes back the same.
     let priced = |price: f64| {
-        execute(&db.pool, "s", "price", move |tx: Tx| async move {
+        Saga::execute(&db.pool, "s", "price", move |tx: Tx| async move {
             log(&tx, "priced".into()).await?;
             Ok::<_, BoxError>(price)
         })
@@ -616,7 +628,7 @@ async fn a_result_that_json_cannot_hold_fails_the_step_before_its_writes_commit(
     // value, a re-execution the other one. Now both return what PostgreSQL
     // gives back.
     let taxed = |price: f64| {
-        execute(&db.pool, "s", "taxed", move |_tx: Tx| async move {
+        Saga::execute(&db.pool, "s", "taxed", move |_tx: Tx| async move {
             Ok::<_, BoxError>(price)
         })
     };
@@ -678,14 +690,14 @@ async fn a_completed_saga_is_final() {
     assert!(matches!(done, SagaOutcome::Completed(_)), "{done:?}");
     // Before: this compensated s2, and the next run undid s3 and s1.
     let undo = |tx: Tx, _: String| async move { log(&tx, "undo:s2".into()).await };
-    let refused = compensate(&db.pool, "order-6", "s2", undo).await;
+    let refused = Saga::compensate(&db.pool, "order-6", "s2", undo).await;
     assert!(
         matches!(&refused, Err(StepError::SagaCompleted { saga_id, step })
             if saga_id == "order-6" && step == "s2"),
         "{refused:?}"
     );
     // Nor may a step that never ran start now.
-    let late = execute(&db.pool, "order-6", "s4", |_tx: Tx| async {
+    let late = Saga::execute(&db.pool, "order-6", "s4", |_tx: Tx| async {
         Ok::<_, BoxError>(1)
     })
     .await;
@@ -724,7 +736,11 @@ async fn a_step_compensated_from_outside_while_the_saga_runs_undoes_the_rest() {
     entered.notified().await;
     // The saga is running: compensating s1 is allowed (an abort).
     let undo = |tx: Tx, _: String| async move { log(&tx, "undo:s1".into()).await };
-    assert!(compensate(&db.pool, "order-7", "s1", undo).await.unwrap());
+    assert!(
+        Saga::compensate(&db.pool, "order-7", "s1", undo)
+            .await
+            .unwrap()
+    );
     release.notify_one();
     let outcome = run.await.unwrap().unwrap();
     assert_eq!(
@@ -795,8 +811,10 @@ async fn bad_saga_ids_and_step_names_are_refused_before_the_database() {
     ] {
         let action = |_tx: Tx| async { Ok::<_, BoxError>(1) };
         for result in [
-            execute(&closed, saga_id, step, action).await.map(drop),
-            compensate(&closed, saga_id, step, |_tx: Tx, _: i64| async { Ok(()) })
+            Saga::execute(&closed, saga_id, step, action)
+                .await
+                .map(drop),
+            Saga::compensate(&closed, saga_id, step, |_tx: Tx, _: i64| async { Ok(()) })
                 .await
                 .map(drop),
             logged_step(Saga::new(closed.clone()), "one", counter(0), counter(0))
@@ -822,7 +840,7 @@ async fn bad_saga_ids_and_step_names_are_refused_before_the_database() {
     }
     // Valid names go through to PostgreSQL as before.
     assert_eq!(
-        execute(&db.pool, "order-9:eu", "one", |_tx: Tx| async {
+        Saga::execute(&db.pool, "order-9:eu", "one", |_tx: Tx| async {
             Ok::<_, BoxError>(1)
         })
         .await

@@ -326,7 +326,7 @@ async fn a_role_without_create_runs_once_the_schema_is_current_and_is_told_when_
         idempo::migrate(&pool)
             .await
             .expect("migrate with a current schema needs no DDL");
-        idempo::check_migrations(&pool).await.expect("current");
+        idempo::Schema::Check.apply(&pool).await.expect("current");
         pool.close().await;
     }
     broker.publish_payment(&queue, "lp-1", "alice", 5).await;
@@ -368,7 +368,7 @@ async fn a_role_without_create_runs_once_the_schema_is_current_and_is_told_when_
         out.contains("PAYMENTS_MIGRATE=1") || out.contains("schema is behind"),
         "{out}"
     );
-    let behind = idempo::check_migrations(&empty.pool).await.unwrap_err();
+    let behind = idempo::Schema::Check.apply(&empty.pool).await.unwrap_err();
     assert!(
         matches!(&behind, idempo::Error::SchemaBehind { missing } if !missing.is_empty()),
         "{behind}"

@@ -366,7 +366,7 @@ async fn two_services_chained_through_the_outbox_keep_equal_ledgers() {
     assert_eq!(staged[0].routing_key(), "ledger");
     assert_eq!(
         staged[0].id(),
-        Some(idempo::outbox::derived_message_id("c-1", "forward").as_str())
+        Some(crate::support::derived_id("c-1", "forward").as_str())
     );
 
     let published = a.drain().await.unwrap();

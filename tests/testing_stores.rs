@@ -19,9 +19,7 @@ use idempo::http::{
     Begin, FencingToken, Fingerprint, IdempotencyLayer, IdempotencyStore, MemoryStore, Operation,
     PostgresStore, RecordKey, RedisStore, StoredResponse,
 };
-use idempo::testing::conformance::{
-    self, ConformanceError, Failure, IDEMPOTENCY_STORE_CHECKS, WINDOW_STORE_CHECKS,
-};
+use idempo::testing::conformance::{self, ConformanceError, Failure, Report};
 use idempo::window::{
     DedupId, DedupWindow, Insertion, MemoryWindow, PostgresWindow, RedisWindow, Reservation, Scope,
     WindowStore,
@@ -324,10 +322,10 @@ async fn a_memory_store_lease_and_record_expire_when_the_paused_clock_is_advance
 // ---------------------------------------------------------------------------
 
 async fn idempotency_store_conforms<S: IdempotencyStore>(store: &S) {
-    let report = conformance::idempotency_store(store)
+    let report = conformance::Report::idempotency_store(store)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(report.passed, IDEMPOTENCY_STORE_CHECKS);
+    assert_eq!(report.passed, Report::IDEMPOTENCY_STORE_CHECKS);
     assert!(
         report.elapsed < Duration::from_secs(10),
         "the kit stays fast: {report}"
@@ -335,10 +333,10 @@ async fn idempotency_store_conforms<S: IdempotencyStore>(store: &S) {
 }
 
 async fn window_store_conforms<W: WindowStore>(store: &W) {
-    let report = conformance::window_store(store)
+    let report = conformance::Report::window_store(store)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(report.passed, WINDOW_STORE_CHECKS);
+    assert_eq!(report.passed, Report::WINDOW_STORE_CHECKS);
     assert!(
         report.elapsed < Duration::from_secs(10),
         "the kit stays fast: {report}"
@@ -385,10 +383,10 @@ async fn runs_of_the_kit_on_one_shared_store_do_not_disturb_each_other() {
         PostgresWindow::new(db.pool.clone()),
     );
     let (a, b, c, d) = tokio::join!(
-        conformance::idempotency_store(&store),
-        conformance::idempotency_store(&store),
-        conformance::window_store(&window),
-        conformance::window_store(&window),
+        conformance::Report::idempotency_store(&store),
+        conformance::Report::idempotency_store(&store),
+        conformance::Report::window_store(&window),
+        conformance::Report::window_store(&window),
     );
     for outcome in [a, b, c, d] {
         outcome.unwrap_or_else(|e| panic!("{e}"));
@@ -473,7 +471,7 @@ impl IdempotencyStore for Broken {
 }
 
 async fn caught(store: Broken) -> ConformanceError {
-    match conformance::idempotency_store(&store).await {
+    match conformance::Report::idempotency_store(&store).await {
         Ok(report) => panic!("the kit passed a broken store: {report}"),
         Err(e) => e,
     }
@@ -597,7 +595,7 @@ impl WindowStore for NeverForgets {
 
 #[tokio::test]
 async fn a_window_that_never_forgets_fails_the_expiry_checks() {
-    let e = conformance::window_store(&NeverForgets(MemoryWindow::new(10_000)))
+    let e = conformance::Report::window_store(&NeverForgets(MemoryWindow::new(10_000)))
         .await
         .unwrap_err();
     assert_eq!(e.check, "a_seen_id_expires_after_its_window", "{e}");

@@ -1,4 +1,4 @@
-//! The transport conformance kit (`idempo::testing::conformance::transport`)
+//! The transport conformance kit (`idempo::testing::conformance::Report::transport`)
 //! run against idempo's own transports: RabbitMQ on the real broker,
 //! JetStream on the real NATS server (feature `nats`), and the in-memory
 //! broker of `idempo::testing`. Each one implements only how the kit starts
@@ -113,7 +113,7 @@ async fn the_amqp_transport_conforms() {
         broker: Broker::connect().await,
         received: Mutex::default(),
     };
-    let report = conformance::transport(&rabbit, &db.pool)
+    let report = conformance::Report::transport(&rabbit, &db.pool)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(report.skipped.is_empty(), "{report}");
@@ -126,7 +126,7 @@ async fn the_in_memory_transport_conforms() {
     let memory = InMemory {
         broker: MemoryBroker::new(),
     };
-    let report = conformance::transport(&memory, &db.pool)
+    let report = conformance::Report::transport(&memory, &db.pool)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     // The in-memory transport has no outbox relay: the harness drains the
@@ -239,7 +239,7 @@ mod jetstream {
             url,
             js: nats.js.clone(),
         };
-        let report = conformance::transport(&jetstream, &db.pool)
+        let report = conformance::Report::transport(&jetstream, &db.pool)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(report.skipped.is_empty(), "{report}");

@@ -284,6 +284,13 @@ pub struct ReplayOptions {
 }
 
 impl ReplayOptions {
+    /// Replays by `<tool>:<user>@<this host>` (for example
+    /// `idempo-cli:alice@ops-1`), to each letter's work queue: who acts, as
+    /// recorded on the letters (pass its `by` to a discard too).
+    pub fn by_operator(tool: &str, user: &str) -> Self {
+        Self::by(format!("{tool}:{user}@{}", crate::host::name()))
+    }
+
     /// Replays by `who`, to each letter's work queue.
     pub fn by(who: impl Into<String>) -> Self {
         ReplayOptions {

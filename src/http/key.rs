@@ -10,7 +10,7 @@ const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 /// `Idempotent-Replayed: true` marks a response that was replayed from the
 /// store rather than produced by the handler.
 pub(crate) const IDEMPOTENT_REPLAYED: HeaderName =
-    HeaderName::from_static(crate::headers::IDEMPOTENT_REPLAYED);
+    HeaderName::from_static(IdempotencyKey::REPLAYED_HEADER);
 
 // The syntax is shared with the retry client, which checks what it sends.
 use crate::key::KeyError;
@@ -25,6 +25,11 @@ use crate::key::KeyError;
 pub struct IdempotencyKey(String);
 
 impl IdempotencyKey {
+    /// The response header that marks an answer replayed from the
+    /// idempotency store (`Idempotent-Replayed: true`) rather than produced
+    /// by the handler.
+    pub const REPLAYED_HEADER: &'static str = "idempotent-replayed";
+
     /// Parses one header value.
     ///
     /// # Errors

@@ -35,7 +35,7 @@ pub(crate) const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 /// | [`lease`](Self::lease) | 30 s, renewed while the request runs |
 /// | [`ttl`](Self::ttl) | 24 h |
 /// | [`stored_headers`](Self::stored_headers) | `Content-Type`, `Location` |
-/// | [`stores_status`](Self::stores_status) | [`stores_status_by_default`] |
+/// | [`stores_status`](Self::stores_status) | [`StoredResponse::stored_by_default`](super::StoredResponse::stored_by_default) |
 /// | [`fail_open`](Self::fail_open) | no: a store error answers 503 |
 /// | [`store_timeout`](Self::store_timeout) | 5 s per store call (then 503) |
 /// | [`body_timeout`](Self::body_timeout) | 30 s to read the request body (then 408) |
@@ -80,31 +80,6 @@ pub struct IdempotencyLayer<St> {
     config: Config,
 }
 
-/// The default of [`IdempotencyLayer::stores_status`], on one principle: a
-/// response that reports an **executed** outcome is stored and replayed; one
-/// that says the request was **not executed** is not stored, and the key is
-/// released so that the client can retry it.
-///
-/// | status | stored | why |
-/// |---|---|---|
-/// | 2xx | yes | executed |
-/// | 402 Payment Required | yes | executed: a decline is the outcome of the attempt |
-/// | 500 Internal Server Error | yes | indeterminate: it may have executed, so it is replayed rather than repeated (as Stripe does) |
-/// | 400, 401, 403, 404, 405, 406, 409, 410, 411, 413, 414, 415, 422 and the other 4xx | no | refused before executing: validation, auth, routing, conflict |
-/// | 408, 425, 429 | no | not done: too slow, too early, overloaded |
-/// | 501, 502, 503, 504 and the other 5xx | no | not done: unavailable, try again |
-/// | 1xx, 3xx | no | not an outcome |
-///
-/// What a handler must do to be safe under it: answer a status that is not
-/// stored **only when it wrote nothing** (a failed validation, a database
-/// that was down before anything committed), because the retry runs again.
-/// A handler that may fail half-way should use the
-/// [atomic phase](crate::http#the-atomic-phase) (its writes roll back with
-/// any answer that is not stored) or answer 500.
-pub fn stores_status_by_default(status: StatusCode) -> bool {
-    matches!(status.as_u16(), 200..=299 | 402 | 500)
-}
-
 impl<St: IdempotencyStore> IdempotencyLayer<St> {
     /// A layer on `store`, with the [defaults](Self#defaults).
     pub fn new(store: St) -> Self {
@@ -119,7 +94,7 @@ impl<St: IdempotencyStore> IdempotencyLayer<St> {
                 lease: Duration::from_secs(30),
                 ttl: Duration::from_secs(24 * 60 * 60),
                 stored_headers: vec![header::CONTENT_TYPE, header::LOCATION],
-                stores_status: Arc::new(stores_status_by_default),
+                stores_status: Arc::new(super::StoredResponse::stored_by_default),
                 fail_open: false,
                 retry_after: Duration::from_secs(1),
                 store_timeout: Duration::from_secs(5),
@@ -215,7 +190,7 @@ impl<St> IdempotencyLayer<St> {
     }
 
     /// Which statuses are stored; for the others the key is released so the
-    /// client can retry. Default: [`stores_status_by_default`].
+    /// client can retry. Default: [`StoredResponse::stored_by_default`](super::StoredResponse::stored_by_default).
     #[must_use]
     pub fn stores_status(mut self, f: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
         self.config.stores_status = Arc::new(f);

@@ -58,7 +58,7 @@
 //!   carries the caller's token: a process that lost its lease cannot
 //!   overwrite the new owner's record.
 //! - Statuses that report an executed outcome (by default 2xx, 402 and 500:
-//!   see [`stores_status_by_default`] for the table and the principle)
+//!   see [`StoredResponse::stored_by_default`] for the table and the principle)
 //!   complete the record; the others release it so the client can retry. A
 //!   handler error or panic releases it too.
 //!
@@ -123,7 +123,7 @@ mod store;
 mod transaction;
 
 pub use key::IdempotencyKey;
-pub use layer::{IdempotencyLayer, InFlight, stores_status_by_default};
+pub use layer::{IdempotencyLayer, InFlight};
 pub use memory::MemoryStore;
 pub use postgres::PostgresStore;
 pub use record::{Fingerprint, RecordKey, StoredResponse};

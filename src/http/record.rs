@@ -143,6 +143,31 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
+    /// The default of [`IdempotencyLayer::stores_status`](super::IdempotencyLayer::stores_status), on one principle: a
+    /// response that reports an **executed** outcome is stored and replayed; one
+    /// that says the request was **not executed** is not stored, and the key is
+    /// released so that the client can retry it.
+    ///
+    /// | status | stored | why |
+    /// |---|---|---|
+    /// | 2xx | yes | executed |
+    /// | 402 Payment Required | yes | executed: a decline is the outcome of the attempt |
+    /// | 500 Internal Server Error | yes | indeterminate: it may have executed, so it is replayed rather than repeated (as Stripe does) |
+    /// | 400, 401, 403, 404, 405, 406, 409, 410, 411, 413, 414, 415, 422 and the other 4xx | no | refused before executing: validation, auth, routing, conflict |
+    /// | 408, 425, 429 | no | not done: too slow, too early, overloaded |
+    /// | 501, 502, 503, 504 and the other 5xx | no | not done: unavailable, try again |
+    /// | 1xx, 3xx | no | not an outcome |
+    ///
+    /// What a handler must do to be safe under it: answer a status that is not
+    /// stored **only when it wrote nothing** (a failed validation, a database
+    /// that was down before anything committed), because the retry runs again.
+    /// A handler that may fail half-way should use the
+    /// [atomic phase](crate::http#the-atomic-phase) (its writes roll back with
+    /// any answer that is not stored) or answer 500.
+    pub fn stored_by_default(status: http::StatusCode) -> bool {
+        matches!(status.as_u16(), 200..=299 | 402 | 500)
+    }
+
     /// A response to store.
     pub fn new(status: StatusCode, headers: Vec<(HeaderName, HeaderValue)>, body: Bytes) -> Self {
         StoredResponse {

@@ -287,13 +287,6 @@ fn not_found(error: &lapin::Error) -> bool {
     }
 }
 
-/// Who acts, as recorded on the dead letters an operator replays or
-/// discards: `<tool>:<user>@<this host>` (for example
-/// `idempo-cli:alice@ops-1`).
-pub fn operator(tool: &str, user: &str) -> String {
-    format!("{tool}:{user}@{}", crate::host::name())
-}
-
 /// PostgreSQL's `undefined_table` (42P01): a table of a feature whose
 /// migration did not run.
 fn undefined_table(error: &sqlx::Error) -> bool {

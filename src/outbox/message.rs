@@ -42,7 +42,8 @@ pub(crate) const MAX_HEADER_FRAME: usize = DEFAULT_FRAME_MAX;
 ///     .derived_id(incoming_id, "receipt")
 ///     .header("x-tenant", "acme")
 ///     .ordering_key("alice");
-/// assert_eq!(message.id(), Some(idempo::outbox::derived_message_id("payment-42", "receipt").as_str()));
+/// let again = OutboxMessage::new("", "receipts", b"{}".to_vec()).derived_id("payment-42", "receipt");
+/// assert_eq!(message.id(), again.id());
 /// # Ok::<(), idempo::outbox::OutboxError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq)]
@@ -121,8 +122,9 @@ impl OutboxMessage {
     /// `purpose` that tells apart the messages one handler emits (`"receipt"`,
     /// `"audit"`): every redelivery of the incoming message, in any process,
     /// stages the same id, so a downstream consumer also deduplicates what
-    /// two runs of a non-idempotent producer emitted. See
-    /// [`derived_message_id`](super::derived_message_id).
+    /// two runs of a non-idempotent producer emitted. The id is UUID-shaped:
+    /// 128 bits of SHA-256 of both inputs (version 8), the same in every
+    /// process, different for different purposes.
     pub fn derived_id(self, incoming_id: &str, purpose: &str) -> Self {
         self.message_id(super::derived_message_id(incoming_id, purpose))
     }

@@ -120,8 +120,14 @@ pub enum OutboxError {
     Database(#[from] sqlx::Error),
     /// No message id could be drawn: the operating system gave no random
     /// bytes.
-    #[error(transparent)]
-    Randomness(#[from] crate::RandomnessUnavailable),
+    #[error("the operating system gave no random bytes: {0}")]
+    Randomness(#[source] std::io::Error),
+}
+
+impl From<crate::error::RandomnessUnavailable> for OutboxError {
+    fn from(e: crate::error::RandomnessUnavailable) -> Self {
+        OutboxError::Randomness(e.into())
+    }
 }
 
 impl From<OutboxError> for crate::Error {
@@ -143,7 +149,7 @@ impl OutboxError {
 /// purpose (`"receipt"`): the same inputs give the same id in every process,
 /// different purposes give different ids. A UUID-shaped string of 128 bits of
 /// SHA-256 (version 8), well within the 255 bytes an idempo consumer accepts.
-pub fn derived_message_id(incoming_id: &str, purpose: &str) -> String {
+pub(crate) fn derived_message_id(incoming_id: &str, purpose: &str) -> String {
     let digest = Sha256::new()
         .chain_update(incoming_id.as_bytes())
         .chain_update([0])

@@ -234,7 +234,7 @@ impl RetryingClient {
     }
 
     /// Sends `request` with `key` on every attempt (for example
-    /// [`saga::idempotency_key`](crate#feature-flags)).
+    /// `saga::Saga::idempotency_key`).
     ///
     /// The key must be what idempo's server accepts: 1 to 255 characters of
     /// visible ASCII as a plain token, or a quoted string (`"k"`, which names

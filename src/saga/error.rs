@@ -85,7 +85,7 @@ pub enum StepError {
     },
     /// The saga is being compensated: no step runs forward any more.
     /// [`Saga::run`](super::Saga::run) handles this itself (it joins the
-    /// compensation); [`execute`](super::execute) returns it.
+    /// compensation); [`Saga::execute`](super::Saga::execute) returns it.
     #[error("saga {saga_id:?} is being compensated: step {step:?} cannot run")]
     SagaCompensating {
         /// The saga.

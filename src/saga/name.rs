@@ -136,8 +136,10 @@ mod tests {
 
     #[test]
     fn the_longest_names_make_a_key_of_255_characters() {
-        let key =
-            crate::saga::idempotency_key(&"x".repeat(MAX_SAGA_ID_LEN), &"s".repeat(MAX_STEP_LEN));
+        let key = crate::saga::Saga::idempotency_key(
+            &"x".repeat(MAX_SAGA_ID_LEN),
+            &"s".repeat(MAX_STEP_LEN),
+        );
         assert_eq!(key.len(), 255);
     }
 

@@ -53,7 +53,7 @@ impl StepContext {
     }
 
     /// `{saga_id}:{step}`: the key for an external call made by this step,
-    /// the same on every re-execution (see [`idempotency_key`]). A refund
+    /// the same on every re-execution (see [`Saga::idempotency_key`]). A refund
     /// made by the compensation can send it too: it names the charge.
     pub fn idempotency_key(&self) -> String {
         idempotency_key(&self.saga_id, &self.step)
@@ -86,9 +86,9 @@ pub enum SagaOutcome {
 /// A sequence of steps that is safe to run again with the same saga id.
 ///
 /// Each step's action runs in a transaction that also records its result
-/// ([`execute`](super::execute)); when a step has failed `attempts` times
+/// ([`Saga::execute`]); when a step has failed `attempts` times
 /// (default 1, counted in the database across runs), the completed steps
-/// are compensated in reverse order ([`compensate`](super::compensate)).
+/// are compensated in reverse order ([`Saga::compensate`]).
 /// Running the same saga id again after a crash resumes: completed steps are
 /// not re-run (their stored results are used), and an interrupted
 /// compensation continues. Both outcomes are final: a completed saga's

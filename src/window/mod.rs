@@ -39,4 +39,5 @@ pub use postgres::PostgresWindow;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisWindow;
-pub use store::{Insertion, Reservation, WindowStore, check_key, check_value};
+pub(crate) use store::check_value;
+pub use store::{Insertion, Reservation, WindowStore};

@@ -63,13 +63,10 @@ pub(crate) fn bounded(d: Duration) -> Duration {
 
 /// Refuses a key that some store could not hold: longer than
 /// 2,048 bytes, or with a NUL byte (PostgreSQL text cannot hold one).
-/// idempo's stores call it first; a [`WindowStore`] of your own should too,
-/// so that switching stores surfaces no new error (the
+/// idempo's stores call it first; a [`WindowStore`] of your own should
+/// refuse them too, so that switching stores surfaces no new error (the
 /// conformance kit of `idempo::testing`, feature `testing`, checks it).
-///
-/// # Errors
-/// [`Error::Config`] naming the problem.
-pub fn check_key(key: &str) -> Result<()> {
+pub(crate) fn check_key(key: &str) -> Result<()> {
     if key.len() > MAX_KEY_LEN {
         return Err(Error::Config(format!(
             "the dedup window key {}... is {} bytes long; at most {MAX_KEY_LEN} are allowed \
@@ -89,11 +86,8 @@ pub fn check_key(key: &str) -> Result<()> {
 }
 
 /// Refuses a recorded value with a NUL byte (PostgreSQL text cannot hold
-/// one): for a [`WindowStore`] of your own, as [`check_key`].
-///
-/// # Errors
-/// [`Error::Config`] naming the problem.
-pub fn check_value(value: &str) -> Result<()> {
+/// one), as [`check_key`] a key.
+pub(crate) fn check_value(value: &str) -> Result<()> {
     match value.find('\0') {
         Some(position) => Err(Error::Config(format!(
             "the value {} to record in the dedup window has a NUL byte at {position}",

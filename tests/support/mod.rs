@@ -1067,3 +1067,13 @@ pub fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("a free port")
 }
+
+/// The id an outbox message staged with `.derived_id(incoming_id, purpose)`
+/// carries.
+pub fn derived_id(incoming_id: &str, purpose: &str) -> String {
+    idempo::outbox::OutboxMessage::new("", "q", Vec::new())
+        .derived_id(incoming_id, purpose)
+        .id()
+        .expect("a derived id")
+        .to_owned()
+}

@@ -636,12 +636,7 @@ pub async fn verdict(
         let want: BTreeMap<String, &str> = outcome
             .applied
             .keys()
-            .map(|id| {
-                (
-                    idempo::outbox::derived_message_id(id, "forward"),
-                    id.as_str(),
-                )
-            })
+            .map(|id| (crate::support::derived_id(id, "forward"), id.as_str()))
             .collect();
         let absent: Vec<&str> = want
             .iter()

@@ -12,7 +12,6 @@ use tokio::time::{Instant, timeout, timeout_at};
 use crate::amqp::publish::{ConfirmChannel, PublishError};
 use crate::amqp::reconnect::Reconnect;
 use crate::amqp::{AmqpError, Broker};
-use crate::headers::{DEDUP_ID_HEADER, GROUP_ID_HEADER};
 use crate::window::store::MAX_WINDOW;
 use crate::window::{DedupId, DedupWindow, Reservation, Scope, WindowStore};
 use crate::{Error, Result};
@@ -34,6 +33,11 @@ pub struct Outgoing {
 }
 
 impl Outgoing {
+    /// The header that carries a message's dedup id.
+    pub const DEDUP_ID_HEADER: &'static str = "x-idempo-dedup-id";
+    /// The header that carries a message's group id (SQS's `MessageGroupId`).
+    pub const GROUP_ID_HEADER: &'static str = "x-group-id";
+
     /// A persistent message (delivery mode 2) with `body`, deduplicated on its
     /// content unless [`dedup_id`](Self::dedup_id) is set.
     pub fn new(body: impl Into<Vec<u8>>) -> Self {
@@ -52,7 +56,7 @@ impl Outgoing {
         self
     }
 
-    /// Puts the message in a group: header [`GROUP_ID_HEADER`], and ids count
+    /// Puts the message in a group: header [`GROUP_ID_HEADER`](Outgoing::GROUP_ID_HEADER), and ids count
     /// per group.
     #[must_use]
     pub fn group(mut self, group: impl Into<String>) -> Self {
@@ -78,7 +82,7 @@ impl Outgoing {
     /// - A `message_id` set here is kept; otherwise a random UUID is assigned.
     /// - A `delivery_mode` left unset stays persistent (2), as with
     ///   [`new`](Self::new); set 1 for a transient message.
-    /// - The headers are kept; [`DEDUP_ID_HEADER`] (and [`GROUP_ID_HEADER`]
+    /// - The headers are kept; [`DEDUP_ID_HEADER`](Outgoing::DEDUP_ID_HEADER) (and [`GROUP_ID_HEADER`](Outgoing::GROUP_ID_HEADER)
     ///   for a [`group`](Self::group)) are added.
     #[must_use]
     pub fn properties(mut self, properties: BasicProperties) -> Self {
@@ -415,12 +419,12 @@ impl<S: WindowStore> DedupPublisher<S> {
         let deadline = Instant::now() + self.confirm_timeout;
         let mut headers = message.properties.headers().clone().unwrap_or_default();
         headers.insert(
-            DEDUP_ID_HEADER.into(),
+            Outgoing::DEDUP_ID_HEADER.into(),
             AMQPValue::LongString(id.as_str().into()),
         );
         if let Some(group) = &message.group {
             headers.insert(
-                GROUP_ID_HEADER.into(),
+                Outgoing::GROUP_ID_HEADER.into(),
                 AMQPValue::LongString(group.as_str().into()),
             );
         }

@@ -499,5 +499,5 @@ async fn import(ctx: &Ctx, queue: &str) -> anyhow::Result<u8> {
 
 /// Who runs the command, as recorded on replayed and discarded letters.
 fn operator(ctx: &Ctx) -> String {
-    idempo::ops::operator("idempo-cli", &ctx.operator)
+    idempo::ops::dead_letters::ReplayOptions::by_operator("idempo-cli", &ctx.operator).by
 }

@@ -11,83 +11,89 @@ use crate::http::{
 };
 use lifecycle::*;
 
-/// The checks [`idempotency_store`] runs, by name:
-///
-/// | check | what the store must do |
-/// |---|---|
-/// | `begin_starts_a_fresh_key` | `begin` on a key never used: [`Begin::Started`] |
-/// | `a_live_lease_is_in_progress` | `begin` again while the first holder's lease is live: [`Begin::InProgress`], with at most the lease left |
-/// | `another_fingerprint_is_a_mismatch` | `begin` with another fingerprint, while in progress and once complete: [`Begin::Mismatch`] |
-/// | `a_completed_record_replays_its_response` | after `complete`, `begin` returns the response byte for byte: status, headers in order (repeated names, non-UTF-8 values), binary, empty and 1 MiB bodies |
-/// | `a_completed_record_is_final` | once complete, the token's `complete`, `extend` and `release` are refused and the first response stays |
-/// | `release_frees_the_key` | `release` deletes the record (a second `release` is refused) and any request starts again, with a new token |
-/// | `a_foreign_token_is_fenced` | `complete`, `extend`, `release` with another record's token, or a made-up one, are refused and change nothing |
-/// | `an_expired_lease_is_taken_over` | once the lease ran out, `begin` with the same fingerprint takes over with a new token, and the old token is fenced |
-/// | `extend_renews_the_lease` | after `extend`, the record stays in progress past the first lease |
-/// | `an_expired_record_counts_as_absent` | past its TTL, a completed record, or an in-progress one whose lease and TTL ran out, is absent: any request starts |
-/// | `concurrent_begins_start_once` | of 16 concurrent `begin`s on one key (one fingerprint, or two), exactly one starts; the others are in progress, or a mismatch |
-/// | `records_are_kept_apart` | keys that differ in user (none, `""`), method, path or key, or that a separator would join alike, are distinct records |
-/// | `hostile_keys_round_trip` | keys, users and paths with quotes, backslashes, wildcards, hash tags, line breaks, non-ASCII text and 255 characters start, complete and replay |
-/// | `delete_expired_keeps_live_records` | `delete_expired` keeps the live records (in progress, complete) |
-pub const IDEMPOTENCY_STORE_CHECKS: &[&str] = &[
-    "begin_starts_a_fresh_key",
-    "a_live_lease_is_in_progress",
-    "another_fingerprint_is_a_mismatch",
-    "a_completed_record_replays_its_response",
-    "a_completed_record_is_final",
-    "release_frees_the_key",
-    "a_foreign_token_is_fenced",
-    "an_expired_lease_is_taken_over",
-    "extend_renews_the_lease",
-    "an_expired_record_counts_as_absent",
-    "concurrent_begins_start_once",
-    "records_are_kept_apart",
-    "hostile_keys_round_trip",
-    "delete_expired_keeps_live_records",
-];
-
-/// Runs the [`IdempotencyStore`] contract checks
-/// ([`IDEMPOTENCY_STORE_CHECKS`]) against `store`, concurrently, on
-/// fresh keys of its own: see [the module](crate::testing::conformance) for how.
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
-/// let store = idempo::http::MemoryStore::new();
-/// if let Err(e) = idempo::testing::conformance::idempotency_store(&store).await {
-///     panic!("{e}"); // names the check, the step, what was expected and found
-/// }
-/// # }
-/// ```
-///
-/// # Errors
-/// [`ConformanceError`] naming the first check (in list order) that
-/// failed, whether the store answered against the contract
-/// ([`Failure::Unexpected`]) or returned an error ([`Failure::Store`]).
-pub async fn idempotency_store<S: IdempotencyStore>(store: &S) -> Result<Report, ConformanceError> {
-    let ctx = Ctx {
-        store,
-        run: run_id(),
-    };
-    let ctx = &ctx;
-    let checks = checks![
-        ctx;
-        begin_starts_a_fresh_key,
-        a_live_lease_is_in_progress,
-        another_fingerprint_is_a_mismatch,
-        a_completed_record_replays_its_response,
-        a_completed_record_is_final,
-        release_frees_the_key,
-        a_foreign_token_is_fenced,
-        an_expired_lease_is_taken_over,
-        extend_renews_the_lease,
-        an_expired_record_counts_as_absent,
-        concurrent_begins_start_once,
-        records_are_kept_apart,
-        hostile_keys_round_trip,
-        delete_expired_keeps_live_records,
+impl Report {
+    /// The checks [`Report::idempotency_store`] runs, by name:
+    ///
+    /// | check | what the store must do |
+    /// |---|---|
+    /// | `begin_starts_a_fresh_key` | `begin` on a key never used: [`Begin::Started`] |
+    /// | `a_live_lease_is_in_progress` | `begin` again while the first holder's lease is live: [`Begin::InProgress`], with at most the lease left |
+    /// | `another_fingerprint_is_a_mismatch` | `begin` with another fingerprint, while in progress and once complete: [`Begin::Mismatch`] |
+    /// | `a_completed_record_replays_its_response` | after `complete`, `begin` returns the response byte for byte: status, headers in order (repeated names, non-UTF-8 values), binary, empty and 1 MiB bodies |
+    /// | `a_completed_record_is_final` | once complete, the token's `complete`, `extend` and `release` are refused and the first response stays |
+    /// | `release_frees_the_key` | `release` deletes the record (a second `release` is refused) and any request starts again, with a new token |
+    /// | `a_foreign_token_is_fenced` | `complete`, `extend`, `release` with another record's token, or a made-up one, are refused and change nothing |
+    /// | `an_expired_lease_is_taken_over` | once the lease ran out, `begin` with the same fingerprint takes over with a new token, and the old token is fenced |
+    /// | `extend_renews_the_lease` | after `extend`, the record stays in progress past the first lease |
+    /// | `an_expired_record_counts_as_absent` | past its TTL, a completed record, or an in-progress one whose lease and TTL ran out, is absent: any request starts |
+    /// | `concurrent_begins_start_once` | of 16 concurrent `begin`s on one key (one fingerprint, or two), exactly one starts; the others are in progress, or a mismatch |
+    /// | `records_are_kept_apart` | keys that differ in user (none, `""`), method, path or key, or that a separator would join alike, are distinct records |
+    /// | `hostile_keys_round_trip` | keys, users and paths with quotes, backslashes, wildcards, hash tags, line breaks, non-ASCII text and 255 characters start, complete and replay |
+    /// | `delete_expired_keeps_live_records` | `delete_expired` keeps the live records (in progress, complete) |
+    pub const IDEMPOTENCY_STORE_CHECKS: &'static [&'static str] = &[
+        "begin_starts_a_fresh_key",
+        "a_live_lease_is_in_progress",
+        "another_fingerprint_is_a_mismatch",
+        "a_completed_record_replays_its_response",
+        "a_completed_record_is_final",
+        "release_frees_the_key",
+        "a_foreign_token_is_fenced",
+        "an_expired_lease_is_taken_over",
+        "extend_renews_the_lease",
+        "an_expired_record_counts_as_absent",
+        "concurrent_begins_start_once",
+        "records_are_kept_apart",
+        "hostile_keys_round_trip",
+        "delete_expired_keeps_live_records",
     ];
-    run(checks).await
+}
+
+impl Report {
+    /// Runs the [`IdempotencyStore`] contract checks
+    /// ([`Report::IDEMPOTENCY_STORE_CHECKS`]) against `store`, concurrently, on
+    /// fresh keys of its own: see [the module](crate::testing::conformance) for how.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let store = idempo::http::MemoryStore::new();
+    /// if let Err(e) = idempo::testing::conformance::Report::idempotency_store(&store).await {
+    ///     panic!("{e}"); // names the check, the step, what was expected and found
+    /// }
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ConformanceError`] naming the first check (in list order) that
+    /// failed, whether the store answered against the contract
+    /// ([`Failure::Unexpected`]) or returned an error ([`Failure::Store`]).
+    pub async fn idempotency_store<S: IdempotencyStore>(
+        store: &S,
+    ) -> Result<Report, ConformanceError> {
+        let ctx = Ctx {
+            store,
+            run: run_id(),
+        };
+        let ctx = &ctx;
+        let checks = checks![
+            ctx;
+            begin_starts_a_fresh_key,
+            a_live_lease_is_in_progress,
+            another_fingerprint_is_a_mismatch,
+            a_completed_record_replays_its_response,
+            a_completed_record_is_final,
+            release_frees_the_key,
+            a_foreign_token_is_fenced,
+            an_expired_lease_is_taken_over,
+            extend_renews_the_lease,
+            an_expired_record_counts_as_absent,
+            concurrent_begins_start_once,
+            records_are_kept_apart,
+            hostile_keys_round_trip,
+            delete_expired_keeps_live_records,
+        ];
+        run(checks).await
+    }
 }
 
 struct Ctx<'s, S> {

@@ -1,6 +1,6 @@
 //! Contract tests for your own transports and stores: one call runs
 //! idempo's checks of the [transport seam](crate::consumer::transport)
-//! ([`transport`]: a consumer on it must be exactly once under redelivery,
+//! ([`Report::transport`]: a consumer on it must be exactly once under redelivery,
 //! keep a group's order, retry after the policy's delay, dead-letter with a
 //! reason, never let poison block the queue, settle what is in flight on a
 //! graceful stop, reconnect after a cut, and forward through the outbox with
@@ -35,7 +35,7 @@
 //! }
 //!
 //! # async fn doc(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-//! let report = conformance::transport(&InMemory(MemoryBroker::new()), &pool).await?;
+//! let report = conformance::Report::transport(&InMemory(MemoryBroker::new()), &pool).await?;
 //! println!("{report}"); // "6 checks passed in 3.8s: ...; skipped: it_reconnects_after_a_cut, ..."
 //! # Ok(()) }
 //! ```
@@ -51,10 +51,10 @@
 //! use idempo::window::MemoryWindow;
 //!
 //! // In your test suite, pass your own store instead.
-//! let report = conformance::idempotency_store(&MemoryStore::new()).await?;
-//! assert_eq!(report.passed.len(), conformance::IDEMPOTENCY_STORE_CHECKS.len());
+//! let report = conformance::Report::idempotency_store(&MemoryStore::new()).await?;
+//! assert_eq!(report.passed.len(), conformance::Report::IDEMPOTENCY_STORE_CHECKS.len());
 //!
-//! let report = conformance::window_store(&MemoryWindow::new(10_000)).await?;
+//! let report = conformance::Report::window_store(&MemoryWindow::new(10_000)).await?;
 //! println!("{report}"); // "14 checks passed in 510ms: insert_records_a_new_id, ..."
 //! # Ok(()) }
 //! # #[cfg(not(all(feature = "http", feature = "window")))]
@@ -92,8 +92,8 @@
 //!   check asks.
 //!
 //! idempo runs this kit against its own stores (memory, PostgreSQL, Redis).
-//! The checks are listed in [`IDEMPOTENCY_STORE_CHECKS`] and
-//! [`WINDOW_STORE_CHECKS`], in the order a failure is reported when several
+//! The checks are listed in [`Report::IDEMPOTENCY_STORE_CHECKS`] and
+//! [`Report::WINDOW_STORE_CHECKS`], in the order a failure is reported when several
 //! fail.
 
 use std::fmt;
@@ -131,7 +131,7 @@ impl fmt::Display for Report {
 /// A store broke its contract: which check caught it, and how.
 ///
 /// When several checks fail, this is the first of them in the list
-/// ([`IDEMPOTENCY_STORE_CHECKS`], [`WINDOW_STORE_CHECKS`]), and
+/// ([`Report::IDEMPOTENCY_STORE_CHECKS`], [`Report::WINDOW_STORE_CHECKS`]), and
 /// [`also_failed`](Self::also_failed) names the others.
 #[derive(Debug, thiserror::Error)]
 #[error("the store failed the conformance check `{check}`: {failure}{}", also(.also_failed))]
@@ -218,8 +218,4 @@ use stores::*;
 #[cfg(feature = "window")]
 mod window_store;
 
-#[cfg(feature = "http")]
-pub use self::idempotency_store::{IDEMPOTENCY_STORE_CHECKS, idempotency_store};
-pub use self::transport::{TransportUnderTest, transport};
-#[cfg(feature = "window")]
-pub use self::window_store::{WINDOW_STORE_CHECKS, window_store};
+pub use self::transport::TransportUnderTest;

@@ -25,7 +25,7 @@ use crate::consumer::{
 };
 use crate::outbox::{self, OutboxMessage};
 
-/// The checks of [`transport`], in the order a failure is reported.
+/// The checks of [`Report::transport`], in the order a failure is reported.
 const CHECKS: [&str; 8] = [
     "exactly_once_under_redelivery",
     "a_group_keeps_its_order",
@@ -121,77 +121,79 @@ enum Fail {
 /// When each id's handler attempts started.
 type Attempts = Arc<Mutex<HashMap<String, Vec<Instant>>>>;
 
-/// Runs the kit against `under_test`, its consumers on `pool` (idempo's
-/// migrations are applied; the kit writes its effects in a table of its
-/// own, `idempo_conformance_effects`). The checks run one after another,
-/// each on a queue or stream of its own; a check the transport cannot show
-/// ([`cut`](TransportUnderTest::cut), [`forward_to`](TransportUnderTest::forward_to))
-/// is listed in [`Report::skipped`].
-///
-/// # Errors
-/// [`ConformanceError`] naming the first check that failed, and how.
-pub async fn transport<U: TransportUnderTest>(
-    under_test: &U,
-    pool: &PgPool,
-) -> Result<Report, ConformanceError> {
-    let started = Instant::now();
-    let setup = async {
-        crate::migrate(pool).await?;
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS idempo_conformance_effects \
+impl Report {
+    /// Runs the kit against `under_test`, its consumers on `pool` (idempo's
+    /// migrations are applied; the kit writes its effects in a table of its
+    /// own, `idempo_conformance_effects`). The checks run one after another,
+    /// each on a queue or stream of its own; a check the transport cannot show
+    /// ([`cut`](TransportUnderTest::cut), [`forward_to`](TransportUnderTest::forward_to))
+    /// is listed in [`Report::skipped`].
+    ///
+    /// # Errors
+    /// [`ConformanceError`] naming the first check that failed, and how.
+    pub async fn transport<U: TransportUnderTest>(
+        under_test: &U,
+        pool: &PgPool,
+    ) -> Result<Report, ConformanceError> {
+        let started = Instant::now();
+        let setup = async {
+            crate::migrate(pool).await?;
+            sqlx::query(
+                "CREATE TABLE IF NOT EXISTS idempo_conformance_effects \
              (source text NOT NULL, message_id text NOT NULL)",
-        )
-        .execute(pool)
-        .await?;
-        Ok::<_, crate::Error>(())
-    };
-    if let Err(source) = setup.await {
-        return Err(ConformanceError {
-            check: CHECKS[0],
-            failure: Failure::Store {
-                step: "set up the kit's table".into(),
-                source,
-            },
-            also_failed: Vec::new(),
-        });
-    }
-    let kit = Kit {
-        under_test,
-        pool,
-        run: run_id(),
-    };
-    let mut report = Report {
-        passed: Vec::new(),
-        skipped: Vec::new(),
-        elapsed: Duration::ZERO,
-    };
-    let mut failures = Vec::new();
-    for check in CHECKS {
-        let outcome = match check {
-            "exactly_once_under_redelivery" => kit.exactly_once(check).await,
-            "a_group_keeps_its_order" => kit.group_order(check).await,
-            "retry_later_after_the_policys_delay" => kit.retry_later(check).await,
-            "a_dead_letter_carries_its_reason" => kit.dead_letter(check).await,
-            "poison_never_blocks_the_queue" => kit.poison(check).await,
-            "a_graceful_stop_settles_what_is_in_flight" => kit.graceful_stop(check).await,
-            "it_reconnects_after_a_cut" => kit.reconnects(check).await,
-            _ => kit.forwards(check).await,
+            )
+            .execute(pool)
+            .await?;
+            Ok::<_, crate::Error>(())
         };
-        match outcome {
-            Ok(true) => report.passed.push(check),
-            Ok(false) => report.skipped.push(check),
-            Err(failure) => failures.push((check, failure)),
+        if let Err(source) = setup.await {
+            return Err(ConformanceError {
+                check: CHECKS[0],
+                failure: Failure::Store {
+                    step: "set up the kit's table".into(),
+                    source,
+                },
+                also_failed: Vec::new(),
+            });
         }
-    }
-    report.elapsed = started.elapsed();
-    let mut failures = failures.into_iter();
-    match failures.next() {
-        None => Ok(report),
-        Some((check, failure)) => Err(ConformanceError {
-            check,
-            failure,
-            also_failed: failures.map(|(name, _)| name).collect(),
-        }),
+        let kit = Kit {
+            under_test,
+            pool,
+            run: run_id(),
+        };
+        let mut report = Report {
+            passed: Vec::new(),
+            skipped: Vec::new(),
+            elapsed: Duration::ZERO,
+        };
+        let mut failures = Vec::new();
+        for check in CHECKS {
+            let outcome = match check {
+                "exactly_once_under_redelivery" => kit.exactly_once(check).await,
+                "a_group_keeps_its_order" => kit.group_order(check).await,
+                "retry_later_after_the_policys_delay" => kit.retry_later(check).await,
+                "a_dead_letter_carries_its_reason" => kit.dead_letter(check).await,
+                "poison_never_blocks_the_queue" => kit.poison(check).await,
+                "a_graceful_stop_settles_what_is_in_flight" => kit.graceful_stop(check).await,
+                "it_reconnects_after_a_cut" => kit.reconnects(check).await,
+                _ => kit.forwards(check).await,
+            };
+            match outcome {
+                Ok(true) => report.passed.push(check),
+                Ok(false) => report.skipped.push(check),
+                Err(failure) => failures.push((check, failure)),
+            }
+        }
+        report.elapsed = started.elapsed();
+        let mut failures = failures.into_iter();
+        match failures.next() {
+            None => Ok(report),
+            Some((check, failure)) => Err(ConformanceError {
+                check,
+                failure,
+                also_failed: failures.map(|(name, _)| name).collect(),
+            }),
+        }
     }
 }
 
@@ -566,7 +568,7 @@ impl<U: TransportUnderTest> Kit<'_, U> {
         settled(&c, "the forwarding handlers", |s| s.processed >= 2).await?;
         let expected: Vec<String> = ["forward-a", "forward-b"]
             .iter()
-            .map(|id| outbox::derived_message_id(id, "kit"))
+            .map(|id| crate::outbox::derived_message_id(id, "kit"))
             .collect();
         let deadline = Instant::now() + PATIENCE;
         loop {

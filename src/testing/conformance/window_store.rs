@@ -5,83 +5,87 @@ use crate::Error;
 use crate::window::store::MAX_KEY_LEN;
 use crate::window::{Insertion, Reservation, WindowStore};
 
-/// The checks [`window_store`] runs, by name:
-///
-/// | check | what the store must do |
-/// |---|---|
-/// | `insert_records_a_new_id` | `insert` of an absent key: [`Insertion::New`]; again: [`Insertion::Seen`] with the first value, which `reserve` returns too |
-/// | `an_empty_value_round_trips` | a seen entry recorded with `""` is returned as `Seen("")` |
-/// | `a_reservation_holds_the_id` | `reserve` of an absent key: [`Reservation::Reserved`]; then `reserve` and `insert` find it pending |
-/// | `record_turns_a_reservation_into_seen` | `record` with the token: `true`, and the id is seen with its value; a second `record` and a `release` are refused |
-/// | `release_frees_the_id` | `release` with the token: `true` (a second one `false`), and the id is new again |
-/// | `a_foreign_token_is_refused` | `record` and `release` with another key's token, or a made-up one, are refused and the reservation stays |
-/// | `a_seen_id_expires_after_its_window` | past its window, a seen id is new again |
-/// | `an_expired_reservation_is_free` | past its lease, a reservation is gone: its token is refused and `reserve` hands out a new one |
-/// | `concurrent_inserts_record_once` | of 16 concurrent `insert`s of one key, exactly one is new; the others see its value |
-/// | `concurrent_reserves_reserve_once` | of 16 concurrent `reserve`s of one key, exactly one reserves; the others find it pending |
-/// | `hostile_keys_are_kept_apart` | keys with quotes, backslashes, LIKE and glob wildcards, hash tags, separators, line breaks, non-ASCII text, prefixes of each other, and one of 2,048 bytes (the longest), are distinct entries and keep their values |
-/// | `overlong_keys_and_nul_bytes_are_refused` | a key longer than 2,048 bytes, a key or value with a NUL byte: [`Error::Config`], as idempo's stores do, so that switching stores cannot surface a new error (call [`check_key`](crate::window::check_key) and [`check_value`](crate::window::check_value)) |
-/// | `an_overlong_lease_is_cut` | a lease of `Duration::MAX` is cut to ten years: the reservation is held, not refused and not expired |
-/// | `delete_expired_keeps_live_entries` | `delete_expired` keeps the live entries (seen, reserved) |
-pub const WINDOW_STORE_CHECKS: &[&str] = &[
-    "insert_records_a_new_id",
-    "an_empty_value_round_trips",
-    "a_reservation_holds_the_id",
-    "record_turns_a_reservation_into_seen",
-    "release_frees_the_id",
-    "a_foreign_token_is_refused",
-    "a_seen_id_expires_after_its_window",
-    "an_expired_reservation_is_free",
-    "concurrent_inserts_record_once",
-    "concurrent_reserves_reserve_once",
-    "hostile_keys_are_kept_apart",
-    "overlong_keys_and_nul_bytes_are_refused",
-    "an_overlong_lease_is_cut",
-    "delete_expired_keeps_live_entries",
-];
-
-/// Runs the [`WindowStore`] contract checks ([`WINDOW_STORE_CHECKS`])
-/// against `store`, concurrently, on fresh keys of its own: see
-/// [the module](crate::testing::conformance) for how.
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
-/// let store = idempo::window::MemoryWindow::new(10_000);
-/// if let Err(e) = idempo::testing::conformance::window_store(&store).await {
-///     panic!("{e}"); // names the check, the step, what was expected and found
-/// }
-/// # }
-/// ```
-///
-/// # Errors
-/// [`ConformanceError`] naming the first check (in list order) that
-/// failed, whether the store answered against the contract
-/// ([`Failure::Unexpected`]) or returned an error ([`Failure::Store`]).
-pub async fn window_store<W: WindowStore>(store: &W) -> Result<Report, ConformanceError> {
-    let ctx = Ctx {
-        store,
-        run: run_id(),
-    };
-    let ctx = &ctx;
-    let checks = checks![
-        ctx;
-        insert_records_a_new_id,
-        an_empty_value_round_trips,
-        a_reservation_holds_the_id,
-        record_turns_a_reservation_into_seen,
-        release_frees_the_id,
-        a_foreign_token_is_refused,
-        a_seen_id_expires_after_its_window,
-        an_expired_reservation_is_free,
-        concurrent_inserts_record_once,
-        concurrent_reserves_reserve_once,
-        hostile_keys_are_kept_apart,
-        overlong_keys_and_nul_bytes_are_refused,
-        an_overlong_lease_is_cut,
-        delete_expired_keeps_live_entries,
+impl Report {
+    /// The checks [`Report::window_store`] runs, by name:
+    ///
+    /// | check | what the store must do |
+    /// |---|---|
+    /// | `insert_records_a_new_id` | `insert` of an absent key: [`Insertion::New`]; again: [`Insertion::Seen`] with the first value, which `reserve` returns too |
+    /// | `an_empty_value_round_trips` | a seen entry recorded with `""` is returned as `Seen("")` |
+    /// | `a_reservation_holds_the_id` | `reserve` of an absent key: [`Reservation::Reserved`]; then `reserve` and `insert` find it pending |
+    /// | `record_turns_a_reservation_into_seen` | `record` with the token: `true`, and the id is seen with its value; a second `record` and a `release` are refused |
+    /// | `release_frees_the_id` | `release` with the token: `true` (a second one `false`), and the id is new again |
+    /// | `a_foreign_token_is_refused` | `record` and `release` with another key's token, or a made-up one, are refused and the reservation stays |
+    /// | `a_seen_id_expires_after_its_window` | past its window, a seen id is new again |
+    /// | `an_expired_reservation_is_free` | past its lease, a reservation is gone: its token is refused and `reserve` hands out a new one |
+    /// | `concurrent_inserts_record_once` | of 16 concurrent `insert`s of one key, exactly one is new; the others see its value |
+    /// | `concurrent_reserves_reserve_once` | of 16 concurrent `reserve`s of one key, exactly one reserves; the others find it pending |
+    /// | `hostile_keys_are_kept_apart` | keys with quotes, backslashes, LIKE and glob wildcards, hash tags, separators, line breaks, non-ASCII text, prefixes of each other, and one of 2,048 bytes (the longest), are distinct entries and keep their values |
+    /// | `overlong_keys_and_nul_bytes_are_refused` | a key longer than 2,048 bytes, a key or value with a NUL byte: [`Error::Config`], as idempo's stores do, so that switching stores cannot surface a new error (refuse them before any work, with the reason in the message) |
+    /// | `an_overlong_lease_is_cut` | a lease of `Duration::MAX` is cut to ten years: the reservation is held, not refused and not expired |
+    /// | `delete_expired_keeps_live_entries` | `delete_expired` keeps the live entries (seen, reserved) |
+    pub const WINDOW_STORE_CHECKS: &'static [&'static str] = &[
+        "insert_records_a_new_id",
+        "an_empty_value_round_trips",
+        "a_reservation_holds_the_id",
+        "record_turns_a_reservation_into_seen",
+        "release_frees_the_id",
+        "a_foreign_token_is_refused",
+        "a_seen_id_expires_after_its_window",
+        "an_expired_reservation_is_free",
+        "concurrent_inserts_record_once",
+        "concurrent_reserves_reserve_once",
+        "hostile_keys_are_kept_apart",
+        "overlong_keys_and_nul_bytes_are_refused",
+        "an_overlong_lease_is_cut",
+        "delete_expired_keeps_live_entries",
     ];
-    run(checks).await
+}
+
+impl Report {
+    /// Runs the [`WindowStore`] contract checks ([`Report::WINDOW_STORE_CHECKS`])
+    /// against `store`, concurrently, on fresh keys of its own: see
+    /// [the module](crate::testing::conformance) for how.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let store = idempo::window::MemoryWindow::new(10_000);
+    /// if let Err(e) = idempo::testing::conformance::Report::window_store(&store).await {
+    ///     panic!("{e}"); // names the check, the step, what was expected and found
+    /// }
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ConformanceError`] naming the first check (in list order) that
+    /// failed, whether the store answered against the contract
+    /// ([`Failure::Unexpected`]) or returned an error ([`Failure::Store`]).
+    pub async fn window_store<W: WindowStore>(store: &W) -> Result<Report, ConformanceError> {
+        let ctx = Ctx {
+            store,
+            run: run_id(),
+        };
+        let ctx = &ctx;
+        let checks = checks![
+            ctx;
+            insert_records_a_new_id,
+            an_empty_value_round_trips,
+            a_reservation_holds_the_id,
+            record_turns_a_reservation_into_seen,
+            release_frees_the_id,
+            a_foreign_token_is_refused,
+            a_seen_id_expires_after_its_window,
+            an_expired_reservation_is_free,
+            concurrent_inserts_record_once,
+            concurrent_reserves_reserve_once,
+            hostile_keys_are_kept_apart,
+            overlong_keys_and_nul_bytes_are_refused,
+            an_overlong_lease_is_cut,
+            delete_expired_keeps_live_entries,
+        ];
+        run(checks).await
+    }
 }
 
 struct Ctx<'s, W> {
