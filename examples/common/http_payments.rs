@@ -30,7 +30,14 @@ pub async fn check_table(pool: &PgPool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Creates `http_payments` if missing, one process at a time (two
+/// `CREATE TABLE IF NOT EXISTS` at once can collide).
 pub async fn create_table(pool: &PgPool) -> sqlx::Result<()> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(0x6964_656d_706f_4854_i64)
+        .execute(&mut *tx)
+        .await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS http_payments (
              payment_id   uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
@@ -40,8 +47,9 @@ pub async fn create_table(pool: &PgPool) -> sqlx::Result<()> {
              created_at   timestamptz NOT NULL DEFAULT now()
          )",
     )
-    .execute(pool)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(())
 }
 

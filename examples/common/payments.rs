@@ -94,11 +94,20 @@ pub const TABLES: &str = "
         balance_cents bigint NOT NULL
     );";
 
-/// Creates the example's [`TABLES`] if missing.
+/// Creates the example's [`TABLES`] if missing, one process at a time:
+/// two `CREATE TABLE IF NOT EXISTS` at once can both go ahead, and one then
+/// fails (`duplicate key ... pg_type_typname_nsp_index`).
 pub async fn create_tables(pool: &PgPool) -> sqlx::Result<()> {
-    sqlx::raw_sql(TABLES).execute(pool).await?;
+    // One implicit transaction: the lock is held until the tables committed.
+    let locked = format!("SELECT pg_advisory_xact_lock({TABLES_LOCK}); {TABLES}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(locked))
+        .execute(pool)
+        .await?;
     Ok(())
 }
+
+/// The advisory lock key the example's table creations take.
+pub const TABLES_LOCK: i64 = 0x6964_656d_706f_5442;
 
 /// Checks that the tables of [`create_tables`] exist, without DDL (for a
 /// role that may not create tables).
