@@ -60,6 +60,12 @@ start_node() { # n
     exit 1
   }
   running "$n" && return 0
+  # A node this script lost track of (its pid file gone) would pass for
+  # this one: stopping "it" would then stop nothing.
+  if port_open "$(client_port "$n")"; then
+    echo "port $(client_port "$n") is taken by a process this script did not start; stop it first (pkill -f $BASE/n$n)" >&2
+    exit 1
+  fi
   config "$n"
   # Detached from the caller's pipes: a test waits for them to close.
   nats-server -c "$dir/nats.conf" -l "$dir/nats.log" -P "$dir/pid" </dev/null >/dev/null 2>&1 &

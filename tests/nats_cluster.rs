@@ -14,6 +14,9 @@ use idempo::nats::async_nats::jetstream::stream;
 use support::nats::{Nats, Running, recording, stream_name};
 use support::{Db, eventually, payment_body};
 
+/// The tests here share one cluster and stop its nodes: one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn cluster(args: &[&str]) -> String {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/nats-cluster.sh");
     let out = std::process::Command::new(script)
@@ -43,6 +46,7 @@ impl Drop for Restart {
 #[tokio::test]
 async fn stopping_the_stream_leaders_node_stalls_the_drain_for_under_10_s_and_loses_nothing() {
     support::init_tracing();
+    let _one = ONE_AT_A_TIME.lock().await;
     cluster(&["start"]);
     let urls = cluster(&["urls"]);
     let db = Db::new().await;
@@ -141,5 +145,101 @@ async fn stopping_the_stream_leaders_node_stalls_the_drain_for_under_10_s_and_lo
     for consumer in consumers {
         consumer.stop().await;
     }
+    nats.cleanup().await;
+}
+
+/// Starts every node again when the test ends, passed or not.
+struct RestartAll(Vec<String>);
+
+impl Drop for RestartAll {
+    fn drop(&mut self) {
+        for node in self.0.drain(..) {
+            cluster(&["start-node", &node]);
+        }
+    }
+}
+
+/// A JetStream that does not answer (two of three nodes down: no quorum,
+/// no leaders) is waited for at start, not taken for a conflict: the
+/// consumer keeps running, says why, and consumes once the cluster is back.
+/// (A timeout while a leader was elected used to end the consumer with
+/// `ConsumerConflict { reason: "timed out" }`.)
+#[tokio::test]
+async fn a_consumer_started_while_jetstream_has_no_quorum_waits_for_it() {
+    support::init_tracing();
+    let _one = ONE_AT_A_TIME.lock().await;
+    cluster(&["start"]);
+    let urls = cluster(&["urls"]);
+    let db = Db::new().await;
+    let mut nats = Nats::connect_to(&urls).await;
+    let name = stream_name("quorum");
+    nats.track(&name);
+    let mut created = false;
+    for _ in 0..50 {
+        let config = stream::Config {
+            name: name.clone(),
+            subjects: vec![name.clone()],
+            num_replicas: 3,
+            ..Default::default()
+        };
+        if nats.js.create_stream(config).await.is_ok() {
+            created = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(created, "the replicated stream");
+    cluster(&["stop-node", "2"]);
+    cluster(&["stop-node", "3"]);
+    let restart = RestartAll(vec!["2".into(), "3".into()]);
+    let running = Running::start(
+        Consumer::builder("nats://127.0.0.1:14221", db.pool.clone())
+            .stream(&name)
+            .handler(recording(Arc::default(), false))
+            .build()
+            .unwrap(),
+    );
+    // Waited for, not a conflict: the consumer goes on and says why.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let error = running.health.snapshot().last_error;
+        if error
+            .as_deref()
+            .is_some_and(|e| e.contains("JetStream did not answer"))
+        {
+            break;
+        }
+        assert!(
+            !running.task.is_finished(),
+            "the consumer ended without a quorum (its last error: {error:?})"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "no 'JetStream did not answer' in the health report after 60 s: {error:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(restart);
+    let mut headers = idempo::nats::async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "quorum-1");
+    let mut published = false;
+    for _ in 0..100 {
+        if let Ok(ack) = nats
+            .js
+            .publish_with_headers(name.clone(), headers.clone(), payment_body("quo", 1).into())
+            .await
+            && ack.await.is_ok()
+        {
+            published = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(published, "published once the cluster is back");
+    eventually("the payment applied", Duration::from_secs(60), || async {
+        db.payments().await == 1
+    })
+    .await;
+    running.stop().await;
     nats.cleanup().await;
 }

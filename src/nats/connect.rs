@@ -106,9 +106,18 @@ pub(crate) async fn check_jetstream(client: &Client, url: &str) -> Result<(), Na
         client.request("$JS.API.INFO", Default::default()),
     )
     .await
-    .map_err(|_| no_jetstream("no answer to $JS.API.INFO".into()))?
+    // A server without JetStream says so at once (no responders); silence
+    // is a cluster without a leader, or a server busy: waited out.
+    .map_err(|_| NatsError::Unavailable {
+        action: "the account's JetStream information".into(),
+        reason: "no answer to $JS.API.INFO".into(),
+    })?
     .map_err(|e| match e.kind() {
         RequestErrorKind::NoResponders => no_jetstream("no responders to $JS.API.INFO".into()),
+        RequestErrorKind::TimedOut => NatsError::Unavailable {
+            action: "the account's JetStream information".into(),
+            reason: e.to_string(),
+        },
         _ => NatsError::Api {
             action: "the account's JetStream information".into(),
             reason: e.to_string(),

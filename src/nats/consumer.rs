@@ -12,6 +12,7 @@ use futures::StreamExt;
 
 use super::connect;
 use super::envelope;
+use super::error::NatsError;
 use super::pipeline::Receipt;
 use super::transport::Nats;
 use crate::Result;
@@ -48,10 +49,28 @@ impl Nats {
         else {
             return Ok(());
         };
-        connect::check_jetstream(&client, &nats.url).await?;
-        let context = jetstream::new(client);
-        let mut pull = nats.topology.ensure(&context).await?;
+        let context = jetstream::new(client.clone());
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+        // A JetStream that does not answer yet (a leader election) is waited
+        // for; a conflict stops the start.
+        let mut pull = loop {
+            let ready = match connect::check_jetstream(&client, &nats.url).await {
+                Ok(()) => nats.topology.ensure(&context).await,
+                Err(e) => Err(e),
+            };
+            match ready {
+                Ok(pull) => break pull,
+                Err(e @ NatsError::Unavailable { .. }) => {
+                    lost(&health, e.to_string());
+                    tokio::select! {
+                        () = deliveries.stopping() => return Ok(()),
+                        () = tokio::time::sleep(backoff.next_delay()) => {}
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        backoff.reset();
         loop {
             let messages = pull
                 .stream()

@@ -40,8 +40,10 @@ pub enum NatsError {
     },
 
     /// The stream exists with settings the consumer cannot work with (its
-    /// subjects do not take the consumed subject, or its retention loses
-    /// messages the consumer has not acknowledged).
+    /// subjects do not take the consumed subject, it does not acknowledge
+    /// publishes, or its limits delete messages the consumer has not
+    /// acknowledged: `max_msgs`, `max_bytes` or `max_msgs_per_subject` with
+    /// discard=old).
     #[error("the stream {stream:?} cannot be consumed as configured: {reason}")]
     StreamConflict {
         /// The stream.
@@ -52,7 +54,9 @@ pub enum NatsError {
 
     /// The durable consumer exists with settings the runtime cannot work
     /// with (push delivery, another filter, no explicit acks, a
-    /// `MaxDeliver` that would drop messages before they are dead-lettered).
+    /// `MaxDeliver` that would drop messages before they are dead-lettered,
+    /// an ack wait shorter than the consumer's, a deliver policy that skips
+    /// what the stream held).
     #[error("the JetStream consumer {consumer:?} on {stream:?} conflicts: {reason}")]
     ConsumerConflict {
         /// The stream.
@@ -60,6 +64,17 @@ pub enum NatsError {
         /// The durable consumer.
         consumer: String,
         /// What conflicts.
+        reason: String,
+    },
+
+    /// JetStream did not answer in time, or said it is briefly unavailable
+    /// (a leader election, a server restarting): the consumer asks again
+    /// with backoff, at start as after a reconnect, until it answers.
+    #[error("JetStream did not answer {action}: {reason}")]
+    Unavailable {
+        /// What was asked.
+        action: String,
+        /// What happened.
         reason: String,
     },
 

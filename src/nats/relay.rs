@@ -18,6 +18,7 @@ use sqlx::PgPool;
 
 use super::connect;
 use super::envelope::MSG_ID_HEADER;
+use super::error::NatsError;
 use super::topology::Topology;
 use super::transport::Nats;
 use crate::Result;
@@ -57,16 +58,28 @@ impl Publish for Nats {
         else {
             return Ok(());
         };
-        connect::check_jetstream(&client, &target.url).await?;
-        let context = jetstream::new(client);
-        for stream in &target.streams {
-            Topology::create_stream_if_missing(&context, stream, target.duplicate_window).await?;
+        let context = jetstream::new(client.clone());
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+        // A JetStream that does not answer yet (a cluster without a leader)
+        // is waited for, as by the consumer.
+        loop {
+            match ready(&client, &context, target).await {
+                Ok(()) => break,
+                Err(e @ NatsError::Unavailable { .. }) => {
+                    running.lost(&e.to_string(), true, "asking JetStream again");
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff.next_delay()) => {}
+                        () = relay.shutdown.graceful_token().cancelled() => return Ok(()),
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
+        backoff.reset();
         let mut link = NatsLink {
             context,
             confirm_timeout: relay.confirms_within(),
         };
-        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
         loop {
             match running.session(&mut link).await {
                 Ok(()) => return Ok(()),
@@ -80,6 +93,19 @@ impl Publish for Nats {
             }
         }
     }
+}
+
+/// JetStream answers, and the relay's streams exist.
+async fn ready(
+    client: &async_nats::Client,
+    context: &Context,
+    target: &NatsTarget,
+) -> std::result::Result<(), NatsError> {
+    connect::check_jetstream(client, &target.url).await?;
+    for stream in &target.streams {
+        Topology::create_stream_if_missing(context, stream, target.duplicate_window).await?;
+    }
+    Ok(())
 }
 
 impl Relay<Nats> {

@@ -66,6 +66,7 @@ impl Transport for Nats {
                 ack_wait: o.ack_wait,
                 max_ack_pending: i64::from(setup.prefetch()),
                 duplicate_window: o.duplicate_window,
+                claim_retention: setup.claim_retention(),
             },
             relay_streams: o.relay_streams,
         })

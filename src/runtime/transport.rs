@@ -173,6 +173,7 @@ pub struct Setup<'a> {
     pub(crate) redelivery: &'a RedeliveryPolicy,
     pub(crate) handler_timeout: Duration,
     pub(crate) letters_in_table: bool,
+    pub(crate) claim_retention: Option<Duration>,
 }
 
 impl Setup<'_> {
@@ -215,6 +216,14 @@ impl Setup<'_> {
     /// Whether dead letters go to the `dead_letters` table.
     pub fn letters_in_table(&self) -> bool {
         self.letters_in_table
+    }
+
+    /// How long claims are kept (`None`: never reaped). A message delivered
+    /// again after its claim was reaped runs again: a transport that can
+    /// send old messages anew (a JetStream durable set up again) checks
+    /// against it.
+    pub fn claim_retention(&self) -> Option<Duration> {
+        self.claim_retention
     }
 }
 

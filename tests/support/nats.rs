@@ -120,6 +120,7 @@ pub fn stream_name(what: &str) -> String {
 pub struct Running {
     pub shutdown: idempo::consumer::ShutdownHandle,
     pub stats: idempo::consumer::Stats,
+    pub health: idempo::consumer::Health,
     pub task: JoinHandle<idempo::Result<()>>,
 }
 
@@ -128,6 +129,7 @@ impl Running {
         Running {
             shutdown: consumer.shutdown_handle(),
             stats: consumer.stats(),
+            health: consumer.health(),
             task: tokio::spawn(consumer.run()),
         }
     }

@@ -52,6 +52,7 @@ pub(crate) fn finish<T: Transport, Mode: IntoDispatch>(
             redelivery: &s.redelivery,
             handler_timeout: s.handler_timeout,
             letters_in_table: letters.is_some(),
+            claim_retention: s.retention,
         },
     )?;
     let consumer = s
