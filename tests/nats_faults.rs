@@ -385,9 +385,7 @@ async fn idempo_status_shows_a_jetstream_consumer_with_what_its_stream_holds() {
 
 #[tokio::test]
 async fn a_message_delivered_far_past_its_attempts_is_dead_lettered_before_its_handler_runs() {
-    use futures::StreamExt;
     use idempo::consumer::RedeliveryPolicy;
-    use idempo::nats::async_nats::jetstream::{AckKind, consumer::pull};
 
     support::init_tracing();
     let db = Db::new().await;
@@ -406,32 +404,8 @@ async fn a_message_delivered_far_past_its_attempts_is_dead_lettered_before_its_h
     nats.publish(&stream, Some("crash-1"), &[], &payment_body("kay", 1))
         .await;
     // Six deliveries that ended without an outcome, as if the process
-    // handling it had died each time (a hand-made client on the durable
-    // consumer idempo will use hands it back at once).
-    let durable: idempo::nats::async_nats::jetstream::consumer::PullConsumer = js_stream
-        .get_or_create_consumer(
-            &stream,
-            pull::Config {
-                durable_name: Some(stream.clone()),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-    let mut delivered = 0;
-    while delivered < 6 {
-        let mut batch = durable
-            .fetch()
-            .max_messages(1)
-            .expires(Duration::from_secs(2))
-            .messages()
-            .await
-            .unwrap();
-        if let Some(Ok(message)) = batch.next().await {
-            delivered = message.info().unwrap().delivered;
-            message.ack_with(AckKind::Nak(None)).await.unwrap();
-        }
-    }
+    // handling it had died each time.
+    deliver_without_outcome(&js_stream, &stream, 6).await;
     let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = runs.clone();
     let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
@@ -464,6 +438,115 @@ async fn a_message_delivered_far_past_its_attempts_is_dead_lettered_before_its_h
         0,
         "the handler did not run again"
     );
+    running.stop().await;
+    nats.cleanup().await;
+}
+
+/// A hand-made client on the durable consumer idempo uses (created here
+/// when missing) takes `times` deliveries of the stream's first message and
+/// hands each back at once, as a process that died handling it would.
+async fn deliver_without_outcome(
+    js_stream: &idempo::nats::async_nats::jetstream::stream::Stream,
+    durable_name: &str,
+    times: i64,
+) {
+    use futures::StreamExt;
+    use idempo::nats::async_nats::jetstream::{AckKind, consumer::pull};
+
+    let durable: idempo::nats::async_nats::jetstream::consumer::PullConsumer = js_stream
+        .get_or_create_consumer(
+            durable_name,
+            pull::Config {
+                durable_name: Some(durable_name.to_owned()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let mut delivered = 0;
+    while delivered < times {
+        let mut batch = durable
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_secs(2))
+            .messages()
+            .await
+            .unwrap();
+        if let Some(Ok(message)) = batch.next().await {
+            delivered = message.info().unwrap().delivered;
+            message.ack_with(AckKind::Nak(None)).await.unwrap();
+        }
+    }
+}
+
+/// Issue 51 (5): a copy delivered too often (as when an outage held its
+/// first delivery past the ack wait) of a message that was applied is a
+/// duplicate, never also a dead letter.
+#[tokio::test]
+async fn a_message_applied_then_delivered_far_past_its_attempts_is_a_duplicate_not_a_letter() {
+    use idempo::consumer::RedeliveryPolicy;
+
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("applied_crashing");
+    nats.track(&stream);
+    let js_stream = nats
+        .js
+        .create_stream(idempo::nats::async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![stream.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    nats.publish(&stream, Some("applied-1"), &[], &payment_body("kay", 1))
+        .await;
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let build = |runs: Arc<std::sync::atomic::AtomicUsize>| {
+        Consumer::builder(support::nats::nats_url(), db.pool.clone())
+            .stream(&stream)
+            .redelivery(RedeliveryPolicy::delayed([Duration::from_millis(100)]).max_attempts(1))
+            .handler(
+                move |_tx: idempo::Tx, _message: idempo::consumer::Message| {
+                    let runs = runs.clone();
+                    async move {
+                        runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        Ok(())
+                    }
+                },
+            )
+            .build()
+            .unwrap()
+    };
+    let running = Running::start(build(runs.clone()));
+    running.settled(1).await;
+    assert_eq!(running.stats.snapshot().processed, 1);
+    running.stop().await;
+    // The durable lost (deleted, or its acks never reached the server):
+    // the applied message comes again, and is handed back three times.
+    js_stream.delete_consumer(&stream).await.unwrap();
+    deliver_without_outcome(&js_stream, &stream, 3).await;
+
+    let running = Running::start(build(runs.clone()));
+    running.settled(1).await;
+    let stats = running.stats.snapshot();
+    assert_eq!((stats.duplicates, stats.dead_lettered), (1, 0), "{stats:?}");
+    let letters: i64 = sqlx::query_scalar("SELECT count(*) FROM dead_letters WHERE queue = $1")
+        .bind(&stream)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(letters, 0, "an applied message is no dead letter");
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "applied once"
+    );
+    eventually("the copy acknowledged", WAIT, || async {
+        nats.unacknowledged(&stream, &stream).await == 0
+    })
+    .await;
     running.stop().await;
     nats.cleanup().await;
 }

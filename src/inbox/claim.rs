@@ -239,14 +239,18 @@ pub(crate) async fn lookup<'e>(
 /// as a first delivery (a JetStream durable set up anew). An id claimed
 /// already keeps its claim; an id no claim can hold is left alone. A replay
 /// releases the hold ([`release_letter_hold`]).
+///
+/// [`LetterHold::Processed`] when the message was processed already (with
+/// this body): it must not be dead-lettered too. The claim is the lock, so
+/// a processing still in flight is waited for.
 pub(crate) async fn hold_for_letter(
     tx: &mut Transaction<'_, Postgres>,
     consumer: &str,
     message_id: &str,
     body: &[u8],
-) -> Result<()> {
+) -> Result<LetterHold> {
     if validate_message_id(message_id).is_err() {
-        return Ok(());
+        return Ok(LetterHold::Held);
     }
     let hash = payload_sha256(body);
     if super::partitioned::is_partitioned(&mut **tx).await? {
@@ -281,7 +285,21 @@ pub(crate) async fn hold_for_letter(
         .execute(&mut **tx)
         .await?;
     }
-    Ok(())
+    // A statement of its own: at READ COMMITTED it sees the claim a
+    // concurrent processing committed while the insert waited on it.
+    Ok(match lookup(&mut **tx, consumer, message_id, body).await? {
+        Claim::Duplicate => LetterHold::Processed,
+        Claim::Fresh | Claim::Mismatch => LetterHold::Held,
+    })
+}
+
+/// What [`hold_for_letter`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LetterHold {
+    /// The claim is the letter's (or no claim can hold the id).
+    Held,
+    /// The message was processed: its delivery is a duplicate, not a letter.
+    Processed,
 }
 
 /// Releases the claim `message_id`'s dead letter holds for `consumer`

@@ -9,7 +9,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, PgPool};
 
 use super::fingerprint::fingerprint;
-use super::letters::{LetterStore, NewLetter};
+use super::letters::{Filing, LetterStore, NewLetter};
 use crate::inbox;
 use crate::properties::Properties;
 use crate::{Error, Result};
@@ -54,16 +54,24 @@ pub(crate) struct Row<'a> {
 /// duplicate of the letter, never also applied; a replay releases it). The
 /// same message (consumer, queue, id, body) dead-lettered again while its
 /// letter is live updates that letter (a lost ack brings a dead letter
-/// back).
+/// back). A message processed already is not dead-lettered: nothing is
+/// stored and [`Filing::Processed`] says so (a copy delivered too often, or
+/// whose failure outlived its processing).
 ///
 /// # Errors
 /// [`Error::Database`] when PostgreSQL refuses or cannot be reached.
-pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<()> {
+pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<Filing> {
     let mut tx = inbox::claim::begin(pool).await?;
     insert_row(&mut tx, letter).await?;
-    inbox::claim::hold_for_letter(&mut tx, letter.consumer, letter.message_id, letter.body).await?;
+    let held =
+        inbox::claim::hold_for_letter(&mut tx, letter.consumer, letter.message_id, letter.body)
+            .await?;
+    if held == inbox::claim::LetterHold::Processed {
+        tx.rollback().await?;
+        return Ok(Filing::Processed);
+    }
     tx.commit().await?;
-    Ok(())
+    Ok(Filing::Filed)
 }
 
 async fn insert_row(tx: &mut PgConnection, letter: &Row<'_>) -> Result<()> {
@@ -193,7 +201,7 @@ impl LetterStore for TableStore {
     fn insert<'a>(
         &'a self,
         letter: &'a NewLetter<'a>,
-    ) -> futures::future::BoxFuture<'a, Result<()>> {
+    ) -> futures::future::BoxFuture<'a, Result<Filing>> {
         Box::pin(async move {
             // The letter is the original's copy, with idempo's headers.
             let message = letter.message;

@@ -35,17 +35,30 @@ pub(crate) struct NewLetter<'a> {
 pub(crate) trait LetterStore: Send + Sync {
     /// Stores `letter`, durably, or fails: [`Error::is_unavailable`]
     /// (crate::Error::is_unavailable) errors are waited out by the caller.
-    fn insert<'a>(&'a self, letter: &'a NewLetter<'a>) -> BoxFuture<'a, Result<()>>;
+    /// A message processed already gets no letter: [`Filing::Processed`].
+    fn insert<'a>(&'a self, letter: &'a NewLetter<'a>) -> BoxFuture<'a, Result<Filing>>;
 
     /// Deletes `consumer`'s letters replayed or discarded more than
     /// `older_than` ago; returns how many.
     fn reap<'a>(&'a self, consumer: &'a str, older_than: Duration) -> BoxFuture<'a, Result<u64>>;
 }
 
+/// What a [`LetterStore`] did with a letter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Filing {
+    /// Stored, its message's claim held.
+    Filed,
+    /// Not stored: the message was processed already.
+    Processed,
+}
+
 /// What became of a dead letter sent to the letter store.
 pub(crate) enum Stored {
     /// Committed: the delivery is done.
     Yes,
+    /// Not stored, the message was processed already: the delivery is a
+    /// duplicate, acknowledged.
+    Processed,
     /// Shutdown, or the delivery's channel closed, while the store could not
     /// take it: leave the delivery unsettled.
     Abandoned,

@@ -15,7 +15,7 @@ use crate::runtime::header_names::{
     ROUTING_KEY_HEADER,
 };
 use crate::runtime::headers::{Failures, original_routing_key, truncate};
-use crate::runtime::letters::{LetterStore, NewLetter, Stored};
+use crate::runtime::letters::{Filing, LetterStore, NewLetter, Stored};
 use crate::runtime::message::HeaderValue;
 use crate::runtime::message::Message;
 use crate::runtime::message_id::MessageIdSource;
@@ -115,7 +115,8 @@ impl Router {
         )
         .await;
         Some(match waited {
-            Waited::Done(()) => Stored::Yes,
+            Waited::Done(Filing::Filed) => Stored::Yes,
+            Waited::Done(Filing::Processed) => Stored::Processed,
             Waited::Failed(e) => Stored::Refused(e),
             Waited::Stopped => Stored::Abandoned,
         })
@@ -159,8 +160,10 @@ impl Router {
     /// outcome (the process died in the handler, every time). It is
     /// dead-lettered before the handler runs again, so that one message
     /// cannot take down every consumer in turn. Only where the attempts are
-    /// the transport's delivery count; a message processed whose every ack
-    /// was lost is dead-lettered too (its replay is refused as processed).
+    /// the transport's delivery count. A message processed already (its
+    /// acks lost, or its first delivery held past the ack wait by an
+    /// outage) is no letter: the letter table finds its claim and the
+    /// delivery is acknowledged as a duplicate.
     fn delivered_too_often(&self, message: &Message) -> Option<Outcome> {
         if !self.counts_deliveries {
             return None;

@@ -150,10 +150,17 @@ impl Settle<'_> {
                 }
                 Route::Abandon => Settled::Abandoned,
             };
-            finished.push(if done == Settled::Abandoned {
-                Finished::Abandoned(receipt)
-            } else {
-                Finished::Settled(receipt)
+            finished.push(match done {
+                Settled::Abandoned => Finished::Abandoned(receipt),
+                // A letter found processed: acknowledged as the duplicate it is.
+                Settled::Duplicate => {
+                    self.stats.incr(Counter::Duplicates);
+                    Finished::Ack {
+                        receipt,
+                        duplicate: true,
+                    }
+                }
+                _ => Finished::Settled(receipt),
             });
             settled.push(done);
         }
@@ -231,6 +238,10 @@ impl Settle<'_> {
                     tracing::warn!(%reason, %error, "dead-lettered to the letter store");
                     transport.letter_stored(message, receipt, letter).await;
                     return Settled::DeadLettered;
+                }
+                Stored::Processed => {
+                    tracing::info!(%reason, "not dead-lettered: the message was processed already");
+                    return Settled::Duplicate;
                 }
                 Stored::Abandoned => return Settled::Abandoned,
                 Stored::Refused(e) => {

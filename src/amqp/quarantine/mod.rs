@@ -177,7 +177,9 @@ async fn store(
         first_failed_at: now,
         last_failed_at: now,
     };
+    // A message processed already is only acknowledged (no letter).
     crate::runtime::letter_table::insert(pool, &letter)
         .await
+        .map(|_filing| ())
         .map_err(|e| QuarantineError::Store(e.to_string()))
 }

@@ -78,8 +78,13 @@ impl Services {
                     first_failed_at: &first,
                     last_failed_at: &last,
                 };
-                crate::runtime::letter_table::insert(&pool, &letter).await?;
+                let filing = crate::runtime::letter_table::insert(&pool, &letter).await?;
                 opened.ack(delivery.delivery_tag).await?;
+                if filing == crate::runtime::letters::Filing::Processed {
+                    // A replay would skip it as processed: it is no letter.
+                    tracing::info!(%message_id, "not imported: the message was processed");
+                    continue;
+                }
                 imported += 1;
                 progress(imported);
             }
