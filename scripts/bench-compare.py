@@ -62,7 +62,17 @@ def build(source_dir, target_dir):
 def base_tree(rev):
     """A worktree of `rev` under target/bench-base/src."""
     src = os.path.join(BASE_DIR, "src")
+    want = subprocess.run(["git", "rev-parse", rev + "^{commit}"], cwd=ROOT, check=True,
+                          stdout=subprocess.PIPE, text=True).stdout.strip()
     if os.path.isdir(src):
+        # Kept when it is already at `rev`: a new worktree has new mtimes,
+        # which would rebuild the base for nothing.
+        have = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src,
+                              stdout=subprocess.PIPE, text=True).stdout.strip()
+        clean = subprocess.run(["git", "status", "--porcelain"], cwd=src,
+                               stdout=subprocess.PIPE, text=True).stdout.strip() == ""
+        if have == want and clean:
+            return src
         subprocess.run(["git", "worktree", "remove", "--force", src], cwd=ROOT, check=True)
     subprocess.run(["git", "worktree", "add", "--detach", "--force", src, rev], cwd=ROOT, check=True)
     return src
