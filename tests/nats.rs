@@ -1,8 +1,8 @@
 //! The JetStream transport on the machine's NATS server: payments applied
 //! once whatever JetStream redelivers, the redelivery delays honoured,
-//! poison into the dead-letter table, long handlers keeping their messages,
-//! and what is refused at start. (Kills, restarts and the relay:
-//! `nats_faults.rs`.)
+//! poison into the dead-letter table, long handlers keeping their messages.
+//! (What is refused at start: `nats_startup.rs`; kills, restarts and the
+//! relay: `nats_faults.rs`.)
 
 mod support;
 
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use idempo::Tx;
 use idempo::consumer::Message;
 use idempo::consumer::{MessageIdSource, RedeliveryPolicy};
-use idempo::nats::{Consumer, NatsError};
+use idempo::nats::Consumer;
 use support::nats::{Nats, Running, WAIT, recording, stream_name};
 use support::{Db, eventually, payment_body, payments};
 
@@ -210,374 +210,6 @@ async fn a_handler_longer_than_the_ack_wait_keeps_its_message() {
     nats.cleanup().await;
 }
 
-fn nats_error(e: &idempo::Error) -> &NatsError {
-    e.downcast_ref::<NatsError>()
-        .unwrap_or_else(|| panic!("not a NatsError: {e}"))
-}
-
-#[tokio::test]
-async fn what_nats_would_refuse_or_lose_is_refused_at_start() {
-    support::init_tracing();
-    let db = Db::new().await;
-    let mut nats = Nats::connect().await;
-    let handler = recording(Arc::default(), false);
-    // A name NATS refuses.
-    let e = Consumer::builder(support::nats::nats_url(), db.pool.clone())
-        .stream("pay ments")
-        .handler(handler.clone())
-        .build()
-        .unwrap_err();
-    assert!(
-        matches!(
-            nats_error(&e),
-            NatsError::InvalidName { what: "stream", .. }
-        ),
-        "{e}"
-    );
-    let e = Consumer::builder(support::nats::nats_url(), db.pool.clone())
-        .stream("payments")
-        .subject("orders..paid")
-        .handler(handler.clone())
-        .build()
-        .unwrap_err();
-    assert!(e.to_string().contains("empty token"), "{e}");
-
-    // A stream whose subjects do not take the consumed subject.
-    let stream = stream_name("other");
-    nats.track(&stream);
-    nats.js
-        .create_stream(idempo::nats::async_nats::jetstream::stream::Config {
-            name: stream.clone(),
-            subjects: vec![format!("{stream}.orders")],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let run = |stream: String, subject: String| {
-        let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
-            .stream(stream)
-            .subject(subject)
-            .handler(handler.clone())
-            .build()
-            .unwrap();
-        tokio::time::timeout(WAIT, consumer.run())
-    };
-    let e = run(stream.clone(), format!("{stream}.payments"))
-        .await
-        .expect("an error at start, not a wait")
-        .unwrap_err();
-    assert!(
-        matches!(nats_error(&e), NatsError::StreamConflict { .. }),
-        "{e}"
-    );
-    // A durable consumer with a MaxDeliver that would drop messages.
-    nats.js
-        .get_stream(&stream)
-        .await
-        .unwrap()
-        .create_consumer(
-            idempo::nats::async_nats::jetstream::consumer::pull::Config {
-                durable_name: Some(stream.clone()),
-                max_deliver: 3,
-                filter_subject: format!("{stream}.orders"),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-    let e = run(stream.clone(), format!("{stream}.orders"))
-        .await
-        .expect("an error at start")
-        .unwrap_err();
-    assert!(
-        matches!(nats_error(&e), NatsError::ConsumerConflict { .. }),
-        "{e}"
-    );
-    assert!(e.to_string().contains("MaxDeliver"), "{e}");
-    // A missing stream when this consumer may not create it.
-    let missing = stream_name("missing");
-    let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
-        .stream(&missing)
-        .create_stream(false)
-        .handler(handler.clone())
-        .build()
-        .unwrap();
-    let e = consumer.run().await.unwrap_err();
-    assert!(e.to_string().contains("does not exist"), "{e}");
-    assert!(
-        nats.js.get_stream(&missing).await.is_err(),
-        "nothing created"
-    );
-    nats.cleanup().await;
-}
-
-/// Issue 51 (4): topologies that lose or mis-file messages are refused at
-/// start, with what to do.
-#[tokio::test]
-async fn a_topology_that_loses_or_misfiles_messages_is_refused_at_start() {
-    use idempo::nats::async_nats::jetstream::consumer::{DeliverPolicy, pull};
-    use idempo::nats::async_nats::jetstream::stream;
-
-    support::init_tracing();
-    let db = Db::new().await;
-    let mut nats = Nats::connect().await;
-    let handler = recording(Arc::default(), false);
-    let start = |stream: &str| {
-        let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
-            .stream(stream)
-            .handler(handler.clone())
-            .build()
-            .unwrap();
-        tokio::time::timeout(WAIT, consumer.run())
-    };
-    let new_stream = |name: &str| stream::Config {
-        name: name.to_owned(),
-        subjects: vec![name.to_owned()],
-        ..Default::default()
-    };
-
-    // A stream that deletes the oldest messages past 100, acknowledged or not.
-    let limited = stream_name("limited");
-    nats.track(&limited);
-    nats.js
-        .create_stream(stream::Config {
-            max_messages: 100,
-            ..new_stream(&limited)
-        })
-        .await
-        .unwrap();
-    let e = start(&limited)
-        .await
-        .expect("an error at start")
-        .unwrap_err();
-    assert!(
-        matches!(nats_error(&e), NatsError::StreamConflict { .. }),
-        "{e}"
-    );
-    assert!(e.to_string().contains("max_msgs limit (100)"), "{e}");
-    // The same limit refusing publishes when full loses nothing: accepted.
-    let refusing = stream_name("refusing");
-    nats.track(&refusing);
-    nats.js
-        .create_stream(stream::Config {
-            max_messages: 100,
-            discard: stream::DiscardPolicy::New,
-            ..new_stream(&refusing)
-        })
-        .await
-        .unwrap();
-    nats.publish(&refusing, Some("r-1"), &[], &payment_body("ann", 1))
-        .await;
-    let running = Running::start(
-        Consumer::builder(support::nats::nats_url(), db.pool.clone())
-            .stream(&refusing)
-            .handler(handler.clone())
-            .build()
-            .unwrap(),
-    );
-    running.settled(1).await;
-    running.stop().await;
-
-    // A durable that waits less than the consumer before redelivering.
-    let hasty = stream_name("hasty");
-    nats.track(&hasty);
-    let created = nats.js.create_stream(new_stream(&hasty)).await.unwrap();
-    created
-        .create_consumer(pull::Config {
-            durable_name: Some(hasty.clone()),
-            ack_wait: Duration::from_secs(2),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let e = start(&hasty).await.expect("an error at start").unwrap_err();
-    assert!(
-        matches!(nats_error(&e), NatsError::ConsumerConflict { .. }),
-        "{e}"
-    );
-    assert!(e.to_string().contains("ack wait (2s)"), "{e}");
-
-    // A durable that skips what the stream held when it was created.
-    let late = stream_name("late");
-    nats.track(&late);
-    let created = nats.js.create_stream(new_stream(&late)).await.unwrap();
-    nats.publish(&late, Some("l-1"), &[], &payment_body("bo", 1))
-        .await;
-    created
-        .create_consumer(pull::Config {
-            durable_name: Some(late.clone()),
-            deliver_policy: DeliverPolicy::New,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let e = start(&late).await.expect("an error at start").unwrap_err();
-    assert!(
-        matches!(nats_error(&e), NatsError::ConsumerConflict { .. }),
-        "{e}"
-    );
-    assert!(e.to_string().contains("deliver policy New"), "{e}");
-    assert_eq!(db.payments().await, 1, "only the accepted stream's payment");
-    nats.cleanup().await;
-}
-
-/// Issue 51 (3): a durable set up anew would send the whole stream again;
-/// messages older than the claims kept would run twice. Refused, with what
-/// to do; a durable the operator creates is then used.
-#[tokio::test]
-async fn a_new_durable_is_refused_while_the_stream_holds_messages_older_than_the_claims() {
-    use idempo::nats::async_nats::jetstream::consumer::pull;
-
-    support::init_tracing();
-    let db = Db::new().await;
-    let mut nats = Nats::connect().await;
-    let stream = stream_name("horizon");
-    nats.track(&stream);
-    let created = nats
-        .js
-        .create_stream(idempo::nats::async_nats::jetstream::stream::Config {
-            name: stream.clone(),
-            subjects: vec![stream.clone()],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    for i in 0..3 {
-        nats.publish(
-            &stream,
-            Some(&format!("h-{i}")),
-            &[],
-            &payment_body("al", 1),
-        )
-        .await;
-    }
-    // Claims kept one second: the stream's messages are older after two.
-    tokio::time::sleep(Duration::from_millis(2100)).await;
-    let handler = recording(Arc::default(), false);
-    let build = || {
-        Consumer::builder(support::nats::nats_url(), db.pool.clone())
-            .stream(&stream)
-            .retention(Duration::from_secs(1))
-            .handler(handler.clone())
-            .build()
-            .unwrap()
-    };
-    let e = tokio::time::timeout(WAIT, build().run())
-        .await
-        .expect("an error at start")
-        .unwrap_err();
-    assert!(
-        matches!(nats_error(&e), NatsError::ConsumerConflict { .. }),
-        "{e}"
-    );
-    assert!(e.to_string().contains("older than the claims kept"), "{e}");
-    assert!(e.to_string().contains("--deliver all"), "{e}");
-    assert_eq!(db.payments().await, 0, "nothing applied");
-    // The operator decides they were never processed.
-    created
-        .create_consumer(pull::Config {
-            durable_name: Some(stream.clone()),
-            ack_policy: idempo::nats::async_nats::jetstream::consumer::AckPolicy::Explicit,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let running = Running::start(build());
-    running.settled(3).await;
-    assert_eq!(db.payments().await, 3);
-    running.stop().await;
-    nats.cleanup().await;
-}
-
-/// Issue 51 (2): an id and a header name longer than AMQP's 255 bytes are
-/// kept by the letter (they panicked the letter's property copy), and the
-/// consumer goes on.
-#[tokio::test]
-async fn a_letter_keeps_an_id_and_a_header_name_longer_than_255_bytes() {
-    support::init_tracing();
-    let db = Db::new().await;
-    let mut nats = Nats::connect().await;
-    let stream = stream_name("long_names");
-    nats.track(&stream);
-    let long_id = "i".repeat(300);
-    let long_name = format!("X-{}", "n".repeat(300));
-    let running = Running::start(
-        Consumer::builder(support::nats::nats_url(), db.pool.clone())
-            .stream(&stream)
-            .message_id(MessageIdSource::Header("X-Id".into()))
-            .handler(recording(Arc::default(), false))
-            .build()
-            .unwrap(),
-    );
-    nats.wait_for_stream(&stream).await;
-    nats.publish(
-        &stream,
-        None,
-        &[("X-Id", &long_id), (&long_name, "kept")],
-        &payment_body("al", 1),
-    )
-    .await;
-    nats.publish(&stream, None, &[("X-Id", "after")], &payment_body("al", 2))
-        .await;
-    running.settled(2).await;
-    let (message_id, headers, error): (Option<String>, serde_json::Value, String) =
-        sqlx::query_as("SELECT message_id, headers, error FROM dead_letters WHERE queue = $1")
-            .bind(&stream)
-            .fetch_one(&db.pool)
-            .await
-            .expect("one letter");
-    // Too long to deduplicate on: no id of the letter's, the header kept.
-    assert_eq!(message_id, None);
-    assert!(error.contains("300 bytes long"), "{error}");
-    let header = |name: &str| {
-        headers
-            .as_object()
-            .and_then(|h| h.get(name))
-            .unwrap_or_else(|| panic!("{name:.20}… is kept: {headers}"))
-            .to_string()
-    };
-    assert!(header("X-Id").contains(&long_id));
-    assert!(header(&long_name).contains("kept"));
-    assert_eq!(db.payments_for("after").await, 1, "the consumer went on");
-    running.stop().await;
-    nats.cleanup().await;
-}
-
-#[tokio::test]
-async fn a_server_without_jetstream_is_refused_at_start() {
-    support::init_tracing();
-    let db = Db::new().await;
-    let port = support::free_port();
-    let mut server = std::process::Command::new("nats-server")
-        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("nats-server (apt-get install nats-server)");
-    let _kill = support::KillOnDrop(&mut server);
-    let url = format!("nats://127.0.0.1:{port}");
-    eventually("the server listens", WAIT, || async {
-        tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-    })
-    .await;
-    let consumer = Consumer::builder(url, db.pool.clone())
-        .stream("payments")
-        .handler(recording(Arc::default(), false))
-        .build()
-        .unwrap();
-    let e = tokio::time::timeout(WAIT, consumer.run())
-        .await
-        .expect("an error at start, not a wait")
-        .unwrap_err();
-    assert!(
-        matches!(nats_error(&e), NatsError::NoJetStream { .. }),
-        "{e}"
-    );
-    assert!(e.to_string().contains("-js"), "the error says how: {e}");
-}
-
 #[tokio::test]
 async fn batch_mode_applies_a_stream_in_batches_and_letters_the_poison_alone() {
     support::init_tracing();
@@ -737,6 +369,60 @@ async fn a_redelivered_dead_letter_is_settled_again_not_handled() {
         "the handler ran on the first delivery only"
     );
     assert_eq!(db.payments_for("lettered-1").await, 0, "never applied");
+    running.stop().await;
+    nats.cleanup().await;
+}
+
+/// Issue 51 (2): an id and a header name longer than AMQP's 255 bytes are
+/// kept by the letter (they panicked the letter's property copy), and the
+/// consumer goes on.
+#[tokio::test]
+async fn a_letter_keeps_an_id_and_a_header_name_longer_than_255_bytes() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("long_names");
+    nats.track(&stream);
+    let long_id = "i".repeat(300);
+    let long_name = format!("X-{}", "n".repeat(300));
+    let running = Running::start(
+        Consumer::builder(support::nats::nats_url(), db.pool.clone())
+            .stream(&stream)
+            .message_id(MessageIdSource::Header("X-Id".into()))
+            .handler(recording(Arc::default(), false))
+            .build()
+            .unwrap(),
+    );
+    nats.wait_for_stream(&stream).await;
+    nats.publish(
+        &stream,
+        None,
+        &[("X-Id", &long_id), (&long_name, "kept")],
+        &payment_body("al", 1),
+    )
+    .await;
+    nats.publish(&stream, None, &[("X-Id", "after")], &payment_body("al", 2))
+        .await;
+    running.settled(2).await;
+    let (message_id, headers, error): (Option<String>, serde_json::Value, String) =
+        sqlx::query_as("SELECT message_id, headers, error FROM dead_letters WHERE queue = $1")
+            .bind(&stream)
+            .fetch_one(&db.pool)
+            .await
+            .expect("one letter");
+    // Too long to deduplicate on: no id of the letter's, the header kept.
+    assert_eq!(message_id, None);
+    assert!(error.contains("300 bytes long"), "{error}");
+    let header = |name: &str| {
+        headers
+            .as_object()
+            .and_then(|h| h.get(name))
+            .unwrap_or_else(|| panic!("{name:.20}… is kept: {headers}"))
+            .to_string()
+    };
+    assert!(header("X-Id").contains(&long_id));
+    assert!(header(&long_name).contains("kept"));
+    assert_eq!(db.payments_for("after").await, 1, "the consumer went on");
     running.stop().await;
     nats.cleanup().await;
 }

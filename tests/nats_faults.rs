@@ -343,47 +343,6 @@ async fn a_dead_letter_replayed_from_the_table_is_applied_once_with_its_headers_
 }
 
 #[tokio::test]
-async fn idempo_status_shows_a_jetstream_consumer_with_what_its_stream_holds() {
-    support::init_tracing();
-    let db = Db::new().await;
-    let mut nats = Nats::connect().await;
-    let stream = stream_name("status");
-    nats.track(&stream);
-    let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
-        .stream(&stream)
-        .handler(recording(Arc::default(), false))
-        .build()
-        .unwrap();
-    let running = Running::start(consumer);
-    nats.wait_for_stream(&stream).await;
-    // Stopped, it leaves its heartbeat (transport nats) and its durable
-    // consumer: what is published now waits in the stream.
-    running.stop().await;
-    for i in 0..7 {
-        nats.publish(
-            &stream,
-            Some(&format!("wait-{i}")),
-            &[],
-            &payment_body("gus", 1),
-        )
-        .await;
-    }
-    let out = support::cli::run(&db, &["--json", "status"]);
-    assert!(out.status.success());
-    let status = support::cli::json_lines(&out);
-    let queues = status[0]["queues"].as_array().expect("queues");
-    let ours = queues
-        .iter()
-        .find(|q| q["queue"] == stream.as_str())
-        .unwrap_or_else(|| panic!("the stream is listed: {}", status[0]));
-    assert_eq!(ours["transport"], "nats", "{ours}");
-    assert_eq!(ours["ready"], 7, "the stream's pending messages: {ours}");
-    assert_eq!(ours["exists"], true);
-    assert_eq!(db.payments().await, 0);
-    nats.cleanup().await;
-}
-
-#[tokio::test]
 async fn a_message_delivered_far_past_its_attempts_is_dead_lettered_before_its_handler_runs() {
     use idempo::consumer::RedeliveryPolicy;
 

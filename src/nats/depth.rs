@@ -15,6 +15,8 @@ pub(crate) struct StreamDepth {
     pub(crate) exists: bool,
     /// Messages not yet delivered to the named durable consumers.
     pub(crate) pending: u64,
+    /// Messages delivered to them and not acknowledged yet.
+    pub(crate) unacked: u64,
     /// Consumers on the stream.
     pub(crate) consumers: u32,
 }
@@ -40,6 +42,7 @@ pub(crate) async fn stream_depths(
             stream: name.clone(),
             exists: false,
             pending: 0,
+            unacked: 0,
             consumers: 0,
         };
         let Ok(mut stream) = context.get_stream(name).await else {
@@ -55,6 +58,7 @@ pub(crate) async fn stream_depths(
         for durable in durables {
             if let Ok(consumer) = stream.consumer_info(durable).await {
                 depth.pending += consumer.num_pending;
+                depth.unacked += u64::try_from(consumer.num_ack_pending).unwrap_or(0);
             }
         }
         depths.push(depth);

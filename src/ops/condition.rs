@@ -144,6 +144,7 @@ mod tests {
             queue: "payments".into(),
             exists: true,
             ready: Some(ready),
+            unacked: None,
             consumers: Some(0),
             dlq_ready,
             delay_queues: Vec::new(),

@@ -121,6 +121,10 @@ pub struct QueueStatus {
     pub exists: bool,
     /// Its ready messages.
     pub ready: Option<u32>,
+    /// Its messages delivered and not acknowledged yet, where the transport
+    /// says without another API (JetStream); `None` for RabbitMQ, whose
+    /// count needs the management API.
+    pub unacked: Option<u32>,
     /// Its consumers.
     pub consumers: Option<u32>,
     /// The ready messages of its DLQ (`None`: no DLQ).
@@ -131,6 +135,18 @@ pub struct QueueStatus {
     /// stream: `ready` counts what its idempo consumers have not been
     /// delivered yet; it has no DLQ or delay queues).
     pub transport: String,
+}
+
+impl QueueStatus {
+    /// Its name as the operator tools show it: a RabbitMQ queue by its
+    /// name, a JetStream stream as `name (nats stream)`.
+    pub fn label(&self) -> String {
+        if self.transport == "amqp" {
+            self.queue.clone()
+        } else {
+            format!("{} ({} stream)", self.queue, self.transport)
+        }
+    }
 }
 
 /// One delay queue.
@@ -441,13 +457,13 @@ async fn stream_statuses(
     services: &Services,
     streams: &[(String, Vec<String>)],
 ) -> Vec<QueueStatus> {
-    // (exists, pending, consumers) per stream, when NATS answered.
+    // (exists, pending, consumers, unacked) per stream, when NATS answered.
     #[cfg(feature = "nats")]
     let depths = match (services.nats_url(), streams.is_empty()) {
         (Some(url), false) => match crate::nats::depth::stream_depths(url, streams).await {
             Ok(found) => found
                 .into_iter()
-                .map(|d| Some((d.exists, d.pending, d.consumers)))
+                .map(|d| Some((d.exists, d.pending, d.consumers, d.unacked)))
                 .collect(),
             Err(e) => {
                 tracing::warn!(error = %e, "status: cannot ask NATS about its streams");
@@ -457,7 +473,7 @@ async fn stream_statuses(
         _ => vec![None; streams.len()],
     };
     #[cfg(not(feature = "nats"))]
-    let depths: Vec<Option<(bool, u64, u32)>> = {
+    let depths: Vec<Option<(bool, u64, u32, u64)>> = {
         let _ = services;
         vec![None; streams.len()]
     };
@@ -469,10 +485,13 @@ async fn stream_statuses(
             exists: depth.is_none_or(|(exists, ..)| exists),
             ready: depth
                 .filter(|(exists, ..)| *exists)
-                .map(|(_, pending, _)| u32::try_from(pending).unwrap_or(u32::MAX)),
+                .map(|(_, pending, ..)| u32::try_from(pending).unwrap_or(u32::MAX)),
+            unacked: depth
+                .filter(|(exists, ..)| *exists)
+                .map(|(.., unacked)| u32::try_from(unacked).unwrap_or(u32::MAX)),
             consumers: depth
                 .filter(|(exists, ..)| *exists)
-                .map(|(.., consumers)| consumers),
+                .map(|(_, _, consumers, _)| consumers),
             dlq_ready: None,
             delay_queues: Vec::new(),
             transport: "nats".into(),
@@ -521,6 +540,7 @@ async fn inspect(
             queue: queue.clone(),
             exists: work.is_some(),
             ready: work.map(|w| w.ready),
+            unacked: None,
             consumers: work.map(|w| w.consumers),
             dlq_ready: dlq.map(|d| d.ready),
             delay_queues,

@@ -71,8 +71,15 @@ pub(crate) fn status(s: &Status) {
     if !s.queues.is_empty() {
         println!();
         let mut queues = table(
-            &["QUEUE", "READY", "CONSUMERS", "DLQ", "DELAY QUEUES"],
-            &[1, 2, 3],
+            &[
+                "QUEUE",
+                "READY",
+                "UNACKED",
+                "CONSUMERS",
+                "DLQ",
+                "DELAY QUEUES",
+            ],
+            &[1, 2, 3, 4],
         );
         for q in &s.queues {
             let delays: Vec<String> = q
@@ -80,14 +87,10 @@ pub(crate) fn status(s: &Status) {
                 .iter()
                 .map(|d| format!("{}={}", d.queue, d.ready))
                 .collect();
-            let name = if q.transport == "amqp" {
-                q.queue.clone()
-            } else {
-                format!("{} ({} stream)", q.queue, q.transport)
-            };
             queues.add_row(vec![
-                name,
+                q.label(),
                 or_dash(q.ready),
+                or_dash(q.unacked),
                 or_dash(q.consumers),
                 or_dash(q.dlq_ready),
                 delays.join(" "),
@@ -95,7 +98,7 @@ pub(crate) fn status(s: &Status) {
         }
         print_table(queues);
         println!(
-            "(unacked counts need the management API: ready counts come from passive declares)"
+            "(RabbitMQ's unacked counts need the management API: ready counts come from passive declares)"
         );
     }
     if let Some(o) = &s.outbox {

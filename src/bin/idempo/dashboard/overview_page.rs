@@ -75,7 +75,7 @@ pub(crate) fn overview(
                         .collect();
                     @let r = point.rates;
                     tr class=(colour(status.queue_condition(q))) {
-                        td { (untrusted(&q.queue)) }
+                        td { (untrusted(&q.label())) }
                         td { (or_dash(q.ready)) }
                         td { (point.unacked.map_or("-".into(), |u| format!("{u:.0}"))) }
                         td { (or_dash(q.consumers)) }
@@ -94,14 +94,19 @@ pub(crate) fn overview(
                     }
                 }
             }
-            @match &latest.management {
-                Ok((url, _)) => {
-                    p class="rule" { "unacked: RabbitMQ's management API at " (untrusted(url)) }
-                }
-                Err(why) => {
-                    p class="rule" {
-                        "unacked: not known (" (untrusted(why)) "); "
-                        code { "--management-url" } " says where the API is"
+            @if status.queues.iter().any(|q| q.transport == "nats") {
+                p class="rule" { "unacked of a JetStream stream: its durable consumers' acks pending, from the server" }
+            }
+            @if status.queues.iter().any(|q| q.transport == "amqp") {
+                @match &latest.management {
+                    Ok((url, _)) => {
+                        p class="rule" { "unacked of a RabbitMQ queue: the management API at " (untrusted(url)) }
+                    }
+                    Err(why) => {
+                        p class="rule" {
+                            "unacked of a RabbitMQ queue: not known (" (untrusted(why)) "); "
+                            code { "--management-url" } " says where the API is"
+                        }
                     }
                 }
             }

@@ -148,6 +148,8 @@ impl Samples {
         for q in &status.queues {
             let point = queues.entry(q.queue.clone()).or_default();
             point.ready = f64::from(q.ready.unwrap_or(0));
+            // JetStream says it with the depth; RabbitMQ's below, if asked.
+            point.unacked = q.unacked.map(f64::from);
             point.dead += f64::from(q.dlq_ready.unwrap_or(0));
         }
         for l in status.dead_letters.iter().flatten() {
