@@ -426,3 +426,63 @@ async fn a_letter_keeps_an_id_and_a_header_name_longer_than_255_bytes() {
     running.stop().await;
     nats.cleanup().await;
 }
+
+/// Issue 51 (5): deliveries waiting their turn in the client (the handlers
+/// busy, or held at the database gate in an outage) are kept too: JetStream
+/// does not redeliver them, so the wait is no attempt. With one attempt
+/// allowed, a redelivery each second would have dead-lettered them unrun.
+#[tokio::test]
+async fn deliveries_waiting_their_turn_are_not_redelivered_nor_counted_as_attempts() {
+    support::init_tracing();
+    let db = Db::new().await;
+    let mut nats = Nats::connect().await;
+    let stream = stream_name("waiting");
+    nats.track(&stream);
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let consumer = Consumer::builder(support::nats::nats_url(), db.pool.clone())
+        .stream(&stream)
+        .ack_wait(Duration::from_secs(1))
+        .concurrency(1)
+        .prefetch(10)
+        .redelivery(RedeliveryPolicy::delayed([Duration::from_millis(100)]).max_attempts(1))
+        .handler(move |tx: Tx, message: Message| {
+            let runs = counted.clone();
+            async move {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let payment: payments::Payment = message.json()?;
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                payments::apply(tx, message.id(), &payment, 0.0).await?;
+                Ok(())
+            }
+        })
+        .build()
+        .unwrap();
+    let running = Running::start(consumer);
+    nats.wait_for_stream(&stream).await;
+    for i in 0..4 {
+        nats.publish(
+            &stream,
+            Some(&format!("wait-{i}")),
+            &[],
+            &payment_body("eve", 1),
+        )
+        .await;
+    }
+    eventually("4 payments applied", Duration::from_secs(60), || async {
+        db.payments().await == 4
+    })
+    .await;
+    // A redelivery of a waiting one would be settled (as a duplicate or a
+    // letter) after the last payment: give it the time to show.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let stats = running.stats.snapshot();
+    assert_eq!(
+        (stats.processed, stats.duplicates, stats.dead_lettered),
+        (4, 0, 0),
+        "{stats:?}"
+    );
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 4);
+    running.stop().await;
+    nats.cleanup().await;
+}

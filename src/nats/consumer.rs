@@ -8,18 +8,15 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, Context};
-use futures::StreamExt;
 
 use super::connect;
-use super::envelope;
 use super::error::NatsError;
-use super::pipeline::Receipt;
+use super::feed::NatsFeed;
 use super::transport::Nats;
 use crate::Result;
 use crate::backoff::Backoff;
-use crate::runtime::dispatch::{Deliveries, Feed, FeedEnd};
+use crate::runtime::dispatch::{Deliveries, FeedEnd};
 use crate::runtime::health::{Health, RuntimeState};
-use crate::runtime::message::Message;
 
 /// How long a pull request waits on the server, and how often the server
 /// says it is alive meanwhile (a missed heartbeat re-issues the pull).
@@ -91,10 +88,7 @@ impl Nats {
                         "consuming"
                     );
                     backoff.reset();
-                    let mut feed = NatsFeed {
-                        messages,
-                        health: health.clone(),
-                    };
+                    let mut feed = NatsFeed::new(messages, health.clone(), nats.topology.ack_wait);
                     match deliveries.dispatch(&mut feed).await {
                         FeedEnd::Lost { error, .. } => lost(&health, error),
                         _ => {
@@ -131,39 +125,4 @@ async fn again(nats: &Nats, context: &Context) -> Result<PullConsumer> {
 fn lost(health: &Health, error: String) {
     tracing::warn!(%error);
     health.record_error(error);
-}
-
-/// The pull's messages as the runtime's feed.
-struct NatsFeed {
-    messages: async_nats::jetstream::consumer::pull::Stream,
-    health: Health,
-}
-
-impl Feed<Receipt> for NatsFeed {
-    async fn next(&mut self) -> std::result::Result<(Message, Receipt), String> {
-        loop {
-            match self.messages.next().await {
-                Some(Ok(delivery)) => {
-                    let (delivered, sequence) = delivery
-                        .info()
-                        .map_or((1, 0), |info| (info.delivered, info.stream_sequence));
-                    let (message, acker) = delivery.split();
-                    let message = envelope::message(
-                        message.subject.as_str(),
-                        message.payload.to_vec(),
-                        message.headers,
-                        delivered,
-                        sequence,
-                    );
-                    return Ok((message, Receipt::new(acker)));
-                }
-                Some(Err(e)) => {
-                    // Missed heartbeats and failed pulls are re-issued by the client.
-                    tracing::debug!(error = %e, "JetStream pull");
-                    self.health.record_error(format!("JetStream pull: {e}"));
-                }
-                None => return Err("the JetStream pull stream ended".into()),
-            }
-        }
-    }
 }

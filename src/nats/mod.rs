@@ -33,6 +33,7 @@ mod consumer;
 pub(crate) mod depth;
 mod envelope;
 mod error;
+mod feed;
 mod names;
 mod options;
 mod pipeline;

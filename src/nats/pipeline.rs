@@ -38,6 +38,22 @@ impl Receipt {
     }
 }
 
+impl Receipt {
+    /// Tells JetStream the message is still at work (best effort: a lost
+    /// one only shortens the wait).
+    pub(crate) async fn still_at_work(&self) {
+        let _ = self.acker.ack_with(AckKind::Progress).await;
+    }
+
+    /// Another handle on the same delivery, for [`still_at_work`](Self::still_at_work)
+    /// while the runtime holds the first.
+    pub(crate) fn handle(&self) -> Receipt {
+        Receipt {
+            acker: self.acker.clone(),
+        }
+    }
+}
+
 /// Tells JetStream every `period` that the unit's messages are still at
 /// work, so that a long handler keeps them.
 pub(crate) fn in_progress(

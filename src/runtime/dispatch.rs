@@ -278,37 +278,55 @@ impl Dispatcher {
             // flight); work that never gets one is left unsettled. A grouped
             // delivery takes its slot only once its predecessor is done, so
             // a busy group never holds slots the other groups need.
-            let permit = if done.is_some() {
-                None
+            let (unit, permit) = if done.is_some() {
+                (unit, None)
+            } else if let Ok(permit) = self.permits.clone().try_acquire_owned() {
+                (unit, Some(permit))
             } else {
-                tokio::select! {
-                    biased;
-                    () = stop.cancelled() => return FeedEnd::Stopped,
-                    permit = self.permits.clone().acquire_owned() => Some(permit.expect("the semaphore is never closed")),
+                let permits = self.permits.clone();
+                let (unit, permit) = kept_alive(units, unit, async {
+                    tokio::select! {
+                        biased;
+                        () = stop.cancelled() => None,
+                        permit = permits.acquire_owned() => Some(permit.expect("the semaphore is never closed")),
+                    }
+                })
+                .await;
+                match permit {
+                    Some(permit) => (unit, Some(permit)),
+                    None => return FeedEnd::Stopped,
                 }
             };
             let (permits, stop) = (self.permits.clone(), stop.clone());
             let (units, broken) = (units.clone(), broken.clone());
             self.tasks.spawn(async move {
                 let mut permit = permit;
+                let mut unit = unit;
                 if done.is_some() {
-                    // The predecessor must have settled: if it was abandoned
-                    // (shutdown, a lost channel, a panic), running this one
-                    // would overtake its redelivery. Leave it unsettled: the
-                    // broker hands it back in order.
-                    let settled = match predecessor {
-                        Some(predecessor) => matches!(predecessor.await, Ok(true)),
-                        None => true,
-                    };
-                    if !settled || stop.is_cancelled() {
-                        return; // `done` drops unsent: the group's next one abandons too
+                    let (waited, slot) = kept_alive(&units, unit, async {
+                        // The predecessor must have settled: if it was
+                        // abandoned (shutdown, a lost channel, a panic),
+                        // running this one would overtake its redelivery.
+                        // Leave it unsettled: the broker hands it back in order.
+                        let settled = match predecessor {
+                            Some(predecessor) => matches!(predecessor.await, Ok(true)),
+                            None => true,
+                        };
+                        if !settled || stop.is_cancelled() {
+                            return None;
+                        }
+                        tokio::select! {
+                            biased;
+                            () = stop.cancelled() => None,
+                            slot = permits.acquire_owned() => Some(slot.expect("the semaphore is never closed")),
+                        }
+                    })
+                    .await;
+                    match slot {
+                        Some(slot) => permit = Some(slot),
+                        None => return, // `done` drops unsent: the group's next one abandons too
                     }
-                    let slot = tokio::select! {
-                        biased;
-                        () = stop.cancelled() => return,
-                        slot = permits.acquire_owned() => slot.expect("the semaphore is never closed"),
-                    };
-                    permit = Some(slot);
+                    unit = waited;
                 }
                 // A panic outside the handler (a message-id function, a
                 // FromMessage impl) leaves deliveries unsettled; in AMQP's
@@ -386,6 +404,26 @@ impl GroupChains {
         }
         (predecessor, done)
     }
+}
+
+/// Waits for `wait` while the transport keeps `unit`'s deliveries alive: a
+/// delivery waiting for a slot (or for its group's predecessor) is not
+/// redelivered meanwhile, as JetStream does once its ack wait has run.
+async fn kept_alive<T: Transport, R>(
+    units: &Units<T>,
+    unit: Vec<(Message, T::Receipt)>,
+    wait: impl Future<Output = R>,
+) -> (Vec<(Message, T::Receipt)>, R) {
+    let (messages, receipts): (Vec<Message>, Vec<T::Receipt>) = unit.into_iter().unzip();
+    let waited = {
+        let alive = units.transport.while_running(&receipts);
+        tokio::pin!(wait);
+        tokio::select! {
+            waited = &mut wait => waited,
+            () = alive => wait.await,
+        }
+    };
+    (messages.into_iter().zip(receipts).collect(), waited)
 }
 
 /// Handler panics are caught inside the task; a failed task means a bug in
