@@ -213,6 +213,7 @@ mod idempotency_store;
 #[cfg(any(feature = "http", feature = "window"))]
 mod stores;
 mod transport;
+mod transport_checks;
 #[cfg(any(feature = "http", feature = "window"))]
 use stores::*;
 #[cfg(feature = "window")]

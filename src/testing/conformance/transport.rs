@@ -17,11 +17,10 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
-use super::{ConformanceError, Failure, Report, expect_eq, run_id, unexpected};
+use super::{ConformanceError, Failure, Report, run_id, unexpected};
 use crate::consumer::transport::Transport;
 use crate::consumer::{
-    Consumer, ConsumerBuilder, DeadLetterReason, DeadLetters, HandlerError, Message,
-    RedeliveryPolicy, RuntimeState,
+    Consumer, ConsumerBuilder, DeadLetters, HandlerError, Message, RedeliveryPolicy, RuntimeState,
 };
 use crate::outbox::{self, OutboxMessage};
 
@@ -38,9 +37,9 @@ const CHECKS: [&str; 8] = [
 ];
 
 /// The retry delay the checks configure: long enough to measure.
-const DELAY: Duration = Duration::from_millis(400);
+pub(super) const DELAY: Duration = Duration::from_millis(400);
 /// How long a check waits for what it expects.
-const PATIENCE: Duration = Duration::from_secs(60);
+pub(super) const PATIENCE: Duration = Duration::from_secs(60);
 
 /// A transport the kit can run against: how to start a consumer on it,
 /// publish to it, cut it, and read what its relay published.
@@ -99,17 +98,17 @@ pub trait TransportUnderTest: Send + Sync {
 
 /// A kit message: a payment, and how the handler behaves with it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-struct KitBody {
+pub(super) struct KitBody {
     #[serde(default)]
-    fail: Fail,
+    pub(super) fail: Fail,
     #[serde(default)]
-    sleep_ms: u64,
+    pub(super) sleep_ms: u64,
     #[serde(default)]
-    forward_to: Option<String>,
+    pub(super) forward_to: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-enum Fail {
+pub(super) enum Fail {
     #[default]
     Never,
     /// A transient error on the first attempt only.
@@ -197,32 +196,32 @@ impl Report {
     }
 }
 
-struct Kit<'a, U> {
-    under_test: &'a U,
-    pool: &'a PgPool,
+pub(super) struct Kit<'a, U> {
+    pub(super) under_test: &'a U,
+    pub(super) pool: &'a PgPool,
     run: String,
 }
 
 /// A consumer the kit started, and what it saw.
-struct Started<T: Transport> {
-    source: String,
-    attempts: Attempts,
-    stats: crate::consumer::Stats,
-    health: crate::consumer::Health,
-    stop: crate::consumer::ShutdownHandle,
-    task: tokio::task::JoinHandle<crate::Result<()>>,
+pub(super) struct Started<T: Transport> {
+    pub(super) source: String,
+    pub(super) attempts: Attempts,
+    pub(super) stats: crate::consumer::Stats,
+    pub(super) health: crate::consumer::Health,
+    pub(super) stop: crate::consumer::ShutdownHandle,
+    pub(super) task: tokio::task::JoinHandle<crate::Result<()>>,
     _transport: std::marker::PhantomData<T>,
 }
 
 impl<U: TransportUnderTest> Kit<'_, U> {
-    fn source(&self, check: &str) -> String {
+    pub(super) fn source(&self, check: &str) -> String {
         // Short and plain: a queue, a stream and a subject name alike.
         let short: String = check.split('_').filter_map(|w| w.chars().next()).collect();
         format!("idempo_kit_{}_{short}", self.run)
     }
 
     /// A consumer of `source` with the kit's handler, started, consuming.
-    async fn start(
+    pub(super) async fn start(
         &self,
         source: &str,
         configure: impl FnOnce(ConsumerBuilder<U::Transport>) -> Option<ConsumerBuilder<U::Transport>>,
@@ -230,7 +229,7 @@ impl<U: TransportUnderTest> Kit<'_, U> {
         self.start_with(source, configure, false).await
     }
 
-    async fn start_with(
+    pub(super) async fn start_with(
         &self,
         source: &str,
         configure: impl FnOnce(ConsumerBuilder<U::Transport>) -> Option<ConsumerBuilder<U::Transport>>,
@@ -290,15 +289,23 @@ impl<U: TransportUnderTest> Kit<'_, U> {
     }
 
     /// [`start`](Self::start) with message groups on `x-group-id`.
-    async fn start_grouped(&self, source: &str) -> Result<Option<Started<U::Transport>>, Failure> {
+    pub(super) async fn start_grouped(
+        &self,
+        source: &str,
+    ) -> Result<Option<Started<U::Transport>>, Failure> {
         self.start_with(source, Some, true).await
     }
 
-    async fn publish(&self, source: &str, id: &str, body: &KitBody) -> Result<(), Failure> {
+    pub(super) async fn publish(
+        &self,
+        source: &str,
+        id: &str,
+        body: &KitBody,
+    ) -> Result<(), Failure> {
         self.publish_with(source, id, &[], body).await
     }
 
-    async fn publish_with(
+    pub(super) async fn publish_with(
         &self,
         source: &str,
         id: &str,
@@ -312,7 +319,7 @@ impl<U: TransportUnderTest> Kit<'_, U> {
             .map_err(|e| unexpected(&format!("publish {id}"), "published", e))
     }
 
-    async fn effects(&self, source: &str, id: &str) -> Result<i64, Failure> {
+    pub(super) async fn effects(&self, source: &str, id: &str) -> Result<i64, Failure> {
         sqlx::query_scalar(
             "SELECT count(*) FROM idempo_conformance_effects WHERE source = $1 AND message_id = $2",
         )
@@ -326,7 +333,11 @@ impl<U: TransportUnderTest> Kit<'_, U> {
         })
     }
 
-    async fn letter_reason(&self, source: &str, id: &str) -> Result<Option<String>, Failure> {
+    pub(super) async fn letter_reason(
+        &self,
+        source: &str,
+        id: &str,
+    ) -> Result<Option<String>, Failure> {
         sqlx::query_scalar(
             "SELECT reason FROM dead_letters WHERE consumer = $1 AND message_id IS NOT DISTINCT FROM $2",
         )
@@ -339,265 +350,10 @@ impl<U: TransportUnderTest> Kit<'_, U> {
             source: e.into(),
         })
     }
-
-    async fn exactly_once(&self, check: &str) -> Result<bool, Failure> {
-        let source = self.source(check);
-        let Some(c) = self.start(&source, Some).await? else {
-            return Ok(false);
-        };
-        let body = KitBody::default();
-        self.publish(&source, "once-a", &body).await?;
-        self.publish(&source, "once-a", &body).await?;
-        self.publish(&source, "once-b", &body).await?;
-        settled(&c, "the three deliveries settle", |s| {
-            s.processed + s.duplicates >= 3
-        })
-        .await?;
-        expect_eq(
-            "once-a's effects",
-            self.effects(&source, "once-a").await?,
-            1,
-        )?;
-        expect_eq(
-            "once-b's effects",
-            self.effects(&source, "once-b").await?,
-            1,
-        )?;
-        expect_eq("the duplicates counted", c.stats.snapshot().duplicates, 1)?;
-        stop(c).await
-    }
-
-    async fn group_order(&self, check: &str) -> Result<bool, Failure> {
-        let source = self.source(check);
-        let Some(c) = self.start_grouped(&source).await? else {
-            return Ok(false);
-        };
-        let ids: Vec<String> = (0..12).map(|i| format!("group-{i:02}")).collect();
-        for id in &ids {
-            let body = KitBody {
-                sleep_ms: 20,
-                ..KitBody::default()
-            };
-            self.publish_with(&source, id, &[("x-group-id", "g")], &body)
-                .await?;
-        }
-        settled(&c, "the group", |s| s.processed >= 12).await?;
-        let seen = c.attempts.lock().expect("not poisoned").clone();
-        let mut order: Vec<(Instant, &String)> = ids.iter().map(|id| (seen[id][0], id)).collect();
-        order.sort();
-        let ran: Vec<&String> = order.into_iter().map(|(_, id)| id).collect();
-        expect_eq("the group's order", ran, ids.iter().collect())?;
-        stop(c).await
-    }
-
-    async fn retry_later(&self, check: &str) -> Result<bool, Failure> {
-        let source = self.source(check);
-        let Some(c) = self.start(&source, Some).await? else {
-            return Ok(false);
-        };
-        let body = KitBody {
-            fail: Fail::Once,
-            ..KitBody::default()
-        };
-        self.publish(&source, "retry-a", &body).await?;
-        settled(&c, "the retry is processed", |s| s.processed >= 1).await?;
-        expect_eq(
-            "retry-a's effects",
-            self.effects(&source, "retry-a").await?,
-            1,
-        )?;
-        let seen = c.attempts.lock().expect("not poisoned")["retry-a"].clone();
-        expect_eq("retry-a's attempts", seen.len(), 2)?;
-        let waited = seen[1] - seen[0];
-        if waited < DELAY {
-            return Err(unexpected(
-                "the second attempt",
-                format!("at least {DELAY:?} after the first"),
-                waited,
-            ));
-        }
-        stop(c).await
-    }
-
-    async fn dead_letter(&self, check: &str) -> Result<bool, Failure> {
-        let source = self.source(check);
-        let Some(c) = self.start(&source, Some).await? else {
-            return Ok(false);
-        };
-        let body = KitBody {
-            fail: Fail::Always,
-            ..KitBody::default()
-        };
-        self.publish(&source, "dead-a", &body).await?;
-        settled(&c, "the dead letter", |s| s.dead_lettered >= 1).await?;
-        expect_eq(
-            "dead-a's letter",
-            self.letter_reason(&source, "dead-a").await?.as_deref(),
-            Some(DeadLetterReason::PermanentError.as_str()),
-        )?;
-        expect_eq(
-            "dead-a's effects",
-            self.effects(&source, "dead-a").await?,
-            0,
-        )?;
-        stop(c).await
-    }
-
-    async fn poison(&self, check: &str) -> Result<bool, Failure> {
-        let source = self.source(check);
-        let Some(c) = self.start(&source, Some).await? else {
-            return Ok(false);
-        };
-        self.under_test
-            .publish(&source, "poison-a", &[], b"{not json")
-            .await
-            .map_err(|e| unexpected("publish the poison", "published", e))?;
-        for id in ["poison-b", "poison-c", "poison-d"] {
-            self.publish(&source, id, &KitBody::default()).await?;
-        }
-        settled(&c, "the good ones and the letter", |s| {
-            s.processed >= 3 && s.dead_lettered >= 1
-        })
-        .await?;
-        expect_eq(
-            "the poison's letter",
-            self.letter_reason(&source, "poison-a").await?.as_deref(),
-            Some(DeadLetterReason::UndecodableBody.as_str()),
-        )?;
-        for id in ["poison-b", "poison-c", "poison-d"] {
-            expect_eq(
-                &format!("{id}'s effects"),
-                self.effects(&source, id).await?,
-                1,
-            )?;
-        }
-        stop(c).await
-    }
-
-    async fn graceful_stop(&self, check: &str) -> Result<bool, Failure> {
-        let source = self.source(check);
-        let Some(c) = self.start(&source, Some).await? else {
-            return Ok(false);
-        };
-        let body = KitBody {
-            sleep_ms: 800,
-            ..KitBody::default()
-        };
-        self.publish(&source, "drain-a", &body).await?;
-        wait("the handler starts", || {
-            c.attempts
-                .lock()
-                .expect("not poisoned")
-                .contains_key("drain-a")
-        })
-        .await?;
-        let attempts = c.attempts.clone();
-        stop(c).await?;
-        expect_eq(
-            "drain-a's effects after the stop",
-            self.effects(&source, "drain-a").await?,
-            1,
-        )?;
-        // Settled before the stop returned: a new consumer gets nothing.
-        let Some(again) = self.start(&source, Some).await? else {
-            return Ok(false);
-        };
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        expect_eq(
-            "deliveries after the restart",
-            again.stats.snapshot().deliveries,
-            0,
-        )?;
-        expect_eq(
-            "drain-a's attempts",
-            attempts.lock().expect("not poisoned")["drain-a"].len(),
-            1,
-        )?;
-        stop(again).await
-    }
-
-    async fn reconnects(&self, check: &str) -> Result<bool, Failure> {
-        let source = self.source(check);
-        let Some(c) = self.start(&source, Some).await? else {
-            return Ok(false);
-        };
-        self.publish(&source, "cut-a", &KitBody::default()).await?;
-        settled(&c, "before the cut", |s| s.processed >= 1).await?;
-        if !self.under_test.cut(&source).await {
-            stop(c).await?;
-            return Ok(false);
-        }
-        let consuming = c
-            .health
-            .wait_for(|h| h.reconnects > 0 && h.state == RuntimeState::Consuming);
-        if tokio::time::timeout(PATIENCE, consuming).await.is_err() {
-            return Err(unexpected(
-                "after the cut",
-                "consuming again",
-                c.health.snapshot(),
-            ));
-        }
-        self.publish(&source, "cut-b", &KitBody::default()).await?;
-        settled(&c, "after the cut", |s| s.processed >= 2).await?;
-        for id in ["cut-a", "cut-b"] {
-            expect_eq(
-                &format!("{id}'s effects"),
-                self.effects(&source, id).await?,
-                1,
-            )?;
-        }
-        stop(c).await
-    }
-
-    async fn forwards(&self, check: &str) -> Result<bool, Failure> {
-        let source = self.source(check);
-        let destination = format!("{source}_to");
-        let started = self
-            .start(&source, |b| self.under_test.forward_to(b, &destination))
-            .await?;
-        let Some(c) = started else {
-            return Ok(false);
-        };
-        let body = KitBody {
-            forward_to: Some(destination.clone()),
-            ..KitBody::default()
-        };
-        for id in ["forward-a", "forward-b"] {
-            self.publish(&source, id, &body).await?;
-        }
-        settled(&c, "the forwarding handlers", |s| s.processed >= 2).await?;
-        let expected: Vec<String> = ["forward-a", "forward-b"]
-            .iter()
-            .map(|id| crate::outbox::derived_message_id(id, "kit"))
-            .collect();
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            let got = self
-                .under_test
-                .received(&destination)
-                .await
-                .map_err(|e| unexpected("read the destination", "its messages", e))?;
-            if expected.iter().all(|id| got.contains(id)) {
-                if got.iter().any(|id| !expected.contains(id)) {
-                    return Err(unexpected("the destination", format!("{expected:?}"), got));
-                }
-                break;
-            }
-            if Instant::now() > deadline {
-                return Err(unexpected(
-                    "the destination",
-                    format!("{expected:?}, each with the id derived from its original"),
-                    got,
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        stop(c).await
-    }
 }
 
 /// Waits until `condition` holds of the consumer's counters.
-async fn settled<T: Transport>(
+pub(super) async fn settled<T: Transport>(
     c: &Started<T>,
     what: &str,
     condition: impl Fn(&crate::consumer::StatsSnapshot) -> bool,
@@ -619,7 +375,7 @@ async fn settled<T: Transport>(
     }
 }
 
-async fn wait(what: &str, condition: impl Fn() -> bool) -> Result<(), Failure> {
+pub(super) async fn wait(what: &str, condition: impl Fn() -> bool) -> Result<(), Failure> {
     let deadline = Instant::now() + PATIENCE;
     while !condition() {
         if Instant::now() > deadline {
@@ -631,7 +387,7 @@ async fn wait(what: &str, condition: impl Fn() -> bool) -> Result<(), Failure> {
 }
 
 /// Stops the consumer gracefully: `run` must return `Ok`, in time.
-async fn stop<T: Transport>(c: Started<T>) -> Result<bool, Failure> {
+pub(super) async fn stop<T: Transport>(c: Started<T>) -> Result<bool, Failure> {
     c.stop.shutdown();
     match tokio::time::timeout(PATIENCE, c.task).await {
         Ok(Ok(Ok(()))) => Ok(true),
