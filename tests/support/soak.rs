@@ -619,11 +619,25 @@ pub async fn verdict(
             "the balances do not add up to the applied payments: {balances:?}, expected {expected:?}"
         ));
     }
-    let claims = db.claims().await;
-    if claims as usize != outcome.applied.len() {
+    // A processing's claim per applied payment; a letter holds its
+    // message's claim too (marked `lettered`), one per lettered payment.
+    let (processed, held): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE NOT lettered), count(*) FILTER (WHERE lettered) \
+         FROM processed_messages",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .expect("count the claims");
+    if processed as usize != outcome.applied.len() {
         problems.push(format!(
-            "{claims} claims in processed_messages for {} applied payments",
+            "{processed} claims of processings in processed_messages for {} applied payments",
             outcome.applied.len()
+        ));
+    }
+    if held as usize != outcome.lettered.len() {
+        problems.push(format!(
+            "{held} claims held by letters for {} lettered payments",
+            outcome.lettered.len()
         ));
     }
     for state in ["pending", "failed"] {
