@@ -145,7 +145,7 @@ pub(crate) async fn replay(
             .execute(&mut *tx)
             .await?;
             for (consumer, message_id) in &held {
-                inbox::claim::release_letter_hold(&mut *tx, consumer, message_id).await?;
+                crate::runtime::letter_hold::release(&mut *tx, consumer, message_id).await?;
             }
             if let Some(l) = left.as_mut() {
                 *l -= ids.len() as i64;

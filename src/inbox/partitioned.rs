@@ -99,7 +99,6 @@ use crate::error::Error;
 
 mod maintenance;
 
-pub(crate) use maintenance::is_partitioned;
 pub use maintenance::{Maintained, Partition, Switched};
 
 /// Why the partitioned mode refused.

@@ -9,6 +9,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, PgPool};
 
 use super::fingerprint::fingerprint;
+use super::letter_hold;
 use super::letters::{Filing, LetterStore, NewLetter};
 use crate::inbox;
 use crate::properties::Properties;
@@ -61,12 +62,12 @@ pub(crate) struct Row<'a> {
 /// # Errors
 /// [`Error::Database`] when PostgreSQL refuses or cannot be reached.
 pub(crate) async fn insert(pool: &PgPool, letter: &Row<'_>) -> Result<Filing> {
+    let partitioned = inbox::partitioned::Partitioning::table_is_partitioned(pool).await?;
+    let claims = inbox::Inbox::new(letter.consumer).partitioned(partitioned);
     let mut tx = inbox::claim::begin(pool).await?;
     insert_row(&mut tx, letter).await?;
-    let held =
-        inbox::claim::hold_for_letter(&mut tx, letter.consumer, letter.message_id, letter.body)
-            .await?;
-    if held == inbox::claim::LetterHold::Processed {
+    let held = letter_hold::hold(&mut tx, &claims, letter.message_id, letter.body).await?;
+    if held == letter_hold::LetterHold::Processed {
         tx.rollback().await?;
         return Ok(Filing::Processed);
     }

@@ -27,6 +27,7 @@ pub(crate) mod header_names;
 pub(crate) mod headers;
 pub(crate) mod health;
 pub mod heartbeat;
+pub(crate) mod letter_hold;
 pub(crate) mod letter_table;
 pub(crate) mod letters;
 pub(crate) mod message;
