@@ -5,7 +5,7 @@
 //! itself is the inbox's; the hold is a flag on it (`lettered`), which the
 //! inbox's lookups pass over.
 
-use sqlx::{PgExecutor, Postgres, Transaction};
+use sqlx::{Postgres, Transaction};
 
 use crate::Result;
 use crate::inbox::{Claim, Inbox};
@@ -60,9 +60,11 @@ pub(crate) async fn hold(
 
 /// Releases the claim `message_id`'s dead letter holds for `consumer`
 /// ([`hold`]), in the replay's transaction: the replayed copy is then
-/// fresh. A claim of a processing stays.
+/// fresh. A claim of a processing stays. (Replays are the operator's
+/// tools: feature `ops`.)
+#[cfg(feature = "ops")]
 pub(crate) async fn release<'e>(
-    executor: impl PgExecutor<'e>,
+    executor: impl sqlx::PgExecutor<'e>,
     consumer: &str,
     message_id: &str,
 ) -> Result<()> {

@@ -39,5 +39,4 @@ pub use postgres::PostgresWindow;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisWindow;
-pub(crate) use store::check_value;
 pub use store::{Insertion, Reservation, WindowStore};

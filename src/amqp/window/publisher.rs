@@ -310,7 +310,7 @@ impl<S: WindowStore> DedupPublisher<S> {
             None => crate::random::uuid_v4()?,
         };
         // Recorded after the confirm: refuse it before anything is sent.
-        crate::window::check_value(&message_id)?;
+        crate::window::store::check_value(&message_id)?;
         // The exchange's length keeps ("", "a/b") and ("a", "b") apart.
         let destination = if exchange.is_empty() {
             routing_key.to_owned()
