@@ -212,7 +212,7 @@ pub(crate) fn lost_on<'a>(
 /// was processed with another body. One primary-key lookup; the answer can
 /// change as soon as it is given (a consumer may claim the id meanwhile).
 ///
-/// A claim its dead letter holds ([`hold_for_letter`]) is no processing:
+/// A claim a dead letter holds (its `lettered` flag, set by the runtime) is no processing:
 /// it reads as `Fresh`.
 pub(crate) async fn lookup<'e>(
     executor: impl PgExecutor<'e>,
