@@ -40,6 +40,7 @@ mod error;
 pub mod maintenance;
 pub mod management;
 mod status;
+mod warning;
 
 use std::fmt;
 use std::sync::Arc;
@@ -61,7 +62,8 @@ use crate::redact_url as redacted;
 pub use condition::Condition;
 pub use error::OpsError;
 pub(crate) use error::Result;
-pub use status::{ConsumerStatus, DelayQueueStatus, QueueStatus, Status, StatusOptions, Warning};
+pub use status::{ConsumerStatus, DelayQueueStatus, QueueStatus, Status, StatusOptions};
+pub use warning::Warning;
 
 /// Where PostgreSQL and RabbitMQ are. Operations connect to what they need:
 /// the database once (a pool of 2, kept for later operations), the broker
